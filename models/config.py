@@ -1,0 +1,182 @@
+"""Architecture configuration for the Llama family (Llama-2/3, SmolLM2, Qwen2).
+
+One frozen dataclass describes every member: the differences between families are a
+handful of switches (QKV bias, tied embeddings, rope scaling), not separate code paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rope_scaling.{name} must be > 0, got {getattr(self, name)}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of a Llama-family decoder."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config field {name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim // 2], with Llama-3 scaling applied."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+        inv_freq = 1.0 / (self.rope_theta**exponents)
+        if self.rope_scaling is None:
+            return inv_freq.astype(np.float32)
+        s = self.rope_scaling
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        return np.where(medium, blended, scaled).astype(np.float32)
+
+    def num_params(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = d * self.num_heads * self.head_dim
+        kv = 2 * d * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * d
+        per_layer = q + kv + o + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return self.num_layers * per_layer + v * d + head + d
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+    "llama-3-8b": ModelConfig(
+        name="llama-3-8b",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama-3-70b": ModelConfig(
+        name="llama-3-70b",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(),
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
+    "qwen2.5-32b": ModelConfig(
+        name="qwen2.5-32b",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        qkv_bias=True,
+        eos_token_ids=(151645, 151643),
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        known = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None

@@ -1,0 +1,124 @@
+"""Flax NNX Llama-family decoder over the paged KV pool.
+
+Weights are stored in the layout the matmul wants (``x @ W`` with ``W[in, out]``) and the
+output projection is kept as its own ``[hidden, vocab]`` matrix even when tied, because
+XLA's CPU backend otherwise transposes the (large) embedding on every step. The KV pool is
+passed in and returned, never held as module state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from superinfer_jax import ops
+from superinfer_jax.model_api import StepInputs
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
+    return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, C, H, D]; positions: [B, C]; inv_freq: [D // 2]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, C, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (d, h * hd), dtype)  # [hidden, heads * head_dim]
+        self.wk = _param(rngs, (d, kv * hd), dtype)  # [hidden, kv_heads * head_dim]
+        self.wv = _param(rngs, (d, kv * hd), dtype)
+        self.wo = _param(rngs, (h * hd, d), dtype)  # [heads * head_dim, hidden]
+        if cfg.qkv_bias:
+            self.bq = _param(rngs, (h * hd,), dtype)
+            self.bk = _param(rngs, (kv * hd,), dtype)
+            self.bv = _param(rngs, (kv * hd,), dtype)
+        self.qkv_bias = cfg.qkv_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+
+    def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend):
+        b, c, _ = x.shape
+        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        if self.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = apply_rope(q.reshape(b, c, self.num_heads, self.head_dim), inputs.positions, inv_freq)
+        k = apply_rope(k.reshape(b, c, self.num_kv_heads, self.head_dim), inputs.positions,
+                       inv_freq)
+        v = v.reshape(b, c, self.num_kv_heads, self.head_dim)
+        kv_pool = ops.write_kv(kv_pool, layer, k, v, inputs.page_tables, inputs.positions,
+                               inputs.query_lens)
+        out = ops.paged_attention(
+            q, kv_pool, layer, inputs.page_tables, inputs.context_lens, inputs.query_lens,
+            scale=self.head_dim**-0.5, backend=backend,
+        )
+        return out.reshape(b, c, -1) @ self.wo[...], kv_pool
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = _param(rngs, (d, f), dtype)  # [hidden, ffn]
+        self.w_up = _param(rngs, (d, f), dtype)  # [hidden, ffn]
+        self.w_down = _param(rngs, (f, d), dtype)  # [ffn, hidden]
+
+    def __call__(self, x):
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend):
+        h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), kv_pool
+
+
+class LlamaModel(nnx.Module):
+    """Decoder stack. ``__call__`` runs one paged step and returns (logits, kv_pool)."""
+
+    def __init__(self, cfg: ModelConfig, dtype="float32", rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [vocab, hidden]
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)  # [hidden, vocab]
+        self.cfg = cfg
+
+    def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
+                 all_logits: bool = False):
+        x = self.embed[...][inputs.tokens]  # [B, C, hidden]
+        inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
+        for layer_idx, layer in enumerate(self.layers):
+            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend)
+        if not all_logits:
+            last = jnp.maximum(inputs.query_lens - 1, 0)
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
+        x = self.final_norm(x)
+        logits = (x @ self.lm_head[...]).astype(jnp.float32)
+        return logits, kv_pool

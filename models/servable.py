@@ -1,0 +1,94 @@
+"""A loaded model: NNX weights split once, a tokenizer, and the engine's model interface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.llama import LlamaModel
+from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.model_api import KVSpec, StepInputs
+
+DTYPES = ("float32", "bfloat16")
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return dtype
+
+
+class LlamaServable:
+    """Implements ``superinfer_jax.model_api.ServableModel`` for the Llama family."""
+
+    def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dtype = check_dtype(dtype)
+        self.graphdef, self.params = nnx.split(module)
+        self.kv_spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim)
+        self.eos_token_ids = tuple(config.eos_token_ids)
+        self.max_position_embeddings = config.max_position_embeddings
+        self.vocab_size = config.vocab_size
+        self._logits_fn = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
+                all_logits: bool = False):
+        module = nnx.merge(self.graphdef, params)
+        return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits)
+
+    def logits(self, token_ids, page_size: int = 16, chunk_size: int | None = None,
+               attention_backend: str = "xla") -> np.ndarray:
+        """Full-sequence logits [T, vocab] through the paged path (one request, own pool)."""
+        ids = np.asarray(token_ids, np.int32).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("token_ids must not be empty")
+        if ids.size > self.max_position_embeddings:
+            raise ValueError(
+                f"token_ids has {ids.size} tokens, over max_position_embeddings "
+                f"{self.max_position_embeddings}"
+            )
+        layout = PoolLayout(self.kv_spec, page_size, self.dtype)
+        num_pages = layout.pages_for_tokens(ids.size)
+        pool = layout.zeros(num_pages + 1)
+        page_table = np.arange(1, num_pages + 1, dtype=np.int32)[None, :]
+        chunk = chunk_size or ids.size
+        if self._logits_fn is None:
+            self._logits_fn = jax.jit(
+                lambda p, pool, x, backend: self.forward(
+                    p, pool, x, attention_backend=backend, all_logits=True),
+                static_argnums=(3,), donate_argnums=(1,),
+            )
+        out = []
+        for start in range(0, ids.size, chunk):
+            piece = ids[start:start + chunk]
+            n = piece.size
+            inputs = StepInputs.from_numpy(
+                tokens=piece[None, :],
+                positions=np.arange(start, start + n)[None, :],
+                query_lens=np.array([n]),
+                context_lens=np.array([start + n]),
+                page_tables=page_table,
+            )
+            logits, pool = self._logits_fn(self.params, pool, inputs, attention_backend)
+            out.append(np.asarray(logits[0]))
+        return np.concatenate(out, axis=0)
+
+    def param_bytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+
+def random_servable(config: ModelConfig, dtype: str = "float32", seed: int = 0,
+                    tokenizer: Any = None) -> LlamaServable:
+    """A randomly initialised model, for tests and benchmarks that need no weights."""
+    module = LlamaModel(config, dtype=jnp.dtype(check_dtype(dtype)), rngs=nnx.Rngs(seed))
+    return LlamaServable(config, module, tokenizer, dtype)

@@ -1,0 +1,324 @@
+"""The step loop: schedule -> build padded inputs -> jitted model step -> sample -> stream.
+
+One engine step, in order:
+1. The scheduler looks at waiting and running requests and the free pages and returns a
+   ``StepPlan`` (host ints): prefill chunks and decode rows, and who was preempted.
+2. The plan is turned into at most two padded batches, a prefill batch ``[Bp, C]`` and a
+   decode batch ``[Bd, 1]``, each padded to a bucket compiled at warm-up.
+3. Both are dispatched to one jitted function (the model step plus on-device sampling) with
+   the KV pool donated, so the pool is updated in place. JAX dispatch is asynchronous; the
+   host only blocks when it reads the sampled token ids.
+4. Sampled tokens are appended, detokenized and checked against stop conditions; finished
+   requests free their pages; outputs (token deltas) are returned for streaming.
+
+The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from superinfer_jax import ops
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.detokenize import IncrementalDetokenizer
+from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
+from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.model_api import ServableModel, StepInputs
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.sampling import SamplingInputs, sample
+from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+
+_CPU_DEFAULT_POOL_BYTES = 2 << 30
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta for streaming."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    request: Request
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    host_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if value <= b:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV pool."""
+
+    def __init__(self, model: ServableModel, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config = config or EngineConfig()
+        max_len = min(config.max_model_len, model.max_position_embeddings)
+        if max_len != config.max_model_len:
+            self.config = config = config.replace(max_model_len=max_len)
+        self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
+        self.num_device_pages = self._choose_num_pages()
+        self.kv = KVCacheManager(self.num_device_pages, config.page_size)
+        self.scheduler = FCFSScheduler(config, self.kv)
+        self.kv_pool = self.layout.zeros(self.num_device_pages)
+        self.backend = ops.resolve_backend(config.attention_backend)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._step_fn = jax.jit(self._step, donate_argnums=(1,))
+        self.last_stats = StepStats()
+        if config.warmup:
+            self.warmup()
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _choose_num_pages(self) -> int:
+        cfg = self.config
+        need_one = cfg.max_pages_per_seq + 1
+        if cfg.num_device_pages is not None:
+            pages = cfg.num_device_pages
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                pages = int(free * cfg.device_memory_fraction) // self.layout.page_bytes
+            else:
+                want = cfg.max_num_seqs * cfg.max_pages_per_seq + 1
+                pages = min(want, _CPU_DEFAULT_POOL_BYTES // self.layout.page_bytes)
+            pages = max(pages, need_one)
+        if pages < need_one:
+            raise ValueError(
+                f"num_device_pages ({pages}) cannot hold one request of max_model_len "
+                f"{cfg.max_model_len} ({need_one} pages incl. the null page)"
+            )
+        return pages
+
+    def _step(self, params, kv_pool, inputs: StepInputs, sampling: SamplingInputs):
+        logits, kv_pool = self.model.forward(
+            params, kv_pool, inputs, attention_backend=self.backend
+        )
+        return sample(logits, sampling), kv_pool
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        cfg = self.config
+        shapes = [(b, 1) for b in cfg.decode_buckets]
+        shapes += [(r, c) for c in cfg.prefill_chunk_buckets for r in cfg.prefill_row_buckets]
+        return shapes
+
+    def warmup(self) -> None:
+        """Compile every (rows, columns) bucket now, so serving never compiles."""
+        shapes = self._shapes()
+        bar = tqdm(shapes, desc="compiling step buckets", disable=not self.config.show_progress)
+        for rows, cols in bar:
+            bar.set_postfix_str(f"{rows}x{cols}")
+            inputs = self._empty_inputs(rows, cols)
+            tokens, self.kv_pool = self._step_fn(
+                self.model.params, self.kv_pool, inputs, SamplingInputs.greedy(rows)
+            )
+            tokens.block_until_ready()
+
+    def _empty_inputs(self, rows: int, cols: int) -> StepInputs:
+        return StepInputs.from_numpy(
+            tokens=np.zeros((rows, cols)),
+            positions=np.zeros((rows, cols)),
+            query_lens=np.zeros(rows),
+            context_lens=np.zeros(rows),
+            page_tables=np.full((rows, self.config.max_pages_per_seq), NULL_PAGE),
+        )
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        req_id: str | None = None,
+        slo: SLO | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if len(prompt) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len is "
+                f"{self.config.max_model_len} (prompt must leave room for one new token)"
+            )
+        vocab = self.model.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.requests:
+            raise ValueError(f"request_id {req_id!r} is already in flight")
+        if sampling.seed is None and not sampling.greedy:
+            sampling = _with_seed(sampling, int(self._seed_rng.integers(0, 2**31)))
+        req = Request(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            slo=slo or self.config.default_slo,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+        )
+        self.requests[req_id] = req
+        if self.model.tokenizer is not None:
+            self._detok[req_id] = IncrementalDetokenizer(self.model.tokenizer, prompt)
+        self.scheduler.add(req)
+        return req_id
+
+    def abort_request(self, req_id: str) -> bool:
+        """Abort and free a request; False when it is unknown or already finished."""
+        req = self.requests.get(req_id)
+        if req is None or req.status.is_finished:
+            return False
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(t0)
+        stats = StepStats(num_preempted=len(plan.preempted))
+        if plan.is_empty:
+            self.last_stats = stats
+            return []
+        prefill_out = decode_out = None
+        if plan.prefill:
+            prefill_out = self._dispatch([(r, n) for r, n in plan.prefill], prefill=True)
+            stats.num_prefill_tokens = sum(n for _, n in plan.prefill)
+        if plan.decode:
+            decode_out = self._dispatch([(r, 1) for r in plan.decode], prefill=False)
+            stats.num_decode_tokens = len(plan.decode)
+        t1 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for rows, dispatched in ((plan.prefill, prefill_out),
+                                 ([(r, 1) for r in plan.decode], decode_out)):
+            if dispatched is None:
+                continue
+            tokens = np.asarray(dispatched)  # blocks on this call only
+            now = time.perf_counter()
+            for (req_id, n), token in zip(rows, tokens, strict=False):
+                out = self._advance(self.requests[req_id], n, int(token), now)
+                if out is not None:
+                    outputs.append(out)
+        stats.host_time_s = t1 - t0
+        stats.step_time_s = time.perf_counter() - t0
+        self.last_stats = stats
+        return outputs
+
+    def _dispatch(self, rows: list[tuple[str, int]], prefill: bool) -> jax.Array:
+        cfg = self.config
+        if prefill:
+            num_rows = _bucket(len(rows), cfg.prefill_row_buckets)
+            cols = _bucket(max(n for _, n in rows), cfg.prefill_chunk_buckets)
+        else:
+            num_rows, cols = _bucket(len(rows), cfg.decode_buckets), 1
+        tokens = np.zeros((num_rows, cols), np.int32)
+        positions = np.zeros((num_rows, cols), np.int32)
+        query_lens = np.zeros(num_rows, np.int32)
+        context_lens = np.zeros(num_rows, np.int32)
+        page_tables = np.full((num_rows, cfg.max_pages_per_seq), NULL_PAGE, np.int32)
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        for b, (req_id, n) in enumerate(rows):
+            req = self.requests[req_id]
+            start = req.num_computed_tokens
+            tokens[b, :n] = req.all_token_ids[start:start + n]
+            positions[b, :n] = np.arange(start, start + n)
+            query_lens[b] = n
+            context_lens[b] = start + n
+            table = self.kv.page_table(req_id)
+            page_tables[b, :len(table)] = table
+            sp = req.sampling
+            temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
+            seeds[b] = sp.seed or 0
+        inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
+        sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
+        sampled, self.kv_pool = self._step_fn(self.model.params, self.kv_pool, inputs, sampling)
+        return sampled
+
+    def _advance(self, req: Request, n: int, token: int, now: float) -> RequestOutput | None:
+        """Account ``n`` computed tokens; append the sampled token when the row was final."""
+        if req.status.is_finished:
+            return None
+        req.num_computed_tokens += n
+        if req.num_computed_tokens < req.num_tokens:
+            return None  # a prefill chunk that did not reach the end yet
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+        delta = self._detok[req.req_id].push(token) if req.req_id in self._detok else ""
+        reason, delta = self._stop_reason(req, token, delta)
+        req.output_text += delta
+        if reason is not None:
+            self._finish(req, reason, now)
+        return RequestOutput(req.req_id, [token], delta, reason is not None,
+                             req.status.finish_reason, req)
+
+    def _stop_reason(self, req: Request, token: int, delta: str):
+        sp = req.sampling
+        if sp.stop and delta:
+            text = req.output_text + delta
+            tail_start = max(0, len(req.output_text) - max(len(s) for s in sp.stop))
+            for s in sp.stop:
+                idx = text.find(s, tail_start)
+                if idx >= 0:
+                    return RequestStatus.FINISHED_STOPPED, text[len(req.output_text):idx]
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, delta
+        if not sp.ignore_eos and token in self.model.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, delta
+        if len(req.output_token_ids) >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, delta
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, delta
+        return None, delta
+
+    def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
+        self.scheduler.remove(req)
+        req.set_status(status, now)
+        self._detok.pop(req.req_id, None)
+
+    def release(self, req_id: str) -> Request | None:
+        """Forget a finished request (the engine keeps them until released)."""
+        req = self.requests.get(req_id)
+        if req is not None and req.status.is_finished:
+            return self.requests.pop(req_id)
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "device_pages_total": self.kv.allocator.num_usable,
+            "device_pages_free": self.kv.num_free_pages,
+        }
+
+
+def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(sp, seed=seed)

@@ -1,0 +1,92 @@
+"""The contract between the engine and a model family.
+
+The engine never imports a model. It drives anything that provides:
+
+- ``kv_spec``: the per-token KV shape (layers, KV heads, head dim) the pool is built from;
+- ``params``: a pytree of arrays (the NNX state, split once at load time);
+- ``forward(params, kv_pool, inputs, attention_backend=..., all_logits=...)``: a pure
+  function, traceable under ``jax.jit``, that writes the step's new K/V into the pool
+  and returns logits and the updated pool;
+- ``tokenizer`` with ``encode(text) -> list[int]`` and ``decode(ids) -> str``;
+- ``eos_token_ids`` and ``max_position_embeddings``.
+
+One step is a padded, ragged batch (``StepInputs``): ``B`` rows, each a request taking
+``query_lens[b]`` new tokens (1 for decode, a chunk for prefill) padded to ``C`` columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token of KV cache looks like, for every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepInputs:
+    """Device inputs of one model step. All int32; padding rows have ``query_lens == 0``."""
+
+    tokens: jax.Array  # [B, C] token ids, padded with 0
+    positions: jax.Array  # [B, C] absolute position of each token in its sequence
+    query_lens: jax.Array  # [B] number of valid tokens in the row
+    context_lens: jax.Array  # [B] KV length after this step (past + query_lens)
+    page_tables: jax.Array  # [B, P] device page ids; unused entries point at the null page
+
+    @staticmethod
+    def from_numpy(
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        page_tables: np.ndarray,
+    ) -> StepInputs:
+        return StepInputs(
+            tokens=np.asarray(tokens, np.int32),
+            positions=np.asarray(positions, np.int32),
+            query_lens=np.asarray(query_lens, np.int32),
+            context_lens=np.asarray(context_lens, np.int32),
+            page_tables=np.asarray(page_tables, np.int32),
+        )
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ServableModel(Protocol):
+    kv_spec: KVSpec
+    params: Any
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    vocab_size: int
+    dtype: str
+
+    def forward(
+        self,
+        params: Any,
+        kv_pool: jax.Array,
+        inputs: StepInputs,
+        *,
+        attention_backend: str = "xla",
+        all_logits: bool = False,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Run one step. Returns (logits, kv_pool).
+
+        logits: [B, vocab] float32 at each row's last valid token, or [B, C, vocab]
+        when ``all_logits``. The pool is updated with the step's K/V.
+        """
+        ...

@@ -1,0 +1,112 @@
+"""Paged attention and KV write in plain XLA: the reference every kernel is tested against.
+
+Attention walks the request's pages in blocks with an online softmax, for a dynamic number
+of blocks (the longest context in the batch), so the compiled step does not depend on the
+context length and a short batch does not pay for the longest possible one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from superinfer_jax.kv.layout import NULL_PAGE
+
+_MASKED = -1e30
+
+
+def write_kv(
+    kv_pool: jax.Array,  # [N, L, 2, S, K, D]
+    layer: int,
+    k: jax.Array,  # [B, C, K, D]
+    v: jax.Array,  # [B, C, K, D]
+    page_tables: jax.Array,  # [B, P]
+    positions: jax.Array,  # [B, C]
+    query_lens: jax.Array,  # [B]
+) -> jax.Array:
+    """Scatter the step's new K/V into the pool in place; padding goes to the null page."""
+    page_size = kv_pool.shape[3]
+    cols = jnp.arange(positions.shape[1])[None, :]
+    valid = cols < query_lens[:, None]
+    page_idx = jnp.clip(positions // page_size, 0, page_tables.shape[1] - 1)
+    pages = jnp.take_along_axis(page_tables, page_idx, axis=1)
+    pages = jnp.where(valid, pages, NULL_PAGE)
+    offsets = positions % page_size
+    kv = jnp.stack([k, v], axis=2).astype(kv_pool.dtype)  # [B, C, 2, K, D]
+    return kv_pool.at[pages, layer, :, offsets].set(kv, mode="promise_in_bounds")
+
+
+def paged_attention(
+    q: jax.Array,  # [B, C, H, D]
+    kv_pool: jax.Array,  # [N, L, 2, S, K, D]
+    layer: int,
+    page_tables: jax.Array,  # [B, P]
+    context_lens: jax.Array,  # [B]
+    query_lens: jax.Array,  # [B]
+    *,
+    scale: float,
+    pages_per_block: int = 8,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention of each row's queries over its paged past plus its new tokens.
+
+    Query column ``c`` of row ``b`` sits at position ``context_lens[b] - query_lens[b] + c``
+    and sees keys at positions ``<=`` its own. Returns [B, C, H, D] in q's dtype; padded
+    rows and columns hold finite garbage.
+    """
+    batch, cols, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    num_pages_per_seq = page_tables.shape[1]
+    ppb = min(pages_per_block, num_pages_per_seq)
+    pad = (-num_pages_per_seq) % ppb
+    if pad:
+        page_tables = jnp.pad(page_tables, ((0, 0), (0, pad)), constant_values=NULL_PAGE)
+    block_tokens = ppb * page_size
+
+    qg = q.reshape(batch, cols, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    q_pos = (context_lens - query_lens)[:, None] + jnp.arange(cols)[None, :]  # [B, C]
+    num_blocks = (jnp.max(context_lens) + block_tokens - 1) // block_tokens
+
+    def body(i, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(page_tables, i * ppb, ppb, axis=1)  # [B, ppb]
+        kv = kv_pool[ids, layer]  # [B, ppb, 2, S, K, D]
+        k = kv[:, :, 0].reshape(batch, block_tokens, num_kv_heads, head_dim)
+        v = kv[:, :, 1].reshape(batch, block_tokens, num_kv_heads, head_dim)
+        s = jnp.einsum("bckgd,btkd->bkgct", qg, k.astype(jnp.float32))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = i * block_tokens + jnp.arange(block_tokens)
+        visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+            k_pos[None, None, :] < context_lens[:, None, None]
+        )  # [B, C, T]
+        s = jnp.where(visible[:, None, None], s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l_new = l * correction + p.sum(axis=-1)
+        pv = jnp.einsum("bkgct,btkd->bkgcd", p, v.astype(jnp.float32))
+        acc_new = acc * correction[..., None] + pv
+        return m_new, l_new, acc_new
+
+    m0 = jnp.full((batch, num_kv_heads, group, cols), _MASKED, jnp.float32)
+    l0 = jnp.zeros((batch, num_kv_heads, group, cols), jnp.float32)
+    acc0 = jnp.zeros((batch, num_kv_heads, group, cols, head_dim), jnp.float32)
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, C, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, cols, num_heads, head_dim)
+    return out.astype(q.dtype)
+
+
+def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Plain contiguous causal GQA attention, [T, H, D] x [T, K, D]: the test oracle."""
+    t, h, d = q.shape
+    kh = k.shape[1]
+    qg = q.reshape(t, kh, h // kh, d).astype(jnp.float32) * scale
+    s = jnp.einsum("qkgd,tkd->kgqt", qg, k.astype(jnp.float32))
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.where(mask, s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("kgqt,tkd->qkgd", p, v.astype(jnp.float32))
+    return out.reshape(t, h, d).astype(q.dtype)

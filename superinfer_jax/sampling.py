@@ -1,0 +1,65 @@
+"""Token sampling on the device, inside the jitted step, so only token ids cross to host.
+
+Each row carries its own parameters. A row's random key is derived from its seed and its
+position, so a seeded request samples the same tokens however it is batched, rotated or
+recomputed. When every row is greedy the sort for top-k/top-p is skipped entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingInputs:
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    seeds: jax.Array  # [B] uint32
+    positions: jax.Array  # [B] int32, position of the token being sampled
+
+    @staticmethod
+    def greedy(batch: int) -> SamplingInputs:
+        return SamplingInputs(
+            temperature=np.zeros(batch, np.float32),
+            top_k=np.zeros(batch, np.int32),
+            top_p=np.ones(batch, np.float32),
+            seeds=np.zeros(batch, np.uint32),
+            positions=np.zeros(batch, np.int32),
+        )
+
+
+def _sample_rows(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass < top_p
+    keep_sorted = (cum - probs) < s.top_p[:, None]
+    num_keep = jnp.maximum(keep_sorted.sum(axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
+        s.seeds, s.positions
+    )
+    sampled = jax.vmap(jax.random.categorical)(keys, masked)
+    return jnp.where(s.temperature > 0, sampled, jnp.argmax(logits, axis=-1))
+
+
+def sample(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """logits [B, V] float32 -> token ids [B] int32."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(
+        jnp.any(s.temperature > 0),
+        lambda: _sample_rows(logits, s).astype(jnp.int32),
+        lambda: greedy,
+    )
