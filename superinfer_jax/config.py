@@ -52,6 +52,7 @@ class EngineConfig:
     default_slo: SLO = dataclasses.field(default_factory=SLO)
     seed: int = 0
     warmup: bool = True  # compile every bucket before serving
+    compilation_cache_dir: str | None = None  # persistent XLA cache: later starts are fast
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -105,4 +106,7 @@ class EngineConfig:
 
     @property
     def prefill_row_buckets(self) -> tuple[int, ...]:
-        return _pow2_buckets(1, self.max_prefill_rows)
+        """Row counts a prefill step is padded to: one long prompt, or a packed few.
+
+        Kept to two because every bucket is a full-model compile at warm-up."""
+        return tuple(sorted({1, self.max_prefill_rows}))

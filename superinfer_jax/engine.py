@@ -72,6 +72,8 @@ class LLMEngine:
     def __init__(self, model: ServableModel, config: EngineConfig | None = None):
         self.model = model
         self.config = config = config or EngineConfig()
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         max_len = min(config.max_model_len, model.max_position_embeddings)
         if max_len != config.max_model_len:
             self.config = config = config.replace(max_model_len=max_len)
@@ -318,6 +320,12 @@ class LLMEngine:
             "device_pages_total": self.kv.allocator.num_usable,
             "device_pages_free": self.kv.num_free_pages,
         }
+
+
+def enable_compilation_cache(path: str) -> None:
+    """Persist compiled steps on disk: a restart (or a second engine) skips XLA compiles."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:

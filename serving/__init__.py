@@ -1,0 +1,1 @@
+"""User-facing entry points: the ``superinfer`` command, servers (later), batch runs."""
