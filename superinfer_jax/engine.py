@@ -33,7 +33,7 @@ from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.sampling import SamplingInputs, sample
-from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.scheduler import FCFSScheduler
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
 
@@ -274,32 +274,44 @@ class LLMEngine:
             return None  # a prefill chunk that did not reach the end yet
         req.output_token_ids.append(token)
         req.token_times.append(now)
-        delta = self._detok[req.req_id].push(token) if req.req_id in self._detok else ""
-        reason, delta = self._stop_reason(req, token, delta)
-        req.output_text += delta
+        detok = self._detok.get(req.req_id)
+        text = req.output_text + (detok.push(token) if detok else "")
+        reason, text = self._stop_reason(req, token, text)
+        req.output_text = text
         if reason is not None:
             self._finish(req, reason, now)
+        delta = self._emit_text(req, finished=reason is not None)
         return RequestOutput(req.req_id, [token], delta, reason is not None,
                              req.status.finish_reason, req)
 
-    def _stop_reason(self, req: Request, token: int, delta: str):
+    @staticmethod
+    def _emit_text(req: Request, finished: bool) -> str:
+        """Text safe to stream: hold back what could still turn out to start a stop string."""
+        end = len(req.output_text)
+        if req.sampling.stop and not finished:
+            end -= max(len(s) for s in req.sampling.stop) - 1
+        end = max(end, req.num_emitted_chars)
+        delta = req.output_text[req.num_emitted_chars:end]
+        req.num_emitted_chars = end
+        return delta
+
+    def _stop_reason(self, req: Request, token: int, text: str):
+        """(finish status or None, output text cut before a stop string if one appeared)."""
         sp = req.sampling
-        if sp.stop and delta:
-            text = req.output_text + delta
-            tail_start = max(0, len(req.output_text) - max(len(s) for s in sp.stop))
-            for s in sp.stop:
-                idx = text.find(s, tail_start)
-                if idx >= 0:
-                    return RequestStatus.FINISHED_STOPPED, text[len(req.output_text):idx]
+        if sp.stop:
+            search_from = max(0, len(req.output_text) - max(len(s) for s in sp.stop) + 1)
+            hits = [i for i in (text.find(s, search_from) for s in sp.stop) if i >= 0]
+            if hits:
+                return RequestStatus.FINISHED_STOPPED, text[:min(hits)]
         if token in sp.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, delta
+            return RequestStatus.FINISHED_STOPPED, text
         if not sp.ignore_eos and token in self.model.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, delta
+            return RequestStatus.FINISHED_STOPPED, text
         if len(req.output_token_ids) >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, delta
+            return RequestStatus.FINISHED_LENGTH, text
         if req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, delta
-        return None, delta
+            return RequestStatus.FINISHED_LENGTH, text
+        return None, text
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.remove(req)

@@ -132,6 +132,7 @@ class Request:
     num_rotations: int = 0
     num_recomputed_tokens: int = 0
     output_text: str = ""
+    num_emitted_chars: int = 0  # prefix of output_text already streamed
     running_since: float | None = None
     first_scheduled_time: float | None = None
 

@@ -69,7 +69,7 @@ def paged_attention(
     num_blocks = (jnp.max(context_lens) + block_tokens - 1) // block_tokens
 
     def body(i, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(page_tables, i * ppb, ppb, axis=1)  # [B, ppb]
         kv = kv_pool[ids, layer]  # [B, ppb, 2, S, K, D]
         k = kv[:, :, 0].reshape(batch, block_tokens, num_kv_heads, head_dim)
@@ -85,16 +85,16 @@ def paged_attention(
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
-        l_new = l * correction + p.sum(axis=-1)
+        denom_new = denom * correction + p.sum(axis=-1)
         pv = jnp.einsum("bkgct,btkd->bkgcd", p, v.astype(jnp.float32))
         acc_new = acc * correction[..., None] + pv
-        return m_new, l_new, acc_new
+        return m_new, denom_new, acc_new
 
     m0 = jnp.full((batch, num_kv_heads, group, cols), _MASKED, jnp.float32)
-    l0 = jnp.zeros((batch, num_kv_heads, group, cols), jnp.float32)
+    denom0 = jnp.zeros((batch, num_kv_heads, group, cols), jnp.float32)
     acc0 = jnp.zeros((batch, num_kv_heads, group, cols, head_dim), jnp.float32)
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
-    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, C, D]
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, denom0, acc0))
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, K, G, C, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, cols, num_heads, head_dim)
     return out.astype(q.dtype)
 
