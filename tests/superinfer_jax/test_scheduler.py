@@ -1,0 +1,92 @@
+"""FCFS scheduler plans on scripted requests, checked step by step (no model, no arrays)."""
+
+from __future__ import annotations
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.request import Request, RequestStatus, SamplingParams
+from superinfer_jax.scheduler import FCFSScheduler
+
+
+def make(num_pages=64, **kw):
+    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, **kw)
+    kv = KVCacheManager(num_pages, cfg.page_size)
+    return FCFSScheduler(cfg, kv), kv
+
+
+def req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8))
+
+
+def complete(sched: FCFSScheduler, plan, token: int = 7) -> None:
+    """What the engine does after a step: account tokens, append one where a row ended."""
+    for rid, n in plan.prefill + [(r, 1) for r in plan.decode]:
+        r = next(x for x in sched.running if x.req_id == rid)
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(token)
+
+
+def test_chunked_prefill_under_budget_then_decode():
+    sched, kv = make(max_num_batched_tokens=16, max_prefill_chunk=16, max_prefill_rows=2)
+    sched.add(req("a", 20))
+    sched.add(req("b", 5))
+    p1 = sched.schedule(0.0)
+    assert p1.prefill == [("a", 16)] and p1.decode == []
+    assert len(kv.page_table("a")) == 4
+    complete(sched, p1)
+    p2 = sched.schedule(1.0)
+    assert p2.prefill == [("a", 4), ("b", 5)]
+    complete(sched, p2)
+    p3 = sched.schedule(2.0)
+    assert p3.decode == ["a", "b"] and p3.prefill == []
+    assert p3.num_tokens == 2
+
+
+def test_fcfs_head_blocks_admission_when_pages_run_out():
+    sched, kv = make(num_pages=9, max_num_batched_tokens=64, max_prefill_chunk=32)
+    sched.add(req("big", 28))  # 7 pages of the 8 usable
+    sched.add(req("small", 8))  # 2 pages: does not fit behind it
+    sched.add(req("tiny", 2))  # would fit, but FCFS lets nobody overtake
+    plan = sched.schedule(0.0)
+    assert plan.prefill == [("big", 28)]
+    assert [r.req_id for r in sched.waiting] == ["small", "tiny"]
+    assert kv.num_free_pages == 1
+
+
+def test_decode_out_of_pages_preempts_most_recent():
+    sched, kv = make(num_pages=7, max_num_batched_tokens=64, max_prefill_chunk=32)
+    for rid in ("a", "b", "c"):
+        sched.add(req(rid, 8))  # 2 pages each: all 6 usable pages
+    plan = sched.schedule(0.0)
+    assert [r for r, _ in plan.prefill] == ["a", "b", "c"]
+    complete(sched, plan)
+    plan = sched.schedule(1.0)  # every request needs a third page for token 9
+    assert plan.preempted == ["c"]  # freeing c's two pages is enough for a and b
+    victim = next(r for r in sched.waiting if r.req_id == "c")
+    assert victim.status == RequestStatus.WAITING
+    assert victim.num_computed_tokens == 0 and victim.num_recomputed_tokens == 8
+    assert victim.num_pending_tokens == 9  # prompt plus the token it already produced
+    assert plan.decode == ["a", "b"]
+    # invariant: scheduled requests own their pages; free + owned == usable
+    assert kv.num_free_pages + kv.num_used_pages() == kv.allocator.num_usable
+
+
+def test_max_num_seqs_caps_running():
+    sched, _ = make(max_num_seqs=2, max_num_batched_tokens=64, max_prefill_chunk=32)
+    for rid in "abc":
+        sched.add(req(rid, 3))
+    plan = sched.schedule(0.0)
+    assert [r for r, _ in plan.prefill] == ["a", "b"]
+    assert len(sched.waiting) == 1
+
+
+def test_remove_frees_pages():
+    sched, kv = make()
+    r = req("a", 10)
+    sched.add(r)
+    sched.schedule(0.0)
+    assert kv.num_free_pages < kv.allocator.num_usable
+    sched.remove(r)
+    assert kv.num_free_pages == kv.allocator.num_usable
+    assert sched.num_unfinished == 0
