@@ -1,0 +1,59 @@
+"""Virtual lag time (VLT): how far each request is behind its own SLO, in seconds.
+
+The paper's ordering, largest first:
+
+    waiting  w * ReLU(t - t_arrival    - beta_F * SLO_TTFT)
+    rotary   w * alpha * ReLU(t - t_last_token - beta_B * SLO_TBT)
+    running  -(t - t_running_since)
+
+A waiting request starts lagging once a fraction beta_F of its TTFT budget is gone; a
+rotary (parked) request lags as soon as its next token is overdue, weighted by alpha
+because a stalled stream is visible to the user; a running request has negative lag that
+grows with how long it has held the device, so the longest runner is evicted first. ``w``
+is the request's priority-class weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from superinfer_jax.request import PRIORITY_CLASSES, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class LagParams:
+    alpha: float = 3.0
+    beta_f: float = 0.5
+    beta_b: float = 0.0
+    priority_weights: dict[str, float] = field(
+        default_factory=lambda: {"critical": 4.0, "standard": 1.0, "batch": 0.25})
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta_f", "beta_b"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"rotasched.{name} must be a number >= 0, got {value!r}")
+        unknown = set(self.priority_weights) - set(PRIORITY_CLASSES)
+        if unknown:
+            raise ValueError(f"rotasched.priority_weights has unknown classes {sorted(unknown)}")
+        for cls in PRIORITY_CLASSES:
+            w = self.priority_weights.get(cls)
+            if w is None or not w > 0:
+                raise ValueError(f"rotasched.priority_weights.{cls} must be > 0, got {w!r}")
+
+
+def virtual_lag(req: Request, now: float, p: LagParams) -> float:
+    weight = p.priority_weights[req.slo.priority_class]
+    if req.status == RequestStatus.RUNNING:
+        since = req.running_since if req.running_since is not None else now
+        return -(now - since)
+    if req.status in (RequestStatus.ROTARY, RequestStatus.ROTATING_OUT) and req.token_times:
+        overdue = now - req.token_times[-1] - p.beta_b * req.slo.tbt_ms / 1000
+        return weight * p.alpha * max(0.0, overdue)
+    overdue = now - req.arrival_time - p.beta_f * req.slo.ttft_ms / 1000
+    return weight * max(0.0, overdue)
+
+
+def order_by_lag(reqs: list[Request], now: float, p: LagParams) -> list[Request]:
+    """Largest lag first; ties broken by arrival (FCFS), so no contention means FCFS."""
+    return sorted(reqs, key=lambda r: (-virtual_lag(r, now, p), r.arrival_time))
