@@ -1,37 +1,56 @@
-"""Incremental detokenization for streaming, for any tokenizer with ``decode(ids)``.
-
-Byte-level BPE splits multi-byte characters across tokens, so decoding one token at a time
-yields replacement characters. As vLLM does, decode a short window of the previous tokens
-plus the new ones and emit only the text past the window, holding back while the tail is
-an incomplete character.
-"""
+"""Incremental detokenization for streaming, for any tokenizer with ``decode(ids)``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from superinfer_jax.model_api import Tokenizer
 
-_WINDOW = 6
+_REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_token_ids[-_WINDOW:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+    """Turns a stream of token ids into text deltas for streaming responses.
+
+    Byte-level BPE tokens can end in the middle of a UTF-8 character, and SentencePiece
+    decoders drop the leading space of the first token, so decoding one token at a time is
+    wrong. Each step decodes a short window that starts at the last point where the text
+    was complete and emits only what the new tokens add; a delta whose text ends in the
+    replacement character is held back until the character completes. The deltas of all
+    ``push`` calls plus ``flush`` concatenate to exactly ``decode(all_ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        # A few prompt tokens give the first generated token its left context.
+        self._ids: list[int] = [int(t) for t in prompt_ids[-4:]]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def _decode(self, start: int, stop: int | None = None) -> str:
+        ids = self._ids[start:stop]
+        if self._skip:  # every tokenizer's default
+            return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[call-arg]
+
+    def _advance(self, final: bool) -> str:
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset)
+        if not final and (len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        delta = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
 
     def push(self, token_id: int) -> str:
-        """Add one token; return the newly completed text (possibly empty)."""
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        if self.prefix_offset > 4 * _WINDOW:  # keep the window short
-            drop = self.prefix_offset - _WINDOW
-            self.ids = self.ids[drop:]
-            self.prefix_offset -= drop
-            self.read_offset -= drop
-        return full[len(prefix):]
+        """Add one generated token; return the text it completes (possibly "")."""
+        self._ids.append(int(token_id))
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (e.g. an incomplete character at the end)."""
+        return self._advance(final=True)

@@ -11,6 +11,12 @@ One engine step, in order:
 4. Sampled tokens are appended, detokenized and checked against stop conditions; finished
    requests free their pages; outputs (token deltas) are returned for streaming.
 
+With a host tier (``num_host_pages`` / ``host_memory_gb``), DuplexKV rotation wraps step 1:
+before it, finished page copies are observed (``is_ready``, never waited for) and arrived
+pages are scattered into the pool; after it, the plan's rotate-out / rotate-in copies and
+the eager shadows are issued, before the model step is dispatched with the pool donated.
+``superinfer_jax.duplexkv.rotation`` explains why that order is race-free.
+
 The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``).
 """
 
@@ -28,12 +34,14 @@ from tqdm.auto import tqdm
 from superinfer_jax import ops
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.detokenize import IncrementalDetokenizer
+from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
+from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
-from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.sampling import SamplingInputs, sample
-from superinfer_jax.scheduler import FCFSScheduler
+from superinfer_jax.scheduler import FCFSScheduler, StepPlan
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
 
@@ -55,6 +63,8 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preempted: int = 0
+    num_rotated_out: int = 0  # rotations issued this step, each direction
+    num_rotated_in: int = 0
     host_time_s: float = 0.0
     step_time_s: float = 0.0
 
@@ -79,9 +89,14 @@ class LLMEngine:
             self.config = config = config.replace(max_model_len=max_len)
         self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
         self.num_device_pages = self._choose_num_pages()
-        self.kv = KVCacheManager(self.num_device_pages, config.page_size)
+        self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
+        self.kv = TwoTierKVManager(self.num_device_pages, config.page_size, self.num_host_pages)
         self.scheduler = FCFSScheduler(config, self.kv)
         self.kv_pool = self.layout.zeros(self.num_device_pages)
+        self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
+        if self.num_host_pages > 0:
+            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
+            self.duplex = DuplexKV(self.layout, self.kv, host, config.transfer_budget_pages)
         self.backend = ops.resolve_backend(config.attention_backend)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -138,6 +153,8 @@ class LLMEngine:
                 self.model.params, self.kv_pool, inputs, SamplingInputs.greedy(rows)
             )
             tokens.block_until_ready()
+        if self.duplex is not None:
+            self.kv_pool = self.duplex.warmup(self.kv_pool)
 
     def _empty_inputs(self, rows: int, cols: int) -> StepInputs:
         return StepInputs.from_numpy(
@@ -199,12 +216,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def force_rotate_out(self, req_id: str) -> None:
+        """Test hook: rotate ``req_id`` out at the next step if it is running then (falls
+        back to recomputation without room on the host). Policies rotate on their own."""
+        self.scheduler.force_rotate_out.add(req_id)
+
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._observe_rotations(t0)
         plan = self.scheduler.schedule(t0)
-        stats = StepStats(num_preempted=len(plan.preempted))
+        self._issue_rotations(plan, t0)
+        stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
+                          num_rotated_in=len(plan.rotate_in))
         if plan.is_empty:
             self.last_stats = stats
             return []
@@ -231,6 +256,36 @@ class LLMEngine:
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
         return outputs
+
+    # -- rotation (DuplexKV) -------------------------------------------------------------
+
+    def _observe_rotations(self, now: float) -> None:
+        """Finished copies change request states; arrived pages land in the pool."""
+        if self.duplex is not None:
+            self.kv_pool, events = self.duplex.poll(self.kv_pool)
+            self._apply_rotation_events(events, now)
+
+    def _issue_rotations(self, plan: StepPlan, now: float) -> None:
+        """Issue the plan's copies and this step's shadows, before the model step."""
+        if self.duplex is None:
+            return
+        shadows = []
+        if self.config.eager_shadowing:
+            computed = {r.req_id: r.num_computed_tokens for r in self.scheduler.running}
+            shadows = self.kv.plan_shadows(computed, self.duplex.shadow_budget(plan.moves_out))
+        failed = self.duplex.execute(self.kv_pool, plan.moves_out, plan.moves_in, shadows)
+        self._apply_rotation_events(failed, now)
+
+    def _apply_rotation_events(self, events: list[RotationEvent], now: float) -> None:
+        handlers = {
+            EventKind.ROTATED_OUT: self.scheduler.on_rotated_out,
+            EventKind.ROTATED_IN: self.scheduler.on_rotated_in,
+            EventKind.FAILED: self.scheduler.on_rotation_failed,
+        }
+        for event in events:
+            req = self.requests.get(event.req_id)
+            if req is not None and not req.status.is_finished:
+                handlers[event.kind](req, now)
 
     def _dispatch(self, rows: list[tuple[str, int]], prefill: bool) -> jax.Array:
         cfg = self.config
@@ -277,6 +332,8 @@ class LLMEngine:
         detok = self._detok.get(req.req_id)
         text = req.output_text + (detok.push(token) if detok else "")
         reason, text = self._stop_reason(req, token, text)
+        if reason is not None and detok is not None and reason != RequestStatus.FINISHED_STOPPED:
+            text += detok.flush()  # an incomplete character at the very end
         req.output_text = text
         if reason is not None:
             self._finish(req, reason, now)
@@ -315,6 +372,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.remove(req)
+        if self.duplex is not None:
+            self.duplex.cancel(req.req_id)
         req.set_status(status, now)
         self._detok.pop(req.req_id, None)
 
@@ -326,12 +385,18 @@ class LLMEngine:
         return None
 
     def stats(self) -> dict[str, int]:
-        return {
+        out = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "device_pages_total": self.kv.allocator.num_usable,
             "device_pages_free": self.kv.num_free_pages,
         }
+        if self.duplex is not None:
+            out.update(num_rotary=len(self.scheduler.rotary),
+                       host_pages_total=self.num_host_pages,
+                       host_pages_free=self.kv.num_host_free_pages,
+                       **{f"transfer_{k}": v for k, v in self.duplex.stats.as_dict().items()})
+        return out
 
 
 def enable_compilation_cache(path: str) -> None:

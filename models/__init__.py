@@ -1,0 +1,24 @@
+"""Llama-family models for superinfer: configs, the NNX decoder, loaders and tokenizer.
+
+``load_model`` is the one entry point the CLI and server use; everything else here is
+exported for tests, benchmarks and tools that build or inspect models directly.
+"""
+
+from models.config import PRESETS, ModelConfig, RopeScaling, preset
+from models.loaders import EMBEDDED_PRESETS, load_model, save_orbax
+from models.servable import LlamaServable, random_servable
+from models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = [
+    "EMBEDDED_PRESETS",
+    "PRESETS",
+    "IncrementalDetokenizer",
+    "LlamaServable",
+    "ModelConfig",
+    "RopeScaling",
+    "Tokenizer",
+    "load_model",
+    "preset",
+    "random_servable",
+    "save_orbax",
+]

@@ -1,0 +1,198 @@
+"""GGUF (llama.cpp) weights: dequantize, un-permute and transpose into our layout.
+
+Two conventions differ from ours. GGUF stores matrices as torch ``[out, in]`` (its
+``tensor.shape`` lists dimensions reversed), and llama.cpp's converter reorders the rows of
+Q and K for the "llama" architecture so that its interleaved (GPT-J) RoPE matches the
+rotate-half RoPE of the original weights. We invert that row permutation and use
+rotate-half RoPE, so the loaded weights equal the original Hugging Face ones.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from models.config import ModelConfig
+from models.loaders import ParamPath, ParamSink, layer_path
+from models.servable import LlamaServable
+from models.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama", "qwen2")
+_MISSING = object()
+
+_TOP = {
+    "token_embd.weight": ("embed",),
+    "output_norm.weight": ("final_norm", "weight"),
+    "output.weight": ("lm_head",),
+}
+_LAYER = {
+    "attn_norm.weight": ("attn_norm", "weight"),
+    "attn_q.weight": ("attn", "wq"),
+    "attn_k.weight": ("attn", "wk"),
+    "attn_v.weight": ("attn", "wv"),
+    "attn_output.weight": ("attn", "wo"),
+    "attn_q.bias": ("attn", "bq"),
+    "attn_k.bias": ("attn", "bk"),
+    "attn_v.bias": ("attn", "bv"),
+    "ffn_norm.weight": ("mlp_norm", "weight"),
+    "ffn_gate.weight": ("mlp", "w_gate"),
+    "ffn_up.weight": ("mlp", "w_up"),
+    "ffn_down.weight": ("mlp", "w_down"),
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def is_gguf_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open (memory-map) a GGUF file, turning parser failures into a named ValueError."""
+    if not is_gguf_file(path):
+        raise ValueError(f"{path}: not a GGUF file (missing 'GGUF' magic bytes)")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:
+        size = path.stat().st_size
+        raise ValueError(f"{path}: corrupt or truncated GGUF file ({size} bytes; "
+                         f"{type(e).__name__}: {e})") from e
+
+
+def _fields(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+    """All metadata values as plain Python objects."""
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception as e:
+            raise ValueError(f"{path}: unreadable GGUF metadata {key!r} ({e})") from e
+    return out
+
+
+def _float32_value(value: float) -> float:
+    """GGUF stores floats as float32; 9.99999974e-06 reads back as the intended 1e-05."""
+    return float(str(np.float32(value)))
+
+
+def gguf_config(fields: dict[str, Any], tensor_names: set[str], name: str,
+                path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata; fails on features our model would silently ignore."""
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key: str, default: Any = _MISSING) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is _MISSING:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    if "rope_freqs.weight" in tensor_names or get("rope.scaling.type", "none") != "none":
+        raise ValueError(f"{path}: GGUF RoPE scaling is not supported; load the Hugging Face "
+                         "directory of this model instead")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(get("vocab_size"))
+    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in fields]
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        name=name,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
+        rope_theta=_float32_value(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_float32_value(get("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+    )
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves).
+
+    The converter did ``w.reshape(n_head, 2, hd // 2, ...).swapaxes(1, 2)``; this undoes it
+    for a weight ``[out, in]`` or a bias ``[out]``.
+    """
+    out = w.shape[0]
+    half = out // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _target(name: str) -> ParamPath | None:
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _LAYER:
+        return layer_path(int(m.group(1)), *_LAYER[m.group(2)])
+    return None
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """Float32 numpy array in torch layout ([out, in]), owning its memory."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(array, dtype=np.float32).reshape(shape)
+    except Exception as e:
+        raise ValueError(
+            f"{path}: cannot decode tensor {tensor.name!r} ({tensor.tensor_type.name}, "
+            f"shape {shape}): {type(e).__name__}: {e}"
+        ) from e
+    return array if array.flags.owndata else array.copy()
+
+
+def _to_model_layout(name: str, w: np.ndarray, config: ModelConfig,
+                     permuted: bool) -> np.ndarray:
+    """Torch layout -> ours: un-permute Q/K, transpose matrices to [in, out]."""
+    if permuted and (".attn_q." in name or ".attn_k." in name):
+        n_head = config.num_heads if ".attn_q." in name else config.num_kv_heads
+        w = unpermute_rows(w, n_head)
+    return np.ascontiguousarray(w.T) if w.ndim == 2 and name != "token_embd.weight" else w
+
+
+def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
+              progress: Callable[[str], None] | None = None) -> LlamaServable:
+    """Load a GGUF file (any quantization gguf-py can dequantize) into a servable."""
+    path = Path(path)
+    reader = open_gguf(path)
+    fields = _fields(reader, path)
+    names = {t.name for t in reader.tensors}
+    config = gguf_config(fields, names, name or path.stem, path)
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(fields)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{path}: cannot build tokenizer ({e})") from e
+    permuted = fields["general.architecture"] == "llama"
+    sink = ParamSink(config, dtype)
+    for tensor in reader.tensors:
+        target = _target(tensor.name)
+        if target is None:
+            continue  # e.g. rope_freqs handled above; nothing else is needed
+        w = _to_model_layout(tensor.name, _dequantize(tensor, path), config, permuted)
+        sink.put(target, w, f"{path}: tensor {tensor.name!r}")
+        del w
+        if progress:
+            progress(tensor.name)
+    if config.tie_word_embeddings and sink.has(("embed",)):
+        sink.tie_lm_head()
+    del reader
+    return LlamaServable(config, sink.build(str(path)), tokenizer, dtype)

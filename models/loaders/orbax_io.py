@@ -1,0 +1,111 @@
+"""Our own checkpoint format: Orbax params + JSON config + tokenizer, beside each other.
+
+Converting GGUF or safetensors costs a dequantize/transpose pass over every tensor;
+an Orbax checkpoint already holds the parameters in model layout, so restoring is a
+straight read into the abstract state (cast to the requested dtype by Orbax itself).
+
+Layout of a saved directory::
+
+    params/                 Orbax StandardCheckpointer output (the NNX param state)
+    tokenizer.json          tokenizers.Tokenizer.to_str(), when the model has a tokenizer
+    superinfer_model.json   config, dtype and tokenizer metadata; written last, so its
+                            presence marks a complete checkpoint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from models.config import ModelConfig, RopeScaling
+from models.loaders import ORBAX_MARKER, abstract_model
+from models.servable import LlamaServable, check_dtype
+from models.tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+PARAMS_DIR = "params"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    return ModelConfig(**data)
+
+
+def is_orbax_dir(path: str | Path) -> bool:
+    return (Path(path) / ORBAX_MARKER).is_file()
+
+
+def save_orbax(servable: LlamaServable, path: str | Path) -> Path:
+    """Write ``servable`` to ``path`` (created if needed; an earlier save is replaced)."""
+    path = Path(path).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    marker = path / ORBAX_MARKER
+    marker.unlink(missing_ok=True)  # an interrupted overwrite must not look complete
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path / PARAMS_DIR, servable.params, force=True)
+        checkpointer.wait_until_finished()
+    tokenizer = servable.tokenizer
+    if isinstance(tokenizer, Tokenizer):
+        (path / TOKENIZER_FILE).write_text(tokenizer.to_json_str(), encoding="utf-8")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dtype": servable.dtype,
+        "config": config_to_dict(servable.config),
+        "tokenizer": tokenizer.meta() if isinstance(tokenizer, Tokenizer) else None,
+    }
+    marker.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return path
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    marker = path / ORBAX_MARKER
+    try:
+        meta = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{marker}: unreadable model metadata ({e})") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{marker}: unsupported format_version {meta.get('format_version')!r}")
+    return meta
+
+
+def _load_tokenizer(path: Path, meta: dict[str, Any] | None) -> Tokenizer | None:
+    if meta is None:
+        return None
+    file = path / TOKENIZER_FILE
+    try:
+        return Tokenizer.from_json_str(file.read_text(encoding="utf-8"), meta)
+    except Exception as e:
+        raise ValueError(f"{file}: cannot load tokenizer ({e})") from e
+
+
+def load_orbax(path: str | Path, dtype: str = "float32") -> LlamaServable:
+    """Restore a ``save_orbax`` directory straight into a ``dtype`` model state."""
+    path = Path(path).expanduser().resolve()
+    check_dtype(dtype)
+    meta = _read_meta(path)
+    try:
+        config = config_from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path / ORBAX_MARKER}: invalid model config ({e})") from e
+    graphdef, abstract_state = abstract_model(config, dtype)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            state = checkpointer.restore(path / PARAMS_DIR, abstract_state)
+    except Exception as e:
+        raise ValueError(f"{path / PARAMS_DIR}: cannot restore Orbax params "
+                         f"({type(e).__name__}: {e})") from e
+    module = nnx.merge(graphdef, state)
+    return LlamaServable(config, module, _load_tokenizer(path, meta.get("tokenizer")), dtype)
