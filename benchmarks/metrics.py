@@ -1,0 +1,91 @@
+"""Latency metrics from per-request timelines, as ``vllm bench serve`` defines them.
+
+A timeline is the request's arrival and the time each output token reached the client.
+TTFT = first token - arrival; ITL = every gap between consecutive tokens; TPOT = (last -
+first) / (tokens - 1) per request; E2E = last token - arrival. SLO attainment: a request
+meets its TTFT SLO when TTFT <= ttft_ms; TBT attainment is the share of all gaps within
+their request's tbt_ms; goodput counts requests per second meeting every SLO given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Timeline:
+    arrival: float  # seconds
+    token_times: list[float]  # seconds, one per output token
+    prompt_len: int
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
+    num_rotations: int = 0
+    num_recomputed_tokens: int = 0
+    ok: bool = True  # False: failed or aborted
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def meets_ttft(self) -> bool:
+        return self.ok and self.ttft is not None and (
+            self.ttft_slo_s is None or self.ttft <= self.ttft_slo_s)
+
+    def meets_tbt(self) -> bool:
+        return self.ok and (self.tbt_slo_s is None or all(g <= self.tbt_slo_s
+                                                          for g in self.gaps))
+
+
+def _dist(prefix: str, values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean/median/std/p90/p99 in ms (vLLM's key names: mean_ttft_ms, p99_itl_ms, ...)."""
+    if not values:
+        return {f"{k}_{prefix}_ms": float("nan") for k in ("mean", "median", "std", "p90",
+                                                          "p99")}
+    v = np.asarray(values) * scale
+    return {
+        f"mean_{prefix}_ms": float(v.mean()),
+        f"median_{prefix}_ms": float(np.median(v)),
+        f"std_{prefix}_ms": float(v.std()),
+        f"p90_{prefix}_ms": float(np.percentile(v, 90)),
+        f"p99_{prefix}_ms": float(np.percentile(v, 99)),
+    }
+
+
+def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
+    """vLLM-style result keys plus ours (attainment, rotations, recomputation)."""
+    done = [t for t in timelines if t.ok and t.token_times]
+    ttfts = [t.ttft for t in done]
+    itls = [g for t in done for g in t.gaps]
+    tpots = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+             for t in done if len(t.token_times) > 1]
+    e2e = [t.token_times[-1] - t.arrival for t in done]
+    out_tokens = sum(len(t.token_times) for t in done)
+    gaps_ok = sum(g <= t.tbt_slo_s for t in done if t.tbt_slo_s is not None for g in t.gaps)
+    gaps_all = sum(len(t.gaps) for t in done if t.tbt_slo_s is not None)
+    good = [t for t in timelines if t.meets_ttft() and t.meets_tbt()]
+    result = {
+        "completed": len(done),
+        "failed": len(timelines) - len(done),
+        "duration": duration_s,
+        "total_input_tokens": sum(t.prompt_len for t in done),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": out_tokens / duration_s,
+        "total_token_throughput": (out_tokens + sum(t.prompt_len for t in done)) / duration_s,
+        "request_goodput": len(good) / duration_s,
+        "ttft_attainment": sum(t.meets_ttft() for t in timelines) / max(1, len(timelines)),
+        "tbt_attainment": gaps_ok / gaps_all if gaps_all else float("nan"),
+        "slo_attainment": len(good) / max(1, len(timelines)),
+        "num_rotations": sum(t.num_rotations for t in timelines),
+        "recomputed_tokens": sum(t.num_recomputed_tokens for t in timelines),
+    }
+    for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2e)):
+        result.update(_dist(prefix, values))
+    return result

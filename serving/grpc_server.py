@@ -1,0 +1,292 @@
+"""The gRPC front: ``superinfer.v1.Inference``, health and reflection on one port.
+
+Handlers only translate: parse the request, submit it to the engine loop, turn outputs
+into messages. Status codes, each with a message naming the problem:
+
+- INVALID_ARGUMENT: unparsable bytes (bad UTF-8 included), unknown fields, bad values;
+- ALREADY_EXISTS: a request_id that is in flight;
+- RESOURCE_EXHAUSTED: the admission queue is full, or the request is over the size limit;
+- UNAVAILABLE: warming up or draining;  UNAUTHENTICATED: a missing or wrong API key.
+
+Requests arrive as raw bytes and are parsed here rather than by grpcio, whose own parse
+failure is an opaque INTERNAL. A cancelled or timed-out call aborts its request through
+``context.add_callback``, which grpcio runs whenever the RPC ends, so pages are freed
+however the client went away.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serving.protogen import stubs
+from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
+from serving.runtime import API_VERSION, Runtime, ServerState
+from serving.stats_view import StatsView
+from superinfer_jax.async_engine import (
+    DuplicateRequestError,
+    EngineUnavailableError,
+    QueueFullError,
+)
+from superinfer_jax.engine import RequestOutput
+
+pb2, pb2_grpc = stubs()
+log = logging.getLogger(__name__)
+
+SERVICE = "superinfer.v1.Inference"
+_PRIORITY = {pb2.PRIORITY_CLASS_CRITICAL: "critical", pb2.PRIORITY_CLASS_STANDARD: "standard",
+             pb2.PRIORITY_CLASS_BATCH: "batch"}
+_PRIORITY_ENUM = {v: k for k, v in _PRIORITY.items()}
+_FINISH = {"stop": pb2.FINISH_REASON_STOP, "length": pb2.FINISH_REASON_LENGTH,
+           "abort": pb2.FINISH_REASON_ABORT}
+_STATE = {ServerState.WARMING_UP: pb2.SERVER_STATE_WARMING_UP,
+          ServerState.SERVING: pb2.SERVER_STATE_SERVING,
+          ServerState.DRAINING: pb2.SERVER_STATE_DRAINING,
+          ServerState.STOPPED: pb2.SERVER_STATE_DRAINING}
+
+
+def _unknown_field_numbers(msg: Message, prefix: str = "") -> list[str]:
+    """Field numbers the server's schema does not know, recursively ("sampling.7")."""
+    found = [f"{prefix}{f.field_number}" for f in unknown_fields.UnknownFieldSet(msg)]
+    for desc, value in msg.ListFields():
+        if desc.message_type is None or desc.message_type.GetOptions().map_entry:
+            continue
+        values = value if desc.is_repeated else [value]
+        for i, sub in enumerate(values):
+            index = f"[{i}]" if desc.is_repeated else ""
+            found += _unknown_field_numbers(sub, f"{prefix}{desc.name}{index}.")
+    return found
+
+
+def _parse(cls: type[Message], data: bytes, context: grpc.ServicerContext) -> Any:
+    msg = cls()
+    name = cls.DESCRIPTOR.full_name
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"request is not a valid {name} (malformed bytes or invalid UTF-8 in a "
+                      f"string field): {e}")
+    unknown = _unknown_field_numbers(msg)
+    if unknown:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"{name} has unknown field number(s) {', '.join(unknown)}: the client's "
+                      f"{API_VERSION} proto is newer than this server's")
+    return msg
+
+
+def _status_of(e: BaseException) -> grpc.StatusCode:
+    if isinstance(e, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class InferenceService:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    # -- Generate ----------------------------------------------------------------------
+
+    def generate(self, data: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        req = _parse(pb2.GenerateRequest, data, context)
+        try:
+            engine = self.runtime.serving_engine()
+            token_ids, sampling, slo = self._inputs(req)
+            stream = engine.submit(token_ids, sampling, req_id=req.request_id or None, slo=slo)
+        except Exception as e:
+            context.abort(_status_of(e), str(e))
+        req_id = stream.req_id
+        context.add_callback(lambda: engine.abort(req_id))
+        try:
+            stream.wait_admitted()
+            for out in stream:
+                if out.new_token_ids or out.new_text:
+                    yield pb2.GenerateResponse(request_id=req_id, chunk=pb2.Chunk(
+                        token_ids=out.new_token_ids, text=out.new_text))
+                if out.finished:
+                    yield pb2.GenerateResponse(request_id=req_id,
+                                               completion=_completion(out))
+        except Exception as e:
+            context.abort(_status_of(e), str(e))
+
+    def _inputs(self, req: Any) -> tuple[list[int], Any, Any]:
+        kind = req.WhichOneof("prompt")
+        tokenizer = self.runtime.tokenizer
+        if kind == "text":
+            token_ids = encode_prompt(tokenizer, text=req.text)
+        elif kind == "token_ids":
+            token_ids = encode_prompt(tokenizer, token_ids=list(req.token_ids.ids))
+        elif kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+            token_ids = encode_prompt(tokenizer, messages=messages)
+        else:
+            raise ValueError("a prompt is required: set text, token_ids or messages")
+        s = req.sampling
+        sampling = make_sampling(
+            max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
+            temperature=s.temperature if s.HasField("temperature") else None,
+            top_p=s.top_p if s.HasField("top_p") else None,
+            top_k=s.top_k if s.HasField("top_k") else None,
+            seed=req.seed if req.HasField("seed") else None,
+            stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+        )
+        priority = req.slo.priority_class
+        if priority != pb2.PRIORITY_CLASS_UNSPECIFIED and priority not in _PRIORITY:
+            raise ValueError(f"slo.priority_class: unknown value {priority}")
+        slo = make_slo(
+            self.runtime.default_slo,
+            ttft_ms=req.slo.ttft_ms if req.slo.HasField("ttft_ms") else None,
+            tbt_ms=req.slo.tbt_ms if req.slo.HasField("tbt_ms") else None,
+            priority_class=_PRIORITY.get(priority),
+        )
+        return token_ids, sampling, slo
+
+    # -- unary verbs -------------------------------------------------------------------
+
+    def abort(self, data: bytes, context: grpc.ServicerContext) -> Any:
+        req = _parse(pb2.AbortRequest, data, context)
+        if not req.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        engine = self.runtime.engine
+        return pb2.AbortResponse(aborted=engine is not None and engine.abort(req.request_id))
+
+    def get_model_info(self, data: bytes, context: grpc.ServicerContext) -> Any:
+        _parse(pb2.GetModelInfoRequest, data, context)
+        info = self.runtime.model_info
+        if info is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
+        return pb2.ModelInfo(
+            model_name=info.name, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            dtype=info.dtype, kv_cache_dtype=info.kv_cache_dtype, page_size=info.page_size,
+            eos_token_ids=list(info.eos_token_ids), policy=info.policy, api_version=API_VERSION)
+
+    def get_server_stats(self, data: bytes, context: grpc.ServicerContext) -> Any:
+        _parse(pb2.GetServerStatsRequest, data, context)
+        stats = self.runtime.stats()
+        v = StatsView.of(stats)
+        return pb2.ServerStats(
+            state=_STATE[self.runtime.state], num_running=v.num_running,
+            num_waiting=v.num_waiting, num_rotary=v.num_rotary,
+            device_pages_total=v.device_pages_total, device_pages_free=v.device_pages_free,
+            host_pages_total=v.host_pages_total, host_pages_free=v.host_pages_free,
+            num_requests_total=v.num_requests_total, engine_stats=StatsView.numeric(stats))
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable, out: type[Message]) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                fn, response_serializer=out.SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, response_serializer=pb2.GenerateResponse.SerializeToString),
+            "Abort": unary(self.abort, pb2.AbortResponse),
+            "GetModelInfo": unary(self.get_model_info, pb2.ModelInfo),
+            "GetServerStats": unary(self.get_server_stats, pb2.ServerStats),
+        })
+
+
+def _completion(out: RequestOutput) -> Any:
+    s = RequestSummary.from_request(out.request)
+    usage = pb2.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
+                      total_tokens=s.prompt_tokens + s.completion_tokens)
+    slo = pb2.SLOResult(ttft_met=bool(s.ttft_met), tbt_met=s.tbt_met is not False,
+                        met=bool(s.ttft_met) and s.tbt_met is not False,
+                        ttft_ms=s.slo.ttft_ms, tbt_ms=s.slo.tbt_ms,
+                        priority_class=_PRIORITY_ENUM[s.slo.priority_class])
+    return pb2.Completion(
+        finish_reason=_FINISH.get(s.finish_reason, pb2.FINISH_REASON_UNSPECIFIED), usage=usage,
+        ttft_ms=s.ttft_ms or 0.0, queue_time_ms=s.queue_time_ms or 0.0, e2e_ms=s.e2e_ms,
+        mean_tbt_ms=s.mean_tbt_ms or 0.0, num_rotations=s.num_rotations,
+        num_preemptions=s.num_preemptions, slo=slo)
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Checks ``authorization: Bearer KEY`` (or ``x-api-key: KEY``) on the inference
+    service; health and reflection stay open for probes and tooling."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key.encode()
+
+    def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
+            return handler
+        meta = dict(details.invocation_metadata or ())
+        auth = meta.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else meta.get("x-api-key", "")
+        if given and hmac.compare_digest(given.encode(), self.api_key):
+            return handler
+        message = ("invalid API key" if given else
+                   "missing API key: send metadata 'authorization: Bearer <key>'")
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class GrpcFront:
+    """The gRPC server: our service, health (tracking the runtime's state), reflection."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        cfg = runtime.config.server
+        workers = cfg.max_queue_len + runtime.config.rotasched.max_num_seqs + 16
+        options = [("grpc.max_receive_message_length", cfg.max_request_bytes),
+                   ("grpc.so_reuseport", 0)]
+        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc")
+        self.server = grpc.server(pool, interceptors=interceptors, options=options,
+                                  maximum_concurrent_rpcs=workers)
+        self.server.add_generic_rpc_handlers((InferenceService(runtime).handler(),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        try:
+            if cfg.tls_cert:
+                key = Path(cfg.tls_key).expanduser().read_bytes()
+                cert = Path(cfg.tls_cert).expanduser().read_bytes()
+                self.port = self.server.add_secure_port(
+                    address, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"gRPC: cannot bind {address} (port in use?): {e}") from e
+        self.address = address
+        runtime.on_state(self._set_health)
+
+    def _set_health(self, state: ServerState) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if state is ServerState.SERVING
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE):
+            self.health.set(service, status)
+
+    def start(self) -> GrpcFront:
+        self.server.start()
+        scheme = "grpcs" if self.runtime.config.server.tls_cert else "grpc"
+        log.info("gRPC listening on %s://%s", scheme, self.address)
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.server.stop(grace_s).wait()

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP front: completions, chat, models, health, metrics.
+
+Bodies are read and parsed here (size cap, strict UTF-8, JSON, then the pydantic model),
+so every failure is an OpenAI-shaped error naming the problem, with a 4xx code:
+400 bad request, 401 API key, 404 unknown model or route, 413 too large, 429 admission
+queue full, 503 warming up or draining.
+
+A request is admitted by the engine loop *before* the response starts, so a streaming
+request that the engine refuses (a prompt over max_model_len, say) still gets a plain 400
+rather than a 200 with an error inside the stream. A client that disconnects (streaming
+or not) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.metrics import CONTENT_TYPE
+from serving.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_json,
+    chunk_json,
+    completion_json,
+    error_json,
+    usage_chunk_json,
+)
+from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
+from serving.runtime import Runtime, ServerState
+from superinfer_jax.async_engine import EngineUnavailableError, QueueFullError, RequestStream
+from superinfer_jax.engine import RequestOutput
+
+log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.25
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error_response(e: HTTPError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(error_json(e.status, e.message, e.param, e.code), e.status,
+                        headers=headers)
+
+
+def _status_of(e: BaseException) -> int:
+    if isinstance(e, QueueFullError):
+        return 429
+    if isinstance(e, EngineUnavailableError):
+        return 503
+    return 400
+
+
+async def read_body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object of the body, refusing oversize, non-UTF-8 and non-JSON bodies."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HTTPError(413, f"request body is {length} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HTTPError(400, f"request body is not valid UTF-8 (byte {e.start})") from e
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object")
+    return body
+
+
+def _validation_error(e: ValidationError) -> HTTPError:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    elif err["type"] == "missing":
+        msg = "field required"
+    more = f" (and {len(e.errors()) - 1} more problems)" if len(e.errors()) > 1 else ""
+    return HTTPError(400, f"{loc}: {msg}{more}" if loc else msg + more, param=loc)
+
+
+class OpenAIFront:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.app = self._build_app()
+
+    # -- request -> engine -------------------------------------------------------------
+
+    def _check_auth(self, request: Request) -> None:
+        key = self.runtime.config.server.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise HTTPError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+        if not hmac.compare_digest(auth[7:].strip().encode(), key.encode()):
+            raise HTTPError(401, "invalid API key", code="invalid_api_key")
+
+    async def _parse(self, request: Request, cls: type) -> Any:
+        self._check_auth(request)
+        body = await read_body(request, self.runtime.config.server.max_request_bytes)
+        try:
+            parsed = cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from e
+        problem = parsed.unsupported()
+        if problem:
+            raise HTTPError(400, problem, param=problem.split(":")[0])
+        if parsed.model != self.runtime.served_name:
+            raise HTTPError(404, f"model {parsed.model!r} does not exist; this server serves "
+                                 f"{self.runtime.served_name!r}", param="model",
+                            code="model_not_found")
+        return parsed
+
+    def _token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tok = self.runtime.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            return encode_prompt(tok, messages=messages)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError("prompt: only one prompt per request is supported")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            return encode_prompt(tok, token_ids=prompt)
+        return encode_prompt(tok, text=prompt)
+
+    async def _submit(self, body: CompletionRequest | ChatCompletionRequest,
+                      rid: str) -> RequestStream:
+        try:
+            engine = self.runtime.serving_engine()
+            token_ids = self._token_ids(body)
+            max_tokens = body.max_tokens
+            if isinstance(body, ChatCompletionRequest):
+                max_tokens = body.max_completion_tokens or max_tokens
+                if max_tokens is None:  # chat's OpenAI default: until the context is full
+                    max_tokens = max(1, engine.engine.config.max_model_len - len(token_ids))
+            stop = [body.stop] if isinstance(body.stop, str) else body.stop
+            sampling = make_sampling(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k, seed=body.seed, stop=tuple(stop or ()),
+                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+            c = body.slo_constraints
+            slo = make_slo(self.runtime.default_slo) if c is None else make_slo(
+                self.runtime.default_slo, c.ttft_ms, c.tbt_ms, c.priority_class)
+            stream = engine.submit(token_ids, sampling, req_id=rid, slo=slo,
+                                   loop=asyncio.get_running_loop())
+            await stream.wait_admitted_async()
+        except (ValueError, QueueFullError, EngineUnavailableError) as e:
+            param = str(e).split(" ")[0].strip(":") if isinstance(e, ValueError) else None
+            raise HTTPError(_status_of(e), str(e), param=param) from e
+        return stream
+
+    # -- responses ---------------------------------------------------------------------
+
+    async def _generate(self, request: Request, cls: type) -> Response:
+        body = await self._parse(request, cls)
+        chat = cls is ChatCompletionRequest
+        rid = ("chatcmpl-" if chat else "cmpl-") + _new_id()
+        stream = await self._submit(body, rid)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(stream, rid, chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        last = await self._collect(request, stream)
+        s = RequestSummary.from_request(last.request)
+        make = chat_json if chat else completion_json
+        return JSONResponse(make(rid, self.runtime.served_name, s))
+
+    async def _collect(self, request: Request, stream: RequestStream) -> RequestOutput:
+        """The final output; aborts the request if the client goes away first."""
+        async def last() -> RequestOutput:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        task = asyncio.ensure_future(last())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if not done and await request.is_disconnected():
+                    self._abort(stream.req_id)
+                    break
+            return await task
+        finally:
+            if not task.done():
+                self._abort(stream.req_id)
+                task.cancel()
+
+    async def _sse(self, stream: RequestStream, rid: str, chat: bool,
+                   include_usage: bool) -> AsyncIterator[str]:
+        model = self.runtime.served_name
+        finished = False
+        try:
+            if chat:
+                yield _sse(chunk_json(rid, model, chat, "", first=True,
+                                      with_usage_field=include_usage))
+            async for out in stream:
+                if out.new_text:
+                    yield _sse(chunk_json(rid, model, chat, out.new_text,
+                                          with_usage_field=include_usage))
+                if out.finished:
+                    finished = True
+                    s = RequestSummary.from_request(out.request)
+                    final = chunk_json(rid, model, chat, None if chat else "",
+                                       finish_reason=s.finish_reason,
+                                       with_usage_field=include_usage)
+                    if not include_usage:
+                        final["superinfer"] = s.to_json()
+                    yield _sse(final)
+                    if include_usage:
+                        yield _sse(usage_chunk_json(rid, model, chat, s))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (or the engine failed) mid-stream
+                self._abort(rid)
+
+    def _abort(self, req_id: str) -> None:
+        engine = self.runtime.engine
+        if engine is not None:
+            engine.abort(req_id)
+
+    # -- the app -----------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="superinfer", docs_url=None, redoc_url=None, openapi_url=None)
+        rt = self.runtime
+
+        @app.exception_handler(HTTPError)
+        async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+            return _error_response(e)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            message = (f"no route {request.method} {request.url.path}" if e.status_code in
+                       (404, 405) else str(e.detail))
+            return _error_response(HTTPError(e.status_code, message))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._generate(request, CompletionRequest)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self._generate(request, ChatCompletionRequest)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            self._check_auth(request)
+            info = rt.model_info
+            card = {"id": rt.served_name, "object": "model", "created": rt.created,
+                    "owned_by": "superinfer",
+                    "max_model_len": info.max_model_len if info else None}
+            return JSONResponse({"object": "list", "data": [card]})
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            state = rt.state
+            return JSONResponse({"status": state.name.lower()},
+                                200 if state is ServerState.SERVING else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
+
+        return app
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class HttpFront:
+    """uvicorn on its own thread and event loop, next to the gRPC server."""
+
+    def __init__(self, runtime: Runtime):
+        cfg = runtime.config.server
+        self.address = f"{cfg.host}:{cfg.http_port}"
+        self.scheme = "https" if cfg.tls_cert else "http"
+        config = uvicorn.Config(
+            OpenAIFront(runtime).app, host=cfg.host, port=cfg.http_port, lifespan="off",
+            log_level="warning", access_log=False, ssl_certfile=cfg.tls_cert,
+            ssl_keyfile=cfg.tls_key, timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> HttpFront:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise OSError(f"HTTP: cannot bind {self.address} (port in use?)")
+            if time.monotonic() > deadline:
+                raise OSError(f"HTTP: server did not start on {self.address} in time")
+            time.sleep(0.02)
+        log.info("HTTP (OpenAI-compatible) listening on %s://%s", self.scheme, self.address)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

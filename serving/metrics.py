@@ -1,0 +1,141 @@
+"""Prometheus metrics, vLLM-style names under a ``superinfer:`` prefix.
+
+Latency histograms and counters are fed by an engine-loop observer (``observe``): it runs
+on the engine thread right after each step, so token times are the engine's own, not the
+moment a front got round to sending them. Gauges (running, waiting, rotary, cache usage)
+and the bytes-moved counters come from the latest stats snapshot at scrape time, through
+a custom collector: they are the engine's numbers, read when asked for.
+
+Each server owns its registry, so two servers in one process (tests) never collide.
+Preemptions and rotations are counted when their request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from serving.requests import RequestSummary
+from serving.stats_view import StatsView
+from superinfer_jax.engine import RequestOutput
+
+PREFIX = "superinfer:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0)
+
+
+class _SnapshotCollector(Collector):
+    """Gauges and engine-side counters, read from the latest stats at scrape time."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        view = StatsView.of(self.stats)
+        labels = ["model_name"]
+        for name, value, doc in (
+            ("num_requests_running", view.num_running, "Requests decoding or prefilling."),
+            ("num_requests_waiting", view.num_waiting, "Requests queued for admission."),
+            ("num_requests_rotary", view.num_rotary, "Requests parked in host memory."),
+        ):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                                  "Fraction of KV pages in use, per memory tier (0..1).",
+                                  labels=[*labels, "tier"])
+        for tier in ("device", "host"):
+            usage.add_metric([self.model_name, tier], view.usage(tier))
+        yield usage
+        moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
+                                    "KV bytes copied between tiers, by direction.",
+                                    labels=[*labels, "direction"])
+        moved.add_metric([self.model_name, "to_host"], view.bytes_to_host)
+        moved.add_metric([self.model_name, "to_device"], view.bytes_to_device)
+        yield moved
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        disable_created_metrics()  # no *_created series: noise for every dashboard
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector(model_name)
+        self.registry.register(self._snapshot)
+        m = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Arrival to first token.", m, buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Time between consecutive tokens.", m, buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Arrival to completion.", m, buckets=_E2E_BUCKETS, registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions",
+                                   "Evictions with recomputation.", m, registry=r)
+        self.rotations = Counter(PREFIX + "num_rotations",
+                                 "KV rotations out to host memory.", m, registry=r)
+        self.slo_attained = Counter(PREFIX + "slo_attained", "Requests within their SLO.",
+                                    [*m, "kind"], registry=r)
+        self.slo_violated = Counter(PREFIX + "slo_violated", "Requests over their SLO.",
+                                    [*m, "kind"], registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests.",
+                                       [*m, "finished_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", m,
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", m,
+                                         registry=r)
+        for counter in (self.preemptions, self.rotations, self.prompt_tokens,
+                        self.generation_tokens):
+            counter.labels(model_name)  # every series exists from the first scrape
+        for kind in ("ttft", "tbt"):
+            self.slo_attained.labels(model_name, kind)
+            self.slo_violated.labels(model_name, kind)
+
+    def observe(self, outputs: list[RequestOutput], stats: dict[str, Any]) -> None:
+        """Engine-loop observer: one call per step."""
+        self._snapshot.stats = stats
+        name = self.model_name
+        for out in outputs:
+            times = out.request.token_times
+            if out.new_token_ids:
+                self.generation_tokens.labels(name).inc(len(out.new_token_ids))
+                if len(times) == 1:
+                    self.ttft.labels(name).observe(times[0] - out.request.arrival_time)
+                elif len(times) >= 2:
+                    self.itl.labels(name).observe(times[-1] - times[-2])
+            if out.finished:
+                self._finished(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        name, req = self.model_name, out.request
+        s = RequestSummary.from_request(req)
+        self.e2e.labels(name).observe(s.e2e_ms / 1000)
+        self.prompt_tokens.labels(name).inc(s.prompt_tokens)
+        self.request_success.labels(name, s.finish_reason).inc()
+        self.preemptions.labels(name).inc(s.num_preemptions)
+        self.rotations.labels(name).inc(s.num_rotations)
+        for kind, met in (("ttft", s.ttft_met), ("tbt", s.tbt_met)):
+            if met is True:
+                self.slo_attained.labels(name, kind).inc()
+            elif met is False:
+                self.slo_violated.labels(name, kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

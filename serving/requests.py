@@ -1,0 +1,171 @@
+"""What every front (gRPC, HTTP, batch) shares: turning a client's request into engine
+inputs, and a finished request into the numbers clients and metrics report.
+
+Each front parses its own wire format, then calls these, so a prompt, a sampling knob or
+an SLO means the same thing, and fails with the same message, whichever way it arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from superinfer_jax.request import SLO, Request, SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def encode_prompt(tokenizer: Any, *, text: str | None = None,
+                  token_ids: Sequence[int] | None = None,
+                  messages: Sequence[Any] | None = None) -> list[int]:
+    """Token ids of exactly one of: raw text, pre-tokenized ids, chat messages."""
+    given = [n for n, v in (("prompt", text), ("token_ids", token_ids), ("messages", messages))
+             if v is not None]
+    if not given:
+        raise ValueError("a prompt is required: give prompt text, token ids or messages")
+    if len(given) > 1:
+        raise ValueError(f"give only one of prompt, token_ids, messages (got {given})")
+    if token_ids is not None:
+        ids = list(token_ids)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"token ids must be integers, got {t!r}")
+        if not ids:
+            raise ValueError("token_ids must not be empty")
+        return ids
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: send token ids")
+    if messages is not None:
+        text = render_chat(tokenizer, messages)
+    if not isinstance(text, str):
+        raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+    if not text:
+        raise ValueError("prompt must not be empty")
+    return list(tokenizer.encode(text))
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        clean.append({"role": role, "content": _content_text(i, content)})
+    try:
+        return tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+    except Exception as e:  # a template's own raise_exception, or a missing template
+        raise ValueError(f"messages: chat template failed: {e}") from e
+
+
+def _content_text(i: int, content: Any) -> str:
+    """OpenAI content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ValueError(
+                    f"messages[{i}].content[{j}] must be a text part "
+                    '({"type": "text", "text": "..."}); other parts are not supported')
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+
+
+def make_sampling(**fields: Any) -> SamplingParams:
+    """SamplingParams from the fields a client set (None means unset: the default)."""
+    return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def make_slo(default: SLO, ttft_ms: float | None = None, tbt_ms: float | None = None,
+             priority_class: str | None = None) -> SLO:
+    """A request's SLO: what it asked for, the server default for what it left out."""
+    return SLO(
+        ttft_ms=default.ttft_ms if ttft_ms is None else ttft_ms,
+        tbt_ms=default.tbt_ms if tbt_ms is None else tbt_ms,
+        priority_class=default.priority_class if priority_class is None else priority_class,
+    )
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """One finished request, in the units clients read (milliseconds, token counts).
+
+    TBT is judged on the mean gap between tokens (time per output token, as DistServe
+    and most SLO-attainment studies do): one slow step after a rotation does not fail a
+    request whose stream kept pace overall. ``None`` means "not measurable": no token
+    (TTFT) or fewer than two (TBT).
+    """
+
+    req_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    ttft_ms: float | None
+    queue_time_ms: float | None
+    e2e_ms: float
+    mean_tbt_ms: float | None
+    num_rotations: int
+    num_preemptions: int
+    slo: SLO
+    ttft_met: bool | None
+    tbt_met: bool | None
+
+    @property
+    def slo_met(self) -> bool:
+        return self.ttft_met is not False and self.tbt_met is not False
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestSummary:
+        end = req.transitions[-1][0] if req.status.is_finished else time.perf_counter()
+        ttft = req.ttft
+        gaps = req.inter_token_gaps
+        mean_tbt = sum(gaps) / len(gaps) if gaps else None
+        if ttft is not None:
+            ttft_met: bool | None = ttft * 1000 <= req.slo.ttft_ms
+        else:  # no token: a violation only if the wait already exceeded the target
+            ttft_met = False if (end - req.arrival_time) * 1000 > req.slo.ttft_ms else None
+        queue = req.first_scheduled_time
+        return cls(
+            req_id=req.req_id,
+            finish_reason=req.status.finish_reason or "abort",
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(req.output_token_ids),
+            text=req.output_text,
+            ttft_ms=None if ttft is None else ttft * 1000,
+            queue_time_ms=None if queue is None else (queue - req.arrival_time) * 1000,
+            e2e_ms=(end - req.arrival_time) * 1000,
+            mean_tbt_ms=None if mean_tbt is None else mean_tbt * 1000,
+            num_rotations=req.num_rotations,
+            num_preemptions=req.num_preemptions,
+            slo=req.slo,
+            ttft_met=ttft_met,
+            tbt_met=None if mean_tbt is None else mean_tbt * 1000 <= req.slo.tbt_ms,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``superinfer`` extension object of HTTP responses and batch results."""
+        return {
+            "ttft_ms": _round(self.ttft_ms),
+            "queue_time_ms": _round(self.queue_time_ms),
+            "e2e_ms": _round(self.e2e_ms),
+            "mean_tbt_ms": _round(self.mean_tbt_ms),
+            "num_rotations": self.num_rotations,
+            "num_preemptions": self.num_preemptions,
+            "slo": {"ttft_ms": self.slo.ttft_ms, "tbt_ms": self.slo.tbt_ms,
+                    "priority_class": self.slo.priority_class,
+                    "ttft_met": self.ttft_met, "tbt_met": self.tbt_met, "met": self.slo_met},
+        }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)

@@ -1,0 +1,119 @@
+"""``superinfer serve``: wire a deployment config into running fronts and an engine.
+
+Order matters for clients:
+1. The fronts bind first (health NOT_SERVING, requests UNAVAILABLE "warming up"), so a
+   probe sees a live process instead of a refused connection during the long warm-up.
+2. The model loads and the engine compiles its buckets; then SERVING.
+3. SIGTERM (or Ctrl-C): DRAINING. Admission stops (health NOT_SERVING, UNAVAILABLE),
+   in-flight requests finish for up to ``drain_grace_s``, the rest are aborted (their
+   streams end with finish reason abort), the fronts close, the process exits 0.
+   A signal during warm-up exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from serving.deploy_config import DeploymentConfig
+from serving.runtime import Runtime, ServerState
+
+log = logging.getLogger("superinfer.serve")
+
+
+class _Interrupted(Exception):
+    """A stop signal arrived while the model was still loading or compiling."""
+
+
+def _install_signals(stop: threading.Event, runtime: Runtime) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+        if runtime.state is ServerState.WARMING_UP:
+            raise _Interrupted
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _start_fronts(runtime: Runtime) -> list[Any]:
+    fronts: list[Any] = []
+    cfg = runtime.config.server
+    try:
+        if cfg.enable_grpc:
+            from serving.grpc_server import GrpcFront
+
+            fronts.append(GrpcFront(runtime).start())
+        if cfg.enable_http:
+            from serving.http_server import HttpFront
+
+            fronts.append(HttpFront(runtime).start())
+    except Exception:
+        _stop_fronts(fronts)
+        raise
+    return fronts
+
+
+def _stop_fronts(fronts: list[Any]) -> None:
+    for front in fronts:
+        front.stop()
+
+
+def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]:
+    from models import load_model
+    from serving.engine_build import build_engine
+    from superinfer_jax.async_engine import AsyncEngine
+
+    engine_config = config.engine_config()
+    t0 = time.perf_counter()
+    log.info("loading model %s (%s)", config.model.source, config.model.dtype)
+    model = load_model(config.model.source, dtype=config.model.dtype)
+    log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
+    engine = build_engine(model, engine_config)
+    loop = AsyncEngine(engine, config.server.max_queue_len,
+                       observers=[runtime.metrics.observe])
+    log.info("ready in %.1f s: %s device pages of %d tokens", time.perf_counter() - t0,
+             engine.stats().get("device_pages_total"), engine_config.page_size)
+    return loop, model
+
+
+def serve(config: DeploymentConfig) -> int:
+    """Run until a stop signal; returns the exit code (0 after a drain, 1 when the engine
+    failed, so a supervisor restarts it)."""
+    config.engine_config()  # a bad value fails before any port is bound
+    for note in config.not_applied():
+        log.warning("config key not applied by this engine build (accepted, recorded): %s",
+                    note)
+    runtime = Runtime(config)
+    stop = threading.Event()
+    fronts = _start_fronts(runtime)
+    engine = None
+    code = 0
+    try:
+        _install_signals(stop, runtime)
+        engine, model = _build_engine(config, runtime)
+        runtime.set_serving(engine, model)
+        log.info("serving %s", runtime.served_name)
+        while not stop.wait(0.5):
+            if engine.failure is not None:
+                log.error("exiting: %s", engine.failure)
+                code = 1
+                break
+    except _Interrupted:
+        log.info("stopped during warm-up")
+    finally:
+        runtime.set_draining()
+        if engine is not None:
+            grace = config.server.drain_grace_s
+            log.info("draining: %d requests in flight, grace %.0f s", engine.num_in_flight,
+                     grace)
+            clean = engine.drain(grace)
+            log.info("drained" if clean else "grace period over: aborted the rest")
+        runtime.set_stopped()
+        _stop_fronts(fronts)
+    log.info("bye")
+    return code

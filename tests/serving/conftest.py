@@ -1,0 +1,84 @@
+"""Fixtures of the serving tests (helpers live in ``serving_testlib``).
+
+The model is a tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer, saved as
+an Orbax dir once per session: warm-up compiles take seconds instead of a minute, and the
+persistent XLA cache shared by every server of the session makes later starts faster
+still. The main server (``server``) is started once per session and shared by the gRPC,
+HTTP and malformed-request modules; tests that stop a server start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.serving.serving_testlib import API_KEY, ServerProcess, pb2_grpc
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models import ModelConfig, load_model, random_servable, save_orbax
+
+    smol = load_model("smollm2-135m")
+    cfg = ModelConfig(
+        name="tiny", vocab_size=smol.config.vocab_size, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=smol.config.bos_token_id,
+        eos_token_ids=smol.config.eos_token_ids)
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    save_orbax(random_servable(cfg, tokenizer=smol.tokenizer, seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def xla_cache() -> Path:
+    """Persistent across runs (like the suite's own cache): later runs skip compiles."""
+    root = os.environ.get("SUPERINFER_TEST_XLA_CACHE") or os.path.join(
+        tempfile.gettempdir(), "superinfer-test-xla-cache")
+    path = Path(root) / "serving"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model_dir: Path, xla_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``start_server(*flags)`` -> a started ServerProcess (killed at the end)."""
+    started: list[ServerProcess] = []
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(*extra: str) -> ServerProcess:
+        srv = ServerProcess(tiny_model_dir, xla_cache, logs / f"server{len(started)}.log",
+                            *extra)
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.kill()
+
+
+@pytest.fixture(scope="session")
+def server(start_server) -> Iterator[ServerProcess]:
+    """The shared server: API key set, both fronts, 16 sequences per step."""
+    srv = start_server("--api-key", API_KEY, "--max-num-seqs", "16")
+    srv.wait_serving()
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+@pytest.fixture(scope="session")
+def channel(server: ServerProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def stub(channel: grpc.Channel):
+    return pb2_grpc.InferenceStub(channel)
+
+

@@ -1,0 +1,201 @@
+"""Malformed requests on both fronts: each gets the right status and a message naming the
+problem, and the server keeps serving afterwards with no page leaked."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from tests.serving.serving_testlib import API_KEY, AUTH, pb2, wait_idle
+
+MODEL = "tiny-llama"
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+HUGE = "a" * (2 << 20)  # over the 1 MiB default request limit
+
+
+def _req(**fields) -> pb2.GenerateRequest:
+    fields.setdefault("max_tokens", 4)
+    return pb2.GenerateRequest(**fields)
+
+
+# (id, request: message or raw bytes, metadata, expected status, message fragment)
+GRPC_CASES = [
+    ("no-prompt", _req(), AUTH, INVALID, "prompt is required"),
+    ("empty-text", _req(text=""), AUTH, INVALID, "prompt must not be empty"),
+    ("empty-token-ids", _req(token_ids=pb2.TokenIds(ids=[])), AUTH, INVALID,
+     "token_ids must not be empty"),
+    ("token-over-vocab", _req(token_ids=pb2.TokenIds(ids=[1, 999_999])), AUTH, INVALID,
+     "token ids must be in [0, 49152)"),
+    ("negative-token", _req(token_ids=pb2.TokenIds(ids=[-3])), AUTH, INVALID,
+     "token ids must be in"),
+    ("negative-max-tokens", _req(text="hi", max_tokens=-5), AUTH, INVALID,
+     "max_tokens must be >= 1, got -5"),
+    ("zero-max-tokens", _req(text="hi", max_tokens=0), AUTH, INVALID, "max_tokens must be >= 1"),
+    ("negative-temperature", _req(text="hi", sampling=pb2.SamplingParams(temperature=-1)),
+     AUTH, INVALID, "temperature must be in"),
+    ("nan-temperature", _req(text="hi", sampling=pb2.SamplingParams(temperature=float("nan"))),
+     AUTH, INVALID, "temperature must be a finite number"),
+    ("top-p-zero", _req(text="hi", sampling=pb2.SamplingParams(top_p=0)), AUTH, INVALID,
+     "top_p must be in (0, 1]"),
+    ("top-p-over-one", _req(text="hi", sampling=pb2.SamplingParams(top_p=1.5)), AUTH, INVALID,
+     "top_p"),
+    ("negative-top-k", _req(text="hi", sampling=pb2.SamplingParams(top_k=-1)), AUTH, INVALID,
+     "top_k must be >= 0"),
+    ("negative-seed", _req(text="hi", seed=-1), AUTH, INVALID, "seed must be >= 0"),
+    ("negative-ttft-slo", _req(text="hi", slo=pb2.SLO(ttft_ms=-1)), AUTH, INVALID,
+     "slo.ttft_ms"),
+    ("zero-tbt-slo", _req(text="hi", slo=pb2.SLO(tbt_ms=0)), AUTH, INVALID, "slo.tbt_ms"),
+    ("unknown-priority", _req(text="hi", slo=pb2.SLO(priority_class=9)), AUTH, INVALID,
+     "slo.priority_class"),
+    ("prompt-over-max-len", _req(token_ids=pb2.TokenIds(ids=[5] * 300)), AUTH, INVALID,
+     "max_model_len is 256"),
+    ("bad-chat-role", _req(messages=pb2.ChatMessages(
+        messages=[pb2.ChatMessage(role="wizard", content="x")])), AUTH, INVALID,
+     "messages[0].role"),
+    ("empty-chat", _req(messages=pb2.ChatMessages()), AUTH, INVALID, "messages must be a"),
+    ("empty-stop-string", _req(text="hi", stop=[""]), AUTH, INVALID,
+     "stop must hold non-empty strings"),
+    ("negative-stop-token", _req(text="hi", stop_token_ids=[-1]), AUTH, INVALID,
+     "stop_token_ids must be >= 0"),
+    ("bad-utf8", b"\x12\x02\xff\xfe", AUTH, INVALID, "invalid UTF-8"),
+    ("garbage-bytes", b"\xff\xff\xff\xff", AUTH, INVALID,
+     "not a valid superinfer.v1.GenerateRequest"),
+    ("unknown-field", b"\x12\x02hi\x98\x06\x01", AUTH, INVALID, "unknown field number(s) 99"),
+    ("unknown-nested-field", b"\x12\x02hi\x2a\x03\xa0\x06\x01", AUTH, INVALID,
+     "sampling.100"),
+    ("oversize", _req(text=HUGE), AUTH, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    ("missing-api-key", _req(text="hi"), (), grpc.StatusCode.UNAUTHENTICATED,
+     "missing API key"),
+    ("wrong-api-key", _req(text="hi"), (("authorization", "Bearer nope"),),
+     grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+]
+
+
+@pytest.mark.parametrize("case", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_malformed(channel, case):
+    _, request, metadata, status, fragment = case
+    raw = request if isinstance(request, bytes) else request.SerializeToString()
+    call = channel.unary_stream("/superinfer.v1.Inference/Generate",
+                                response_deserializer=pb2.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, metadata=metadata, timeout=30))
+    assert err.value.code() == status, err.value.details()
+    assert fragment in err.value.details()
+
+
+def test_grpc_abort_without_id(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Abort(pb2.AbortRequest(), metadata=AUTH, timeout=5)
+    assert err.value.code() == INVALID and "request_id is required" in err.value.details()
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+BEARER = {"Authorization": f"Bearer {API_KEY}"}
+JSON = {**BEARER, "Content-Type": "application/json"}
+
+# (id, method, path, body: dict or raw bytes, headers, status, message fragment)
+HTTP_CASES = [
+    ("missing-prompt", "POST", "/v1/completions", {"model": MODEL}, BEARER, 400,
+     "prompt: field required"),
+    ("prompt-wrong-type", "POST", "/v1/completions", _completion(prompt=42), BEARER, 400,
+     "prompt"),
+    ("max-tokens-string", "POST", "/v1/completions", _completion(max_tokens="ten"), BEARER,
+     400, "max_tokens"),
+    ("negative-max-tokens", "POST", "/v1/completions", _completion(max_tokens=-1), BEARER,
+     400, "max_tokens must be >= 1"),
+    ("temperature-too-high", "POST", "/v1/completions", _completion(temperature=500), BEARER,
+     400, "temperature must be in"),
+    ("temperature-string", "POST", "/v1/chat/completions", _chat(temperature="hot"), BEARER,
+     400, "temperature"),
+    ("unknown-field", "POST", "/v1/completions", _completion(max_token=5), BEARER, 400,
+     "max_token: unknown field"),
+    ("unknown-slo-field", "POST", "/v1/chat/completions",
+     _chat(slo_constraints={"ttft": 5}), BEARER, 400, "slo_constraints.ttft: unknown field"),
+    ("bad-priority", "POST", "/v1/chat/completions",
+     _chat(slo_constraints={"priority_class": "vip"}), BEARER, 400, "slo.priority_class"),
+    ("negative-ttft-slo", "POST", "/v1/completions",
+     _completion(slo_constraints={"ttft_ms": -1}), BEARER, 400, "slo.ttft_ms"),
+    ("prompt-over-max-len", "POST", "/v1/completions", _completion(prompt=[5] * 300), BEARER,
+     400, "max_model_len is 256"),
+    ("stream-prompt-over-max-len", "POST", "/v1/completions",
+     _completion(prompt=[5] * 300, stream=True), BEARER, 400, "max_model_len is 256"),
+    ("token-over-vocab", "POST", "/v1/completions", _completion(prompt=[10**7]), BEARER, 400,
+     "token ids must be in"),
+    ("empty-prompt", "POST", "/v1/completions", _completion(prompt=""), BEARER, 400,
+     "prompt must not be empty"),
+    ("two-prompts", "POST", "/v1/completions", _completion(prompt=["a", "b"]), BEARER, 400,
+     "only one prompt"),
+    ("invalid-json", "POST", "/v1/completions", b'{"model": ', JSON, 400, "not valid JSON"),
+    ("bad-utf8", "POST", "/v1/completions", b'{"model": "\xff\xfe"}', JSON, 400,
+     "not valid UTF-8"),
+    ("json-array", "POST", "/v1/completions", b"[1, 2]", JSON, 400, "must be a JSON object"),
+    ("oversize", "POST", "/v1/completions", _completion(prompt=HUGE), BEARER, 413,
+     "limit is 1048576"),
+    ("missing-api-key", "POST", "/v1/completions", _completion(), {}, 401, "missing API key"),
+    ("wrong-api-key", "POST", "/v1/completions", _completion(),
+     {"Authorization": "Bearer wrong"}, 401, "invalid API key"),
+    ("unknown-model", "POST", "/v1/completions", _completion(model="gpt-9"), BEARER, 404,
+     "model 'gpt-9' does not exist"),
+    ("n-two", "POST", "/v1/completions", _completion(n=2), BEARER, 400, "only n=1"),
+    ("empty-messages", "POST", "/v1/chat/completions", _chat(messages=[]), BEARER, 400,
+     "messages"),
+    ("bad-role", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "x"}]), BEARER, 400, "messages[0].role"),
+    ("content-wrong-type", "POST", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": 7}]), BEARER, 400, "messages.0.content"),
+    ("stream-not-bool", "POST", "/v1/completions", _completion(stream="yes"), BEARER, 400,
+     "stream"),
+    ("logprobs", "POST", "/v1/chat/completions", _chat(logprobs=True), BEARER, 400,
+     "logprobs: not supported"),
+    ("stream-options-without-stream", "POST", "/v1/completions",
+     _completion(stream_options={"include_usage": True}), BEARER, 400,
+     "only allowed when stream is true"),
+    ("wrong-method", "GET", "/v1/completions", None, BEARER, 405,
+     "no route GET /v1/completions"),
+    ("unknown-route", "POST", "/v1/embeddings", _completion(), BEARER, 404,
+     "no route POST /v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
+def test_http_malformed(server, case):
+    _, method, path, body, headers, status, fragment = case
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        r = http.request(method, path, headers=headers, **({} if body is None else kwargs))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_openai_client_raises_typed_errors(server):
+    good = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        good.completions.create(model=MODEL, prompt="hi", temperature=-2)
+    assert "temperature" in err.value.message
+    bad = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        good.completions.create(model="nope", prompt="hi")
+
+
+def test_still_serving_with_no_page_leaked(stub):
+    """Runs after every malformed request above."""
+    stats = wait_idle(stub)
+    responses = list(stub.Generate(pb2.GenerateRequest(text="Still there?", max_tokens=5,
+                                                       ignore_eos=True),
+                                   metadata=AUTH, timeout=30))
+    assert responses[-1].completion.usage.completion_tokens == 5
+    after = wait_idle(stub)
+    assert after.device_pages_free == stats.device_pages_total

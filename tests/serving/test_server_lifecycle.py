@@ -1,0 +1,162 @@
+"""Server lifecycle, each test on its own server: warm-up health, SIGTERM drain, admission
+limits, TLS. These stop their server, so they never share the session's."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import ssl
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tests.serving.serving_testlib import pb2, pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                  ("grpc.max_reconnect_backoff_ms", 100)]
+
+
+def _long_stream(stub, results: dict, key: str, first: threading.Event, **kw) -> None:
+    """Run one long Generate, record its completion (or error), flag the first chunk."""
+    try:
+        for r in stub.Generate(pb2.GenerateRequest(text=f"Story {key}", max_tokens=200,
+                                                   ignore_eos=True), timeout=120, **kw):
+            first.set()
+            if r.WhichOneof("kind") == "completion":
+                results[key] = r.completion
+    except grpc.RpcError as e:
+        results[key] = e
+        first.set()
+
+
+def test_warmup_health_then_sigterm_drains_in_flight(start_server):
+    srv = start_server("--max-num-seqs", "16")
+    statuses: list[int] = []
+    warming_refusals: list[str] = []
+    with grpc.insecure_channel(srv.grpc_target, options=FAST_RECONNECT) as channel:
+        stub = pb2_grpc.InferenceStub(channel)
+        deadline = time.monotonic() + 180
+        while SERVING not in statuses:
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
+            status = srv.health(channel)
+            if status is not None and (not statuses or statuses[-1] != status):
+                statuses.append(status)
+            if status == NOT_SERVING and not warming_refusals:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Generate(pb2.GenerateRequest(text="hi"), timeout=5))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                warming_refusals.append(err.value.details())
+            time.sleep(0.02)
+        assert statuses == [NOT_SERVING, SERVING], srv.log()
+        assert "warming up" in warming_refusals[0]
+
+        results: dict = {}
+        first = threading.Event()
+        threads = [threading.Thread(target=_long_stream, args=(stub, results, str(i), first))
+                   for i in range(32)]
+        for t in threads:
+            t.start()
+        assert first.wait(60)
+        deadline = time.monotonic() + 30
+        while True:  # every request admitted (running or waiting) before the signal
+            s = stub.GetServerStats(pb2.GetServerStatsRequest(), timeout=5)
+            if s.num_running + s.num_waiting + len(results) >= 32:
+                break
+            assert time.monotonic() < deadline, s
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while srv.health(channel) != NOT_SERVING:
+            assert time.monotonic() < deadline, "health still SERVING after SIGTERM"
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb2.GenerateRequest(text="late"), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in err.value.details()
+        r = httpx.post(f"{srv.http_url}/v1/completions",
+                       json={"model": "tiny-llama", "prompt": "late"}, timeout=5)
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        for t in threads:
+            t.join(120)
+    assert srv.terminate() == 0, srv.log()
+    assert len(results) == 32
+    for done in results.values():
+        assert not isinstance(done, Exception), done
+        assert done.finish_reason == pb2.FINISH_REASON_LENGTH
+        assert done.usage.completion_tokens == 200
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_admission_limit_and_drain_grace(start_server, tls_files):
+    cert, key = tls_files
+    srv = start_server("--tls-cert", str(cert), "--tls-key", str(key), "--max-num-seqs", "1",
+                       "--max-queue-len", "1", "--drain-grace-s", "0")
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    srv.wait_serving(credentials=creds)
+    verify = ssl.create_default_context(cafile=str(cert))
+    http = openai.OpenAI(base_url=f"https://127.0.0.1:{srv.http_port}/v1", api_key="x",
+                         max_retries=0, http_client=httpx.Client(verify=verify))
+    with grpc.secure_channel(srv.grpc_target, creds) as channel:
+        stub = pb2_grpc.InferenceStub(channel)
+        # TLS on both fronts.
+        done = list(stub.Generate(pb2.GenerateRequest(text="hi", max_tokens=2), timeout=30))
+        assert done[-1].completion.usage.completion_tokens == 2
+        assert http.completions.create(model="tiny-llama", prompt="hi", max_tokens=2).usage
+
+        # One running, one waiting: everything else is refused, on both fronts.
+        def grpc_call(i: int) -> str:
+            try:
+                list(stub.Generate(pb2.GenerateRequest(text=f"q{i}", max_tokens=200,
+                                                       ignore_eos=True), timeout=60))
+                return "ok"
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert "admission queue is full" in e.details()
+                return "full"
+
+        def http_call(i: int) -> str:
+            try:
+                http.completions.create(model="tiny-llama", prompt=f"q{i}", max_tokens=200,
+                                        extra_body={"ignore_eos": True})
+                return "ok"
+            except openai.RateLimitError as e:
+                assert "admission queue is full" in e.message
+                return "full"
+
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(grpc_call if i % 2 else http_call, i) for i in range(16)]
+            outcomes = [f.result() for f in futures]
+        assert "ok" in outcomes
+        assert "full" in outcomes[0::2] and "full" in outcomes[1::2], outcomes
+
+        # Grace 0: SIGTERM aborts what is in flight, and the stream says so.
+        results: dict = {}
+        first = threading.Event()
+        t = threading.Thread(target=_long_stream, args=(stub, results, "last", first))
+        t.start()
+        assert first.wait(30)
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+    assert srv.terminate() == 0, srv.log()
+    assert results["last"].finish_reason == pb2.FINISH_REASON_ABORT
