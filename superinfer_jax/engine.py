@@ -92,7 +92,10 @@ class LLMEngine:
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
         self.kv = TwoTierKVManager(self.num_device_pages, config.page_size, self.num_host_pages)
         self.scheduler = FCFSScheduler(config, self.kv)
-        self.kv_pool = self.layout.zeros(self.num_device_pages)
+        # Committed to the device now: an uncommitted array is a different jit cache key,
+        # and the first real step would recompile a bucket warm-up already compiled.
+        self.kv_pool = jax.device_put(self.layout.zeros(self.num_device_pages),
+                                      jax.devices()[0])
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
             host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
