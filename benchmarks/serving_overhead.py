@@ -87,13 +87,13 @@ def summarize(mode: str, results: list[Result], wall_s: float) -> dict:
 def run_engine(args: argparse.Namespace, model_ref: str, prompts: list[list[int]]) -> dict:
     from models import load_model
     from serving.deploy_config import DeploymentConfig
-    from serving.engine_build import build_engine
     from superinfer_jax.async_engine import AsyncEngine
+    from superinfer_jax.engine import LLMEngine
     from superinfer_jax.request import SamplingParams
 
     cfg = DeploymentConfig.load(None, deployment(args, model_ref))
     model = load_model(cfg.model.source)
-    engine = AsyncEngine(build_engine(model, cfg.engine_config(show_progress=False)))
+    engine = AsyncEngine(LLMEngine(model, cfg.engine_config(show_progress=False)))
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
     def one(prompt: list[int]) -> Result:

@@ -168,12 +168,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     from models import load_model
     from serving.batch import BatchRunner
-    from serving.engine_build import build_engine
+    from superinfer_jax.engine import LLMEngine
 
     config = _deployment(args, _ENGINE_FLAGS)
     engine_config = config.engine_config(show_progress=not args.no_progress)
     model = load_model(config.model.source, dtype=config.model.dtype)
-    engine = build_engine(model, engine_config)
+    engine = LLMEngine(model, engine_config)
     runner = BatchRunner(engine, model.tokenizer, engine_config.default_slo,
                          show_progress=not args.no_progress)
     report = runner.run(args.input, args.output)

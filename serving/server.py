@@ -65,15 +65,15 @@ def _stop_fronts(fronts: list[Any]) -> None:
 
 def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]:
     from models import load_model
-    from serving.engine_build import build_engine
     from superinfer_jax.async_engine import AsyncEngine
+    from superinfer_jax.engine import LLMEngine
 
     engine_config = config.engine_config()
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
     model = load_model(config.model.source, dtype=config.model.dtype)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
-    engine = build_engine(model, engine_config)
+    engine = LLMEngine(model, engine_config)
     loop = AsyncEngine(engine, config.server.max_queue_len,
                        observers=[runtime.metrics.observe])
     log.info("ready in %.1f s: %s device pages of %d tokens", time.perf_counter() - t0,
