@@ -37,6 +37,10 @@ class EngineConfig:
     Device pages: ``num_device_pages`` if set, else ``device_memory_fraction`` of the
     accelerator's free memory (where the backend reports it), else enough pages for
     ``max_num_seqs`` requests of ``max_model_len`` tokens.
+
+    Host pages (the DuplexKV tier, pinned host memory): ``num_host_pages`` if set, else
+    ``host_memory_gb`` worth of pages. 0 (the default) disables the host tier: the engine
+    then behaves exactly as before, and a request that would rotate is recomputed.
     """
 
     page_size: int = 16
@@ -54,6 +58,10 @@ class EngineConfig:
     warmup: bool = True  # compile every bucket before serving
     compilation_cache_dir: str | None = None  # persistent XLA cache: later starts are fast
     show_progress: bool = True
+    num_host_pages: int | None = None  # host tier capacity in pages; overrides host_memory_gb
+    host_memory_gb: float = 0.0  # host tier capacity in GiB of pinned host memory
+    transfer_budget_pages: int = 2400  # pages moved per step, each direction (paper: 2400)
+    eager_shadowing: bool = True  # copy pages to host as they fill, so eviction moves one
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -79,8 +87,23 @@ class EngineConfig:
                 f"max_prefill_chunk ({self.max_prefill_chunk}) must not exceed "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )
+        self._validate_host_tier()
         if not isinstance(self.default_slo, SLO):
             raise ValueError(f"default_slo must be an SLO, got {self.default_slo!r}")
+
+    def _validate_host_tier(self) -> None:
+        if self.num_host_pages is not None and (
+                isinstance(self.num_host_pages, bool) or not isinstance(self.num_host_pages, int)
+                or self.num_host_pages < 0):
+            raise ValueError(
+                f"num_host_pages must be a non-negative int or None, got {self.num_host_pages!r}")
+        g = self.host_memory_gb
+        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) \
+                or g < 0:
+            raise ValueError(f"host_memory_gb must be a finite number >= 0, got {g!r}")
+        _positive_int("transfer_budget_pages", self.transfer_budget_pages)
+        if not isinstance(self.eager_shadowing, bool):
+            raise ValueError(f"eager_shadowing must be a bool, got {self.eager_shadowing!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -100,6 +100,7 @@ class LLMEngine:
         if self.num_host_pages > 0:
             host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
             self.duplex = DuplexKV(self.layout, self.kv, host, config.transfer_budget_pages)
+            self.kv_pool = self.duplex.adopt(self.kv_pool)
         self.backend = ops.resolve_backend(config.attention_backend)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

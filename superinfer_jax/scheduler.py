@@ -6,6 +6,15 @@ back through ``on_step_done``. This is the vLLM V1 baseline: first come, first s
 when a running request needs a page and none is free, the most recently admitted running
 request is preempted (its pages freed, to be recomputed later). The RotaSched policies
 plug in at the same seam.
+
+Rotation (DuplexKV) seam: a policy rotates a running request out with ``_rotate_out``
+(``TwoTierKVManager.rotate_out`` frees its device pages now; the plan carries the page
+copies) and a parked one back in with ``_rotate_in``. Requests in flight or parked sit in
+``rotary`` and are never scheduled; the engine reports finished copies through
+``on_rotated_out`` / ``on_rotated_in`` / ``on_rotation_failed``. FCFS itself never
+decides to rotate: it brings parked requests back first, and ``force_rotate_out`` is a
+test-only hook that rotates the named running requests at the next ``schedule``. Without
+room on the host (or without a host tier) a rotation falls back to recomputation.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from dataclasses import dataclass, field
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
 from superinfer_jax.request import Request, RequestStatus
 
 
@@ -26,6 +36,10 @@ class StepPlan:
     prefill: list[tuple[str, int]] = field(default_factory=list)  # (req_id, new tokens)
     decode: list[str] = field(default_factory=list)  # req_ids taking exactly one token
     preempted: list[str] = field(default_factory=list)  # freed now, recomputed later
+    rotate_out: list[str] = field(default_factory=list)  # req_ids parked on the host
+    rotate_in: list[str] = field(default_factory=list)  # req_ids brought back
+    moves_out: list[PageMoves] = field(default_factory=list)  # device -> host page copies
+    moves_in: list[PageMoves] = field(default_factory=list)  # host -> device page copies
 
     @property
     def is_empty(self) -> bool:
@@ -42,10 +56,12 @@ class FCFSScheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
+        self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
+        self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.rotary)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -56,14 +72,19 @@ class FCFSScheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.rotary:
+            self.rotary.remove(req)
+        self.force_rotate_out.discard(req.req_id)
         self.kv.free(req.req_id)
 
     def schedule(self, now: float | None = None) -> StepPlan:
         now = time.perf_counter() if now is None else now
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        self._rotate_forced(plan, now)
         budget = self._schedule_running(plan, budget, now)
-        self._admit_waiting(plan, budget, now)
+        if self._rotate_in_parked(plan, now):
+            self._admit_waiting(plan, budget, now)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
@@ -101,18 +122,85 @@ class FCFSScheduler:
     def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
         self.running.remove(req)
         self.kv.free(req.req_id)
+        self._requeue_for_recompute(req, now)
+        plan.preempted.append(req.req_id)
+        plan.decode = [r for r in plan.decode if r != req.req_id]
+        plan.prefill = [(r, n) for r, n in plan.prefill if r != req.req_id]
+
+    # -- rotation --------------------------------------------------------------------------
+
+    def _rotate_forced(self, plan: StepPlan, now: float) -> None:
+        for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
+            self._rotate_out(req, plan, now)
+        self.force_rotate_out.clear()  # requests not running now are not rotated
+
+    def _rotate_out(self, req: Request, plan: StepPlan, now: float) -> None:
+        """Park a running request on the host, or recompute it when the host has no room."""
+        kv = self.kv
+        if not isinstance(kv, TwoTierKVManager) or not kv.can_rotate_out(req.req_id):
+            self._preempt(req, plan, now)
+            return
+        plan.moves_out.append(kv.rotate_out(req.req_id, req.num_computed_tokens))
+        plan.rotate_out.append(req.req_id)
+        self.running.remove(req)
+        self.rotary.append(req)
+        req.num_rotations += 1
+        req.set_status(RequestStatus.ROTATING_OUT, now)
+
+    def _rotate_in_parked(self, plan: StepPlan, now: float) -> bool:
+        """Bring parked requests back, oldest first, within the transfer budget.
+
+        Returns whether no request is left parked or on its way out: only then does FCFS
+        admit new requests (the parked ones are older and go first)."""
+        budget = self.config.transfer_budget_pages
+        for req in [r for r in self.rotary if r.status == RequestStatus.ROTARY]:
+            kv = self.kv
+            assert isinstance(kv, TwoTierKVManager)
+            cost = kv.rotation_cost_in(req.req_id)
+            if len(self.running) + self._num_rotating_in() >= self.config.max_num_seqs \
+                    or not kv.can_rotate_in(req.req_id) or (plan.rotate_in and cost > budget):
+                return False
+            self._rotate_in(req, plan, now)
+            budget -= cost
+        return all(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+
+    def _rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
+        """Bring a parked request back (device pages reserved now, runnable on arrival)."""
+        assert isinstance(self.kv, TwoTierKVManager)
+        plan.moves_in.append(self.kv.rotate_in(req.req_id))
+        plan.rotate_in.append(req.req_id)
+        req.set_status(RequestStatus.ROTATING_IN, now)
+
+    def _num_rotating_in(self) -> int:
+        return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+
+    def on_rotated_out(self, req: Request, now: float) -> None:
+        req.set_status(RequestStatus.ROTARY, now)
+
+    def on_rotated_in(self, req: Request, now: float) -> None:
+        self.rotary.remove(req)
+        self.running.append(req)
+        req.set_status(RequestStatus.RUNNING, now)
+
+    def on_rotation_failed(self, req: Request, now: float) -> None:
+        """A copy failed: drop both tiers' pages and recompute, never serve wrong KV."""
+        self.rotary.remove(req)
+        self.kv.free(req.req_id)
+        self._requeue_for_recompute(req, now)
+
+    def _requeue_for_recompute(self, req: Request, now: float) -> None:
         req.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.set_status(RequestStatus.WAITING, now)
         self.waiting.appendleft(req)
-        plan.preempted.append(req.req_id)
-        plan.decode = [r for r in plan.decode if r != req.req_id]
-        plan.prefill = [(r, n) for r, n in plan.prefill if r != req.req_id]
+
+    # -- admission -----------------------------------------------------------------------
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         prefill_rows = len(plan.prefill)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs - self._num_rotating_in()  # arrivals keep theirs
+        while self.waiting and budget > 0 and len(self.running) < seats:
             req = self.waiting[0]
             if req.req_id in plan.preempted:
                 break  # do not re-admit what this very step evicted

@@ -1,0 +1,452 @@
+"""DuplexKV transfer benchmark: how fast pages move between device and pinned host memory.
+
+Pages of realistic size (a Llama-3-8B page: 32 layers x K,V x 16 tokens x 8 heads x 128
+x bfloat16 = 2 MiB), at least 1 GiB each way (``--gib``; 0.25 with ``--quick``):
+
+  (a) naive: one ``device_put`` per page per layer, one direction at a time;
+  (b) batched: the rotation engine (``DuplexKV``: bucketed on-device gather, one batched
+      ``device_put`` per direction, jitted scatter on arrival), one direction at a time;
+  (c) duplex: (b) with both directions issued in the same step.
+
+Ceilings measured in the same run: ``memcpy`` (numpy copy of a large, pre-touched buffer)
+and ``peak`` (one single large ``device_put`` each way: the pinned-host copy peak). The
+table gives GB/s each way, fractions of both ceilings, batched over naive, and (c)'s
+wall time over (b)'s out time plus in time (goal <= 0.75). ``--layouts`` adds the layout
+measurements (block-first vs one array per layer; an in-place pinned_host pool) and
+``overlap`` the slowdown of a model step (SmolLM2-shaped random model, decode batch 8)
+while a rotation runs (goal <= 10%).
+
+    python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import add_common_args, print_table, write_json
+from superinfer_jax import ops
+from superinfer_jax.duplexkv import DuplexKV, PageMover
+from superinfer_jax.kv.host_pool import HostPool
+from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.model_api import KVSpec, StepInputs
+
+LLAMA3_8B = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128)
+PAGE_TOKENS = 16
+
+
+def page_dtype() -> str:
+    """bfloat16 pages; on CPU the same 2 bytes as uint16, because XLA:CPU upcasts in-place
+    bf16 updates to f32 over the whole pool (see ``duplexkv.mover``), which would time
+    that conversion instead of the transfers."""
+    return "bfloat16" if jax.default_backend() == "gpu" else "uint16"
+
+
+def keep_freed_memory() -> bool:
+    """CPU only: stop glibc handing freed memory back to the OS (trim) and mmap-ing large
+    blocks. Every copy here lands in a fresh buffer, and with the defaults the CPU run
+    measures page faults (memcpy into fresh memory: about 0.45 GB/s) more than copies;
+    GPU runtimes pool device and pinned memory themselves. ``--glibc-default`` skips it."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 2**31 - 1)
+                and libc.mallopt(m_mmap_threshold, 32 << 20))
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9
+
+
+def memcpy_gbps(num_bytes: int, repeats: int = 3) -> dict[str, float]:
+    """numpy copy between pre-touched buffers (the ceiling) and into fresh memory."""
+    src = np.ones(num_bytes, np.uint8)
+    dst = np.ones(num_bytes, np.uint8)
+    warm = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        warm.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    fresh = src.copy()
+    fresh_s = time.perf_counter() - t
+    del fresh
+    return {"memcpy_GBps": gbps(num_bytes, min(warm)),
+            "memcpy_fresh_GBps": gbps(num_bytes, fresh_s)}
+
+
+def pinned_peak(num_bytes: int, host: HostPool, repeats: int = 3) -> dict[str, float]:
+    """One large array each way: the best a single device <-> pinned_host copy does."""
+    x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    x.block_until_ready()
+    outs, ins = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        h = jax.device_put(x, host.host_sharding).block_until_ready()
+        outs.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        d = jax.device_put(h, host.device_sharding).block_until_ready()
+        ins.append(time.perf_counter() - t)
+        del h, d
+    return {"peak_out_GBps": gbps(num_bytes, min(outs)),
+            "peak_in_GBps": gbps(num_bytes, min(ins))}
+
+
+def patterned_pool(layout: PoolLayout, num_pages: int) -> jax.Array:
+    """A pool whose page p holds values depending on p (cheap to make; checkable)."""
+    @jax.jit
+    def make():
+        shape = layout.pool_shape(num_pages)
+        page = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        inner = jax.lax.broadcasted_iota(jnp.int32, shape, 3)
+        return ((page * 7 + inner) % 251).astype(layout.dtype)
+    return make()
+
+
+def page_sums(pool: jax.Array, pages: list[int]) -> np.ndarray:
+    return np.asarray(jnp.sum(pool[np.array(pages)].astype(jnp.float32), axis=(1, 2, 3, 4, 5)))
+
+
+def naive_round(pool, pages, layout, host: HostPool) -> tuple[jax.Array, float, float]:
+    """(a): every (page, layer) slice is its own eager slice and device_put."""
+    num_layers = layout.kv_spec.num_layers
+    t = time.perf_counter()
+    outs = [jax.device_put(pool[p, layer], host.host_sharding)
+            for p in pages for layer in range(num_layers)]
+    jax.block_until_ready(outs)
+    out_s = time.perf_counter() - t
+
+    def write(pool, x, p, layer):
+        return jax.lax.dynamic_update_slice(pool, x[None, None], (p, layer, 0, 0, 0, 0))
+
+    write = jax.jit(write, donate_argnums=(0,))
+    pool = write(pool, jax.device_put(outs[0], host.device_sharding), 0, 0)  # compile
+    t = time.perf_counter()
+    for i, p in enumerate(pages):
+        for layer in range(num_layers):
+            x = jax.device_put(outs[i * num_layers + layer], host.device_sharding)
+            pool = write(pool, x, p, layer)
+    pool.block_until_ready()
+    return pool, out_s, time.perf_counter() - t
+
+
+class BatchedRig:
+    """The rotation engine over a pool of ``num_pages`` 2 MiB pages and a host tier twice
+    that, driven the way the engine drives it (bookkeeping, execute, poll)."""
+
+    def __init__(self, layout: PoolLayout, num_pages: int, host: HostPool):
+        self.num_pages = num_pages
+        self.kv = TwoTierKVManager(num_pages + 1, PAGE_TOKENS, 2 * num_pages)
+        self.duplex = DuplexKV(layout, self.kv, host, budget_pages=num_pages)
+        pool = self.duplex.adopt(patterned_pool(layout, num_pages + 1))
+        self.pool = self.duplex.warmup(pool)
+        self.kv.allocate_for("a", num_pages * PAGE_TOKENS)
+        self.expect = {"a": page_sums(self.pool, self.kv.page_table("a"))}
+
+    def _finish(self) -> float:
+        self.duplex.wait_all()
+        self.pool, events = self.duplex.poll(self.pool)
+        self.pool.block_until_ready()
+        assert all(e.kind.value != "failed" for e in events), events
+        return time.perf_counter()
+
+    def out(self, req: str) -> float:
+        t = time.perf_counter()  # num_computed 0: no shadows kept, every round moves all
+        self.duplex.execute(self.pool, [self.kv.rotate_out(req, 0)], [], [])
+        return self._finish() - t
+
+    def into(self, req: str) -> float:
+        t = time.perf_counter()
+        self.duplex.execute(self.pool, [], [self.kv.rotate_in(req)], [])
+        return self._finish() - t
+
+    def swap(self, out_req: str, in_req: str) -> float:
+        """(c): one request leaves while another arrives, into the pages it frees."""
+        t = time.perf_counter()
+        moves_out = self.kv.rotate_out(out_req, 0)
+        moves_in = self.kv.rotate_in(in_req)
+        self.duplex.execute(self.pool, [moves_out], [moves_in], [])
+        return self._finish() - t
+
+    def verify(self, req: str) -> bool:
+        return bool(np.array_equal(page_sums(self.pool, self.kv.page_table(req)),
+                                   self.expect[req]))
+
+
+def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, dict]:
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    nbytes = num_pages * layout.page_bytes
+    rig = BatchedRig(layout, num_pages, host)
+    b_out, b_in = [], []
+    for _ in range(repeats):
+        b_out.append(rig.out("a"))
+        b_in.append(rig.into("a"))
+    ok = rig.verify("a")
+    rig.out("a")
+    rig.kv.allocate_for("b", num_pages * PAGE_TOKENS)  # b takes the pages a freed
+    rig.expect["b"] = page_sums(rig.pool, rig.kv.page_table("b"))
+    walls, pair = [], ("b", "a")
+    for _ in range(repeats):
+        walls.append(rig.swap(*pair))
+        pair = pair[::-1]
+    ok = ok and rig.verify(pair[0])
+    pages = rig.kv.page_table(pair[0])
+    pool = rig.pool
+    del rig
+    n_out, n_in = [], []
+    for _ in range(max(1, repeats - 1)):
+        pool, o, i = naive_round(pool, pages, layout, host)
+        n_out.append(o)
+        n_in.append(i)
+    med = statistics.median
+    rows = [
+        {"method": "naive", "out_s": med(n_out), "in_s": med(n_in)},
+        {"method": "batched", "out_s": med(b_out), "in_s": med(b_in)},
+        {"method": "duplex", "wall_s": med(walls)},
+    ]
+    for r in rows:
+        if "wall_s" in r:
+            r["out_GBps"] = r["in_GBps"] = gbps(nbytes, r["wall_s"])
+        else:
+            r["out_GBps"], r["in_GBps"] = gbps(nbytes, r["out_s"]), gbps(nbytes, r["in_s"])
+    extra = {"bytes_each_way": nbytes, "page_bytes": layout.page_bytes,
+             "num_pages": num_pages, "round_trip_verified": ok,
+             "batched_over_naive_out": med(n_out) / med(b_out),
+             "batched_over_naive_in": med(n_in) / med(b_in),
+             "duplex_wall_over_sequential": med(walls) / (med(b_out) + med(b_in)),
+             "trials": {"naive_out": n_out, "naive_in": n_in, "batched_out": b_out,
+                        "batched_in": b_in, "duplex_wall": walls}}
+    return rows, extra
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def rotation_copy_row(num_pages: int) -> dict:
+    """Moving pages out: block-first (one copy per page) vs one pool per layer (one copy
+    per page per layer, as a layer-major pool forces)."""
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    num_layers = LLAMA3_8B.num_layers
+    pool = patterned_pool(layout, num_pages + 1)
+    host = HostPool(1)
+    mover = PageMover(layout, num_pages, host.device_sharding)
+    ids = list(range(1, num_pages + 1))
+    layers = [jnp.array(pool[:, layer]) for layer in range(num_layers)]  # [N, 2, S, K, D]
+    gather_layers = jax.jit(lambda ls, ids: tuple(ls[layer][ids[i]] for i in range(len(ids))
+                                                  for layer in range(num_layers)))
+    block = best_time(lambda: jax.device_put(mover.gather(pool, ids), host.host_sharding))
+    per_layer = best_time(lambda: jax.device_put(
+        list(gather_layers(layers, np.array(ids, np.int32))), host.host_sharding))
+    return {"measure": f"rotate out {num_pages} pages", "block_first_ms": 1e3 * block,
+            "per_layer_ms": 1e3 * per_layer, "block_first_copies": num_pages,
+            "per_layer_copies": num_pages * num_layers,
+            "block_first_GBps": gbps(num_pages * layout.page_bytes, block),
+            "per_layer_GBps": gbps(num_pages * layout.page_bytes, per_layer)}
+
+
+def attention_step_row(quick: bool) -> dict:
+    """KV write + paged attention of every layer (SmolLM2 shapes, decode batch 8, page
+    tables as wide as max_model_len 2048): the part of a model step the layout touches,
+    block-first vs one pool per layer, and how many pool copies each compiled step has."""
+    spec, heads, batch, ctx = KVSpec(30, 3, 64), 9, 8, (128 if quick else 512)
+    pps = ctx // PAGE_TOKENS
+    layout = PoolLayout(spec, PAGE_TOKENS, "float32")
+    pool = layout.zeros(1 + batch * pps)
+    tables = np.zeros((batch, 2048 // PAGE_TOKENS), np.int32)
+    tables[:, :pps] = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
+    x = StepInputs.from_numpy(np.zeros((batch, 1)), np.full((batch, 1), ctx - 1),
+                              np.ones(batch), np.full(batch, ctx), tables)
+    q = jnp.ones((batch, 1, heads, spec.head_dim))
+    kv = jnp.ones((batch, 1, spec.num_kv_heads, spec.head_dim))
+
+    def layer(p, i, acc):
+        k = kv + jnp.tanh(acc) * 1e-3  # as in a model: a layer's K/V depend on the last
+        p = ops.write_kv(p, i, k, k, x.page_tables, x.positions, x.query_lens)
+        out = ops.paged_attention(q, p, i, x.page_tables, x.context_lens, x.query_lens,
+                                  scale=0.125)
+        return p, acc + out.mean()
+
+    def block_first(p):
+        acc = 0.0
+        for i in range(spec.num_layers):
+            p, acc = layer(p, i, acc)
+        return p, acc
+
+    def per_layer(ps):
+        acc, out = 0.0, []
+        for p in ps:  # [N, 2, S, K, D] viewed as a one-layer block-first pool
+            p, acc = layer(p[:, None], 0, acc)
+            out.append(p[:, 0])
+        return out, acc
+
+    f_block = jax.jit(block_first, donate_argnums=(0,))
+    f_layers = jax.jit(per_layer, donate_argnums=(0,))
+    layers = [jnp.array(pool[:, i]) for i in range(spec.num_layers)]
+    times, copies = {}, {}
+    for name, fn, state in (("block", f_block, pool), ("layers", f_layers, layers)):
+        hlo = fn.lower(state).compile().as_text()
+        copies[name] = sum(" copy(" in line and f"f32[{pool.shape[0]}," in line
+                           for line in hlo.splitlines())
+        state, acc = fn(state)
+        acc.block_until_ready()
+        runs = []
+        for _ in range(5 if quick else 10):
+            t = time.perf_counter()
+            state, acc = fn(state)
+            acc.block_until_ready()
+            runs.append(time.perf_counter() - t)
+        times[name] = statistics.median(runs)
+    return {"measure": f"KV write + attention, 30 layers, batch {batch}, ctx {ctx}",
+            "block_first_ms": 1e3 * times["block"], "per_layer_ms": 1e3 * times["layers"],
+            "block_first_copies": copies["block"], "per_layer_copies": copies["layers"]}
+
+
+def host_in_place_row(pool_pages: int) -> dict:
+    """The alternative host tier: one preallocated pinned_host array updated in place."""
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    host = HostPool(1)
+    page = jnp.ones((1, *layout.page_shape()), layout.dtype)
+
+    def update(hp, page, i):
+        return jax.lax.dynamic_update_slice_in_dim(
+            hp, jax.device_put(page, jax.memory.Space.Host), i, 0)
+
+    row = {"measure": f"1 page into a {pool_pages}-page pinned_host pool, in place"}
+    try:
+        hp = jax.device_put(layout.zeros(pool_pages), host.host_sharding)
+        f = jax.jit(update, donate_argnums=(0,), out_shardings=host.host_sharding)
+        hp = f(hp, page, 0).block_until_ready()
+        t = time.perf_counter()
+        hp = f(hp, page, 1).block_until_ready()
+        row["block_first_ms"] = 1e3 * (time.perf_counter() - t)
+        row["effective_GBps"] = gbps(layout.page_bytes, row["block_first_ms"] / 1e3)
+    except Exception as e:  # noqa: BLE001 - a backend that refuses it is a result too
+        row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    return row
+
+
+def layout_rows(quick: bool) -> list[dict]:
+    return [rotation_copy_row(16 if quick else 64), attention_step_row(quick),
+            host_in_place_row(8), host_in_place_row(32)]
+
+
+def overlap_row(quick: bool) -> dict:
+    """A model step alone vs with a rotation (out and in) in flight during it."""
+    from models.config import preset
+    from models.servable import random_servable
+
+    model = random_servable(preset("smollm2-135m"), dtype="float32")
+    layout = PoolLayout(model.kv_spec, PAGE_TOKENS, "float32")
+    batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
+    pps = ctx // PAGE_TOKENS + 1
+    first_rot = 1 + batch * pps
+    host = HostPool(1)
+    pool = jax.device_put(layout.zeros(first_rot + 2 * rot), host.device_sharding)
+    mover = PageMover(layout, rot, host.device_sharding)
+    out_ids = list(range(first_rot, first_rot + rot))
+    in_ids = list(range(first_rot + rot, first_rot + 2 * rot))
+    parked = jax.device_put(mover.gather(pool, in_ids), host.host_sharding)
+    tables = np.zeros((batch, 2048 // PAGE_TOKENS), np.int32)
+    tables[:, :pps] = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
+    x = StepInputs.from_numpy(np.zeros((batch, 1)), np.full((batch, 1), ctx - 1),
+                              np.ones(batch), np.full(batch, ctx), tables)
+
+    def decode(params, kv, x):
+        logits, kv = model.forward(params, kv, x)
+        return jnp.argmax(logits, -1), kv
+
+    step = jax.jit(decode, donate_argnums=(1,))
+    pool = mover.warmup(pool)
+    tok, pool = step(model.params, pool, x)
+    tok.block_until_ready()
+    n = 8 if quick else 20
+
+    def run(rotating: bool, steps: int):
+        nonlocal pool
+        arrived, inflight = None, []
+        t = time.perf_counter()
+        for _ in range(steps):
+            if rotating:
+                inflight.append(jax.device_put(mover.gather(pool, out_ids),
+                                               host.host_sharding))
+                arriving = jax.device_put(parked, host.device_sharding)
+                if arrived is not None:
+                    pool = mover.scatter(pool, in_ids, arrived)
+                arrived = arriving
+            tok, pool = step(model.params, pool, x)
+            tok.block_until_ready()
+        jax.block_until_ready(inflight)
+        return (time.perf_counter() - t) / steps
+
+    run(True, 2)  # compile the rotating path too
+    alone = run(False, n)
+    rotating = run(True, n)
+    return {"model": "smollm2-135m (random, f32)", "batch": batch, "ctx": ctx,
+            "rotation_MB_each_way": rot * layout.page_bytes / 1e6,
+            "step_alone_ms": 1e3 * alone, "step_rotating_ms": 1e3 * rotating,
+            "slowdown": rotating / alone - 1}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, "duplex")
+    parser.add_argument("--gib", type=float, default=None, help="GiB moved each way")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--layouts", action="store_true", help="add layout measurements")
+    parser.add_argument("--no-overlap", action="store_true", help="skip the model-step part")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="CPU: keep glibc's default trimming (see keep_freed_memory)")
+    args = parser.parse_args(argv)
+    malloc_tuned = not args.glibc_default and keep_freed_memory()
+    gib = args.gib if args.gib is not None else (0.25 if args.quick else 1.0)
+    repeats = args.repeats or (2 if args.quick else 3)
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    num_pages = max(1, int(gib * (1 << 30)) // layout.page_bytes)
+    host = HostPool(2 * num_pages)
+    nbytes = num_pages * layout.page_bytes
+    ceilings = {**memcpy_gbps(nbytes), **pinned_peak(nbytes, host)}
+    rows, extra = transfer_rows(num_pages, repeats, host)
+    for r in rows:
+        r["out_of_memcpy"] = r["out_GBps"] / ceilings["memcpy_GBps"]
+        r["in_of_memcpy"] = r["in_GBps"] / ceilings["memcpy_GBps"]
+        r["out_of_peak"] = r["out_GBps"] / ceilings["peak_out_GBps"]
+        r["in_of_peak"] = r["in_GBps"] / ceilings["peak_in_GBps"]
+    print_table([{"ceiling": k, "GBps": v} for k, v in ceilings.items()],
+                title=f"ceilings ({nbytes / 2**30:.2f} GiB, {jax.default_backend()})")
+    tuned = " (glibc trimming off)" if malloc_tuned else ""
+    print_table(rows, title=f"{num_pages} pages of {layout.page_bytes >> 20} MiB each way, "
+                            f"{layout.dtype}{tuned}")
+    print(f"batched / naive: out {extra['batched_over_naive_out']:.1f}x, in "
+          f"{extra['batched_over_naive_in']:.1f}x (goal >= 5x); duplex wall / (out + in): "
+          f"{extra['duplex_wall_over_sequential']:.2f} (goal <= 0.75); round trip "
+          f"verified: {extra['round_trip_verified']}")
+    payload = {"ceilings": ceilings, "transfers": rows, "page_dtype": layout.dtype,
+               "malloc_no_trim": malloc_tuned, **extra}
+    if args.layouts:
+        payload["layouts"] = layout_rows(args.quick)
+        print_table(payload["layouts"], title="layouts")
+    if not args.no_overlap:
+        payload["overlap"] = overlap_row(args.quick)
+        print_table([payload["overlap"]], title="model step alone vs with a rotation running")
+    write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()

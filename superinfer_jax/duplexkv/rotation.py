@@ -1,0 +1,258 @@
+"""DuplexKV: issues a step's page copies in both directions at once, never waits for them.
+
+One engine step, in order (see ``engine.LLMEngine.step``):
+  1. ``poll(pool)``: ask every copy in flight ``is_ready()``. A finished rotate-out makes
+     its request ROTARY; arrived rotate-ins are scattered into the pool by one jitted
+     call (pool donated) and their requests are runnable in this very step.
+  2. The scheduler plans; ``TwoTierKVManager`` does the page bookkeeping (rotate_out
+     frees device pages at once, rotate_in reserves them at once).
+  3. ``execute(pool, moves_out, moves_in, shadows)``: gather the pages leaving the device
+     into staging page arrays, one batched ``device_put`` of them to pinned_host, and one
+     batched ``device_put`` of the arriving host pages to the device. Returns at once.
+  4. The engine dispatches the model step with the pool donated.
+
+How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike):
+- *A page is read for eviction before a step that reuses it writes it.* The gather in
+  (3) takes the pool as an input and is dispatched before the step in (4), which receives
+  that same buffer donated. PJRT does not overwrite a donated buffer before computations
+  already dispatched on it have read it (GPU: both run on the compute stream, in dispatch
+  order; CPU: the donating execution waits on the buffer's pending usage events). The
+  host copy then reads the gather's own output buffers, which nothing else writes.
+- *A page freed by a rotate-out and reused by a rotate-in of the same step.* The in-copy
+  writes fresh device arrays, not the pool; they enter the pool in a later step's (1), by
+  a scatter whose input pool is the output of everything dispatched before it, the
+  gather that read the page's previous owner included.
+- *An arriving page is written before the step that reads it.* The scatter in (1)
+  produces the pool the step in (4) consumes. And a request is scheduled only after its
+  arrays reported ``is_ready()`` with no error, so an errored copy never enters the pool.
+- *Host pages.* A host page array is written once, by the ``device_put`` that creates it,
+  and only read afterwards. Freeing a host page drops a reference; a copy in flight holds
+  its own. The host pages of a request coming in stay owned until its pages land (full
+  pages as shadows, which are not reclaimable meanwhile; the tail until arrival).
+- *Shadows.* A shadow copies a full page, and full pages are never written while their
+  request owns them (appends go to the tail page); the gather reads the pool produced by
+  the step that wrote the page's last token.
+
+Failures: a copy that raises when issued, or whose arrays carry an error when observed
+ready, yields a FAILED event and the engine falls back to recomputing the request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import jax
+
+from superinfer_jax.duplexkv.mover import PageMover
+from superinfer_jax.duplexkv.stats import CopyBatch, TransferStats
+from superinfer_jax.kv.host_pool import HostPool
+from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
+
+
+class EventKind(enum.Enum):
+    ROTATED_OUT = "rotated_out"  # every page of the request is on the host
+    ROTATED_IN = "rotated_in"  # every page landed in the pool: the request may run
+    FAILED = "failed"  # a copy failed: recompute the request
+
+
+@dataclass(frozen=True)
+class RotationEvent:
+    req_id: str
+    kind: EventKind
+
+
+@dataclass
+class _Flight:
+    """Copies in flight for one request (or one step's shadows)."""
+
+    req_id: str
+    kind: str  # "out" | "in" | "shadow"
+    arrays: list[jax.Array]  # out/shadow: host page arrays; in: device page arrays
+    pages: list[int]  # in: device pages to land in; shadow: host pages written
+    batch: CopyBatch
+
+
+def _arrived(arrays: list[jax.Array]) -> bool | None:
+    """None while any copy is pending; then True, or False when one carries an error."""
+    try:
+        if not all(a.is_ready() for a in arrays):
+            return None
+        jax.block_until_ready(arrays)  # all ready: returns at once, or raises their error
+    except Exception:  # noqa: BLE001 - any transfer error means: recompute
+        return False
+    return True
+
+
+class DuplexKV:
+    """The rotation engine over one device pool and one host pool."""
+
+    def __init__(self, layout: PoolLayout, kv: TwoTierKVManager, host: HostPool,
+                 budget_pages: int):
+        self.layout = layout
+        self.kv = kv
+        self.host = host
+        self.budget_pages = budget_pages
+        self.mover = PageMover(layout, budget_pages, host.device_sharding)
+        self.stats = TransferStats()
+        self._flights: list[_Flight] = []
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._flights)
+
+    def adopt(self, pool: jax.Array) -> jax.Array:
+        """The pool committed to the device. Arrived pages are committed arrays, so the
+        scatter returns a committed pool; a step compiled for an uncommitted one would
+        compile again. Call before compiling anything that takes the pool."""
+        return jax.device_put(pool, self.host.device_sharding)
+
+    def warmup(self, pool: jax.Array) -> jax.Array:
+        pool = self.mover.warmup(pool)
+        probe = self._put([self.mover._zero_page], self.host.host_sharding)
+        jax.block_until_ready(self._put(probe, self.host.device_sharding))
+        return pool
+
+    def shadow_budget(self, moves_out: list[PageMoves]) -> int:
+        """Out-pages left this step for eager shadowing after the plan's rotations."""
+        return max(0, self.budget_pages - sum(len(m) for m in moves_out))
+
+    # -- step (1): observe ---------------------------------------------------------------
+
+    def poll(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
+        """Observe finished copies and land arrived pages; returns the new pool."""
+        self._drop_freed()
+        now = time.perf_counter()
+        events: list[RotationEvent] = []
+        landing: list[_Flight] = []
+        pending: list[_Flight] = []
+        for f in self._flights:
+            ok = _arrived(f.arrays)
+            if ok is None:
+                pending.append(f)
+                continue
+            f.batch.done_one(now, self.stats)
+            if f.kind == "shadow":
+                if not ok:
+                    self._shadow_failed(f.pages, f.arrays)
+            elif not ok:
+                self.stats.failures += 1
+                events.append(RotationEvent(f.req_id, EventKind.FAILED))
+            elif f.kind == "out":
+                self.kv.finish_rotate_out(f.req_id)
+                events.append(RotationEvent(f.req_id, EventKind.ROTATED_OUT))
+            else:
+                landing.append(f)
+        self._flights = pending
+        if landing:
+            ids = [d for f in landing for d in f.pages]
+            pool = self.mover.scatter(pool, ids, [a for f in landing for a in f.arrays])
+            for f in landing:
+                self.kv.finish_rotate_in(f.req_id)
+                events.append(RotationEvent(f.req_id, EventKind.ROTATED_IN))
+        return pool, events
+
+    # -- step (3): issue -----------------------------------------------------------------
+
+    def execute(self, pool: jax.Array, moves_out: list[PageMoves], moves_in: list[PageMoves],
+                shadows: list[PageMoves]) -> list[RotationEvent]:
+        """Issue this step's copies; returns FAILED events for copies that failed to issue.
+
+        Must run after the plan's bookkeeping and before the step that donates ``pool``."""
+        t0 = time.perf_counter()
+        inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
+        self._drop_freed()
+        events: list[RotationEvent] = []
+        if moves_out or shadows:
+            events += self._issue_out(pool, moves_out, shadows, t0)
+        if moves_in:
+            events += self._issue_in(moves_in, inbound, t0)
+        self.stats.failures += len(events)
+        self.stats.dispatch_s += time.perf_counter() - t0
+        return events
+
+    def _issue_out(self, pool: jax.Array, moves_out: list[PageMoves],
+                   shadows: list[PageMoves], t0: float) -> list[RotationEvent]:
+        moves = moves_out + shadows
+        device_ids = [d for m in moves for d in m.device_pages]
+        host_ids = [h for m in moves for h in m.host_pages]
+        try:
+            arrays = self._put(self.mover.gather(pool, device_ids), self.host.host_sharding)
+        except Exception:  # noqa: BLE001 - nothing reached the host
+            self.kv.drop_shadows([h for m in shadows for h in m.host_pages])
+            return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_out]
+        self.host.put(host_ids, arrays)
+        num_shadow = sum(len(m) for m in shadows)
+        self._count_out(len(device_ids), num_shadow, len(moves_out))
+        batch = CopyBatch("out", t0)
+        for m in moves_out:  # done when every host page of the request is, shadows too
+            parked = self.host.get(self.kv.host_table(m.req_id))
+            self._add(_Flight(m.req_id, "out", parked, [], batch))
+        if shadows:
+            self._add(_Flight("", "shadow", arrays[len(arrays) - num_shadow:],
+                              host_ids[len(host_ids) - num_shadow:], batch))
+        return []
+
+    def _issue_in(self, moves_in: list[PageMoves], inbound: list[list[jax.Array]],
+                  t0: float) -> list[RotationEvent]:
+        try:
+            arrays = self._put([a for arrs in inbound for a in arrs], self.host.device_sharding)
+        except Exception:  # noqa: BLE001
+            return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_in]
+        self.stats.pages_in += len(arrays)
+        self.stats.bytes_in += len(arrays) * self.layout.page_bytes
+        self.stats.rotations_in += len(moves_in)
+        batch = CopyBatch("in", t0)
+        start = 0
+        for m in moves_in:
+            self._add(_Flight(m.req_id, "in", arrays[start:start + len(m)],
+                              list(m.device_pages), batch))
+            start += len(m)
+        return []
+
+    def _put(self, arrays: list[jax.Array], sharding: jax.sharding.Sharding) -> list[jax.Array]:
+        """One batched, asynchronous copy of many arrays (tests patch this to fail)."""
+        return list(jax.device_put(arrays, sharding)) if arrays else []
+
+    def wait_all(self) -> None:
+        """Block until every copy in flight completes. For benchmarks and tests: the
+        engine never calls it (it observes completion with ``poll``)."""
+        for f in self._flights:
+            try:
+                jax.block_until_ready(f.arrays)
+            except Exception:  # noqa: BLE001 - poll reports it as FAILED
+                pass
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def cancel(self, req_id: str) -> None:
+        """Forget the copies of a finished or aborted request: nothing of it will land."""
+        now = time.perf_counter()
+        keep = []
+        for f in self._flights:
+            if f.req_id == req_id and f.kind != "shadow":
+                f.batch.done_one(now, self.stats)
+            else:
+                keep.append(f)
+        self._flights = keep
+        self._drop_freed()
+
+    def _add(self, flight: _Flight) -> None:
+        flight.batch.remaining += 1
+        self._flights.append(flight)
+
+    def _count_out(self, num_pages: int, num_shadow: int, num_rotations: int) -> None:
+        self.stats.pages_out += num_pages
+        self.stats.bytes_out += num_pages * self.layout.page_bytes
+        self.stats.shadow_pages += num_shadow
+        self.stats.rotations_out += num_rotations
+
+    def _shadow_failed(self, host_pages: list[int], arrays: list[jax.Array]) -> None:
+        """Forget the shadows whose copy failed, unless the host page was reused since."""
+        still = [h for h, a in zip(host_pages, arrays, strict=True) if self.host.holds(h, a)]
+        self.kv.drop_shadows(still)
+
+    def _drop_freed(self) -> None:
+        self.host.drop(self.kv.take_freed_host_pages())

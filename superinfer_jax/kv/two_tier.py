@@ -1,0 +1,251 @@
+"""Two-tier page bookkeeping: device page tables, host page tables, host shadows.
+
+Pure host code over ints, like ``KVCacheManager`` which it extends. The scheduler sees
+rotation only through this seam:
+
+    can_rotate_out(req_id)  rotate_out(req_id, num_computed_tokens) -> PageMoves
+    can_rotate_in(req_id)   rotate_in(req_id) -> PageMoves
+    is_resident(req_id)     rotation_cost_out/_in(req_id)   num_host_free_pages
+
+Where a request's KV lives (``Residency``):
+
+    DEVICE --rotate_out--> ROTATING_OUT --finish_rotate_out--> HOST
+    HOST --rotate_in--> ROTATING_IN --finish_rotate_in--> DEVICE
+
+A *shadow* is a host copy of a full device page of a DEVICE request. Full pages never
+change (pages are append-only; only the tail page is written), so a shadow stays valid
+until its device page is freed, and a later rotate_out moves only the *dirty* pages (those
+without a shadow: normally just the partially filled tail). rotate_out frees the device
+pages at once: the rotation engine gathers them before the step that may reuse them is
+dispatched (ordering is by JAX data dependencies, see ``duplexkv.rotation``). rotate_in
+reserves device pages at once; the pages are written when the copies arrive.
+
+Invariants (``check_invariants``, property-tested):
+- every device page in [1, num_pages) is free or in exactly one device page table;
+- every host page in [1, num_host_pages] is free, or exactly one shadow, or in exactly
+  one host page table;
+- shadows belong to device pages of DEVICE or ROTATING_IN requests (a page arriving from
+  the host keeps its host copy as its shadow); HOST and ROTATING_OUT requests hold
+  no device pages; ROTATING_IN requests hold device pages, plus the host copy of their
+  tail page until it lands. Host pages a copy in flight reads are never reclaimed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from superinfer_jax.kv.page_allocator import KVCacheManager
+
+
+class Residency(enum.IntEnum):
+    DEVICE = 0
+    ROTATING_OUT = 1
+    HOST = 2
+    ROTATING_IN = 3
+
+
+@dataclass(frozen=True)
+class PageMoves:
+    """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``."""
+
+    req_id: str
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.device_pages)
+
+
+class TwoTierKVManager(KVCacheManager):
+    """Device and host page tables of every request, and the host shadows."""
+
+    def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0):
+        super().__init__(num_pages, page_size)
+        self.num_host_pages = num_host_pages
+        self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
+        self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
+        self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
+        self.residency: dict[str, Residency] = {}
+        self._num_full: dict[str, int] = {}  # full pages of a parked request
+        self._freed_host: list[int] = []  # freed since the last take_freed_host_pages
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def num_host_free_pages(self) -> int:
+        return len(self._host_free)
+
+    def residency_of(self, req_id: str) -> Residency:
+        return self.residency.get(req_id, Residency.DEVICE)
+
+    def is_resident(self, req_id: str) -> bool:
+        """KV fully on the device and usable by a step."""
+        return self.residency_of(req_id) == Residency.DEVICE
+
+    def host_table(self, req_id: str) -> list[int]:
+        return self.host_tables.get(req_id, [])
+
+    def dirty_pages(self, req_id: str) -> list[int]:
+        """Device pages of ``req_id`` whose host copy is missing or stale."""
+        return [d for d in self.page_table(req_id) if d not in self.shadows]
+
+    def rotation_cost_out(self, req_id: str) -> int:
+        """Pages a rotate_out of ``req_id`` would copy (the rest are shadowed already)."""
+        return len(self.dirty_pages(req_id))
+
+    def rotation_cost_in(self, req_id: str) -> int:
+        return len(self.host_table(req_id))
+
+    def can_rotate_out(self, req_id: str) -> bool:
+        """Resident, holds pages, and the host tier has room (reclaiming others' shadows)."""
+        table = self.page_table(req_id)
+        if not self.is_resident(req_id) or not table:
+            return False
+        room = len(self._host_free) + len(self._reclaimable(keep=set(table)))
+        return self.rotation_cost_out(req_id) <= room
+
+    def can_rotate_in(self, req_id: str) -> bool:
+        return (self.residency_of(req_id) == Residency.HOST
+                and self.rotation_cost_in(req_id) <= self.allocator.num_free)
+
+    # -- device tier (base class), guarded -----------------------------------------------
+
+    def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
+        if not self.is_resident(req_id):
+            raise RuntimeError(f"{req_id} is {self.residency_of(req_id).name}, not on device")
+        return super().allocate_for(req_id, num_tokens)
+
+    def free(self, req_id: str) -> int:
+        """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure)."""
+        table = self.page_tables.get(req_id, [])
+        self._release_host([self.shadows.pop(d) for d in table if d in self.shadows])
+        self._release_host(self.host_tables.pop(req_id, []))
+        self.residency.pop(req_id, None)
+        self._num_full.pop(req_id, None)
+        return super().free(req_id)
+
+    # -- rotation ------------------------------------------------------------------------
+
+    def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
+        """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
+        issue (dirty pages only) before any later step is dispatched."""
+        if not self.can_rotate_out(req_id):
+            raise RuntimeError(f"cannot rotate out {req_id}")
+        table = self.page_tables.pop(req_id)
+        dirty = [d for d in table if d not in self.shadows]
+        for d in self._reclaimable(keep=set(table))[: len(dirty) - len(self._host_free)]:
+            self._release_host([self.shadows.pop(d)])
+        moves_dev, moves_host, host_table = [], [], []
+        for d in table:
+            h = self.shadows.pop(d, None)
+            if h is None:
+                h = self._host_free.pop()
+                moves_dev.append(d)
+                moves_host.append(h)
+            host_table.append(h)
+        self.allocator.free(table)
+        self.host_tables[req_id] = host_table
+        self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
+        self.residency[req_id] = Residency.ROTATING_OUT
+        return PageMoves(req_id, tuple(moves_dev), tuple(moves_host))
+
+    def finish_rotate_out(self, req_id: str) -> None:
+        self._expect(req_id, Residency.ROTATING_OUT)
+        self.residency[req_id] = Residency.HOST
+
+    def rotate_in(self, req_id: str) -> PageMoves:
+        """Bring ``req_id`` back: reserves device pages now; returns every page to copy.
+
+        The host copies of full pages stay, as shadows of the new device pages; the tail
+        page's host copy is kept until the pages land, then freed (it goes stale as soon
+        as the request appends)."""
+        if not self.can_rotate_in(req_id):
+            raise RuntimeError(f"cannot rotate in {req_id}")
+        host_table = self.host_tables.pop(req_id)
+        device = self.allocator.allocate(len(host_table))
+        self.page_tables[req_id] = device
+        num_full = self._num_full.pop(req_id)
+        self.shadows.update(zip(device[:num_full], host_table[:num_full], strict=True))
+        self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
+        self.residency[req_id] = Residency.ROTATING_IN
+        return PageMoves(req_id, tuple(device), tuple(host_table))
+
+    def finish_rotate_in(self, req_id: str) -> None:
+        self._expect(req_id, Residency.ROTATING_IN)
+        self._release_host(self.host_tables.pop(req_id))
+        del self.residency[req_id]  # back to the default, DEVICE
+
+    # -- shadows -------------------------------------------------------------------------
+
+    def plan_shadows(self, num_computed: dict[str, int], max_pages: int) -> list[PageMoves]:
+        """Host copies for full, unshadowed pages of resident requests (eager shadowing).
+
+        ``num_computed``: req_id -> tokens whose KV is in the pool the copy will read.
+        Uses free host pages only; it never reclaims (a shadow is an optimisation)."""
+        out: list[PageMoves] = []
+        for req_id, n in num_computed.items():
+            if max_pages <= 0 or not self._host_free:
+                break
+            if not self.is_resident(req_id):
+                continue
+            full = self.page_table(req_id)[: n // self.page_size]
+            dev = [d for d in full if d not in self.shadows][:max_pages]
+            dev = dev[: len(self._host_free)]
+            if not dev:
+                continue
+            host = [self._host_free.pop() for _ in dev]
+            self.shadows.update(zip(dev, host, strict=True))
+            out.append(PageMoves(req_id, tuple(dev), tuple(host)))
+            max_pages -= len(dev)
+        return out
+
+    def drop_shadows(self, host_pages: list[int]) -> None:
+        """Forget shadows whose copy failed; their device pages become dirty again."""
+        gone = set(host_pages)
+        for d, h in list(self.shadows.items()):
+            if h in gone:
+                del self.shadows[d]
+                self._release_host([h])
+
+    def take_freed_host_pages(self) -> list[int]:
+        """Host pages freed since the last call: their arrays can be dropped."""
+        out, self._freed_host = self._freed_host, []
+        return out
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _reclaimable(self, keep: set[int]) -> list[int]:
+        """Device pages whose shadow may be dropped for room, oldest first: shadows of
+        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use)."""
+        arriving = {d for r, state in self.residency.items()
+                    if state == Residency.ROTATING_IN for d in self.page_tables[r]}
+        return [d for d in self.shadows if d not in keep and d not in arriving]
+
+    def _release_host(self, pages: list[int]) -> None:
+        self._host_free.extend(reversed(pages))
+        self._freed_host.extend(pages)
+
+    def _expect(self, req_id: str, state: Residency) -> None:
+        if self.residency_of(req_id) != state:
+            raise RuntimeError(
+                f"{req_id} is {self.residency_of(req_id).name}, expected {state.name}")
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the page bookkeeping is inconsistent."""
+        dev_owned = [d for t in self.page_tables.values() for d in t]
+        dev_free = list(self.allocator._free)
+        assert sorted(dev_owned + dev_free) == list(range(1, self.allocator.num_pages)), \
+            "device pages: some page is lost or owned twice"
+        host_owned = list(self.shadows.values()) + [h for t in self.host_tables.values()
+                                                    for h in t]
+        assert sorted(host_owned + list(self._host_free)) == \
+            list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
+        assert set(self.shadows) <= set(dev_owned), "a shadow of a free device page"
+        for req_id, state in self.residency.items():
+            parked = state in (Residency.ROTATING_OUT, Residency.HOST)
+            assert (req_id in self.page_tables) == (not parked), f"{req_id} {state.name}"
+            assert (req_id in self.host_tables) == (state != Residency.DEVICE), req_id
+            assert (req_id in self._num_full) == parked, f"{req_id} parked bookkeeping"
+        assert set(self.host_tables) <= set(self.residency), "host table of a DEVICE request"

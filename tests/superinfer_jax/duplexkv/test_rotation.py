@@ -1,0 +1,176 @@
+"""The rotation engine on real arrays: byte-exact round trips (float32, bfloat16) across
+page reuse, same-step reuse of a freed page, transfer failures and a full host tier."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from superinfer_jax.duplexkv import DuplexKV, EventKind, staging_buckets
+from superinfer_jax.kv.host_pool import HostPool
+from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.model_api import KVSpec
+
+PAGE = 4
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+class Rig:
+    """A pool, its bookkeeping and the rotation engine, with a host-side mirror of what
+    every request's pages must contain."""
+
+    def __init__(self, dtype: str, num_pages=9, num_host_pages=12, budget=64, seed=0):
+        self.layout = PoolLayout(SPEC, PAGE, dtype)
+        self.kv = TwoTierKVManager(num_pages, PAGE, num_host_pages)
+        self.duplex = DuplexKV(self.layout, self.kv, HostPool(num_host_pages), budget)
+        self.pool = self.duplex.adopt(self.layout.zeros(num_pages))
+        self.rng = np.random.default_rng(seed)
+        self.expect: dict[str, np.ndarray] = {}  # req_id -> [pages, L, 2, S, K, D]
+        self.events: list = []
+
+    def fill(self, req_id: str, num_tokens: int) -> None:
+        """Allocate pages and write random contents (what a model step would do)."""
+        pages = self.kv.allocate_for(req_id, num_tokens)
+        data = self.rng.standard_normal((len(pages), *self.layout.page_shape()))
+        data = data.astype(self.layout.dtype)
+        self.pool = self.pool.at[np.array(pages)].set(data)
+        self.expect[req_id] = data
+
+    def scribble(self) -> None:
+        """Overwrite every free device page, as a step reusing freed pages would."""
+        free = [p for p in range(1, self.layout_pages) if p in self.kv.allocator._free]
+        if free:
+            junk = np.full((len(free), *self.layout.page_shape()), 7, self.layout.dtype)
+            self.pool = self.pool.at[np.array(free)].set(junk)
+
+    @property
+    def layout_pages(self) -> int:
+        return self.pool.shape[0]
+
+    def step(self, moves_out=(), moves_in=(), shadow_tokens=None) -> None:
+        self.pool, events = self.duplex.poll(self.pool)
+        self.events += events
+        shadows = self.kv.plan_shadows(shadow_tokens or {}, 64)
+        self.events += self.duplex.execute(self.pool, list(moves_out), list(moves_in), shadows)
+
+    def settle(self) -> None:
+        """Step until nothing is in flight (blocking here is fine: this is a test)."""
+        for _ in range(1000):
+            if not self.duplex.num_in_flight:
+                return
+            jax.block_until_ready(self.pool)
+            self.step()
+        raise AssertionError("copies never completed")
+
+    def device_contents(self, req_id: str) -> np.ndarray:
+        return np.asarray(self.pool[np.array(self.kv.page_table(req_id))])
+
+    def round_trip(self, req_id: str, num_tokens: int) -> None:
+        self.step(moves_out=[self.kv.rotate_out(req_id, num_tokens)])
+        self.scribble()
+        self.settle()
+        self.step(moves_in=[self.kv.rotate_in(req_id)])
+        self.settle()
+
+
+def assert_bytes_equal(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_is_byte_exact_across_page_reuse(dtype):
+    rig = Rig(dtype)
+    rig.fill("a", 10)  # 3 pages, the last one partly filled
+    rig.fill("b", 8)
+    for i in range(6):
+        req = "ab"[i % 2]
+        tokens = 10 if req == "a" else 8
+        rig.step(shadow_tokens={"a": 10, "b": 8} if i == 0 else None)
+        rig.round_trip(req, tokens)
+        assert_bytes_equal(rig.device_contents(req), rig.expect[req])
+        rig.kv.check_invariants()
+    assert [e.kind for e in rig.events].count(EventKind.ROTATED_IN) == 6
+    assert rig.duplex.stats.shadow_pages > 0 and rig.duplex.stats.failures == 0
+
+
+def test_many_random_round_trips_bfloat16():
+    rig = Rig("bfloat16", num_pages=12, num_host_pages=20, seed=3)
+    sizes = {"a": 5, "b": 12, "c": 3}
+    for req, n in sizes.items():
+        rig.fill(req, n)
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        req = str(rng.choice(list(sizes)))
+        rig.round_trip(req, sizes[req])
+    for req in sizes:
+        assert_bytes_equal(rig.device_contents(req), rig.expect[req])
+    assert rig.duplex.stats.rotations_in == 12
+
+
+def test_page_freed_by_rotate_out_reused_by_rotate_in_in_the_same_step():
+    rig = Rig("float32", num_pages=4)  # 3 usable pages
+    rig.fill("a", 8)  # 2 pages
+    rig.round_trip("a", 8)  # a's copies now live on the host too
+    rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
+    rig.settle()  # a is parked; its old pages are free
+    rig.fill("b", 8)  # b takes two of them
+    out_b = rig.kv.rotate_out("b", 8)
+    in_a = rig.kv.rotate_in("a")  # ...and a reuses b's pages, freed in this same step
+    assert set(in_a.device_pages) & set(out_b.device_pages)
+    rig.step(moves_out=[out_b], moves_in=[in_a])
+    rig.settle()
+    assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])
+    rig.kv.free("a")  # a finishes; b comes back into the same pages
+    rig.step(moves_in=[rig.kv.rotate_in("b")])
+    rig.settle()
+    assert_bytes_equal(rig.device_contents("b"), rig.expect["b"])
+
+
+def test_failed_copy_is_reported_and_nothing_lands(monkeypatch):
+    rig = Rig("float32")
+    rig.fill("a", 8)
+    rig.fill("b", 6)
+    before = np.asarray(rig.pool)
+
+    def broken(arrays, sharding):
+        raise RuntimeError("DMA engine on fire")
+
+    monkeypatch.setattr(rig.duplex, "_put", broken)
+    rig.step(moves_out=[rig.kv.rotate_out("a", 8)], shadow_tokens={"b": 6})
+    assert [(e.req_id, e.kind) for e in rig.events] == [("a", EventKind.FAILED)]
+    assert not rig.kv.shadows  # the failed shadow copy is forgotten
+    rig.kv.free("a")  # what the scheduler does: recompute a
+    rig.kv.check_invariants()
+    assert rig.duplex.stats.failures == 1
+    np.testing.assert_array_equal(np.asarray(rig.pool), before)
+
+
+def test_error_observed_when_ready_fails_the_rotation(monkeypatch):
+    rig = Rig("float32")
+    rig.fill("a", 8)
+    rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
+    monkeypatch.setattr("superinfer_jax.duplexkv.rotation._arrived", lambda arrays: False)
+    rig.step()
+    assert [e.kind for e in rig.events] == [EventKind.FAILED]
+
+
+def test_cancel_drops_copies_and_the_host_pages_are_released():
+    rig = Rig("float32")
+    rig.fill("a", 8)
+    rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
+    rig.kv.free("a")  # aborted while rotating out
+    rig.duplex.cancel("a")
+    assert rig.duplex.num_in_flight == 0 and rig.duplex.host.num_stored == 0
+    rig.kv.check_invariants()
+
+
+def test_staging_buckets_and_chunking():
+    assert staging_buckets(64) == (1, 4, 16, 64)
+    assert staging_buckets(10) == (1, 4, 10)
+    rig = Rig("float32", num_pages=9, budget=4)
+    rig.fill("a", 30)  # 8 pages: two staging batches of 4
+    rig.round_trip("a", 30)
+    assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])

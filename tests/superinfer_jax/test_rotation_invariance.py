@@ -1,0 +1,165 @@
+"""Rotation never changes output: requests rotated out to the host and back (and
+recomputed, when the device pool is too small for the batch) generate exactly the greedy
+tokens they generate alone, with no memory pressure, on the same engine.
+
+The reference runs each request alone on the same engine first, so both runs share the
+compiled step shapes (a compile dominates these tests on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.config import ModelConfig
+from models.servable import random_servable
+from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax.request import RequestStatus
+
+TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   max_position_embeddings=256, eos_token_ids=(255,))
+# Few compiled shapes: decode 1/2/4 rows, prefill 1 row x 16 columns.
+SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                     max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
+                     show_progress=False, warmup=False)
+
+
+def run_alone(engine: LLMEngine, prompts, sp) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        rid = engine.add_request(p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out.append(engine.release(rid).output_token_ids)
+    return out
+
+
+def run_rotating(engine: LLMEngine, prompts, sp, every: int) -> list:
+    """All requests at once; every ``every`` steps one of the running requests (when more
+    than one runs) rotates out."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+        step += 1
+        assert step < 100_000, "no progress"  # steps that only poll copies are quick
+        running = [r.req_id for r in engine.scheduler.running]
+        if step % every == 0 and len(running) > 1:
+            engine.force_rotate_out(running[step % len(running)])
+    return [engine.release(rid) for rid in ids]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_servable(TINY, seed=1)
+
+
+def test_tiny_model_rotation_keeps_greedy_tokens(tiny):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    # 11 usable pages: one request needs up to 7, the batch about 30.
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=64))
+    reference = run_alone(engine, prompts, sp)
+    done = run_rotating(engine, prompts, sp, every=4)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_rotations for r in done) >= 4
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in done)
+    stats = engine.stats()
+    assert stats["transfer_rotations_in"] == stats["transfer_rotations_out"] >= 4
+    assert stats["transfer_shadow_pages"] > 0
+    assert stats["device_pages_free"] == 11 and stats["host_pages_free"] == 64
+
+
+def test_without_host_tier_forced_rotation_recomputes(tiny):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 4)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=10))
+    assert engine.duplex is None
+    reference = run_alone(engine, prompts, sp)
+    done = run_rotating(engine, prompts, sp, every=2)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_rotations for r in done) == 0
+    assert sum(r.num_preemptions for r in done) >= 2
+
+
+@pytest.fixture(scope="module")
+def few_prompts():
+    rng = np.random.default_rng(2)
+    return [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 4)]
+
+
+def test_transfer_failures_fall_back_to_recompute(tiny, few_prompts, monkeypatch):
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=64))
+    reference = run_alone(engine, few_prompts, sp)
+    calls = {"n": 0}
+    real_put = engine.duplex._put
+
+    def flaky_put(arrays, sharding):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected transfer failure")
+        return real_put(arrays, sharding)
+
+    monkeypatch.setattr(engine.duplex, "_put", flaky_put)
+    done = run_rotating(engine, few_prompts, sp, every=2)
+    assert [r.output_token_ids for r in done] == reference
+    assert engine.duplex.stats.failures > 0
+    assert sum(r.num_preemptions for r in done) > 0
+
+
+def test_full_host_pool_falls_back_to_recompute(tiny, few_prompts):
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=3,
+                                           eager_shadowing=False))
+    reference = run_alone(engine, few_prompts, sp)
+    done = run_rotating(engine, few_prompts, sp, every=2)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_preemptions for r in done) > 0  # did not fit on the host
+    assert engine.kv.num_host_free_pages == 3
+
+
+def test_abort_in_every_rotation_state_frees_both_tiers(tiny, few_prompts):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=16))
+    ids = [engine.add_request(p, sp) for p in few_prompts[:3]]
+    seen = set()
+    for step in range(100_000):
+        engine.step()
+        running = [r.req_id for r in engine.scheduler.running]
+        if step % 2 == 0 and running:
+            engine.force_rotate_out(running[0])
+        for rid in ids:
+            status = engine.requests[rid].status
+            if status in (RequestStatus.ROTATING_OUT, RequestStatus.ROTARY,
+                          RequestStatus.ROTATING_IN) and status not in seen:
+                seen.add(status)
+                engine.abort_request(rid)
+                engine.kv.check_invariants()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests() and RequestStatus.ROTATING_OUT in seen
+    engine.step()  # drops the host arrays of freed pages
+    assert engine.kv.num_free_pages == 11 and engine.kv.num_host_free_pages == 16
+    assert engine.duplex.num_in_flight == 0 and engine.duplex.host.num_stored == 0
+
+def test_smollm2_rotation_keeps_greedy_tokens():
+    """The real model: 6 requests, a pool that holds about two of them, rotations every
+    few steps; each request's greedy tokens match its run alone."""
+    from models import load_model
+
+    model = load_model("smollm2-135m", dtype="float32")
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there",
+             "The three primary colors are", "Water boils at a temperature of",
+             "import numpy as np\nx ="]
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
+    engine = LLMEngine(model, cfg)  # 7 usable pages; the batch needs 18
+    reference = run_alone(engine, prompts, sp)
+    done = run_rotating(engine, prompts, sp, every=3)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_rotations for r in done) >= 3
