@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from superinfer_jax.request import SLO
+from superinfer_jax.request import PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -28,6 +28,53 @@ def _pow2_buckets(low: int, high: int) -> tuple[int, ...]:
         b *= 2
     out.append(high)
     return tuple(out)
+
+
+POLICIES = ("fcfs", "swap", "rotasched")
+RANKING_MODES = ("vlt", "slack")
+
+
+def _default_priority_weights() -> dict[str, float]:
+    return {"critical": 4.0, "standard": 1.0, "batch": 0.25}
+
+
+@dataclass(frozen=True)
+class RotaSchedConfig:
+    """The paper's policy parameters (defaults: alpha 3, beta_F 0.5, beta_B 0).
+
+    ``high_water_mark``: share of device pages in use at which the policy starts acting
+    (proactively, before an allocation fails). ``mode``: rank by virtual lag (``vlt``) or
+    by predicted slack from the latency model (``slack``). ``priority_weights`` scale a
+    request's lag by its SLO's priority class.
+    """
+
+    alpha: float = 3.0
+    beta_f: float = 0.5
+    beta_b: float = 0.0
+    high_water_mark: float = 0.85
+    mode: str = "vlt"
+    priority_weights: dict[str, float] = dataclasses.field(
+        default_factory=_default_priority_weights)
+    latency_profile: str | None = None  # JSON written by LatencyModel.save
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta_f", "beta_b"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 \
+                    or not math.isfinite(value):
+                raise ValueError(f"rotasched.{name} must be a finite number >= 0, got {value!r}")
+        h = self.high_water_mark
+        if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h <= 1:
+            raise ValueError(f"rotasched.high_water_mark must be in (0, 1], got {h!r}")
+        if self.mode not in RANKING_MODES:
+            raise ValueError(f"rotasched.mode must be one of {RANKING_MODES}, got {self.mode!r}")
+        unknown = set(self.priority_weights) - set(PRIORITY_CLASSES)
+        if unknown:
+            raise ValueError(f"rotasched.priority_weights has unknown classes {sorted(unknown)}")
+        for cls in PRIORITY_CLASSES:
+            w = self.priority_weights.get(cls)
+            if isinstance(w, bool) or not isinstance(w, int | float) or not w > 0:
+                raise ValueError(f"rotasched.priority_weights.{cls} must be > 0, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +109,8 @@ class EngineConfig:
     host_memory_gb: float = 0.0  # host tier capacity in GiB of pinned host memory
     transfer_budget_pages: int = 2400  # pages moved per step, each direction (paper: 2400)
     eager_shadowing: bool = True  # copy pages to host as they fill, so eviction moves one
+    policy: str = "fcfs"  # fcfs (vLLM V1 recompute), swap (vLLM V0), rotasched
+    rotasched: RotaSchedConfig = dataclasses.field(default_factory=RotaSchedConfig)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -88,6 +137,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )
         self._validate_host_tier()
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.rotasched, RotaSchedConfig):
+            raise ValueError(f"rotasched must be a RotaSchedConfig, got {self.rotasched!r}")
         if not isinstance(self.default_slo, SLO):
             raise ValueError(f"default_slo must be an SLO, got {self.default_slo!r}")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -38,10 +39,13 @@ from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.latency import LatencyModel
 from superinfer_jax.model_api import ServableModel, StepInputs
+from superinfer_jax.profiler import profile_engine
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.rotasched.policies import make_scheduler
 from superinfer_jax.sampling import SamplingInputs, sample
-from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.scheduler import StepPlan
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
 
@@ -91,7 +95,9 @@ class LLMEngine:
         self.num_device_pages = self._choose_num_pages()
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
         self.kv = TwoTierKVManager(self.num_device_pages, config.page_size, self.num_host_pages)
-        self.scheduler = FCFSScheduler(config, self.kv)
+        self.latency: LatencyModel | None = None  # profiled at warm-up or loaded
+        self.scheduler = make_scheduler(config, self.kv)
+        self.scheduler.page_bytes = self.layout.page_bytes
         # Committed to the device now: an uncommitted array is a different jit cache key,
         # and the first real step would recompile a bucket warm-up already compiled.
         self.kv_pool = jax.device_put(self.layout.zeros(self.num_device_pages),
@@ -159,6 +165,22 @@ class LLMEngine:
             tokens.block_until_ready()
         if self.duplex is not None:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
+        if self.config.policy == "rotasched" and self.config.rotasched.mode == "slack":
+            self.set_latency_model(self._latency_model())
+
+    def _latency_model(self) -> LatencyModel:
+        """The saved profile when there is one, else measured now (and saved if asked)."""
+        path = self.config.rotasched.latency_profile
+        if path and os.path.exists(path):
+            return LatencyModel.load(path)
+        model = profile_engine(self)
+        if path:
+            model.save(path)
+        return model
+
+    def set_latency_model(self, model: LatencyModel) -> None:
+        self.latency = model
+        self.scheduler.latency = model
 
     def _empty_inputs(self, rows: int, cols: int) -> StepInputs:
         return StepInputs.from_numpy(

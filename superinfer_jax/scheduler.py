@@ -58,6 +58,7 @@ class FCFSScheduler:
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
+        self.page_bytes = 0  # bytes of one page (set by the engine), for cost predictions
 
     @property
     def num_unfinished(self) -> int:
@@ -113,11 +114,15 @@ class FCFSScheduler:
         total = req.num_computed_tokens + n
         while not self.kv.can_allocate(req.req_id, total):
             victim = self.running[-1]
-            self._preempt(victim, plan, now)
+            self._evict(victim, plan, now)
             if victim is req:
                 return False
         self.kv.allocate_for(req.req_id, total)
         return True
+
+    def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
+        """Make room by taking ``req`` off the device: FCFS (vLLM V1) recomputes it later."""
+        self._preempt(req, plan, now)
 
     def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
         self.running.remove(req)
@@ -171,6 +176,13 @@ class FCFSScheduler:
         plan.rotate_in.append(req.req_id)
         req.set_status(RequestStatus.ROTATING_IN, now)
 
+    def _start_rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
+        kv = self.kv
+        assert isinstance(kv, TwoTierKVManager)
+        plan.moves_in.append(kv.rotate_in(req.req_id))
+        plan.rotate_in.append(req.req_id)
+        req.set_status(RequestStatus.ROTATING_IN, now)
+
     def _num_rotating_in(self) -> int:
         return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
 
@@ -199,26 +211,34 @@ class FCFSScheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         prefill_rows = len(plan.prefill)
-        seats = self.config.max_num_seqs - self._num_rotating_in()  # arrivals keep theirs
-        while self.waiting and budget > 0 and len(self.running) < seats:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.req_id in plan.preempted:
                 break  # do not re-admit what this very step evicted
-            pending = req.num_pending_tokens
-            if pending > 1 and prefill_rows >= self.config.max_prefill_rows:
-                break
-            n = 1 if pending == 1 else min(pending, self.config.max_prefill_chunk, budget)
-            if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+            n = self._admit_one(req, plan, budget, prefill_rows, now)
+            if not n:
                 break  # FCFS: the head waits for memory, nobody overtakes it
-            self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
-            self.waiting.popleft()
-            self.running.append(req)
-            req.set_status(RequestStatus.RUNNING, now)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            if pending == 1:
-                plan.decode.append(req.req_id)
-            else:
-                plan.prefill.append((req.req_id, n))
-                prefill_rows += 1
             budget -= n
+            prefill_rows += req.num_pending_tokens > 1
+
+    def _admit_one(self, req: Request, plan: StepPlan, budget: int, prefill_rows: int,
+                   now: float) -> int:
+        """Admit waiting ``req`` for its first chunk if rows and pages allow; returns the
+        tokens scheduled (0: not admitted)."""
+        pending = req.num_pending_tokens
+        if pending > 1 and prefill_rows >= self.config.max_prefill_rows:
+            return 0
+        n = 1 if pending == 1 else min(pending, self.config.max_prefill_chunk, budget)
+        if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+            return 0
+        self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.set_status(RequestStatus.RUNNING, now)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        if pending == 1:
+            plan.decode.append(req.req_id)
+        else:
+            plan.prefill.append((req.req_id, n))
+        return n

@@ -7,9 +7,18 @@ import os
 import tempfile
 
 import jax
+import pytest
 
 _CACHE = os.environ.get("SUPERINFER_TEST_XLA_CACHE") or os.path.join(
     tempfile.gettempdir(), "superinfer-test-xla-cache"
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M, float32, loaded once per session (it takes seconds)."""
+    from models import load_model
+
+    return load_model("smollm2-135m", dtype="float32")

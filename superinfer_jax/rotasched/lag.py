@@ -15,34 +15,11 @@ is the request's priority-class weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from superinfer_jax.request import PRIORITY_CLASSES, Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class LagParams:
-    alpha: float = 3.0
-    beta_f: float = 0.5
-    beta_b: float = 0.0
-    priority_weights: dict[str, float] = field(
-        default_factory=lambda: {"critical": 4.0, "standard": 1.0, "batch": 0.25})
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "beta_f", "beta_b"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"rotasched.{name} must be a number >= 0, got {value!r}")
-        unknown = set(self.priority_weights) - set(PRIORITY_CLASSES)
-        if unknown:
-            raise ValueError(f"rotasched.priority_weights has unknown classes {sorted(unknown)}")
-        for cls in PRIORITY_CLASSES:
-            w = self.priority_weights.get(cls)
-            if w is None or not w > 0:
-                raise ValueError(f"rotasched.priority_weights.{cls} must be > 0, got {w!r}")
+from superinfer_jax.config import RotaSchedConfig
+from superinfer_jax.request import Request, RequestStatus
 
 
-def virtual_lag(req: Request, now: float, p: LagParams) -> float:
+def virtual_lag(req: Request, now: float, p: RotaSchedConfig) -> float:
     weight = p.priority_weights[req.slo.priority_class]
     if req.status == RequestStatus.RUNNING:
         since = req.running_since if req.running_since is not None else now
@@ -54,6 +31,6 @@ def virtual_lag(req: Request, now: float, p: LagParams) -> float:
     return weight * max(0.0, overdue)
 
 
-def order_by_lag(reqs: list[Request], now: float, p: LagParams) -> list[Request]:
+def order_by_lag(reqs: list[Request], now: float, p: RotaSchedConfig) -> list[Request]:
     """Largest lag first; ties broken by arrival (FCFS), so no contention means FCFS."""
     return sorted(reqs, key=lambda r: (-virtual_lag(r, now, p), r.arrival_time))

@@ -8,16 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from models import LlamaServable, load_model
+from models import LlamaServable
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import StepInputs
 
 GreedyFn = Callable[[LlamaServable, Sequence[int], int], list[int]]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> LlamaServable:
-    return load_model("smollm2-135m", dtype="float32")
 
 
 def _inputs(tokens: np.ndarray, start: int, table: np.ndarray) -> StepInputs:

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.latency import LatencyModel, fit_nonnegative
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.lag import LagParams, order_by_lag, virtual_lag
+from superinfer_jax.rotasched.lag import order_by_lag, virtual_lag
 
 
 def test_fit_recovers_exact_linear_costs_and_persists(tmp_path):
@@ -57,7 +58,7 @@ def _req(rid, arrival, status, slo=SLO_1S, last_token=None,
 
 
 def test_virtual_lag_by_hand():
-    p = LagParams()  # alpha 3, beta_f 0.5, beta_b 0
+    p = RotaSchedConfig()  # alpha 3, beta_f 0.5, beta_b 0
     now = 10.0
     waiting = _req("w", arrival=8.0, status=RequestStatus.WAITING)  # 2 s - 0.5 s
     assert virtual_lag(waiting, now, p) == pytest.approx(1.5)
@@ -75,7 +76,7 @@ def test_virtual_lag_by_hand():
 
 
 def test_no_lag_means_arrival_order():
-    p = LagParams()
+    p = RotaSchedConfig()
     reqs = [_req(str(i), arrival=5.0 - i * 0.1, status=RequestStatus.WAITING) for i in range(4)]
     assert [r.req_id for r in order_by_lag(reqs, 5.05, p)] == ["3", "2", "1", "0"]
 
@@ -84,10 +85,11 @@ def test_no_lag_means_arrival_order():
     ({"alpha": -1}, "alpha"), ({"beta_f": "x"}, "beta_f"),
     ({"priority_weights": {"vip": 2.0}}, "priority_weights"),
     ({"priority_weights": {"critical": 0, "standard": 1, "batch": 1}}, "critical"),
+    ({"high_water_mark": 0}, "high_water_mark"), ({"mode": "edf"}, "mode"),
 ])
 def test_bad_lag_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        LagParams(**kwargs)
+        RotaSchedConfig(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -146,12 +146,10 @@ def test_abort_in_every_rotation_state_frees_both_tiers(tiny, few_prompts):
     assert engine.kv.num_free_pages == 11 and engine.kv.num_host_free_pages == 16
     assert engine.duplex.num_in_flight == 0 and engine.duplex.host.num_stored == 0
 
-def test_smollm2_rotation_keeps_greedy_tokens():
+def test_smollm2_rotation_keeps_greedy_tokens(smollm2):
     """The real model: 6 requests, a pool that holds about two of them, rotations every
     few steps; each request's greedy tokens match its run alone."""
-    from models import load_model
-
-    model = load_model("smollm2-135m", dtype="float32")
+    model = smollm2
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there",
              "The three primary colors are", "Water boils at a temperature of",
              "import numpy as np\nx ="]

@@ -1,0 +1,138 @@
+"""All policies on the same engine, model and requests, across request rates.
+
+SmolLM2 on this CPU with a device pool capped so memory contention is real. Prompt and
+output lengths come from the Azure 2023 conversation trace, scaled down (x ``--scale``,
+clipped) to fit the machine; arrivals are Poisson at each rate. SLOs are multiples of the
+unloaded latencies measured at the start of the same run: TTFT SLO = ``--ttft-mult`` x the
+unloaded TTFT of a median-length prompt, TBT SLO = ``--tbt-mult`` x the unloaded
+single-request decode step.
+
+    python -m benchmarks.policy_sweep [--quick] [--out results/policy_sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.metrics import summarize
+from benchmarks.replay import build_requests, replay
+from benchmarks.workloads import load_trace, poisson_arrivals, scale_lengths
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "superinfer", "xla")
+
+
+def unloaded_latency(engine, prompt_len: int, vocab: int) -> tuple[float, float]:
+    """(TTFT, decode step) of one request alone, median of a few runs."""
+    from superinfer_jax import SamplingParams
+
+    rng = np.random.default_rng(123)
+    ttfts, steps = [], []
+    for _ in range(3):
+        rid = engine.add_request(rng.integers(10, vocab - 10, prompt_len).tolist(),
+                                 SamplingParams(max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        req = engine.release(rid)
+        ttfts.append(req.ttft)
+        steps.append(float(np.median(req.inter_token_gaps)))
+    return float(np.median(ttfts)), float(np.median(steps))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, "policy_sweep")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policies", default="fcfs,swap,rotasched")
+    parser.add_argument("--rates", default="0.5,1,2,3", help="requests per second")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--trace", default="azure_conv")
+    parser.add_argument("--scale", type=float, default=0.125, help="length scale factor")
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=48)
+    parser.add_argument("--device-pages", type=int, default=48, help="device pool cap")
+    parser.add_argument("--host-pages", type=int, default=512)
+    parser.add_argument("--ttft-mult", type=float, default=5.0)
+    parser.add_argument("--tbt-mult", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.num_requests = "1,3", 16
+
+    from models import load_model
+    from superinfer_jax import EngineConfig, LLMEngine
+
+    model = load_model(args.model)
+    trace = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
+                          args.max_prompt, args.max_output, args.scale)
+    rng = np.random.default_rng(args.seed)
+    trace = [trace[i] for i in rng.choice(len(trace), args.num_requests, replace=False)]
+    base = EngineConfig(
+        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
+        max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
+        num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
+    )
+    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
+    median_prompt = int(np.median([r.prompt_len for r in trace]))
+    ttft0, step0 = unloaded_latency(next(iter(engines.values())), median_prompt,
+                                    model.vocab_size)
+    ttft_ms, tbt_ms = 1000 * args.ttft_mult * ttft0, 1000 * args.tbt_mult * step0
+    print(f"unloaded TTFT {1000 * ttft0:.0f} ms (prompt {median_prompt}), decode step "
+          f"{1000 * step0:.0f} ms -> SLOs TTFT {ttft_ms:.0f} ms, TBT {tbt_ms:.0f} ms")
+    rows = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        arrivals = poisson_arrivals(len(trace), rate, np.random.default_rng(args.seed + 1))
+        requests = build_requests(trace, arrivals, model.vocab_size, ttft_ms, tbt_ms,
+                                  args.seed + 2)
+        for policy, engine in engines.items():
+            with tqdm(total=len(requests), desc=f"{policy} @ {rate}/s", leave=False) as bar:
+                t0 = time.perf_counter()
+                timelines, duration = replay(engine, requests, bar)
+            s = summarize(timelines, duration)
+            rows.append({"policy": policy, "rate": rate,
+                         "ttft_att": s["ttft_attainment"], "tbt_att": s["tbt_attainment"],
+                         "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
+                         "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
+                         "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
+                         "recomputed": s["recomputed_tokens"],
+                         "wall_s": time.perf_counter() - t0, "summary": s})
+            print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
+    table = [{k: v for k, v in r.items() if k != "summary"} for r in rows]
+    print_table(table, title="policy sweep")
+    write_json(args.out, {"args": vars(args), "ttft_slo_ms": ttft_ms, "tbt_slo_ms": tbt_ms,
+                          "unloaded_ttft_s": ttft0, "unloaded_step_s": step0, "rows": rows})
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "ttft_att", "TTFT SLO attainment"),
+                           (axes[1], "tbt_att", "TBT SLO attainment (share of gaps)")):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = [(r["rate"], r[key]) for r in rows if r["policy"] == policy]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(title)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Measure this engine's latency model: the compiled step buckets on synthetic inputs.
+
+Every page table points at the null page, so profiling allocates nothing and writes only
+to the scratch page, while attention still reads (and pays for) the requested context.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.latency import LatencyModel
+from superinfer_jax.model_api import StepInputs
+from superinfer_jax.sampling import SamplingInputs
+
+
+def _time_step(engine, rows: int, cols: int, query_len: int, context: int,
+               repeats: int) -> float:
+    cfg = engine.config
+    positions = np.broadcast_to(np.arange(context - query_len, context - query_len + cols),
+                                (rows, cols))
+    inputs = StepInputs.from_numpy(
+        tokens=np.ones((rows, cols)), positions=np.maximum(positions, 0),
+        query_lens=np.full(rows, query_len), context_lens=np.full(rows, context),
+        page_tables=np.full((rows, cfg.max_pages_per_seq), NULL_PAGE))
+    sampling = SamplingInputs.greedy(rows)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        t = time.perf_counter()
+        tokens, engine.kv_pool = engine._step_fn(engine.model.params, engine.kv_pool, inputs,
+                                                 sampling)
+        tokens.block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _time_transfer(engine, num_pages: int, repeats: int) -> float:
+    device = next(iter(engine.kv_pool.devices()))
+    try:
+        host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    except (ValueError, RuntimeError):
+        host = jax.sharding.SingleDeviceSharding(device)
+    data = engine.layout.zeros(num_pages)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        jax.device_put(data, host).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def profile_engine(engine, repeats: int = 2) -> LatencyModel:
+    """Fit prefill / decode / transfer costs from the engine's own compiled buckets."""
+    cfg = engine.config
+    max_ctx = cfg.max_model_len - 1
+    contexts = sorted({min(c, max_ctx) for c in (16, max_ctx // 4, max_ctx)})
+    decode = [(b, b * c, _time_step(engine, b, 1, 1, c, repeats))
+              for b in cfg.decode_buckets[::2] + cfg.decode_buckets[-1:] for c in contexts]
+    prefill = []
+    for chunk in cfg.prefill_chunk_buckets:
+        for ctx in sorted({chunk, min(max_ctx, chunk + max_ctx // 2)}):
+            s = _time_step(engine, 1, chunk, chunk, ctx, repeats)
+            prefill.append((chunk, ctx - chunk, s))
+    transfer = [(n * engine.layout.page_bytes, _time_transfer(engine, n, repeats))
+                for n in (1, 8, 32)]
+    return LatencyModel.fit(prefill, decode, transfer,
+                            model_name=getattr(engine.model, "name", ""))

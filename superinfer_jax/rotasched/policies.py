@@ -1,0 +1,185 @@
+"""Scheduling policies over one seam: ``fcfs`` (vLLM V1), ``swap`` (vLLM V0), ``rotasched``.
+
+All three are the FCFS scheduler with one or two decisions changed, so a comparison
+between them measures the decision, not an implementation difference:
+
+- ``fcfs``: when a running request needs a page and none is free, the most recently
+  admitted running request is preempted and later recomputed.
+- ``swap``: the same victim is swapped out to host memory instead (rotated out, falling
+  back to recomputation when the host tier is full), and swapped requests come back
+  before any new request is admitted.
+- ``rotasched``: with no memory contention, exactly ``fcfs``. Under contention (device
+  pages above the high-water mark, or requests parked on the host) every request is
+  ranked by virtual lag (or by predicted slack), requests are kept or brought onto the
+  device from the head while they fit in the device pool and the step's transfer budget,
+  and running requests are rotated out from the tail, before an allocation fails.
+"""
+
+from __future__ import annotations
+
+import time
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.latency import LatencyModel
+from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.rotasched.lag import virtual_lag
+from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+
+
+class SwapScheduler(FCFSScheduler):
+    """vLLM V0 swap preemption: the victim's KV goes to host memory, not away."""
+
+    def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
+        self._rotate_out(req, plan, now)
+
+
+class RotaSchedScheduler(SwapScheduler):
+    def __init__(self, config: EngineConfig, kv: TwoTierKVManager,
+                 latency: LatencyModel | None = None):
+        super().__init__(config, kv)
+        self.params = config.rotasched
+        self.latency = latency  # needed by mode "slack"; the engine sets it at warm-up
+
+    # -- when to act ----------------------------------------------------------------------
+
+    def contended(self) -> bool:
+        """Proactive trigger: above the high-water mark, or anyone parked or rotating."""
+        usable = self.kv.allocator.num_usable
+        used = usable - self.kv.num_free_pages
+        return bool(self.rotary) or used >= self.config.rotasched.high_water_mark * usable
+
+    def schedule(self, now: float | None = None) -> StepPlan:
+        now = time.perf_counter() if now is None else now
+        if not self.contended():
+            return super().schedule(now)
+        plan = StepPlan()
+        self._rotate_forced(plan, now)
+        ranked = self.rank(now)
+        keep = self._select(ranked)
+        self._rotate_out_tail(ranked, keep, plan, now)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, now)
+        self._rotate_in_ranked(ranked, keep, plan, now)
+        self._admit_ranked(ranked, keep, plan, budget, now)
+        return plan
+
+    # -- ranking --------------------------------------------------------------------------
+
+    def urgency(self, req: Request, now: float) -> float:
+        """Larger is more urgent: virtual lag, or negated (weighted) predicted slack."""
+        if self.config.rotasched.mode == "vlt":
+            return virtual_lag(req, now, self.params)
+        slack = self.predicted_slack(req, now)
+        weight = self.params.priority_weights[req.slo.priority_class]
+        return -(slack / weight if slack > 0 else slack * weight)
+
+    def predicted_slack(self, req: Request, now: float) -> float:
+        """Seconds to spare before the next deadline, after the predicted work to meet it."""
+        lm = self.latency
+        if lm is None:
+            raise RuntimeError("rotasched.mode 'slack' needs a latency model; warm up the "
+                               "engine or give rotasched.latency_profile")
+        if not req.token_times:
+            work = lm.prefill_s(req.num_pending_tokens, req.num_computed_tokens)
+            return req.arrival_time + req.slo.ttft_ms / 1000 - now - work
+        work = lm.decode_s(max(1, len(self.running)), req.num_tokens)
+        if req.status != RequestStatus.RUNNING:
+            pages = self.kv.page_table(req.req_id) or []
+            work += lm.transfer_s(len(pages) * self.page_bytes) if pages else 0.0
+        return req.token_times[-1] + req.slo.tbt_ms / 1000 - now - work
+
+    def rank(self, now: float) -> list[Request]:
+        """Every request that could run, most urgent first (ties: arrival order).
+
+        A running request that has not produced a token since it was admitted or rotated
+        in ranks first: evicting it before it runs would move pages for no progress, and
+        two requests could swap places every step forever (a livelock)."""
+        parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
+        pool = list(self.waiting) + parked + list(self.running)
+        return sorted(pool, key=lambda r: (not _unproven(r), -self.urgency(r, now),
+                                           r.arrival_time))
+
+    # -- selection ------------------------------------------------------------------------
+
+    def _pages_to_run(self, req: Request) -> int:
+        """Device pages ``req`` holds after its next step (its next chunk included)."""
+        chunk = 1 if req.num_pending_tokens == 1 else min(req.num_pending_tokens,
+                                                          self.config.max_prefill_chunk)
+        return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
+
+    def _select(self, ranked: list[Request]) -> set[str]:
+        """From the head: who fits in the device pool and the inbound transfer budget.
+
+        Capacity is what the running requests hold plus what is free: pages of requests
+        rotating in are spoken for, pages of requests rotating out are already free."""
+        capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
+                                                for r in self.running)
+        transfer = self.config.transfer_budget_pages
+        used, seats, keep = 0, self.config.max_num_seqs, set()
+        for req in ranked:
+            need = self._pages_to_run(req)
+            moving = self._host_pages(req)
+            if len(keep) >= seats or used + need > capacity or moving > transfer:
+                continue
+            keep.add(req.req_id)
+            used += need
+            transfer -= moving
+        return keep
+
+    def _host_pages(self, req: Request) -> int:
+        """Pages ``req`` must move in before it can run (0 unless parked)."""
+        if req.status == RequestStatus.ROTARY:
+            return self.kv.rotation_cost_in(req.req_id)
+        return 0
+
+    def _rotate_out_tail(self, ranked: list[Request], keep: set[str], plan: StepPlan,
+                         now: float) -> None:
+        budget = self.config.transfer_budget_pages
+        for req in reversed(ranked):
+            if req.status != RequestStatus.RUNNING or req.req_id in keep:
+                continue
+            cost = self.kv.rotation_cost_out(req.req_id)
+            if cost > budget:
+                continue
+            budget -= cost
+            self._evict(req, plan, now)
+
+    def _rotate_in_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
+                          now: float) -> None:
+        budget = self.config.transfer_budget_pages
+        for req in ranked:
+            if req.status != RequestStatus.ROTARY or req.req_id not in keep:
+                continue
+            cost = self._host_pages(req)
+            if cost > budget or not self.kv.can_rotate_in(req.req_id):
+                continue
+            self._start_rotate_in(req, plan, now)
+            budget -= cost
+
+    def _admit_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
+                      budget: int, now: float) -> None:
+        rows = len(plan.prefill)
+        for req in ranked:
+            if req.status != RequestStatus.WAITING or req.req_id not in keep or budget <= 0:
+                continue
+            if req.req_id in plan.preempted or len(self.running) >= self.config.max_num_seqs:
+                continue
+            n = self._admit_one(req, plan, budget, rows, now)
+            if n:
+                budget -= n
+                rows += req.num_pending_tokens > 1
+
+
+def _unproven(req: Request) -> bool:
+    """Running, and no token yet since it started running this time."""
+    return (req.status == RequestStatus.RUNNING and req.running_since is not None
+            and (not req.token_times or req.token_times[-1] < req.running_since))
+
+
+def make_scheduler(config: EngineConfig, kv: TwoTierKVManager,
+                   latency: LatencyModel | None = None) -> FCFSScheduler:
+    if config.policy == "fcfs":
+        return FCFSScheduler(config, kv)
+    if config.policy == "swap":
+        return SwapScheduler(config, kv)
+    return RotaSchedScheduler(config, kv, latency)

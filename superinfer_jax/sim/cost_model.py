@@ -1,0 +1,110 @@
+"""Hardware cost model for the simulator: a roofline per step and per-direction transfers.
+
+A model step costs ``max(bytes / HBM bandwidth, flops / compute) + overhead``, where bytes
+are the weights (read once per step) plus the KV read by attention plus the KV written,
+and flops are ``2 * params`` per token plus attention's ``4 * heads * head_dim`` per
+(query, key) pair. A page transfer costs a fixed per-copy overhead plus bytes over the
+link bandwidth of its direction; when both directions run at once on a superchip they
+share host DRAM bandwidth, which is why GH200 gets ~190 GB/s each way, not 450.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs to know about a model (no weights)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    weight_bytes_per_param: float = 2.0  # bf16; FP8 = 1
+    kv_bytes_per_elem: int = 2
+
+    @property
+    def num_params(self) -> int:
+        d, f = self.hidden_size, self.intermediate_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return self.num_layers * (attn + 3 * d * f) + 2 * self.vocab_size * d
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.weight_bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    def page_bytes(self, page_size: int) -> int:
+        return self.kv_bytes_per_token * page_size
+
+
+MODELS: dict[str, ModelShape] = {
+    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 4.0, 4),
+    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+    "qwen2.5-32b": ModelShape("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064),
+    "llama-3-70b-fp8": ModelShape("llama-3-70b-fp8", 80, 8192, 64, 8, 128, 28672, 128256,
+                                  weight_bytes_per_param=1.0),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its host link. Bandwidths in bytes/s, times in seconds."""
+
+    name: str
+    hbm_bytes: float
+    hbm_bandwidth: float
+    compute_flops: float  # dense bf16 peak the step can reach
+    link_bandwidth_one_way: float  # one direction alone
+    link_bandwidth_duplex: float  # each direction when both run at once
+    copy_overhead_s: float  # fixed cost of one copy (launch, descriptor, sync)
+    step_overhead_s: float  # fixed cost of one model step (launches, host work)
+    compute_efficiency: float = 0.6  # achieved share of peak for large matmuls
+    bandwidth_efficiency: float = 0.8  # achieved share of peak HBM bandwidth
+
+
+HARDWARE: dict[str, Hardware] = {
+    # GH200: HBM3 ~4 TB/s; NVLink-C2C 450 GB/s a way, but host LPDDR5X (~384 GB/s) is
+    # shared, so duplex gets ~190 GB/s each way (the paper measured 181 + 179).
+    "gh200-96g": Hardware("gh200-96g", 96e9, 4.0e12, 989e12, 380e9, 190e9, 5e-6, 2e-3),
+    "gh200-144g": Hardware("gh200-144g", 144e9, 4.9e12, 989e12, 380e9, 190e9, 5e-6, 2e-3),
+    "h100-pcie": Hardware("h100-pcie", 80e9, 3.35e12, 989e12, 55e9, 55e9, 10e-6, 2e-3),
+    "h200-pcie": Hardware("h200-pcie", 141e9, 4.8e12, 989e12, 55e9, 55e9, 10e-6, 2e-3),
+}
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one model step does, in counts the roofline prices."""
+
+    num_tokens: int  # query tokens (prefill chunk tokens + decode rows)
+    kv_tokens_read: int  # sum over rows of the context each row attends to
+    attn_pairs: int  # sum over query tokens of the keys each one sees
+
+
+def step_time(model: ModelShape, hw: Hardware, work: StepWork) -> float:
+    if work.num_tokens == 0:
+        return 0.0
+    kv_read = work.kv_tokens_read * model.kv_bytes_per_token
+    kv_write = work.num_tokens * model.kv_bytes_per_token
+    mem_s = (model.weight_bytes + kv_read + kv_write) / (hw.hbm_bandwidth *
+                                                         hw.bandwidth_efficiency)
+    flops = 2 * model.num_params * work.num_tokens + \
+        4 * model.num_heads * model.head_dim * model.num_layers * work.attn_pairs
+    compute_s = flops / (hw.compute_flops * hw.compute_efficiency)
+    return max(mem_s, compute_s) + hw.step_overhead_s
+
+
+def transfer_time(hw: Hardware, num_bytes: int, num_copies: int, duplex: bool) -> float:
+    if num_bytes <= 0:
+        return 0.0
+    bw = hw.link_bandwidth_duplex if duplex else hw.link_bandwidth_one_way
+    return num_copies * hw.copy_overhead_s + num_bytes / bw

@@ -1,0 +1,195 @@
+"""Policies on scripted scenarios: who runs, who rotates, in what order (host code only).
+
+A tiny driver plays the engine's part: it applies each plan (tokens computed, one token
+sampled at the end of a row) and completes rotations at once, as landed copies would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from superinfer_jax.config import EngineConfig, RotaSchedConfig
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.rotasched.policies import (
+    RotaSchedScheduler,
+    SwapScheduler,
+    make_scheduler,
+)
+from superinfer_jax.scheduler import FCFSScheduler
+
+PAGE = 4
+
+
+def make(policy: str, device_pages: int = 64, host_pages: int = 64, **kw):
+    cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False, policy=policy,
+                       max_num_batched_tokens=64, max_prefill_chunk=32, **kw)
+    kv = TwoTierKVManager(device_pages, PAGE, host_pages)
+    return make_scheduler(cfg, kv), kv
+
+
+def req(rid: str, n: int, arrival: float, max_tokens: int = 8, slo: SLO | None = None):
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens),
+                   slo=slo or SLO(ttft_ms=1000, tbt_ms=100), arrival_time=arrival)
+
+
+class Driver:
+    """Applies plans like the engine: tokens advance, rotations land immediately."""
+
+    def __init__(self, sched, kv):
+        self.sched, self.kv = sched, kv
+        self.all: dict[str, Request] = {}
+
+    def add(self, r: Request) -> None:
+        self.all[r.req_id] = r
+        self.sched.add(r)
+
+    def step(self, now: float):
+        plan = self.sched.schedule(now)
+        for rid in plan.rotate_out:
+            self.kv.finish_rotate_out(rid)
+            self.sched.on_rotated_out(self.all[rid], now)
+        for rid in plan.rotate_in:
+            self.kv.finish_rotate_in(rid)
+            self.sched.on_rotated_in(self.all[rid], now)
+        for rid, n in plan.prefill + [(r, 1) for r in plan.decode]:
+            r = self.all[rid]
+            r.num_computed_tokens += n
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(7)
+                r.token_times.append(now)
+                if len(r.output_token_ids) >= r.sampling.max_tokens:
+                    self.sched.remove(r)
+                    r.set_status(RequestStatus.FINISHED_LENGTH, now)
+        self.kv.check_invariants()
+        return plan
+
+
+def plans_of(policy: str, reqs, steps: int, **kw):
+    sched, kv = make(policy, **kw)
+    d = Driver(sched, kv)
+    out = []
+    for t in range(steps):
+        for r in reqs:
+            if r.arrival_time == t:
+                d.add(Request(r.req_id, list(r.prompt_token_ids), r.sampling, slo=r.slo,
+                              arrival_time=r.arrival_time))
+        p = d.step(float(t))
+        out.append((p.prefill, p.decode, p.preempted, p.rotate_out, p.rotate_in))
+    return out
+
+
+def test_factory_picks_policy():
+    assert type(make("fcfs")[0]) is FCFSScheduler
+    assert type(make("swap")[0]) is SwapScheduler
+    assert type(make("rotasched")[0]) is RotaSchedScheduler
+
+
+def test_no_contention_rotasched_is_exactly_fcfs():
+    reqs = [req(f"r{i}", 5 + 3 * i, arrival=float(i % 3)) for i in range(6)]
+    a = plans_of("fcfs", reqs, 20)
+    b = plans_of("rotasched", reqs, 20)
+    assert a == b
+    assert any(p[0] for p in a) and any(p[1] for p in a)
+
+
+def test_hog_and_urgent_short_requests():
+    """A long request fills the device; short urgent ones arrive. FCFS makes them wait
+    behind it; RotaSched parks the hog once their lag exceeds its, and serves them."""
+    hog = req("hog", 36, arrival=0.0, max_tokens=12)  # 9 pages of the 12 usable, growing
+    shorts = [req(f"s{i}", 8, arrival=1.0, max_tokens=2) for i in range(3)]
+
+    def run(policy):
+        sched, kv = make(policy, device_pages=13, host_pages=64)
+        d = Driver(sched, kv)
+        d.add(Request(hog.req_id, hog.prompt_token_ids, hog.sampling, slo=hog.slo,
+                      arrival_time=0.0))
+        first_token = {}
+        events = []
+        for t in range(0, 60):
+            now = t * 0.25
+            if t == 4:
+                for s in shorts:
+                    d.add(Request(s.req_id, s.prompt_token_ids, s.sampling, slo=s.slo,
+                                  arrival_time=now))
+            p = d.step(now)
+            events += [("out", r) for r in p.rotate_out] + [("in", r) for r in p.rotate_in]
+            for r in d.all.values():
+                if r.token_times and r.req_id not in first_token:
+                    first_token[r.req_id] = r.token_times[0] - r.arrival_time
+        return first_token, events, d
+
+    fcfs_ttft, fcfs_events, _ = run("fcfs")
+    rs_ttft, rs_events, d = run("rotasched")
+    assert not fcfs_events
+    assert ("out", "hog") in rs_events and ("in", "hog") in rs_events
+    assert rs_events.index(("out", "hog")) < rs_events.index(("in", "hog"))
+    worst = {name: max(ttft.get(s.req_id, float("inf")) for s in shorts)
+             for name, ttft in (("fcfs", fcfs_ttft), ("rotasched", rs_ttft))}
+    assert worst["rotasched"] < worst["fcfs"]
+    assert d.all["hog"].num_rotations >= 1
+    assert d.all["hog"].status == RequestStatus.FINISHED_LENGTH  # it came back and finished
+
+
+def test_priority_class_goes_first_under_contention():
+    sched, kv = make("rotasched", device_pages=9, host_pages=64)
+    d = Driver(sched, kv)
+    d.add(req("filler", 28, arrival=0.0, max_tokens=30))  # 7 of 8 pages: contended
+    d.step(0.0)
+    d.add(req("std", 8, arrival=1.0))
+    d.add(req("crit", 8, arrival=1.1, slo=SLO(1000, 100, "critical")))
+    ranked = [r.req_id for r in sched.rank(2.0)]
+    assert ranked.index("crit") < ranked.index("std")  # 4x weight beats 0.1 s of arrival
+    plan = d.step(2.0)
+    admitted = [r for r, _ in plan.prefill]
+    assert "crit" in admitted
+    assert "filler" in plan.rotate_out
+
+
+def test_swap_parks_victim_and_brings_it_back_first():
+    sched, kv = make("swap", device_pages=7, host_pages=64)
+    d = Driver(sched, kv)
+    for rid in "abc":
+        d.add(req(rid, 8, arrival=0.0, max_tokens=6))
+    d.step(0.0)  # all three prefill: 6 pages
+    p = d.step(1.0)  # each needs a third page: the most recent is swapped, not recomputed
+    assert p.rotate_out == ["c"] and p.preempted == []
+    assert d.all["c"].num_computed_tokens == 8  # its KV is kept, not recomputed
+    d.add(req("late", 2, arrival=1.5))
+    for t in range(2, 12):
+        p = d.step(float(t))
+        if p.rotate_in:
+            assert p.rotate_in == ["c"]
+            assert "late" not in [r for r, _ in p.prefill]  # swapped back before new ones
+            break
+    else:
+        pytest.fail("c never came back")
+    assert d.all["c"].num_recomputed_tokens == 0
+
+
+def test_fcfs_recomputes_where_swap_rotates():
+    sched, kv = make("fcfs", device_pages=7, host_pages=64)
+    d = Driver(sched, kv)
+    for rid in "abc":
+        d.add(req(rid, 8, arrival=0.0, max_tokens=6))
+    d.step(0.0)
+    p = d.step(1.0)
+    assert p.preempted == ["c"] and p.rotate_out == []
+    assert d.all["c"].num_recomputed_tokens == 8
+
+
+def test_burst_is_served_in_lag_order_and_nothing_leaks():
+    sched, kv = make("rotasched", device_pages=17, host_pages=128,
+                     rotasched=RotaSchedConfig(high_water_mark=0.5))
+    d = Driver(sched, kv)
+    burst = [req(f"b{i}", 12, arrival=0.0, max_tokens=10) for i in range(10)]
+    for r in burst:
+        d.add(r)
+    for t in range(400):
+        d.step(t * 0.05)
+        if not sched.num_unfinished:
+            break
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in burst)
+    assert kv.num_free_pages == kv.allocator.num_usable
+    assert kv.num_host_free_pages == kv.num_host_pages
+    assert sum(r.num_rotations for r in burst) > 0
