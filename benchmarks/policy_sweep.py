@@ -92,16 +92,19 @@ def main(argv: list[str] | None = None) -> None:
         requests = build_requests(trace, arrivals, model.vocab_size, ttft_ms, tbt_ms,
                                   args.seed + 2)
         for policy, engine in engines.items():
+            steps0, host0 = engine.num_model_steps, engine.total_host_time_s
             with tqdm(total=len(requests), desc=f"{policy} @ {rate}/s", leave=False) as bar:
                 t0 = time.perf_counter()
                 timelines, duration = replay(engine, requests, bar)
+            steps = engine.num_model_steps - steps0
+            host_ms = 1000 * (engine.total_host_time_s - host0) / max(1, steps)
             s = summarize(timelines, duration)
             rows.append({"policy": policy, "rate": rate,
                          "ttft_att": s["ttft_attainment"], "tbt_att": s["tbt_attainment"],
                          "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
                          "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
                          "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
-                         "recomputed": s["recomputed_tokens"],
+                         "recomputed": s["recomputed_tokens"], "host_ms_step": host_ms,
                          "wall_s": time.perf_counter() - t0, "summary": s})
             print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
     table = [{k: v for k, v in r.items() if k != "summary"} for r in rows]

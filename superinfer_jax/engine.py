@@ -114,6 +114,8 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._step_fn = jax.jit(self._step, donate_argnums=(1,))
         self.last_stats = StepStats()
+        self.num_model_steps = 0  # steps that ran the model
+        self.total_host_time_s = 0.0  # host work of those steps before the first block
         if config.warmup:
             self.warmup()
 
@@ -279,6 +281,8 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         stats.host_time_s = t1 - t0
+        self.num_model_steps += 1
+        self.total_host_time_s += stats.host_time_s
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
         return outputs
