@@ -25,11 +25,9 @@ from typing import Any
 
 import yaml
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import POLICIES, RANKING_MODES, EngineConfig, RotaSchedConfig
 from superinfer_jax.request import SLO
 
-POLICIES = ("fcfs", "swap", "rotasched")
-IMPLEMENTED_POLICIES = ("fcfs",)  # the others are accepted, recorded, and run as fcfs
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_COMPILATION_CACHE = "~/.cache/superinfer/xla"
 
@@ -78,7 +76,7 @@ class ModelSection:
 class HardwareSection:
     hbm_memory_fraction: float = _key(0.9, gt=0, le=1)
     num_device_pages: int | None = _key(None, ge=2)
-    cpu_memory_buffer_gb: float = _key(0.0, ge=0)
+    cpu_memory_buffer_gb: float = _key(2.0, ge=0)
     page_size: int = _key(16, ge=1)
     attention_backend: str = _key("auto", choices=("auto", "xla", "pallas"))
     compilation_cache_dir: str = _key(DEFAULT_COMPILATION_CACHE)  # "" disables
@@ -90,7 +88,7 @@ class HardwareSection:
 
 @dataclass(frozen=True)
 class RotaSchedSection:
-    policy: str = _key("fcfs", choices=POLICIES)
+    policy: str = _key("rotasched", choices=POLICIES)
     ttft_slo_target_ms: float = _key(5000.0, gt=0, le=3_600_000)
     tbt_slo_target_ms: float = _key(100.0, gt=0, le=3_600_000)
     proactive_eviction_threshold: float = _key(0.85, gt=0, le=1)
@@ -102,6 +100,8 @@ class RotaSchedSection:
     max_num_batched_tokens: int = _key(512, ge=1)
     max_prefill_chunk: int | None = _key(None, ge=1)  # default: min(256, batched tokens)
     seed: int = _key(0, ge=0)
+    mode: str = _key("vlt", choices=RANKING_MODES)  # rank by virtual lag or predicted slack
+    latency_profile: str | None = _key(None)  # JSON latency model (slack mode); profiled if absent
 
     def check(self) -> None:
         chunk = self.max_prefill_chunk
@@ -158,10 +158,6 @@ SECTIONS: dict[str, type] = {
 # policy keys land here as the engine grows them, with no change to the file format.
 _ENGINE_OPTIONAL = {
     "rotasched.policy": "policy",
-    "rotasched.proactive_eviction_threshold": "proactive_eviction_threshold",
-    "rotasched.alpha": "alpha",
-    "rotasched.beta_f": "beta_f",
-    "rotasched.beta_b": "beta_b",
     "rotasched.transfer_budget_pages": "transfer_budget_pages",
     "hardware.cpu_memory_buffer_gb": "host_memory_gb",
     "duplex_kv.eager_shadowing": "eager_shadowing",
@@ -236,6 +232,14 @@ class DeploymentConfig:
             kwargs["max_prefill_chunk"] = min(256, self.rotasched.max_num_batched_tokens)
         kwargs["default_slo"] = SLO(self.rotasched.ttft_slo_target_ms,
                                     self.rotasched.tbt_slo_target_ms)
+        rs = self.rotasched
+        try:
+            kwargs["rotasched"] = RotaSchedConfig(
+                alpha=rs.alpha, beta_f=rs.beta_f, beta_b=rs.beta_b,
+                high_water_mark=rs.proactive_eviction_threshold, mode=rs.mode,
+                latency_profile=rs.latency_profile)
+        except ValueError as e:
+            raise ValueError(_name_yaml_key(str(e))) from e
         try:
             return EngineConfig(**kwargs)
         except (TypeError, ValueError) as e:
@@ -248,10 +252,6 @@ class DeploymentConfig:
         for key, engine_field in _ENGINE_OPTIONAL.items():
             value = self.get(key)
             if engine_field in known or value is None:
-                continue
-            if key == "rotasched.policy":
-                if value not in IMPLEMENTED_POLICIES:
-                    out.append(f"{key}={value!r} (runs as fcfs)")
                 continue
             out.append(f"{key}={value!r}")
         return out

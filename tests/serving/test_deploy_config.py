@@ -15,7 +15,6 @@ from serving.deploy_config import (
     apply_overrides,
     parse_set,
 )
-from superinfer_jax.config import EngineConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "superinfer_config.yaml"
 
@@ -69,20 +68,19 @@ def test_engine_errors_are_mapped_back_to_the_yaml_key():
     assert _name_yaml_key("something else").startswith("engine config: ")
 
 
-def test_keys_the_engine_lacks_are_kept_and_listed():
-    cfg = DeploymentConfig.from_dict({"rotasched": {"policy": "rotasched", "alpha": 2.0},
-                                      "duplex_kv": {"staging_buffer_mb": 32}})
-    assert cfg.rotasched.policy == "rotasched" and cfg.rotasched.alpha == 2.0
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    notes = cfg.not_applied()
-    if "policy" not in engine_fields:
-        assert "rotasched.policy='rotasched' (runs as fcfs)" in notes
-    if "alpha" not in engine_fields:
-        assert "rotasched.alpha=2.0" in notes
-    if "staging_buffer_mb" in engine_fields:
-        assert cfg.engine_config().staging_buffer_mb == 32
-    assert DeploymentConfig().not_applied() == [
-        n for n in DeploymentConfig().not_applied() if "policy" not in n]  # fcfs: no note
+def test_rotasched_keys_reach_the_engine_and_the_rest_are_listed():
+    cfg = DeploymentConfig.from_dict({
+        "rotasched": {"policy": "swap", "alpha": 2.0, "beta_f": 0.25, "beta_b": 0.1,
+                      "proactive_eviction_threshold": 0.7, "mode": "slack"},
+        "duplex_kv": {"staging_buffer_mb": 32}})
+    engine = cfg.engine_config()
+    assert engine.policy == "swap"
+    rs = engine.rotasched
+    assert (rs.alpha, rs.beta_f, rs.beta_b, rs.high_water_mark, rs.mode) == (
+        2.0, 0.25, 0.1, 0.7, "slack")
+    assert cfg.not_applied() == ["duplex_kv.staging_buffer_mb=32"]
+    with pytest.raises(ValueError, match="rotasched.mode"):
+        DeploymentConfig.from_dict({"rotasched": {"mode": "edf"}})
 
 
 def test_yaml_errors_and_missing_file(tmp_path):
