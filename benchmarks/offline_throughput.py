@@ -34,6 +34,23 @@ def copy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> float:
     return 2 * num_bytes / best
 
 
+def matmul_flops(n: int = 1536, repeats: int = 5) -> float:
+    """FLOP/s of a large float32 matmul through XLA (the best of a few): the compute
+    roofline's peak. At batch 32 a CPU decode step is compute-bound, not bandwidth-bound."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
 def run_engine(model, batch: int, prompts: list[list[int]], new_tokens: int, engine) -> dict:
     from superinfer_jax import SamplingParams
 
@@ -91,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth()
+    flops = matmul_flops()
     rng = np.random.default_rng(0)
     rows = []
     for dtype in args.dtypes.split(","):
@@ -110,19 +128,25 @@ def main(argv: list[str] | None = None) -> None:
             ours = run_engine(model, batch, prompts, args.new_tokens, engine)
             theirs = run_transformers(hf_model, batch, prompts, args.new_tokens)
             step = ours["decode_step_ms"]
+            # both rooflines: weights streamed once per step, and 2 FLOPs per param per row
+            compute_ms = 1000 * 2 * (weight_bytes / np.dtype(np.float32).itemsize
+                                     if dtype == "float32" else weight_bytes / 2) * batch / flops
+            bound_ms = max(roofline_ms, compute_ms)
             rows.append({
                 "dtype": dtype, "batch": batch,
                 "engine_tok_s": ours["tok_s"], "hf_tok_s": theirs,
                 "ratio": ours["tok_s"] / theirs,
-                "decode_step_ms": step, "roofline_ms": roofline_ms,
-                "step_over_roofline": step / roofline_ms if step else None,
+                "decode_step_ms": step, "bw_roofline_ms": roofline_ms,
+                "flop_roofline_ms": compute_ms,
+                "step_over_roofline": step / bound_ms if step else None,
             })
             print_table(rows[-1:])
         del engine, hf_model
     print_table(rows, title=f"offline throughput ({args.model}, prompt {args.prompt_len}, "
-                            f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s)")
+                            f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s, "
+                            f"matmul {flops / 1e9:.0f} GFLOP/s)")
     write_json(args.out, {"args": vars(args), "copy_bandwidth_gb_s": bandwidth / 1e9,
-                          "rows": rows})
+                          "matmul_gflops": flops / 1e9, "rows": rows})
 
 
 if __name__ == "__main__":
