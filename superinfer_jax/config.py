@@ -43,8 +43,11 @@ class RotaSchedConfig:
     """The paper's policy parameters (defaults: alpha 3, beta_F 0.5, beta_B 0).
 
     ``high_water_mark``: share of device pages in use at which the policy starts acting
-    (proactively, before an allocation fails). ``mode``: rank by virtual lag (``vlt``) or
-    by predicted slack from the latency model (``slack``). ``priority_weights`` scale a
+    (proactively, before an allocation fails). ``min_residency_tokens``: tokens a request
+    produces after it is admitted or rotated in before it may be rotated out again, so
+    every rotation buys progress and overload does not turn into a rotation storm.
+    ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
+    (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.
     """
 
@@ -53,6 +56,7 @@ class RotaSchedConfig:
     beta_b: float = 0.0
     high_water_mark: float = 0.85
     mode: str = "vlt"
+    min_residency_tokens: int = 4  # a request runs this many tokens before it can rotate out
     priority_weights: dict[str, float] = dataclasses.field(
         default_factory=_default_priority_weights)
     latency_profile: str | None = None  # JSON written by LatencyModel.save
@@ -66,6 +70,9 @@ class RotaSchedConfig:
         h = self.high_water_mark
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h <= 1:
             raise ValueError(f"rotasched.high_water_mark must be in (0, 1], got {h!r}")
+        m = self.min_residency_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"rotasched.min_residency_tokens must be an int >= 1, got {m!r}")
         if self.mode not in RANKING_MODES:
             raise ValueError(f"rotasched.mode must be one of {RANKING_MODES}, got {self.mode!r}")
         unknown = set(self.priority_weights) - set(PRIORITY_CLASSES)
@@ -88,6 +95,11 @@ class EngineConfig:
     Host pages (the DuplexKV tier, pinned host memory): ``num_host_pages`` if set, else
     ``host_memory_gb`` worth of pages. 0 (the default) disables the host tier: the engine
     then behaves exactly as before, and a request that would rotate is recomputed.
+
+    ``tensor_parallel_size``: devices the model and both KV tiers are split over (KV
+    heads per device). A page id still names one page; each device holds its heads of it,
+    so page counts and ``host_memory_gb`` are totals over the mesh, while
+    ``device_memory_fraction`` applies to each device.
     """
 
     page_size: int = 16
@@ -111,10 +123,11 @@ class EngineConfig:
     eager_shadowing: bool = True  # copy pages to host as they fill, so eviction moves one
     policy: str = "fcfs"  # fcfs (vLLM V1 recompute), swap (vLLM V0), rotasched
     rotasched: RotaSchedConfig = dataclasses.field(default_factory=RotaSchedConfig)
+    tensor_parallel_size: int = 1  # devices of the 1-D "tp" mesh (superinfer_jax.parallel)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "max_prefill_chunk", "max_prefill_rows"):
+                     "max_prefill_chunk", "max_prefill_rows", "tensor_parallel_size"):
             _positive_int(name, getattr(self, name))
         if self.num_device_pages is not None:
             _positive_int("num_device_pages", self.num_device_pages)

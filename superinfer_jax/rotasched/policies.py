@@ -17,6 +17,7 @@ between them measures the decision, not an implementation difference:
 
 from __future__ import annotations
 
+import bisect
 import time
 
 from superinfer_jax.config import EngineConfig
@@ -91,13 +92,28 @@ class RotaSchedScheduler(SwapScheduler):
     def rank(self, now: float) -> list[Request]:
         """Every request that could run, most urgent first (ties: arrival order).
 
-        A running request that has not produced a token since it was admitted or rotated
-        in ranks first: evicting it before it runs would move pages for no progress, and
-        two requests could swap places every step forever (a livelock)."""
+        Two guards keep rotation productive:
+        - a running request that has produced fewer than ``min_residency_tokens`` since it
+          was admitted or rotated in ranks first: evicting it earlier moves pages for little
+          progress, and two requests could swap places every step forever (a livelock);
+        - a waiting or parked request that is not late (lag 0) ranks after the running
+          ones: it may take free pages, but only a late request displaces a runner.
+        With no one late this is FCFS order, whatever the memory pressure."""
         parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
         pool = list(self.waiting) + parked + list(self.running)
-        return sorted(pool, key=lambda r: (not _unproven(r), -self.urgency(r, now),
-                                           r.arrival_time))
+        k = self.params.min_residency_tokens
+
+        def key(r: Request) -> tuple[int, float, float]:
+            urgency = self.urgency(r, now)
+            if r.status == RequestStatus.RUNNING:
+                if _resident_tokens(r) < k:
+                    return (0, 0.0, r.arrival_time)  # protected, oldest first
+                return (1, -urgency, r.arrival_time)
+            if urgency > 0:
+                return (1, -urgency, r.arrival_time)  # late: may displace runners
+            return (2, 0.0, r.arrival_time)  # not late: FCFS behind the runners
+
+        return sorted(pool, key=key)
 
     # -- selection ------------------------------------------------------------------------
 
@@ -170,10 +186,11 @@ class RotaSchedScheduler(SwapScheduler):
                 rows += req.num_pending_tokens > 1
 
 
-def _unproven(req: Request) -> bool:
-    """Running, and no token yet since it started running this time."""
-    return (req.status == RequestStatus.RUNNING and req.running_since is not None
-            and (not req.token_times or req.token_times[-1] < req.running_since))
+def _resident_tokens(req: Request) -> int:
+    """Tokens produced since the request last started running (admitted or rotated in)."""
+    if req.running_since is None:
+        return 0
+    return len(req.token_times) - bisect.bisect_left(req.token_times, req.running_since)
 
 
 def make_scheduler(config: EngineConfig, kv: TwoTierKVManager,

@@ -134,8 +134,9 @@ def test_hog_and_urgent_short_requests():
 def test_priority_class_goes_first_under_contention():
     sched, kv = make("rotasched", device_pages=9, host_pages=64)
     d = Driver(sched, kv)
-    d.add(req("filler", 28, arrival=0.0, max_tokens=30))  # 7 of 8 pages: contended
-    d.step(0.0)
+    d.add(req("filler", 24, arrival=0.0, max_tokens=8))  # grows to all 8 pages: contended
+    for t in range(5):  # past its minimum residency (4 tokens)
+        d.step(t * 0.1)
     d.add(req("std", 8, arrival=1.0))
     d.add(req("crit", 8, arrival=1.1, slo=SLO(1000, 100, "critical")))
     ranked = [r.req_id for r in sched.rank(2.0)]
@@ -193,3 +194,18 @@ def test_burst_is_served_in_lag_order_and_nothing_leaks():
     assert kv.num_free_pages == kv.allocator.num_usable
     assert kv.num_host_free_pages == kv.num_host_pages
     assert sum(r.num_rotations for r in burst) > 0
+
+
+def test_only_late_requests_displace_runners():
+    """Under contention a waiting request that is not late yet takes only free pages; once
+    past beta_F of its TTFT SLO it may push a runner (past its minimum residency) out."""
+    sched, kv = make("rotasched", device_pages=9, host_pages=64)
+    d = Driver(sched, kv)
+    d.add(req("runner", 24, arrival=0.0, max_tokens=8))
+    for t in range(5):
+        d.step(t * 0.1)
+    d.add(req("new", 8, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+    early = d.step(0.6)  # lag 0 until 0.5 + 0.5 * 1 s
+    assert early.rotate_out == [] and early.prefill == []
+    late = d.step(1.2)
+    assert late.rotate_out == ["runner"] and [r for r, _ in late.prefill] == ["new"]
