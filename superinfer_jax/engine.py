@@ -167,7 +167,7 @@ class LLMEngine:
             tokens.block_until_ready()
         if self.duplex is not None:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
-        if self.config.policy == "rotasched" and self.config.rotasched.mode == "slack":
+        if self.config.policy == "rotasched":  # slack ranking and TBT-sized budgets
             self.set_latency_model(self._latency_model())
 
     def _latency_model(self) -> LatencyModel:

@@ -59,10 +59,39 @@ class RotaSchedScheduler(SwapScheduler):
         ranked = self.rank(now)
         keep = self._select(ranked)
         self._rotate_out_tail(ranked, keep, plan, now)
-        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, now)
+        budget = self._schedule_running(plan, self._token_budget(), now)
         self._rotate_in_ranked(ranked, keep, plan, now)
         self._admit_ranked(ranked, keep, plan, budget, now)
         return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
+        """Decode rows first, then prefill chunks with what is left: under a TBT-sized
+        budget a prefill early in the list must not crowd out a decoder behind it."""
+        decoding = [r for r in self.running if r.num_pending_tokens == 1]
+        prefilling = [r for r in self.running if r.num_pending_tokens > 1]
+        order, self.running = self.running, decoding + prefilling
+        try:
+            return super()._schedule_running(plan, budget, now)
+        finally:
+            kept = set(map(id, self.running))  # admission order, minus this step's victims
+            self.running = [r for r in order if id(r) in kept]
+
+    def _token_budget(self) -> int:
+        """Tokens this step may take: decode rows plus the prefill that keeps the step
+        within the tightest TBT SLO among the decoders (Sarathi-style), from the latency
+        model. Without a model, or with nobody decoding, the configured budget."""
+        budget = self.config.max_num_batched_tokens
+        decoders = [r for r in self.running if r.num_pending_tokens == 1]
+        lm = self.latency
+        if lm is None or not decoders:
+            return budget
+        tbt = min(r.slo.tbt_ms for r in decoders) / 1000
+        context = sum(r.num_tokens for r in decoders)
+        room = 0.9 * tbt - lm.decode_s(len(decoders), context)
+        per_token = lm.prefill[1] + lm.prefill[2] * context / len(decoders)
+        prefill = int(room / per_token) if per_token > 0 and room > 0 else 0
+        floor = min(16, self.config.max_prefill_chunk)  # prefill always makes progress
+        return min(budget, len(decoders) + max(floor, prefill))
 
     # -- ranking --------------------------------------------------------------------------
 
