@@ -162,7 +162,7 @@ class FCFSScheduler:
             kv = self.kv
             assert isinstance(kv, TwoTierKVManager)
             cost = kv.rotation_cost_in(req.req_id)
-            if len(self.running) + self._num_rotating_in() >= self.config.max_num_seqs \
+            if self._num_seated() >= self.config.max_num_seqs \
                     or not kv.can_rotate_in(req.req_id) or (plan.rotate_in and cost > budget):
                 return False
             self._rotate_in(req, plan, now)
@@ -182,6 +182,10 @@ class FCFSScheduler:
         plan.moves_in.append(kv.rotate_in(req.req_id))
         plan.rotate_in.append(req.req_id)
         req.set_status(RequestStatus.ROTATING_IN, now)
+
+    def _num_seated(self) -> int:
+        """Requests holding a batch row: running, or on their way back to running."""
+        return len(self.running) + self._num_rotating_in()
 
     def _num_rotating_in(self) -> int:
         return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
@@ -211,7 +215,7 @@ class FCFSScheduler:
 
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
         prefill_rows = len(plan.prefill)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seated() < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.req_id in plan.preempted:
                 break  # do not re-admit what this very step evicted

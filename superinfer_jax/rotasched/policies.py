@@ -160,7 +160,7 @@ class RotaSchedScheduler(SwapScheduler):
         capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
                                                 for r in self.running)
         transfer = self.config.transfer_budget_pages
-        used, seats, keep = 0, self.config.max_num_seqs, set()
+        used, seats, keep = 0, self.config.max_num_seqs - self._num_rotating_in(), set()
         for req in ranked:
             need = self._pages_to_run(req)
             moving = self._host_pages(req)
@@ -196,6 +196,8 @@ class RotaSchedScheduler(SwapScheduler):
             if req.status != RequestStatus.ROTARY or req.req_id not in keep:
                 continue
             cost = self._host_pages(req)
+            if self._num_seated() >= self.config.max_num_seqs:
+                break
             if cost > budget or not self.kv.can_rotate_in(req.req_id):
                 continue
             self._start_rotate_in(req, plan, now)
@@ -207,7 +209,7 @@ class RotaSchedScheduler(SwapScheduler):
         for req in ranked:
             if req.status != RequestStatus.WAITING or req.req_id not in keep or budget <= 0:
                 continue
-            if req.req_id in plan.preempted or len(self.running) >= self.config.max_num_seqs:
+            if req.req_id in plan.preempted or self._num_seated() >= self.config.max_num_seqs:
                 continue
             n = self._admit_one(req, plan, budget, rows, now)
             if n:

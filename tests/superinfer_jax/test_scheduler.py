@@ -90,3 +90,29 @@ def test_remove_frees_pages():
     sched.remove(r)
     assert kv.num_free_pages == kv.allocator.num_usable
     assert sched.num_unfinished == 0
+
+
+def test_requests_rotating_in_hold_their_batch_rows():
+    """max_num_seqs counts requests on their way back from the host: admitting new ones
+    into those rows would overflow the largest compiled batch when the copies land."""
+    from superinfer_jax.kv.two_tier import TwoTierKVManager
+
+    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, max_num_seqs=1,
+                       num_host_pages=16)
+    kv = TwoTierKVManager(32, cfg.page_size, 16)
+    sched = FCFSScheduler(cfg, kv)
+    a, b = req("a", 6), req("b", 6)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(0.0)
+    complete(sched, plan)
+    sched.force_rotate_out.add("a")
+    plan = sched.schedule(1.0)
+    assert plan.rotate_out == ["a"]
+    kv.finish_rotate_out("a")
+    sched.on_rotated_out(a, 1.0)
+    plan = sched.schedule(2.0)
+    assert plan.rotate_in == ["a"] and plan.prefill == [] and plan.decode == []
+    plan = sched.schedule(3.0)  # a still in flight: b must not take its row
+    assert plan.prefill == [] and plan.decode == []
+    assert len(sched.running) + sched._num_rotating_in() <= cfg.max_num_seqs
