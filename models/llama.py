@@ -11,14 +11,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from superinfer_jax import ops
 from superinfer_jax.model_api import StepInputs
+from superinfer_jax.parallel import TP_AXIS
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
     return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def _gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
+    """Vocab-split logits [..., vocab] -> replicated, so sampling sees every token.
+
+    Pinned split first: left free, the partitioner may all-gather lm_head (the weight,
+    [hidden, vocab]) instead of the logits, which costs far more at serving batch sizes."""
+    split = P(*([None] * (logits.ndim - 1)), TP_AXIS)
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, split))
+    return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
 
 
 class RMSNorm(nnx.Module):
@@ -57,7 +70,8 @@ class Attention(nnx.Module):
         self.qkv_bias = cfg.qkv_bias
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
-    def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend):
+    def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
+                 mesh: Mesh | None = None):
         b, c, _ = x.shape
         q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
         if self.qkv_bias:
@@ -66,12 +80,12 @@ class Attention(nnx.Module):
         k = apply_rope(k.reshape(b, c, self.num_kv_heads, self.head_dim), inputs.positions,
                        inv_freq)
         v = v.reshape(b, c, self.num_kv_heads, self.head_dim)
-        kv_pool = ops.write_kv(kv_pool, layer, k, v, inputs.page_tables, inputs.positions,
-                               inputs.query_lens)
-        out = ops.paged_attention(
-            q, kv_pool, layer, inputs.page_tables, inputs.context_lens, inputs.query_lens,
-            scale=self.head_dim**-0.5, backend=backend,
+        out, kv_pool = ops.write_and_attend(
+            q, k, v, kv_pool, layer, inputs.page_tables, inputs.positions, inputs.context_lens,
+            inputs.query_lens, scale=self.head_dim**-0.5, backend=backend, mesh=mesh,
         )
+        # Under TP, wo's rows are split like the heads: each shard's product is a partial
+        # sum, and this matmul is where the partitioner places the block's first all-reduce.
         return out.reshape(b, c, -1) @ self.wo[...], kv_pool
 
 
@@ -93,8 +107,9 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend):
-        h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend)
+    def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None):
+        h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
+                               mesh)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), kv_pool
 
@@ -111,14 +126,20 @@ class LlamaModel(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
-                 all_logits: bool = False):
+                 all_logits: bool = False, mesh: Mesh | None = None):
+        """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
+        residual stream is kept replicated, so each block costs two all-reduces."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
+        if mesh is not None:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
         inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
         for layer_idx, layer in enumerate(self.layers):
-            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend)
+            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh)
         if not all_logits:
             last = jnp.maximum(inputs.query_lens - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         x = self.final_norm(x)
         logits = (x @ self.lm_head[...]).astype(jnp.float32)
+        if mesh is not None:
+            logits = _gather_vocab(logits, mesh)
         return logits, kv_pool

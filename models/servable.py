@@ -1,4 +1,10 @@
-"""A loaded model: NNX weights split once, a tokenizer, and the engine's model interface."""
+"""A loaded model: NNX weights split once, a tokenizer, and the engine's model interface.
+
+A servable is either on one device (``mesh is None``) or tensor-parallel over a mesh
+(``plan`` says how: ``models.sharding``). A sharded servable's module is built from the
+plan's padded config, so ``kv_spec`` reports the KV heads the pool must hold; ``config``
+stays the original architecture.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.llama import LlamaModel
+from models.sharding import ShardPlan, fill_state, flat_state
+from superinfer_jax import parallel
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import KVSpec, StepInputs
 
@@ -26,12 +35,16 @@ def check_dtype(dtype: str) -> str:
 class LlamaServable:
     """Implements ``superinfer_jax.model_api.ServableModel`` for the Llama family."""
 
-    def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str):
+    def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str,
+                 plan: ShardPlan | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = check_dtype(dtype)
+        self.plan = plan
+        self.mesh: Mesh | None = plan.mesh if plan is not None else None
         self.graphdef, self.params = nnx.split(module)
-        self.kv_spec = KVSpec(config.num_layers, config.num_kv_heads, config.head_dim)
+        built = module.cfg  # the plan's padded config when sharded
+        self.kv_spec = KVSpec(built.num_layers, built.num_kv_heads, built.head_dim)
         self.eos_token_ids = tuple(config.eos_token_ids)
         self.max_position_embeddings = config.max_position_embeddings
         self.vocab_size = config.vocab_size
@@ -44,7 +57,25 @@ class LlamaServable:
     def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
                 all_logits: bool = False):
         module = nnx.merge(self.graphdef, params)
-        return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits)
+        return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits,
+                      mesh=self.mesh)
+
+    def shard(self, mesh: Mesh) -> LlamaServable:
+        """This model tensor-parallel over ``mesh``, converted tensor by tensor on device.
+
+        For a model already loaded on one device; ``load_model(...,
+        tensor_parallel_size=n)`` loads straight into the sharded layout instead."""
+        if self.mesh is not None:
+            if self.mesh == mesh:
+                return self
+            raise ValueError(f"model is already sharded over {self.mesh}; load it again")
+        plan = ShardPlan(self.config, mesh)
+        graphdef, state = nnx.split(nnx.eval_shape(
+            lambda: LlamaModel(plan.module_config, dtype=jnp.dtype(self.dtype))))
+        values = {path: plan.reshard(path, w) for path, w in flat_state(self.params).items()}
+        fill_state(state, values)
+        return LlamaServable(self.config, nnx.merge(graphdef, state), self.tokenizer,
+                             self.dtype, plan)
 
     def logits(self, token_ids, page_size: int = 16, chunk_size: int | None = None,
                attention_backend: str = "xla") -> np.ndarray:
@@ -60,6 +91,8 @@ class LlamaServable:
         layout = PoolLayout(self.kv_spec, page_size, self.dtype)
         num_pages = layout.pages_for_tokens(ids.size)
         pool = layout.zeros(num_pages + 1)
+        if self.mesh is not None:
+            pool = jax.device_put(pool, parallel.pool_sharding(self.mesh))
         page_table = np.arange(1, num_pages + 1, dtype=np.int32)[None, :]
         chunk = chunk_size or ids.size
         if self._logits_fn is None:
@@ -88,7 +121,11 @@ class LlamaServable:
 
 
 def random_servable(config: ModelConfig, dtype: str = "float32", seed: int = 0,
-                    tokenizer: Any = None) -> LlamaServable:
-    """A randomly initialised model, for tests and benchmarks that need no weights."""
+                    tokenizer: Any = None, mesh: Mesh | None = None) -> LlamaServable:
+    """A randomly initialised model, for tests and benchmarks that need no weights.
+
+    The same seed gives the same weights with or without a ``mesh`` (they are drawn for
+    the original layout, then sharded)."""
     module = LlamaModel(config, dtype=jnp.dtype(check_dtype(dtype)), rngs=nnx.Rngs(seed))
-    return LlamaServable(config, module, tokenizer, dtype)
+    servable = LlamaServable(config, module, tokenizer, dtype)
+    return servable if mesh is None else servable.shard(mesh)

@@ -45,13 +45,7 @@ class ModelSection:
     dtype: str = _key("float32", choices=("float32", "bfloat16"))
     kv_cache_dtype: str = _key("auto", choices=("auto", "float32", "bfloat16"))
     max_model_len: int = _key(2048, ge=2)
-    tensor_parallel_size: int = _key(1, ge=1)
-
-    def check(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"model.tensor_parallel_size: only 1 is supported for now, "
-                f"got {self.tensor_parallel_size}")
+    tensor_parallel_size: int = _key(1, ge=1)  # devices of the "tp" mesh (one host)
 
     @property
     def source(self) -> str:
@@ -173,6 +167,7 @@ _ENGINE_DIRECT = {
     "hardware.compilation_cache_dir": "compilation_cache_dir",
     "model.max_model_len": "max_model_len",
     "model.kv_cache_dtype": "dtype",
+    "model.tensor_parallel_size": "tensor_parallel_size",
     "rotasched.max_num_seqs": "max_num_seqs",
     "rotasched.max_num_batched_tokens": "max_num_batched_tokens",
     "rotasched.max_prefill_chunk": "max_prefill_chunk",

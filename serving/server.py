@@ -71,7 +71,8 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]
     engine_config = config.engine_config()
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
-    model = load_model(config.model.source, dtype=config.model.dtype)
+    model = load_model(config.model.source, dtype=config.model.dtype,
+                       tensor_parallel_size=config.model.tensor_parallel_size)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     engine = LLMEngine(model, engine_config)
     loop = AsyncEngine(engine, config.server.max_queue_len,

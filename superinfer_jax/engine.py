@@ -17,6 +17,11 @@ pages are scattered into the pool; after it, the plan's rotate-out / rotate-in c
 the eager shadows are issued, before the model step is dispatched with the pool donated.
 ``superinfer_jax.duplexkv.rotation`` explains why that order is race-free.
 
+With ``tensor_parallel_size > 1`` the same loop drives one SPMD program over a device
+mesh (``superinfer_jax.parallel``): the model arrives sharded (or is sharded through its
+``shard(mesh)``), the pool and the host tier are split over KV heads, and everything on
+the host (plans, page tables, bookkeeping) stays global. ``docs/tensor_parallel.md``.
+
 The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``).
 """
 
@@ -30,9 +35,10 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from superinfer_jax import ops
+from superinfer_jax import ops, parallel
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.detokenize import IncrementalDetokenizer
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
@@ -91,6 +97,8 @@ class LLMEngine:
         max_len = min(config.max_model_len, model.max_position_embeddings)
         if max_len != config.max_model_len:
             self.config = config = config.replace(max_model_len=max_len)
+        self.mesh = self._make_mesh()  # None: one device, exactly as without TP
+        self.model = model = self._place_model(model)
         self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
         self.num_device_pages = self._choose_num_pages()
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
@@ -98,21 +106,17 @@ class LLMEngine:
         self.latency: LatencyModel | None = None  # profiled at warm-up or loaded
         self.scheduler = make_scheduler(config, self.kv)
         self.scheduler.page_bytes = self.layout.page_bytes
-        # Committed to the device now: an uncommitted array is a different jit cache key,
-        # and the first real step would recompile a bucket warm-up already compiled.
-        self.kv_pool = jax.device_put(self.layout.zeros(self.num_device_pages),
-                                      jax.devices()[0])
+        self.kv_pool = self._new_pool()
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
-            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
-            self.duplex = DuplexKV(self.layout, self.kv, host, config.transfer_budget_pages)
+            self.duplex = self._new_duplex()
             self.kv_pool = self.duplex.adopt(self.kv_pool)
         self.backend = ops.resolve_backend(config.attention_backend)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
-        self._step_fn = jax.jit(self._step, donate_argnums=(1,))
+        self._step_fn = self._jit_step()
         self.last_stats = StepStats()
         self.num_model_steps = 0  # steps that ran the model
         self.total_host_time_s = 0.0  # host work of those steps before the first block
@@ -121,6 +125,57 @@ class LLMEngine:
 
     # -- setup -------------------------------------------------------------------------
 
+    def _make_mesh(self) -> Mesh | None:
+        tp = self.config.tensor_parallel_size
+        return parallel.make_mesh(tp) if tp > 1 else None
+
+    def _place_model(self, model: ServableModel) -> ServableModel:
+        """The model on this engine's mesh: as given when it already is (loaded with
+        ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
+        model_mesh = getattr(model, "mesh", None)
+        if model_mesh == self.mesh:
+            if self.mesh is not None:
+                parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
+            return model
+        if self.mesh is None:
+            raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
+                             f"{model_mesh.size} devices; set tensor_parallel_size to match")
+        shard = getattr(model, "shard", None)
+        if shard is None:
+            raise ValueError(f"tensor_parallel_size={self.mesh.size}: this model cannot be "
+                             "sharded (it has no shard(mesh))")
+        model = shard(self.mesh)
+        parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
+        return model
+
+    def _new_pool(self) -> jax.Array:
+        """The zeroed device pool, committed: an uncommitted array is a different jit cache
+        key, and the first real step would recompile a bucket warm-up already compiled.
+        Sharded, each device allocates only its own slice."""
+        if self.mesh is None:
+            return jax.device_put(self.layout.zeros(self.num_device_pages), jax.devices()[0])
+        zeros = jax.jit(lambda: self.layout.zeros(self.num_device_pages),
+                        out_shardings=parallel.pool_sharding(self.mesh))
+        return zeros()
+
+    def _new_duplex(self) -> DuplexKV:
+        cfg = self.config
+        if self.mesh is None:
+            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
+            return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages)
+        host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
+        return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
+                        pool_sharding=parallel.pool_sharding(self.mesh))
+
+    def _jit_step(self):
+        """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
+        replicated (every process can read them) and the pool in its own sharding, so the
+        donated buffer is reused and no step ever changes the pool's layout."""
+        if self.mesh is None:
+            return jax.jit(self._step, donate_argnums=(1,))
+        out = (parallel.replicated(self.mesh), parallel.pool_sharding(self.mesh))
+        return jax.jit(self._step, donate_argnums=(1,), out_shardings=out)
+
     def _choose_num_pages(self) -> int:
         cfg = self.config
         need_one = cfg.max_pages_per_seq + 1
@@ -128,9 +183,10 @@ class LLMEngine:
             pages = cfg.num_device_pages
         else:
             stats = jax.devices()[0].memory_stats() or {}
-            if "bytes_limit" in stats:
+            if "bytes_limit" in stats:  # per device; a device holds 1/tp of each page
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-                pages = int(free * cfg.device_memory_fraction) // self.layout.page_bytes
+                shard_bytes = self.layout.page_bytes // cfg.tensor_parallel_size
+                pages = int(free * cfg.device_memory_fraction) // shard_bytes
             else:
                 want = cfg.max_num_seqs * cfg.max_pages_per_seq + 1
                 pages = min(want, _CPU_DEFAULT_POOL_BYTES // self.layout.page_bytes)

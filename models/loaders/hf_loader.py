@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from models.config import ModelConfig, RopeScaling
@@ -183,8 +184,10 @@ def _fill(sink: ParamSink, files: list[Path]) -> None:
             del tensor
 
 
-def load_hf_dir(path: str | Path, dtype: str = "float32") -> LlamaServable:
-    """Load a Llama/Qwen2 Hugging Face directory (config.json, safetensors, tokenizer.json)."""
+def load_hf_dir(path: str | Path, dtype: str = "float32",
+                mesh: Mesh | None = None) -> LlamaServable:
+    """Load a Llama/Qwen2 Hugging Face directory (config.json, safetensors, tokenizer.json),
+    tensor-parallel over ``mesh`` when given."""
     path = Path(path)
     raw = _read_config(path)
     config = hf_config(raw, name=path.resolve().name, where=str(path / "config.json"))
@@ -192,10 +195,10 @@ def load_hf_dir(path: str | Path, dtype: str = "float32") -> LlamaServable:
     tokenizer = Tokenizer.from_hf_dir(path, raw)
     config = config.replace(eos_token_ids=tokenizer.eos_token_ids or config.eos_token_ids,
                             bos_token_id=tokenizer.bos_token_id)
-    sink = ParamSink(config, dtype)
+    sink = ParamSink(config, dtype, mesh)
     _fill(sink, files)
     if not sink.has(("lm_head",)) and sink.has(("embed",)):
         if not config.tie_word_embeddings:
             raise ValueError(f"{path}: no lm_head.weight and tie_word_embeddings is false")
         sink.tie_lm_head()
-    return LlamaServable(config, sink.build(str(path)), tokenizer, dtype)
+    return sink.servable(str(path), tokenizer)

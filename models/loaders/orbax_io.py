@@ -19,12 +19,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.config import ModelConfig, RopeScaling
 from models.loaders import ORBAX_MARKER, abstract_model
 from models.servable import LlamaServable, check_dtype
+from models.sharding import ShardPlan, fill_state, flat_state
 from models.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -91,8 +94,13 @@ def _load_tokenizer(path: Path, meta: dict[str, Any] | None) -> Tokenizer | None
         raise ValueError(f"{file}: cannot load tokenizer ({e})") from e
 
 
-def load_orbax(path: str | Path, dtype: str = "float32") -> LlamaServable:
-    """Restore a ``save_orbax`` directory straight into a ``dtype`` model state."""
+def load_orbax(path: str | Path, dtype: str = "float32",
+               mesh: Mesh | None = None) -> LlamaServable:
+    """Restore a ``save_orbax`` directory straight into a ``dtype`` model state.
+
+    With a ``mesh``, each device reads only its slice of every tensor the sharded layout
+    keeps as saved; a tensor whose heads the layout pads or replicates is read split (or
+    replicated, when its size does not divide) and converted on device."""
     path = Path(path).expanduser().resolve()
     check_dtype(dtype)
     meta = _read_meta(path)
@@ -101,11 +109,28 @@ def load_orbax(path: str | Path, dtype: str = "float32") -> LlamaServable:
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path / ORBAX_MARKER}: invalid model config ({e})") from e
     graphdef, abstract_state = abstract_model(config, dtype)
+    plan = ShardPlan(config, mesh) if mesh is not None else None
+    if plan is not None:
+        abstract_state = _with_restore_shardings(abstract_state, plan)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             state = checkpointer.restore(path / PARAMS_DIR, abstract_state)
     except Exception as e:
         raise ValueError(f"{path / PARAMS_DIR}: cannot restore Orbax params "
                          f"({type(e).__name__}: {e})") from e
-    module = nnx.merge(graphdef, state)
-    return LlamaServable(config, module, _load_tokenizer(path, meta.get("tokenizer")), dtype)
+    tokenizer = _load_tokenizer(path, meta.get("tokenizer"))
+    if plan is None:
+        return LlamaServable(config, nnx.merge(graphdef, state), tokenizer, dtype)
+    graphdef, sharded = abstract_model(plan.module_config, dtype)
+    fill_state(sharded, {p: plan.reshard(p, w) for p, w in flat_state(state).items()})
+    return LlamaServable(config, nnx.merge(graphdef, sharded), tokenizer, dtype, plan)
+
+
+def _with_restore_shardings(abstract_state: nnx.State, plan: ShardPlan) -> nnx.State:
+    """The abstract state with, on every leaf, where each device should read it to."""
+    leaves = {
+        p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.restore_sharding(p, a.shape))
+        for p, a in flat_state(abstract_state).items()
+    }
+    fill_state(abstract_state, leaves)
+    return abstract_state

@@ -51,11 +51,19 @@ class PageMover:
     """Batched whole-page gather/scatter over a block-first pool."""
 
     def __init__(self, layout: PoolLayout, max_pages: int,
-                 device_sharding: jax.sharding.Sharding | None = None):
+                 device_sharding: jax.sharding.Sharding | None = None,
+                 pool_sharding: jax.sharding.NamedSharding | None = None):
+        """``pool_sharding`` (tensor parallelism): the pool's sharding over a mesh; staging
+        pages are then split the same way (``device_sharding``), so every gather and
+        scatter stays on each device's own slice."""
         self.layout = layout
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
-        self._gather = jax.jit(_gather)
-        self._scatter = jax.jit(_scatter, donate_argnums=(0,))
+        if pool_sharding is None:
+            self._gather = jax.jit(_gather)
+            self._scatter = jax.jit(_scatter, donate_argnums=(0,))
+        else:
+            self._gather = jax.jit(_gather, out_shardings=device_sharding)
+            self._scatter = jax.jit(_scatter, donate_argnums=(0,), out_shardings=pool_sharding)
         self._zero_page = jnp.zeros(layout.page_shape(), layout.dtype)
         if device_sharding is not None:
             self._zero_page = jax.device_put(self._zero_page, device_sharding)

@@ -35,6 +35,11 @@ How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike)
 
 Failures: a copy that raises when issued, or whose arrays carry an error when observed
 ready, yields a FAILED event and the engine falls back to recomputing the request.
+
+Tensor parallelism: the pool, the staging pages and the host pages share one split over
+KV heads (``superinfer_jax.parallel``), so every device gathers, copies and scatters its
+own slice of each page; the orderings above hold per device, and a copy is observed
+ready only when every device's slice is.
 """
 
 from __future__ import annotations
@@ -90,12 +95,15 @@ class DuplexKV:
     """The rotation engine over one device pool and one host pool."""
 
     def __init__(self, layout: PoolLayout, kv: TwoTierKVManager, host: HostPool,
-                 budget_pages: int):
+                 budget_pages: int, pool_sharding: jax.sharding.NamedSharding | None = None):
+        """``pool_sharding``: the device pool's sharding under tensor parallelism (the host
+        pool's pages must be split the same way); None for a one-device pool."""
         self.layout = layout
         self.kv = kv
         self.host = host
         self.budget_pages = budget_pages
-        self.mover = PageMover(layout, budget_pages, host.device_sharding)
+        self.pool_sharding = pool_sharding
+        self.mover = PageMover(layout, budget_pages, host.device_sharding, pool_sharding)
         self.stats = TransferStats()
         self._flights: list[_Flight] = []
 
@@ -107,7 +115,7 @@ class DuplexKV:
         """The pool committed to the device. Arrived pages are committed arrays, so the
         scatter returns a committed pool; a step compiled for an uncommitted one would
         compile again. Call before compiling anything that takes the pool."""
-        return jax.device_put(pool, self.host.device_sharding)
+        return jax.device_put(pool, self.pool_sharding or self.host.device_sharding)
 
     def warmup(self, pool: jax.Array) -> jax.Array:
         pool = self.mover.warmup(pool)

@@ -44,16 +44,26 @@ def num_host_pages_for(config: EngineConfig, page_bytes: int) -> int:
 
 
 class HostPool:
-    """Arrays of the host tier. Holds references only; ids are owned by the KV manager."""
+    """Arrays of the host tier. Holds references only; ids are owned by the KV manager.
 
-    def __init__(self, num_pages: int, device: jax.Device | None = None):
+    ``page_sharding`` (tensor parallelism): where a device page lives, e.g. split over KV
+    heads on a mesh. Host pages then use the same sharding in host memory, so each
+    device's slice of a page is copied to and from its own host's memory, never between
+    devices. Without it, pages live on ``device`` (default: the first device).
+    """
+
+    def __init__(self, num_pages: int, device: jax.Device | None = None,
+                 page_sharding: jax.sharding.Sharding | None = None):
         self.num_pages = num_pages
-        self.device = device or jax.devices()[0]
+        if page_sharding is None:
+            self.device = device or jax.devices()[0]
+            page_sharding = jax.sharding.SingleDeviceSharding(self.device)
+        else:  # memory kinds are asked of a device this process drives
+            mine = [d for d in page_sharding.device_set if d.process_index == jax.process_index()]
+            self.device = min(mine, key=lambda d: d.id)
         self.memory_kind = host_memory_kind(self.device)
-        self.host_sharding = jax.sharding.SingleDeviceSharding(
-            self.device, memory_kind=self.memory_kind)
-        self.device_sharding = jax.sharding.SingleDeviceSharding(
-            self.device, memory_kind="device")
+        self.host_sharding = page_sharding.with_memory_kind(self.memory_kind)
+        self.device_sharding = page_sharding.with_memory_kind("device")
         self._pages: dict[int, jax.Array] = {}  # host page id -> [L, 2, S, K, D]
 
     def put(self, host_pages: list[int], arrays: list[jax.Array]) -> None:

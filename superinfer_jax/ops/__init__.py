@@ -3,12 +3,22 @@
 ``backend="xla"`` is the plain XLA reference (the CPU default); ``"pallas"`` selects the
 Pallas kernels (GPU, or interpret mode on CPU); ``"auto"`` picks Pallas on GPU and XLA
 elsewhere.
+
+``write_and_attend`` is what a model layer calls: the KV write, then attention. Under
+tensor parallelism it runs once per shard inside ``jax.shard_map``, on that shard's KV
+heads and its slice of the pool, so neither the pool nor any page ever crosses devices
+(and the Pallas kernel, which the SPMD partitioner cannot split, sees local shapes).
 """
 
 from __future__ import annotations
 
-import jax
+import functools
 
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from superinfer_jax import parallel
 from superinfer_jax.ops import attention_xla
 
 BACKENDS = ("auto", "xla", "pallas")
@@ -46,3 +56,33 @@ def paged_attention(q, kv_pool, layer, page_tables, context_lens, query_lens, *,
 
 
 write_kv = attention_xla.write_kv
+
+
+def write_and_attend(q, k, v, kv_pool, layer, page_tables, positions, context_lens,
+                     query_lens, *, scale, backend: str = "xla", mesh: Mesh | None = None):
+    """Write this step's K/V into the pool, then attend. Returns (out, kv_pool).
+
+    q: [B, C, H, D]; k, v: [B, C, K, D]; kv_pool: [N, L, 2, S, K, D]; out: [B, C, H, D].
+    With a mesh, H and K are split over its ``tp`` axis (query head ``h`` of a shard uses
+    that shard's KV head ``h // (H / K)``, which holds as long as heads are grouped by KV
+    head and both counts divide the mesh size) and each shard works on its own slice.
+    """
+    local = functools.partial(_write_and_attend, layer=layer, scale=scale, backend=backend)
+    if mesh is None:
+        return local(q, k, v, kv_pool, page_tables, positions, context_lens, query_lens)
+    heads, pool, rep = parallel.HEADS_SPEC, parallel.POOL_SPEC, P()
+    sharded = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(heads, heads, heads, pool, rep, rep, rep, rep),
+        out_specs=(heads, pool),
+        check_vma=False,  # pallas_call has no replication rule; every output is per shard
+    )
+    return sharded(q, k, v, kv_pool, page_tables, positions, context_lens, query_lens)
+
+
+def _write_and_attend(q, k, v, kv_pool, page_tables, positions, context_lens, query_lens, *,
+                      layer, scale, backend):
+    kv_pool = write_kv(kv_pool, layer, k, v, page_tables, positions, query_lens)
+    out = paged_attention(q, kv_pool, layer, page_tables, context_lens, query_lens,
+                          scale=scale, backend=backend)
+    return out, kv_pool

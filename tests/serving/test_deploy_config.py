@@ -41,7 +41,7 @@ def test_defaults_without_a_file_equal_the_example():
     ({"rotasched": {"alpha": -1}}, "rotasched.alpha must be >= 0, got -1"),
     ({"rotasched": {"alpah": 1}}, "unknown key rotasched.alpah"),
     ({"rotasched": {"policy": "lottery"}}, "rotasched.policy must be one of"),
-    ({"model": {"tensor_parallel_size": 2}}, "model.tensor_parallel_size: only 1"),
+    ({"model": {"tensor_parallel_size": 0}}, "model.tensor_parallel_size must be >= 1"),
     ({"model": {"dtype": "int4"}}, "model.dtype must be one of"),
     ({"hardware": {"page_size": "16"}}, "hardware.page_size must be an integer, got '16'"),
     ({"hardware": {"page_size": 12}}, "hardware.page_size must be a power of two"),
@@ -60,6 +60,12 @@ def test_bad_values_name_the_key(data, message):
     with pytest.raises(ValueError) as err:
         DeploymentConfig.from_dict(data).engine_config()
     assert message in str(err.value)
+
+
+def test_tensor_parallel_size_reaches_the_engine():
+    cfg = DeploymentConfig.from_dict({"model": {"tensor_parallel_size": 4}})
+    assert cfg.engine_config().tensor_parallel_size == 4
+    assert DeploymentConfig.load(None).engine_config().tensor_parallel_size == 1
 
 
 def test_engine_errors_are_mapped_back_to_the_yaml_key():

@@ -3,6 +3,8 @@ page reuse, same-step reuse of a freed page, transfer failures and a full host t
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -56,12 +58,15 @@ class Rig:
         self.events += self.duplex.execute(self.pool, list(moves_out), list(moves_in), shadows)
 
     def settle(self) -> None:
-        """Step until nothing is in flight (blocking here is fine: this is a test)."""
-        for _ in range(1000):
+        """Step until nothing is in flight (blocking here is fine: this is a test). Bounded
+        by time, not by a count of polls: on a loaded machine copies take longer."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             if not self.duplex.num_in_flight:
                 return
             jax.block_until_ready(self.pool)
             self.step()
+            time.sleep(0.001)
         raise AssertionError("copies never completed")
 
     def device_contents(self, req_id: str) -> np.ndarray:

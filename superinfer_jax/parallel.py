@@ -1,0 +1,79 @@
+"""Tensor parallelism: one 1-D device mesh, and where the KV pool and step values live on it.
+
+The engine shards over one mesh axis, ``tp``, of ``tensor_parallel_size`` devices, and lets
+XLA's SPMD partitioner (``jax.jit`` over ``NamedSharding``) place the collectives. What is
+sharded over ``tp``:
+
+    device pool  [num_pages, num_layers, 2, page_size, kv_heads, head_dim]   on kv_heads
+    host page    [num_layers, 2, page_size, kv_heads, head_dim]              on kv_heads
+                  (memory kind pinned_host: each shard's slice sits in its host's memory)
+
+So a page is split across devices head-wise, and every device holds its own slice of
+every page. Rotation gathers, copies and scatters each slice on its own device: a
+``device_put`` between two shardings that differ only in memory kind moves no byte
+between devices. Page ids, page tables and the scheduler are host-side and global: the
+same page id names the same page on every shard.
+
+Model weights are sharded by the model family (``models.sharding``); the engine only needs
+the mesh and the two shardings below. With ``tensor_parallel_size == 1`` the engine uses no
+mesh at all, so single-device behaviour (and every compiled step) is exactly as before.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+TP_AXIS = "tp"
+
+# [num_pages, num_layers, 2, page_size, kv_heads, head_dim]: split the kv-head axis.
+POOL_SPEC = P(None, None, None, None, TP_AXIS, None)
+# [num_layers, 2, page_size, kv_heads, head_dim]: one page, split the same way.
+PAGE_SPEC = P(None, None, None, TP_AXIS, None)
+# q / k / v / attention output [B, C, heads, head_dim]: split the head axis.
+HEADS_SPEC = P(None, None, TP_AXIS, None)
+
+
+def make_mesh(tensor_parallel_size: int, devices: list[jax.Device] | None = None) -> Mesh:
+    """A 1-D ``tp`` mesh over the first ``tensor_parallel_size`` devices.
+
+    Axis type Auto: the partitioner chooses collectives from the input shardings (JAX's
+    ``make_mesh`` defaults to Explicit axes, which would put shardings into the types).
+    Across hosts, ``jax.devices()`` lists every process's devices once
+    ``jax.distributed.initialize`` has run, so the same call builds the global mesh.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices, found "
+            f"{len(devices)} ({jax.default_backend()}); on CPU, set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={tensor_parallel_size} before importing jax"
+        )
+    chosen = np.array(devices[:tensor_parallel_size])
+    return Mesh(chosen, (TP_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def pool_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    """The device pool's sharding: each device holds its KV heads of every page."""
+    return NamedSharding(mesh, POOL_SPEC, memory_kind=memory_kind)
+
+
+def page_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    """One page's sharding (staging buffers and host pages): the pool's, minus page axis."""
+    return NamedSharding(mesh, PAGE_SPEC, memory_kind=memory_kind)
+
+
+def check_kv_heads(num_kv_heads: int, mesh: Mesh) -> None:
+    """The pool splits whole KV heads: a model must present a multiple of the mesh size."""
+    if num_kv_heads % mesh.size:
+        raise ValueError(
+            f"the model's KV pool has {num_kv_heads} KV heads, not a multiple of "
+            f"tensor_parallel_size {mesh.size}: shard the model for this mesh first "
+            "(models.sharding pads or replicates heads)"
+        )

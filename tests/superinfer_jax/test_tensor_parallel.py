@@ -1,0 +1,196 @@
+"""Tensor parallelism: head layouts by hand here, and on 4 virtual CPU devices in a
+subprocess (``tp_check``): TP=2 and TP=4 give TP=1's greedy tokens with rotations
+running, host pages are split per device in pinned host memory, and the compiled step
+holds the Megatron collectives and nothing that moves the KV pool."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+from models.config import PRESETS, ModelConfig
+from models.sharding import ShardPlan, plan_heads
+from superinfer_jax import EngineConfig, LLMEngine
+from superinfer_jax.parallel import make_mesh
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = ("smollm2", "llama8", "replicated")
+
+
+def _config(heads: int, kv_heads: int, ffn: int = 64) -> ModelConfig:
+    return ModelConfig(name="t", vocab_size=64, hidden_size=32, intermediate_size=ffn,
+                       num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=4)
+
+
+# -- head layouts, by hand ------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads, kv, tp, want_kv, want_heads, replicas", [
+    (9, 3, 2, 4, 12, 1),  # SmolLM2: one zero KV head with its 3 zero query heads
+    (9, 3, 4, 4, 12, 1),
+    (32, 8, 2, 8, 32, 1),  # Llama-3-8B: split as is
+    (32, 8, 8, 8, 32, 1),
+    (32, 8, 16, 16, 32, 2),  # each KV head on two shards, its group of 4 split in 2
+    (6, 2, 4, 4, 8, 2),  # groups of 3 split 2 + 1 (one zero query head per copy)
+    (8, 1, 4, 4, 8, 4),  # MQA: the one KV head on every shard
+    (40, 8, 8, 8, 40, 1),  # Qwen2.5-32B
+])
+def test_head_layout(heads, kv, tp, want_kv, want_heads, replicas):
+    layout = plan_heads(_config(heads, kv), tp)
+    assert (layout.num_kv_heads, layout.num_heads, layout.kv_replicas) == (
+        want_kv, want_heads, replicas)
+
+
+@pytest.mark.parametrize("heads, kv, tp", [
+    (h, k, t) for k, g, t in itertools.product((1, 2, 3, 4, 5, 8), (1, 2, 3, 4, 5), (2, 3, 4, 8))
+    for h in [k * g]])
+def test_every_head_keeps_its_kv_head(heads, kv, tp):
+    """Query head ``h`` of the sharded model reads KV head ``h // G'``; that KV head must
+    be a copy of the one its original head read, every original head must be served,
+    and both counts must split evenly over the mesh."""
+    cfg = _config(heads, kv)
+    lay = plan_heads(cfg, tp)
+    assert lay.num_kv_heads % tp == 0 and lay.num_heads % tp == 0
+    group = lay.num_heads // lay.num_kv_heads
+    for h, src in enumerate(lay.q_source):
+        if src >= 0:
+            assert lay.kv_source[h // group] == src // cfg.num_queries_per_kv
+    assert sorted(s for s in lay.q_source if s >= 0) == list(range(heads))
+    assert sorted(s for s in lay.kv_source if s >= 0) == sorted(list(range(kv)) * lay.kv_replicas)
+
+
+def test_weights_are_moved_by_whole_heads_and_padded_with_zeros():
+    cfg = _config(heads=9, kv_heads=3, ffn=30)  # ffn 30 over 4 shards pads to 32
+    plan = ShardPlan(cfg, AbstractMesh((4,), ("tp",)))
+    d, hd = cfg.hidden_size, cfg.head_dim
+    wq = np.random.default_rng(0).standard_normal((d, 9 * hd)).astype(np.float32)
+    out = plan.transform(("layers", 0, "attn", "wq"), wq).reshape(d, 12, hd)
+    for h, src in enumerate(plan.layout.q_source):
+        want = wq.reshape(d, 9, hd)[:, src] if src >= 0 else 0
+        np.testing.assert_array_equal(out[:, h], want)
+    wo = wq.T.copy()
+    assert (plan.transform(("layers", 0, "attn", "wo"), wo).reshape(12, hd, d)[9:] == 0).all()
+    down = np.ones((30, d), np.float32)
+    padded = plan.transform(("layers", 0, "mlp", "w_down"), down)
+    assert padded.shape == (32, d) and padded[30:].sum() == 0 and padded[:30].all()
+    norm = np.ones(d, np.float32)
+    assert plan.transform(("layers", 0, "attn_norm", "weight"), norm) is norm
+
+
+def test_preset_layouts_on_common_sizes():
+    smol = PRESETS["smollm2-135m"]
+    assert ShardPlan(smol, AbstractMesh((2,), ("tp",))).describe() == (
+        "tp=2: 3 KV heads -> 4 (x1 replicas, 1 zero), 9 query heads -> 12 (3 zero), "
+        "ffn 1536 -> 1536")
+    for t in (2, 4, 8):
+        assert plan_heads(PRESETS["llama-3-70b"], t).is_identity(PRESETS["llama-3-70b"])
+
+
+# -- configuration and the one-device process ----------------------------------------------
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_bad_tensor_parallel_size_names_the_field(value):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=value)
+
+
+def test_too_few_devices_says_how_to_get_more():
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        make_mesh(len(jax.devices()) + 1)
+
+
+def test_tp1_engine_keeps_its_single_device_pool():
+    from models.servable import random_servable
+
+    engine = LLMEngine(random_servable(_config(4, 2)),
+                       EngineConfig(max_model_len=32, num_device_pages=4, warmup=False,
+                                    show_progress=False))
+    assert engine.mesh is None and engine.model.mesh is None
+    assert isinstance(engine.kv_pool.sharding, jax.sharding.SingleDeviceSharding)
+
+
+# -- 4 virtual devices, in a subprocess ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tp") / "tp.json"
+    cmd = [sys.executable, "-m", "tests.superinfer_jax.tp_check", "--devices", "4",
+           "--tp", "1,2,4", "--out", str(out)]
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        cmd += ["--cache-dir", cache]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_greedy_tokens_equal_tp1_with_rotations(tp_run, case, tp):
+    runs = tp_run[case]
+    assert tp_run["devices"] == 4
+    assert runs[tp]["tokens"] == runs["1"]["tokens"]
+    assert runs[tp]["rotations"] >= 3 and runs[tp]["pages_in"] > 0
+    assert all(len(t) >= 12 for t in runs[tp]["tokens"])
+
+
+def test_padding_and_replication_layouts(tp_run):
+    for tp in ("2", "4"):
+        assert tp_run["smollm2"][tp]["kv_heads"] == 4  # 3 padded to 4
+        assert tp_run["llama8"][tp]["kv_heads"] == 8
+    assert "x2 replicas" in tp_run["replicated"]["4"]["layout"]
+    assert tp_run["replicated"]["4"]["kv_heads"] == 4
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pool_and_host_pages_are_split_over_kv_heads(tp_run, case, tp):
+    run = tp_run[case][str(tp)]
+    pool, shard = run["pool_shape"], run["pool_shard_shape"]
+    assert shard == pool[:4] + [pool[4] // tp] + pool[5:]
+    host = run["host_pages"]
+    assert host["memory_kind"] == "pinned_host" and host["num_shards"] == tp
+    assert host["devices"] == list(range(tp))
+    assert host["shard_shape"] == shard[1:]  # one page: each device its own heads
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_step_has_megatron_collectives_and_never_moves_the_pool(tp_run, case, tp):
+    """Two all-reduces per layer (after wo, after w_down), one all-gather of the embedded
+    tokens [B, C, hidden] and one of the logits [B, vocab]; nothing else, and nothing the
+    size of a pool shard (the pool is never gathered)."""
+    run = tp_run[case][str(tp)]
+    ops = run["step_collectives"]
+    reduces = [o for o in ops if o["op"] == "all-reduce"]
+    gathers = sorted((o["shape"] for o in ops if o["op"] == "all-gather"), key=len)
+    assert len(reduces) == 2 * run["num_layers"]
+    assert len(gathers) == 2 and len(gathers[0]) == 2 and len(gathers[1]) == 3
+    assert {o["op"] for o in ops} == {"all-reduce", "all-gather"}
+    pool_shard = int(np.prod(run["pool_shard_shape"]))
+    assert all(int(np.prod(o["shape"])) < pool_shard for o in ops)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_page_moves_stay_on_each_device(tp_run, case):
+    for tp in ("2", "4"):
+        assert tp_run[case][tp]["mover_collectives"] == []
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_loader_path_matches_one_device_logits(tp_run, tp):
+    """ParamSink with a mesh (padded heads, MLP padded at TP=4, QKV bias, tied lm_head
+    re-split from hidden to vocab), with the XLA and the Pallas (interpret) attention."""
+    run = tp_run["sink"][tp]
+    assert run["tied_exact"] and run["tied_spec"] == "P(None, 'tp')"
+    for backend in ("xla", "pallas"):
+        assert run[backend]["argmax_equal"] and run[backend]["max_abs_diff"] < 1e-5

@@ -1,0 +1,307 @@
+"""Tensor-parallel checks on virtual CPU devices: ``python -m tests.superinfer_jax.tp_check``.
+
+The rest of the suite runs in one process with one CPU device, and the device count is
+fixed when JAX starts, so ``test_tensor_parallel`` runs this module in a subprocess with
+4 virtual devices. It prints one JSON object (and writes it to ``--out``):
+
+- per model and tensor-parallel size: the greedy tokens of the same batch with the same
+  forced rotations, the number of rotations, the head layout, and where host pages live;
+- for each sharded engine: the collectives in its compiled decode step and in the page
+  mover's gather and scatter, with their shapes, and the pool's shape per device.
+
+Models: the embedded SmolLM2-135M (3 KV heads, 9 query heads: padded), loaded straight
+from its GGUF file into the sharded layout at TP=2 and converted from the one-device
+model at TP=4; a random Llama-3-style model with 8 KV heads (split as is); and a tiny
+random model with QKV bias, 2 KV heads and 3 query heads per group (KV heads replicated
+at TP=4), saved with Orbax and restored onto the mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+               "reduce-scatter")
+# "%x = f32[2,1,576]{2,1,0} all-reduce(...)": result shape, then the op (or its -start).
+_OP = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+("
+                 + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collectives(hlo: str) -> list[dict[str, Any]]:
+    """Every collective op of a compiled HLO module: its kind and result shape."""
+    out = []
+    for m in _OP.finditer(hlo):
+        dtype, dims = m.group(1).split("[")
+        shape = [int(d) for d in dims.rstrip("]").split(",") if d]
+        out.append({"op": m.group(2), "dtype": dtype, "shape": shape})
+    return out
+
+
+def _engine_config(tp: int, page_size: int, device_pages: int, max_num_seqs: int,
+                   chunk: int, backend: str):
+    from superinfer_jax import EngineConfig
+
+    # Compiles dominate: decode buckets up to max_num_seqs rows, and prefill 1 x chunk.
+    return EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=32,
+                        max_prefill_chunk=chunk, max_prefill_rows=1, page_size=page_size,
+                        num_device_pages=device_pages, num_host_pages=64,
+                        transfer_budget_pages=16, attention_backend=backend,
+                        show_progress=False, warmup=False, tensor_parallel_size=tp)
+
+
+def run_rotating(engine, prompts: list[list[int]], max_tokens: int, every: int,
+                 seen: dict[str, Any]) -> list:
+    """All prompts at once; every ``every`` steps one running request is rotated out (a
+    lone running request too: it parks, and comes back when its copy has landed).
+    ``seen`` gets the placement of the first host page observed."""
+    from superinfer_jax import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, sp) for p in prompts]
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+        if not seen:
+            seen.update(host_pages(engine))
+        step += 1
+        if step > 20_000:
+            raise RuntimeError("no progress")
+        running = [r.req_id for r in engine.scheduler.running]
+        if step % every == 0 and running:
+            engine.force_rotate_out(running[step % len(running)])
+    return [engine.release(i) for i in ids]
+
+
+def step_hlo(engine) -> str:
+    """Compiled HLO of the engine's widest decode step (compiled already by the run)."""
+    from superinfer_jax.sampling import SamplingInputs
+
+    rows = engine.config.decode_buckets[-1]
+    inputs = engine._empty_inputs(rows, 1)
+    lowered = engine._step_fn.lower(engine.model.params, engine.kv_pool, inputs,
+                                    SamplingInputs.greedy(rows))
+    return lowered.compile().as_text()
+
+
+def mover_hlo(engine) -> str:
+    """Compiled HLO of the page mover's one-page gather and scatter."""
+    import numpy as np
+
+    mover = engine.duplex.mover
+    ids = np.zeros(mover.buckets[0], np.int32)
+    pages = mover._gather(engine.kv_pool, ids)
+    gather = mover._gather.lower(engine.kv_pool, ids).compile().as_text()
+    scatter = mover._scatter.lower(engine.kv_pool, ids, pages).compile().as_text()
+    return gather + scatter
+
+
+def host_pages(engine) -> dict[str, Any]:
+    """Where the host tier's pages live: memory kind, spec, per-device slice shape."""
+    stored = engine.duplex.host.stored_pages()
+    if not stored:
+        return {}
+    page = engine.duplex.host.get([min(stored)])[0]
+    shards = page.addressable_shards
+    return {"memory_kind": page.sharding.memory_kind,
+            "spec": str(getattr(page.sharding, "spec", None)), "num_shards": len(shards),
+            "shard_shape": list(shards[0].data.shape),
+            "devices": sorted(s.device.id for s in shards)}
+
+
+def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
+             max_tokens: int, every: int, max_num_seqs: int, backend: str,
+             chunk: int = 16) -> dict[str, Any]:
+    from superinfer_jax import LLMEngine
+
+    out: dict[str, Any] = {}
+    for tp in tps:
+        t0 = time.perf_counter()
+        model = load(tp)
+        loaded = time.perf_counter() - t0
+        config = _engine_config(tp, page_size, device_pages, max_num_seqs, chunk, backend)
+        engine = LLMEngine(model, config)
+        seen: dict[str, Any] = {}
+        done = run_rotating(engine, prompts, max_tokens, every, seen)
+        row: dict[str, Any] = {
+            "tokens": [r.output_token_ids for r in done],
+            "rotations": sum(r.num_rotations for r in done),
+            "pages_out": engine.duplex.stats.pages_out,
+            "pages_in": engine.duplex.stats.pages_in,
+            "kv_heads": engine.model.kv_spec.num_kv_heads,
+            "host_pages": seen,
+        }
+        if tp > 1:
+            row["layout"] = engine.model.plan.describe()
+            row["pool_shard_shape"] = list(engine.kv_pool.addressable_shards[0].data.shape)
+            row["pool_shape"] = list(engine.kv_pool.shape)
+            row["step_collectives"] = collectives(step_hlo(engine))
+            row["mover_collectives"] = collectives(mover_hlo(engine))
+            row["num_layers"] = engine.model.kv_spec.num_layers
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row["load_seconds"] = round(loaded, 1)
+        out[str(tp)] = row
+        print(f"{name} tp={tp}: {row['seconds']} s (load {row['load_seconds']} s), "
+              f"{row['rotations']} rotations",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def _llama8_config():
+    from models.config import ModelConfig, RopeScaling
+
+    return ModelConfig(name="llama3-8kv", vocab_size=512, hidden_size=128,
+                       intermediate_size=320, num_layers=2, num_heads=16, num_kv_heads=8,
+                       head_dim=16, rope_theta=500000.0,
+                       rope_scaling=RopeScaling(original_max_position_embeddings=64),
+                       max_position_embeddings=256)
+
+
+def _replicated_config():
+    from models.config import ModelConfig
+
+    return ModelConfig(name="tiny-2kv", vocab_size=256, hidden_size=96, intermediate_size=192,
+                       num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, qkv_bias=True,
+                       max_position_embeddings=256)
+
+
+def _random_prompts(seed: int, vocab: int, n: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(k)).tolist() for k in rng.integers(5, 30, n)]
+
+
+def smollm2_case(tps, backend: str) -> dict[str, Any]:
+    from models import load_model
+    from superinfer_jax.parallel import make_mesh
+
+    texts = ["The capital of France is"]
+    base = load_model("smollm2-135m")
+    prompts = [base.tokenizer.encode(t) for t in texts]
+
+    def load(tp):  # TP=2 straight from the GGUF file; TP=4 converted from the TP=1 model
+        if tp == 2:
+            return load_model("smollm2-135m", tensor_parallel_size=tp)
+        return base if tp == 1 else base.shard(make_mesh(tp))
+
+    # The 30-layer compiles dominate, so one compiled shape: one request, its prompt fed
+    # one token per step (prefill chunks of 1 are [1, 1] like decode), parked and brought
+    # back every third step. The small models below batch four and prefill in chunks.
+    return run_case("smollm2", load, prompts, tps, page_size=16, device_pages=6,
+                    max_tokens=24, every=3, max_num_seqs=1, backend=backend, chunk=1)
+
+
+def llama8_case(tps, backend: str) -> dict[str, Any]:
+    from models.servable import random_servable
+    from superinfer_jax.parallel import make_mesh
+
+    cfg = _llama8_config()
+
+    def load(tp):
+        return random_servable(cfg, seed=3, mesh=make_mesh(tp) if tp > 1 else None)
+
+    return run_case("llama8", load, _random_prompts(0, cfg.vocab_size, 4), tps,
+                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
+                    backend=backend)
+
+
+def replicated_case(tps, backend: str, workdir: Path) -> dict[str, Any]:
+    from models import load_model, save_orbax
+    from models.servable import random_servable
+
+    cfg = _replicated_config()
+    base = random_servable(cfg, seed=5)
+    path = save_orbax(base, workdir / "tiny-2kv")
+
+    def load(tp):
+        return base if tp == 1 else load_model(path, tensor_parallel_size=tp)
+
+    return run_case("replicated", load, _random_prompts(1, cfg.vocab_size, 4), tps,
+                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
+                    backend=backend)
+
+
+def sink_case(tps) -> dict[str, Any]:
+    """A loader's path (``ParamSink`` with a mesh, tied lm_head, MLP padded 102 -> 104 at
+    TP=4, QKV bias) compared by full-sequence logits against the one-device model, with
+    both attention backends (Pallas in interpret mode, inside ``shard_map``)."""
+    import numpy as np
+
+    from models.config import ModelConfig
+    from models.loaders import ParamSink
+    from models.servable import random_servable
+    from models.sharding import flat_state
+    from superinfer_jax.parallel import make_mesh
+
+    cfg = ModelConfig(name="sink", vocab_size=128, hidden_size=72, intermediate_size=102,
+                      num_layers=2, num_heads=9, num_kv_heads=3, head_dim=8, qkv_bias=True,
+                      tie_word_embeddings=True)
+    base = random_servable(cfg, seed=2)
+    embed = np.asarray(base.params["embed"][...])
+    ids = np.arange(1, 21)
+    out: dict[str, Any] = {}
+    for tp in [t for t in tps if t > 1]:
+        sink = ParamSink(cfg, "float32", make_mesh(tp))
+        for path, w in flat_state(base.params).items():
+            if path != ("lm_head",):
+                sink.put(path, np.asarray(w), "random")
+        sink.tie_lm_head()
+        tied = sink._values[("lm_head",)]
+        row: dict[str, Any] = {"tied_exact": bool((np.asarray(tied) == embed.T).all()),
+                               "tied_spec": str(tied.sharding.spec)}
+        # A random model's lm_head is its own matrix: compare against that one.
+        sink._values[("lm_head",)] = sink.plan.place(("lm_head",), base.params["lm_head"][...],
+                                                     tied.dtype)
+        model = sink.servable("random", None)
+        row["layout"] = model.plan.describe()
+        for backend in ("xla", "pallas"):
+            ref = base.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
+            got = model.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
+            row[backend] = {"max_abs_diff": float(np.abs(got - ref).max()),
+                            "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
+        out[str(tp)] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--cases", default="smollm2,llama8,replicated,sink")
+    ap.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
+    ap.add_argument("--backend", default="xla", choices=("xla", "pallas", "auto"),
+                    help="engine attention backend (the sink case runs both anyway)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    tps = [int(t) for t in args.tp.split(",")]
+    result: dict[str, Any] = {"devices": len(jax.devices()), "backend": jax.default_backend()}
+    with tempfile.TemporaryDirectory() as tmp:
+        b = args.backend
+        cases = {"smollm2": lambda: smollm2_case(tps, b), "llama8": lambda: llama8_case(tps, b),
+                 "replicated": lambda: replicated_case(tps, b, Path(tmp)),
+                 "sink": lambda: sink_case(tps)}
+        for name in args.cases.split(","):
+            result[name] = cases[name]()
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
