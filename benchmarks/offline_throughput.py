@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     from models import load_model
     from models.hf_export import to_transformers
     from superinfer_jax import EngineConfig, LLMEngine
+    from superinfer_jax.config import default_kv_dtype
 
     torch.set_num_threads(os.cpu_count() or 1)
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(
             max_model_len=args.prompt_len + args.new_tokens + 16, max_num_seqs=max(batches),
             max_prefill_chunk=args.prompt_len, max_num_batched_tokens=4 * args.prompt_len,
-            dtype=dtype, compilation_cache_dir=args.compilation_cache or None,
+            dtype=default_kv_dtype(dtype), compilation_cache_dir=args.compilation_cache or None,
         )
         engine = LLMEngine(model, config)
         hf_model = to_transformers(model, dtype)

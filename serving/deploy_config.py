@@ -25,7 +25,13 @@ from typing import Any
 
 import yaml
 
-from superinfer_jax.config import POLICIES, RANKING_MODES, EngineConfig, RotaSchedConfig
+from superinfer_jax.config import (
+    POLICIES,
+    RANKING_MODES,
+    EngineConfig,
+    RotaSchedConfig,
+    default_kv_dtype,
+)
 from superinfer_jax.request import SLO
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -63,7 +69,9 @@ class ModelSection:
 
     @property
     def resolved_kv_cache_dtype(self) -> str:
-        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if self.kv_cache_dtype == "auto":
+            return default_kv_dtype(self.dtype)
+        return self.kv_cache_dtype
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,19 @@ def _pow2_buckets(low: int, high: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def default_kv_dtype(model_dtype: str) -> str:
+    """The KV cache dtype to pair with a model dtype on this backend.
+
+    The model's own dtype, except bfloat16 on CPU: XLA:CPU performs an in-place bfloat16
+    scatter by converting the whole pool, every layer of every step (2 s a step for
+    SmolLM2 with a 200 MB pool), so a CPU engine keeps its KV cache in float32."""
+    import jax
+
+    if model_dtype == "bfloat16" and jax.default_backend() == "cpu":
+        return "float32"
+    return model_dtype
+
+
 POLICIES = ("fcfs", "swap", "rotasched")
 RANKING_MODES = ("vlt", "slack")
 

@@ -128,3 +128,14 @@ def test_flags_override_the_file(tmp_path):
 def test_served_name_defaults_to_the_directory_name():
     cfg = DeploymentConfig.from_dict({"model": {"path": "/models/Llama-3-8B/"}})
     assert cfg.model.served_name == "Llama-3-8B" and cfg.model.source == "/models/Llama-3-8B/"
+
+
+def test_auto_kv_dtype_keeps_cpu_engines_off_bfloat16_scatter():
+    import jax
+
+    cfg = DeploymentConfig.from_dict({"model": {"dtype": "bfloat16"}})
+    want = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    assert cfg.engine_config().dtype == want
+    forced = DeploymentConfig.from_dict({"model": {"dtype": "bfloat16",
+                                                   "kv_cache_dtype": "bfloat16"}})
+    assert forced.engine_config().dtype == "bfloat16"
