@@ -24,6 +24,14 @@ class Timeline:
     num_rotations: int = 0
     num_recomputed_tokens: int = 0
     ok: bool = True  # False: failed or aborted
+    # Client side, ``token_times`` are chunk arrivals and a chunk may carry several
+    # tokens: then the server's token count goes here (TPOT and token throughput use it).
+    num_output_tokens: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times) if self.num_output_tokens is None \
+            else self.num_output_tokens
 
     @property
     def ttft(self) -> float | None:
@@ -63,10 +71,10 @@ def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
     done = [t for t in timelines if t.ok and t.token_times]
     ttfts = [t.ttft for t in done]
     itls = [g for t in done for g in t.gaps]
-    tpots = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
-             for t in done if len(t.token_times) > 1]
+    tpots = [(t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
+             for t in done if t.output_tokens > 1]
     e2e = [t.token_times[-1] - t.arrival for t in done]
-    out_tokens = sum(len(t.token_times) for t in done)
+    out_tokens = sum(t.output_tokens for t in done)
     gaps_ok = sum(g <= t.tbt_slo_s for t in done if t.tbt_slo_s is not None for g in t.gaps)
     gaps_all = sum(len(t.gaps) for t in done if t.tbt_slo_s is not None)
     good = [t for t in timelines if t.meets_ttft() and t.meets_tbt()]
@@ -89,3 +97,20 @@ def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
     for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2e)):
         result.update(_dist(prefix, values))
     return result
+
+
+def vllm_goodput(timelines: list[Timeline], duration_s: float, ttft_ms: float | None = None,
+                 tpot_ms: float | None = None, e2el_ms: float | None = None) -> float:
+    """``vllm bench serve --goodput``: completed requests per second whose TTFT, TPOT and
+    E2E latency are each within the bound given (bounds not given are not checked).
+    Unlike ``request_goodput`` above, TPOT is the request's *mean* time per output token,
+    not every gap."""
+    good = 0
+    for t in timelines:
+        if not (t.ok and t.token_times):
+            continue
+        tpot = ((t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
+                if t.output_tokens > 1 else 0.0)
+        checks = ((ttft_ms, t.ttft), (tpot_ms, tpot), (e2el_ms, t.token_times[-1] - t.arrival))
+        good += all(bound is None or value * 1000 <= bound for bound, value in checks)
+    return good / duration_s

@@ -184,12 +184,35 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from benchmarks import serve_bench
+
+    p = sub.add_parser("bench", help="measure a running server (gRPC or OpenAI HTTP) on a "
+                       "workload: TTFT, TPOT, ITL, SLO attainment, goodput",
+                       description=serve_bench.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_bench.add_arguments(p)
+    p.set_defaults(func=serve_bench.run)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from benchmarks import simulate
+
+    p = sub.add_parser("simulate", help="simulate the policies at paper scale (GH200, H200 "
+                       "PCIe, ...) with a cost model", description=simulate.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    simulate.add_arguments(p)
+    p.set_defaults(func=simulate.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
     _add_batch(sub)
+    _add_bench(sub)
+    _add_simulate(sub)
     return parser
 
 

@@ -6,6 +6,15 @@ and flops are ``2 * params`` per token plus attention's ``4 * heads * head_dim``
 (query, key) pair. A page transfer costs a fixed per-copy overhead plus bytes over the
 link bandwidth of its direction; when both directions run at once on a superchip they
 share host DRAM bandwidth, which is why GH200 gets ~190 GB/s each way, not 450.
+
+Two ways to move the same bytes, priced apart because they measure apart:
+
+- *naive*: one synchronous copy per (page, layer, K|V) plane, as a per-layer pool forces
+  (vLLM's swap): ``2 * num_layers`` copies of a few tens of KB per page, each paying
+  ``copy_overhead_s``. The paper measured about 10 GB/s this way on GH200.
+- *batched* (DuplexKV, block-first pages): one batch of whole-page copies, paying
+  ``batch_overhead_s`` once and ``batched_copy_overhead_s`` per page (the copies are
+  pipelined, so the per-copy cost mostly hides); 181 + 179 GB/s measured on GH200.
 """
 
 from __future__ import annotations
@@ -65,20 +74,42 @@ class Hardware:
     compute_flops: float  # dense bf16 peak the step can reach
     link_bandwidth_one_way: float  # one direction alone
     link_bandwidth_duplex: float  # each direction when both run at once
-    copy_overhead_s: float  # fixed cost of one copy (launch, descriptor, sync)
-    step_overhead_s: float  # fixed cost of one model step (launches, host work)
+    copy_overhead_s: float  # fixed cost of one copy issued alone (launch, descriptor, sync)
+    step_overhead_s: float  # fixed cost of one model call (launches, host work)
     compute_efficiency: float = 0.6  # achieved share of peak for large matmuls
     bandwidth_efficiency: float = 0.8  # achieved share of peak HBM bandwidth
+    batched_copy_overhead_s: float = 0.6e-6  # per page inside one pipelined batch
+    batch_overhead_s: float = 20e-6  # once per batch (one launch and one completion event)
 
 
 HARDWARE: dict[str, Hardware] = {
     # GH200: HBM3 ~4 TB/s; NVLink-C2C 450 GB/s a way, but host LPDDR5X (~384 GB/s) is
     # shared, so duplex gets ~190 GB/s each way (the paper measured 181 + 179).
-    "gh200-96g": Hardware("gh200-96g", 96e9, 4.0e12, 989e12, 380e9, 190e9, 5e-6, 2e-3),
-    "gh200-144g": Hardware("gh200-144g", 144e9, 4.9e12, 989e12, 380e9, 190e9, 5e-6, 2e-3),
-    "h100-pcie": Hardware("h100-pcie", 80e9, 3.35e12, 989e12, 55e9, 55e9, 10e-6, 2e-3),
-    "h200-pcie": Hardware("h200-pcie", 141e9, 4.8e12, 989e12, 55e9, 55e9, 10e-6, 2e-3),
+    # copy_overhead_s 3 us: a 32 KiB plane then moves at ~10 GB/s (the paper's naive
+    # offload); 0.6 us per batched 2 MiB page gives ~180 GB/s of the 190 (paper: 181).
+    "gh200-96g": Hardware("gh200-96g", 96e9, 4.0e12, 989e12, 380e9, 190e9, 3e-6, 2e-3),
+    "gh200-144g": Hardware("gh200-144g", 144e9, 4.9e12, 989e12, 380e9, 190e9, 3e-6, 2e-3),
+    # PCIe Gen5 x16: ~55 GB/s each way, full duplex (separate lanes), so duplex == one way.
+    "h100-pcie": Hardware("h100-pcie", 80e9, 3.35e12, 989e12, 55e9, 55e9, 10e-6, 2e-3,
+                          batched_copy_overhead_s=1e-6),
+    "h200-pcie": Hardware("h200-pcie", 141e9, 4.8e12, 989e12, 55e9, 55e9, 10e-6, 2e-3,
+                          batched_copy_overhead_s=1e-6),
 }
+
+
+def num_device_pages_for(model: ModelShape, hw: Hardware, page_size: int,
+                         memory_fraction: float = 0.9) -> int:
+    """KV pages that fit: ``(HBM * fraction - weights) / page bytes``, plus the null page.
+
+    Activations and the compiled program's scratch are ignored (vLLM's profiling run
+    measures them; at these batch sizes they are a few GB, inside the 10% left over)."""
+    free = hw.hbm_bytes * memory_fraction - model.weight_bytes
+    pages = int(free // model.page_bytes(page_size))
+    if pages < 1:
+        raise ValueError(f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does "
+                         f"not fit in {memory_fraction:.0%} of {hw.name}'s "
+                         f"{hw.hbm_bytes / 1e9:.0f} GB")
+    return pages + 1
 
 
 @dataclass(frozen=True)
@@ -103,8 +134,13 @@ def step_time(model: ModelShape, hw: Hardware, work: StepWork) -> float:
     return max(mem_s, compute_s) + hw.step_overhead_s
 
 
-def transfer_time(hw: Hardware, num_bytes: int, num_copies: int, duplex: bool) -> float:
+def transfer_time(hw: Hardware, num_bytes: int, num_copies: int, duplex: bool,
+                  batched: bool = False) -> float:
+    """Seconds to move ``num_bytes`` in ``num_copies`` copies one way; ``duplex``: the
+    other direction runs meanwhile (shared host DRAM on a superchip)."""
     if num_bytes <= 0:
         return 0.0
     bw = hw.link_bandwidth_duplex if duplex else hw.link_bandwidth_one_way
+    if batched:
+        return hw.batch_overhead_s + num_copies * hw.batched_copy_overhead_s + num_bytes / bw
     return num_copies * hw.copy_overhead_s + num_bytes / bw

@@ -1,0 +1,413 @@
+"""Serving benchmark: a workload against a running server, measured on the client.
+
+Sends a workload (``benchmarks.workloads``: ShareGPT prompts, the Azure 2023 / Mooncake
+traces' lengths, or random lengths; Poisson, gamma or the trace's own arrivals; per-request
+SLOs and priority mixes) to a server over gRPC (``superinfer.v1``) or OpenAI HTTP
+(``/v1/completions``, streamed), and reports what ``vllm bench serve`` reports, with its
+result keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_throughput``, ``ttfts``,
+``itls``, ...), plus ours beside them: SLO attainment (TTFT, TBT) and ``request_goodput``
+(requests per second meeting every SLO given). Definitions: ``benchmarks.metrics``.
+
+    superinfer bench --backend grpc --target 127.0.0.1:50051 --dataset sharegpt \\
+        --num-requests 200 --rates 1,2,4
+    superinfer bench --backend openai --target http://127.0.0.1:8000 --dataset azure_conv \\
+        --arrival trace --time-scale 4 --num-requests 300
+    superinfer bench --launch "superinfer serve --model smollm2-135m --num-device-pages 64 \\
+        --set duplex_kv.num_host_pages=512" --policies fcfs,swap,rotasched --rates 1,2
+    superinfer bench --in-process smollm2-135m --policies fcfs,rotasched --rates 1,2
+
+A run is reproducible from its flags and ``--seed``; it writes JSON (``--out``) and PNGs
+beside it (latency CDFs; attainment against rate when several rates run). Policies are
+compared by restarting the server with ``--policy`` (``--launch``) or by an in-process
+engine per policy (``--in-process``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.bench_clients import Backend, RequestRecord, make_backend
+from benchmarks.common import print_table
+from benchmarks.workloads import (
+    ARRIVALS,
+    DATASETS,
+    SLOClass,
+    WorkloadRequest,
+    WorkloadSpec,
+    build_workload,
+    parse_slo_mix,
+)
+
+TABLE = {  # column -> result key
+    "completed": "completed", "failed": "failed", "req_s": "request_throughput",
+    "out_tok_s": "output_throughput", "mean_ttft_ms": "mean_ttft_ms",
+    "p99_ttft_ms": "p99_ttft_ms", "mean_tpot_ms": "mean_tpot_ms", "p99_itl_ms": "p99_itl_ms",
+    "ttft_att": "ttft_attainment", "tbt_att": "tbt_attainment", "slo_att": "slo_attainment",
+    "goodput": "request_goodput",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--backend", default="grpc", choices=("grpc", "openai"))
+    g.add_argument("--target", help="host:port (gRPC, default 127.0.0.1:50051) or base URL "
+                   "(HTTP, default http://127.0.0.1:8000)")
+    g.add_argument("--model", help="served model name (HTTP; default: the server's)")
+    g.add_argument("--api-key", default=os.environ.get("SUPERINFER_API_KEY"))
+    g.add_argument("--launch", help="server command to start per policy (--policy and "
+                   "ports are appended); stopped after its rates")
+    g.add_argument("--in-process", metavar="MODEL", help="no server: an in-process engine "
+                   "per policy (model preset or path)")
+    g.add_argument("--policies", help="comma-separated, with --launch or --in-process")
+    g.add_argument("--num-device-pages", type=int, help="--in-process: device pool cap")
+    g.add_argument("--num-host-pages", type=int, default=0, help="--in-process: host tier")
+    g.add_argument("--max-model-len", type=int, default=2048, help="--in-process")
+    g.add_argument("--compilation-cache", default=os.path.join(
+        os.path.expanduser("~"), ".cache", "superinfer", "xla"),
+        help="--in-process: persistent XLA cache dir ('' disables)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", default="sharegpt",
+                   help=f"one of {', '.join(DATASETS)}, or a trace file (CSV or JSONL)")
+    w.add_argument("--num-requests", type=int, default=200)
+    w.add_argument("--rates", default="1", help="requests/s, comma-separated (a sweep); "
+                   "inf: all at once")
+    w.add_argument("--arrival", default="poisson", choices=ARRIVALS)
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (<1: burstier)")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="--arrival trace: divide the trace's timestamps by this")
+    w.add_argument("--duration-s", type=float, help="arrivals for this long, instead of "
+                   "--num-requests")
+    w.add_argument("--random-input-len", type=int, default=256)
+    w.add_argument("--random-output-len", type=int, default=128)
+    w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--max-prompt", type=int, default=1024, help="drop longer prompts")
+    w.add_argument("--max-total", type=int, default=2048, help="drop longer requests")
+    w.add_argument("--length-scale", type=float, default=1.0, help="scale every length")
+    w.add_argument("--ttft-ms", type=float, default=5000.0)
+    w.add_argument("--tbt-ms", type=float, default=100.0)
+    w.add_argument("--slo-mix", help="priority mix: weight:class:ttft_ms:tbt_ms,... "
+                   "(overrides --ttft-ms/--tbt-ms)")
+    w.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("run")
+    o.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="vLLM-style goodput "
+                   "bounds, e.g. ttft:5000 tpot:100 e2el:20000")
+    o.add_argument("--vocab-size", type=int, help="random prompt ids below this (default: "
+                   "the server's vocab over gRPC, else 1000)")
+    o.add_argument("--quick", action="store_true", help="20 requests, the first rate")
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--out", default=os.path.join("results", "serve_bench.json"))
+
+
+# -- arguments -> workload ----------------------------------------------------------------
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError as e:
+        raise ValueError(f"--rates must be comma-separated numbers (or inf), got {text!r}") \
+            from e
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--rates must be positive, got {text!r}")
+    return rates
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput keys are ttft, tpot, e2el; got {item!r}")
+        try:
+            out[key] = float(value)
+        except ValueError as e:
+            raise ValueError(f"--goodput {item!r}: the bound must be milliseconds") from e
+        if out[key] <= 0:
+            raise ValueError(f"--goodput {item!r}: the bound must be > 0")
+    return out
+
+
+def workload_spec(args: argparse.Namespace, rate: float) -> WorkloadSpec:
+    mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
+        (SLOClass(1.0, args.ttft_ms, args.tbt_ms),)
+    return WorkloadSpec(
+        dataset=args.dataset, num_requests=args.num_requests, rate=rate,
+        arrival=args.arrival, burstiness=args.burstiness, time_scale=args.time_scale,
+        duration_s=args.duration_s, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, max_prompt=args.max_prompt,
+        max_total=args.max_total, length_scale=args.length_scale, slo_mix=mix,
+        seed=args.seed)
+
+
+def prompt_ids_for(workload: list[WorkloadRequest], vocab: int, seed: int
+                   ) -> list[list[int] | None]:
+    """Random token ids for requests without text, reproducible from the seed."""
+    rng = np.random.default_rng(seed + 7919)
+    high = max(11, vocab - 10)
+    return [None if r.prompt is not None else rng.integers(10, high, r.prompt_len).tolist()
+            for r in workload]
+
+
+# -- one run against a server -------------------------------------------------------------
+
+
+async def dispatch(backend: Backend, workload: list[WorkloadRequest],
+                   prompt_ids: list[list[int] | None], max_concurrency: int | None = None,
+                   progress=None) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival offset; returns the records and the duration
+    (first send to last completion, as vLLM measures it)."""
+    records = [RequestRecord(i) for i in range(len(workload))]
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+
+    async def one(i: int, req: WorkloadRequest) -> None:
+        delay = start + req.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if sem is None:
+            await backend.send(req, prompt_ids[i], records[i])
+        else:
+            async with sem:
+                await backend.send(req, prompt_ids[i], records[i])
+        if progress is not None:
+            progress(1)
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
+    return records, time.perf_counter() - start
+
+
+def timelines_of(records: list[RequestRecord], workload: list[WorkloadRequest]) -> list:
+    from benchmarks.metrics import Timeline
+
+    return [Timeline(arrival=rec.send_time, token_times=list(rec.chunk_times),
+                     prompt_len=rec.prompt_tokens or req.prompt_len,
+                     ttft_slo_s=req.ttft_ms / 1000, tbt_slo_s=req.tbt_ms / 1000,
+                     num_rotations=rec.num_rotations, ok=rec.ok,
+                     num_output_tokens=rec.output_tokens if rec.ok else None)
+            for rec, req in zip(records, workload, strict=True)]
+
+
+def result_of(timelines: list, duration: float, records: list[RequestRecord] | None,
+              goodput: dict[str, float]) -> dict[str, Any]:
+    """``summarize`` plus the per-request lists ``vllm bench serve`` saves."""
+    from benchmarks.metrics import summarize, vllm_goodput
+
+    out: dict[str, Any] = summarize(timelines, duration)
+    out["input_lens"] = [t.prompt_len for t in timelines]
+    out["output_lens"] = [t.output_tokens if t.ok else 0 for t in timelines]
+    out["ttfts"] = [t.ttft if t.ok else 0.0 for t in timelines]
+    out["itls"] = [t.gaps if t.ok else [] for t in timelines]
+    if records is not None:
+        out["errors"] = [r.error or "" for r in records]
+        out["num_preemptions"] = sum(r.num_preemptions for r in records)
+    if goodput:
+        out["goodput_config"] = goodput
+        out["request_goodput_vllm"] = vllm_goodput(
+            timelines, duration, goodput.get("ttft"), goodput.get("tpot"), goodput.get("e2el"))
+    return out
+
+
+def bench_server(args: argparse.Namespace, target: str, workload: list[WorkloadRequest]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One workload against one server: (result, server info)."""
+    records, duration, info = asyncio.run(measure(args, target, workload))
+    timelines = timelines_of(records, workload)
+    return result_of(timelines, duration, records, parse_goodput(args.goodput)), info
+
+
+async def measure(args: argparse.Namespace, target: str, workload: list[WorkloadRequest]
+                  ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
+    """Connect, send the workload, return what the client recorded and the duration."""
+    from tqdm.auto import tqdm
+
+    backend = make_backend(args.backend, target, args.model, args.api_key)
+    info = await backend.open()
+    try:
+        vocab = args.vocab_size or info.get("vocab_size") or 1000
+        ids = prompt_ids_for(workload, vocab, args.seed)
+        with tqdm(total=len(workload), desc="requests", disable=args.no_progress,
+                  leave=False) as bar:
+            records, duration = await dispatch(backend, workload, ids, args.max_concurrency,
+                                               bar.update)
+    finally:
+        await backend.close()
+    return records, duration, info
+
+
+def default_target(backend: str) -> str:
+    return "127.0.0.1:50051" if backend == "grpc" else "http://127.0.0.1:8000"
+
+
+# -- sweeps: rates, and policies by restarting a server or in process ---------------------
+
+
+def run_rates(args: argparse.Namespace, rates: list[float], policy: str, target: str | None,
+              engine=None) -> list[dict[str, Any]]:
+    rows = []
+    notes: list[str] = []
+    for rate in rates:
+        workload = build_workload(workload_spec(args, rate), report=notes)
+        if engine is not None:
+            result, info = bench_in_process(engine, workload, args), {"policy": policy}
+        else:
+            result, info = bench_server(args, target, workload)
+        row = {"policy": info.get("policy") or policy, "rate": rate}
+        row.update({col: result[key] for col, key in TABLE.items()})
+        rows.append({**row, "result": result})
+        print_table([row])
+    for note in dict.fromkeys(notes):
+        print(note)
+    return rows
+
+
+def bench_in_process(engine, workload: list[WorkloadRequest],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """The same workload through an in-process engine (``benchmarks.replay``)."""
+    from tqdm.auto import tqdm
+
+    from benchmarks.replay import TimedRequest, replay
+
+    tok = engine.model.tokenizer
+    ids = prompt_ids_for(workload, engine.model.vocab_size, args.seed)
+    timed = [TimedRequest(r.arrival_s, tok.encode(r.prompt) if r.prompt is not None else i,
+                          r.output_len, r.ttft_ms, r.tbt_ms, r.priority_class)
+             for r, i in zip(workload, ids, strict=True)]
+    with tqdm(total=len(timed), desc="requests", disable=args.no_progress, leave=False) as bar:
+        timelines, duration = replay(engine, timed, bar)
+    return result_of(timelines, duration, None, parse_goodput(args.goodput))
+
+
+def in_process_engine(args: argparse.Namespace, policy: str):
+    from models import load_model
+    from superinfer_jax import EngineConfig, LLMEngine
+
+    model = load_model(args.in_process)
+    config = EngineConfig(policy=policy, max_model_len=args.max_model_len,
+                          num_device_pages=args.num_device_pages,
+                          num_host_pages=args.num_host_pages,
+                          compilation_cache_dir=args.compilation_cache or None,
+                          show_progress=not args.no_progress)
+    return LLMEngine(model, config)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(command: str, policy: str, backend: str, log_path: str,
+                  timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """Start the server command for ``policy`` and wait until it answers; returns the
+    process and the benchmark target."""
+    grpc_port, http_port = _free_port(), _free_port()
+    argv = shlex.split(command) + ["--policy", policy, "--grpc-port", str(grpc_port),
+                                   "--http-port", str(http_port)]
+    if argv[0] == "superinfer":
+        argv = [sys.executable, "-m", "serving.cli", *argv[1:]]
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{grpc_port}" if backend == "grpc" else f"http://127.0.0.1:{http_port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ValueError(f"server for policy {policy} exited {proc.returncode}; see "
+                             f"{log_path}")
+        if _answers(backend, target):
+            return proc, target
+        time.sleep(0.5)
+    proc.kill()
+    raise ValueError(f"server for policy {policy} not ready after {timeout_s:.0f} s; see "
+                     f"{log_path}")
+
+
+def _answers(backend: str, target: str) -> bool:
+    async def probe() -> bool:
+        b = make_backend(backend, target)
+        try:
+            await b.open()
+        except ValueError:
+            return False
+        await b.close()
+        return True
+
+    return asyncio.run(probe())
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.rates)
+    parse_goodput(args.goodput)
+    if args.quick:
+        rates, args.num_requests, args.duration_s = rates[:1], min(args.num_requests, 20), None
+    policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
+    if policies and not (args.launch or args.in_process):
+        raise ValueError("--policies needs --launch (a server per policy) or --in-process")
+    if args.launch and args.in_process:
+        raise ValueError("give --launch or --in-process, not both")
+    workload_spec(args, rates[0])  # validate before starting anything
+    rows = []
+    for policy in policies or [""]:
+        rows += _run_policy(args, rates, policy)
+    finish(rows, args)
+    return 0
+
+
+def _run_policy(args: argparse.Namespace, rates: list[float], policy: str) -> list[dict]:
+    if args.in_process:
+        return run_rates(args, rates, policy, None, engine=in_process_engine(args, policy))
+    if not args.launch:
+        return run_rates(args, rates, policy, args.target or default_target(args.backend))
+    log = os.path.splitext(args.out)[0] + f"-server-{policy}.log"
+    proc, target = launch_server(args.launch, policy, args.backend, log)
+    try:
+        return run_rates(args, rates, policy, target)
+    finally:
+        stop_server(proc)
+
+
+def finish(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    from benchmarks.bench_plots import attainment_vs_rate, latency_cdfs
+    from benchmarks.common import print_table, write_json
+
+    print_table([{k: v for k, v in r.items() if k != "result"} for r in rows],
+                title="serving benchmark")
+    write_json(args.out, {"args": vars(args), "rows": rows})
+    base = os.path.splitext(args.out)[0]
+    latency_cdfs(rows, base + "-cdf.png")
+    if len({r["rate"] for r in rows}) > 1:
+        attainment_vs_rate(rows, base + "-attainment.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

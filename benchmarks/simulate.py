@@ -1,0 +1,241 @@
+"""Simulated policy sweeps at paper scale (``superinfer simulate``).
+
+For each hardware preset, policy and request rate: build the workload (the same builder
+as the serving benchmark, same seed per rate, so every policy sees the same requests),
+run the discrete-event simulator (``superinfer_jax.sim``) and print one attainment row.
+
+    superinfer simulate --preset paper-qwen32b-sharegpt            # GH200 and H200 PCIe
+    superinfer simulate --preset paper-llama8b-sharegpt --hardware gh200-96g --quick
+    superinfer simulate --model llama-3-8b --hardware gh200-96g --dataset sharegpt \\
+        --rates 40 --num-requests 100000 --policies fcfs          # a speed run
+    superinfer simulate --list
+
+Writes JSON (every summary) and a PNG (attainment against rate, one column per hardware).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+from benchmarks.common import print_table, write_json
+from benchmarks.workloads import WorkloadSpec, build_workload, parse_slo_mix
+
+ROW_KEYS = {  # table column -> summary key
+    "ttft_att": "ttft_attainment", "tbt_att": "tbt_attainment", "slo_att": "slo_attainment",
+    "mean_ttft_ms": "mean_ttft_ms", "p99_ttft_ms": "p99_ttft_ms", "p99_tbt_ms": "p99_itl_ms",
+    "out_tok_s": "output_throughput", "rotations": "num_rotations",
+    "recomputed": "recomputed_tokens", "sim_s": "sim_wall_s",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="a paper-scale preset (see --list)")
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+    p.add_argument("--model", help="model preset (without --preset): "
+                   "smollm2-135m, llama-3-8b, qwen2.5-32b, llama-3-70b-fp8")
+    p.add_argument("--dataset", help="sharegpt, random, azure_conv, azure_code, "
+                   "mooncake_conv, mooncake_synthetic or a trace file")
+    p.add_argument("--hardware", help="comma-separated: gh200-96g, gh200-144g, h100-pcie, "
+                   "h200-pcie")
+    p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched")
+    p.add_argument("--rates", help="comma-separated requests per second")
+    p.add_argument("--duration-s", type=float, help="arrivals for this long (default 120)")
+    p.add_argument("--num-requests", type=int, help="instead of --duration-s")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--ttft-ms", type=float, help="TTFT SLO (default 5000)")
+    p.add_argument("--tbt-ms", type=float, help="TBT SLO (default 100)")
+    p.add_argument("--slo-mix", help="weight:class:ttft_ms:tbt_ms,... (priority mix)")
+    p.add_argument("--transfer-mode", default="duplex", choices=("duplex", "simplex", "naive"))
+    p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
+                   help="price prefill at the engine's padded buckets (default: ragged)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="3 rates, 30 s of arrivals")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", help="JSON path (default results/simulate-<preset>.json)")
+
+
+def _preset(args: argparse.Namespace):
+    from superinfer_jax.sim.presets import SimPreset, get_preset
+
+    if args.preset:
+        preset = get_preset(args.preset)
+    else:
+        if not (args.model and args.dataset and args.rates):
+            raise ValueError("give --preset, or --model, --dataset and --rates")
+        preset = SimPreset("custom", "custom", args.model, args.dataset,
+                           _floats(args.rates, "--rates"))
+    changes: dict[str, Any] = {}
+    if args.model and args.preset:
+        changes["model"] = args.model
+    if args.dataset and args.preset:
+        changes["dataset"] = args.dataset
+    if args.hardware:
+        changes["hardware"] = tuple(_names(args.hardware))
+    if args.policies:
+        changes["policies"] = tuple(_names(args.policies))
+    if args.rates:
+        changes["rates"] = _floats(args.rates, "--rates")
+    if args.ttft_ms is not None:
+        changes["ttft_ms"] = args.ttft_ms
+    if args.tbt_ms is not None:
+        changes["tbt_ms"] = args.tbt_ms
+    if args.duration_s is not None:
+        changes["duration_s"] = args.duration_s
+    if args.pad is not None:
+        changes["pad"] = args.pad
+    if args.quick:
+        rates = changes.get("rates", preset.rates)
+        changes["rates"] = tuple(rates[i] for i in sorted({0, len(rates) // 2,
+                                                           len(rates) - 1}))
+        changes["duration_s"] = min(30.0, changes.get("duration_s", preset.duration_s))
+    return replace(preset, **changes)
+
+
+def _names(text: str) -> list[str]:
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    if not out:
+        raise ValueError(f"empty list {text!r}")
+    return out
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(s) for s in _names(text))
+    except ValueError as e:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from e
+    if any(not v > 0 for v in out):
+        raise ValueError(f"{flag} must be positive, got {text!r}")
+    return out
+
+
+def workload_spec(preset, rate: float, args: argparse.Namespace) -> WorkloadSpec:
+    from benchmarks.workloads import SLOClass
+
+    mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
+        (SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)
+    return WorkloadSpec(
+        dataset=preset.dataset, rate=rate, arrival="poisson" if args.burstiness == 1.0
+        else "gamma", burstiness=args.burstiness,
+        num_requests=args.num_requests or 1,
+        duration_s=None if args.num_requests else preset.duration_s,
+        max_prompt=min(preset.max_prompt, preset.engine.max_model_len - 1),
+        max_total=preset.max_total, slo_mix=mix, seed=args.seed)
+
+
+def to_specs(workload) -> list:
+    from superinfer_jax.request import SLO
+    from superinfer_jax.sim import RequestSpec
+
+    slos: dict[tuple, SLO] = {}
+    out = []
+    for r in workload:
+        key = (r.ttft_ms, r.tbt_ms, r.priority_class)
+        slo = slos.setdefault(key, SLO(*key))
+        out.append(RequestSpec(r.arrival_s, r.prompt_len, r.output_len, slo))
+    return out
+
+
+def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tqdm.auto import tqdm
+
+    from superinfer_jax.sim.stats import summarize
+
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    workloads = {rate: to_specs(build_workload(workload_spec(preset, rate, args),
+                                               report=notes)) for rate in preset.rates}
+    for note in dict.fromkeys(notes):
+        print(note)
+    runs = [(hw, rate, pol) for hw in preset.hardware for rate in preset.rates
+            for pol in preset.policies]
+    bar = tqdm(runs, desc="simulating", disable=args.no_progress)
+    for hw, rate, policy in bar:
+        bar.set_postfix_str(f"{hw} {policy} @ {rate:g}/s")
+        sim = preset.simulator(hw, policy, transfer_mode=args.transfer_mode)
+        specs = workloads[rate]
+        with tqdm(total=len(specs), desc=f"{policy}@{rate:g}", leave=False,
+                  disable=args.no_progress) as reqbar:
+            result = sim.run(specs, progress=reqbar.update)
+        s = summarize(result)
+        row = {"hardware": hw, "policy": policy, "rate": rate, "requests": len(specs)}
+        row.update({col: s[key] for col, key in ROW_KEYS.items()})
+        rows.append({**row, "summary": s})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from superinfer_jax.sim.presets import PRESETS
+
+    if args.list:
+        for p in PRESETS.values():
+            print(f"{p.name:28s} {p.description}; rates {list(p.rates)} req/s; "
+                  f"{', '.join(p.hardware)}")
+        return 0
+    preset = _preset(args)
+    t0 = time.perf_counter()
+    rows = run_sweep(preset, args)
+    for hw in preset.hardware:
+        print_table([{k: v for k, v in r.items() if k not in ("summary", "hardware")}
+                     for r in rows if r["hardware"] == hw],
+                    title=f"{preset.name} on {hw} ({preset.model}, {preset.dataset}, "
+                          f"SLO TTFT {preset.ttft_ms:g} ms / TBT {preset.tbt_ms:g} ms)")
+    print(f"\n{len(rows)} runs, {sum(r['requests'] for r in rows)} requests simulated in "
+          f"{time.perf_counter() - t0:.1f} s")
+    out = args.out or os.path.join("results", f"simulate-{preset.name}"
+                                   f"{'-quick' if args.quick else ''}.json")
+    write_json(out, {"preset": _preset_json(preset), "args": vars(args), "rows": rows})
+    plot(rows, os.path.splitext(out)[0] + ".png", preset.name)
+    return 0
+
+
+def _preset_json(preset) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d = asdict(preset)
+    d["engine"] = {k: v for k, v in d["engine"].items() if k != "rotasched"}
+    return d
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hws = list(dict.fromkeys(r["hardware"] for r in rows))
+    keys = (("ttft_att", "TTFT attainment"), ("tbt_att", "TBT attainment (gaps)"),
+            ("slo_att", "both SLOs (requests)"))
+    fig, axes = plt.subplots(len(keys), len(hws), figsize=(5 * len(hws), 9), squeeze=False)
+    for j, hw in enumerate(hws):
+        for i, (key, label) in enumerate(keys):
+            ax = axes[i][j]
+            for policy in dict.fromkeys(r["policy"] for r in rows):
+                pts = [(r["rate"], r[key]) for r in rows
+                       if r["hardware"] == hw and r["policy"] == policy]
+                ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+            ax.set_title(f"{hw}: {label}", fontsize=9)
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylim(0, 1.05)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

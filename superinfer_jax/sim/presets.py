@@ -1,0 +1,103 @@
+"""Paper-scale setups: a model, a dataset, the request rates swept, the engine knobs.
+
+The SuperInfer artifact (``AE_AIO_0309_v1.py`` in its repository) runs each (model,
+dataset) at six request rates with 120 s of Poisson arrivals (burstiness 1), requests
+with ``ignore_eos`` and ``max_tokens`` = the recorded output length, vLLM V1 with
+``--max-num-seqs 16384 --max-num-batched-tokens 16384``, a 400 GiB swap space and a
+proactive swap budget of 2400 blocks; SLOs TTFT 5 s and TBT 100 ms. The rates here are
+that script's: Qwen2.5-32B on ShareGPT 5..20 req/s, Llama-3-8B on ShareGPT 35..60.
+
+What differs, and why:
+- ShareGPT output lengths are the recorded replies (``vllm bench serve``'s choice); the
+  paper replayed Llama-3-8B's own sampled replies (up to 8192 tokens), which are longer,
+  so contention starts at higher rates here.
+- The paper's LMSYS-Chat-1M runs need that dataset, which cannot be fetched here; the
+  Azure 2023 conversation trace stands in (much longer prompts: mean 1155 tokens, so
+  its rates are lower and chosen around the knee the simulator finds, not the paper's).
+- Prefill is priced ragged (``pad=False``), as in vLLM: this engine pads a prefill call
+  to ``[row bucket, chunk bucket]`` (up to 4 x 2048 tokens here), which on these models
+  costs more than the policies differ; ``--pad`` prices the engine's buckets as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from superinfer_jax.config import POLICIES, EngineConfig
+from superinfer_jax.sim.cost import RooflineCost, latency_model_of
+from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
+from superinfer_jax.sim.simulator import Simulator
+
+
+def paper_engine_config() -> EngineConfig:
+    """The engine knobs of a paper-scale run (the policy is set per run)."""
+    return EngineConfig(
+        page_size=16, max_model_len=8192, max_num_seqs=16384, max_num_batched_tokens=16384,
+        max_prefill_chunk=2048, max_prefill_rows=4, transfer_budget_pages=2400,
+        eager_shadowing=True, warmup=False, show_progress=False)
+
+
+@dataclass(frozen=True)
+class SimPreset:
+    """One paper experiment: sweep ``rates`` x ``policies`` on each of ``hardware``."""
+
+    name: str
+    description: str
+    model: str  # a key of cost_model.MODELS
+    dataset: str  # a workload dataset (benchmarks.workloads)
+    rates: tuple[float, ...]  # requests per second
+    duration_s: float = 120.0  # arrivals are generated for this long
+    hardware: tuple[str, ...] = ("gh200-96g", "h200-pcie")
+    policies: tuple[str, ...] = POLICIES
+    ttft_ms: float = 5000.0
+    tbt_ms: float = 100.0
+    max_prompt: int = 4096
+    max_total: int = 8192
+    memory_fraction: float = 0.9
+    host_memory_gb: float = 400.0
+    pad: bool = False
+    engine: EngineConfig = field(default_factory=paper_engine_config)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        for hw in self.hardware:
+            if hw not in HARDWARE:
+                raise ValueError(f"hardware must be in {sorted(HARDWARE)}, got {hw!r}")
+        for p in self.policies:
+            if p not in POLICIES:
+                raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
+        if not self.rates or any(r <= 0 for r in self.rates):
+            raise ValueError(f"rates must be positive, got {self.rates}")
+
+    def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
+                  pad: bool | None = None) -> Simulator:
+        """A simulator of this preset on ``hardware`` under ``policy``."""
+        if hardware not in HARDWARE:
+            raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
+        config = self.engine.replace(policy=policy)
+        model, hw = MODELS[self.model], HARDWARE[hardware]
+        cost = RooflineCost(model, hw, config, pad=self.pad if pad is None else pad,
+                            transfer_mode=transfer_mode)
+        pages = num_device_pages_for(model, hw, config.page_size, self.memory_fraction)
+        host = int(self.host_memory_gb * (1 << 30)) // cost.page_bytes
+        latency = latency_model_of(cost, config) if policy == "rotasched" else None
+        return Simulator(config, cost, pages, host, latency)
+
+
+PRESETS: dict[str, SimPreset] = {p.name: p for p in (
+    SimPreset("paper-qwen32b-sharegpt", "Qwen2.5-32B, ShareGPT, the paper's rates",
+              "qwen2.5-32b", "sharegpt", (5, 10, 13, 15, 18, 20)),
+    SimPreset("paper-llama8b-sharegpt", "Llama-3-8B, ShareGPT, the paper's rates",
+              "llama-3-8b", "sharegpt", (35, 40, 45, 50, 55, 60)),
+    SimPreset("paper-qwen32b-azure-conv", "Qwen2.5-32B, Azure 2023 conversation lengths "
+              "(stand-in for LMSYS)", "qwen2.5-32b", "azure_conv", (1, 2, 3, 4, 5, 6)),
+    SimPreset("paper-llama8b-azure-conv", "Llama-3-8B, Azure 2023 conversation lengths "
+              "(stand-in for LMSYS)", "llama-3-8b", "azure_conv", (5, 10, 15, 20, 25, 30)),
+)}
+
+
+def get_preset(name: str) -> SimPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

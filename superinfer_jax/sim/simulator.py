@@ -1,0 +1,332 @@
+"""Discrete-event simulator: the engine's step loop, with the model and the copies priced.
+
+It drives the *same* scheduler objects (``make_scheduler``: fcfs, swap, rotasched) and the
+same page bookkeeping (``TwoTierKVManager``) as ``engine.LLMEngine``; only the jitted model
+step and the page copies are replaced by a ``CostModel``. Events, in time order:
+
+- *arrival*: a request joins the scheduler at the next step start, stamped with its
+  true arrival time (the replay loop adds arrivals at the top of each iteration);
+- *copy done*: a batch of page copies completed; observed at the next step start, as
+  the engine's ``DuplexKV.poll`` observes ``is_ready`` (rotate-outs first, then
+  rotate-ins, each in issue order);
+- *step done*: the engine is one process. A step starting at ``t`` schedules at ``t``,
+  issues the plan's copies (and eager shadows) at ``t``, runs the prefill call and then
+  the decode call; prefill rows get their token when the first call ends, decode rows
+  when the second ends (the engine reads them back in that order), and the next step
+  starts when the second ends. With nothing to run, the loop waits for the next arrival
+  or copy completion (the engine spins until one is observed).
+
+Copies queue per direction (``Link``): a batch starts when the previous batch of its
+direction ended; where the cost model overlaps the directions (GH200, PCIe), a batch that
+runs while the other direction is busy gets the duplex bandwidth, else the one-way rate.
+A rotate-out is done when its batch is, which is after every earlier shadow copy of the
+same direction (the engine waits on all of the request's host pages).
+
+Requests are ``SimRequest``: a ``Request`` whose prompt is a ``range`` and whose token
+times are a compact ``array``, so 100,000 requests fit in memory; the policies read them
+exactly like engine requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.latency import LatencyModel
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.rotasched.policies import make_scheduler
+from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.sim.cost import CallShape, CostModel
+
+OUT, IN = 0, 1  # copy directions: device -> host, host -> device
+_SAMPLING = SamplingParams(max_tokens=1, ignore_eos=True)  # unused by policies; shared
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One simulated request: when it arrives, its lengths, its SLO."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    slo: SLO = field(default_factory=SLO)
+
+
+class SimRequest(Request):
+    """A ``Request`` without token ids: ``num_tokens`` is a plain counter and token times
+    are an ``array('d')`` (8 bytes a token). Equality is identity, which is what the
+    scheduler's list membership tests mean (request ids are unique)."""
+
+    num_tokens = 0  # shadows Request.num_tokens (a property): an instance counter here
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(self, req_id: str, spec: RequestSpec):
+        super().__init__(req_id, range(spec.prompt_len), _SAMPLING, slo=spec.slo,
+                         arrival_time=spec.arrival_s)
+        self.token_times = array("d")  # type: ignore[assignment]
+        self.num_tokens = spec.prompt_len
+        self.output_len = spec.output_len
+        self.num_output = 0
+
+
+@dataclass
+class Link:
+    """The host link, one FIFO queue per direction."""
+
+    cost: CostModel
+    busy_until: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    pages: list[int] = field(default_factory=lambda: [0, 0])
+    busy_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def issue(self, direction: int, num_pages: int, now: float, other_active: bool) -> float:
+        """Queue a batch; returns when it completes (an empty batch: when the queue
+        drains, since it waits for earlier copies of the same pages)."""
+        start = max(now, self.busy_until[direction])
+        if not self.cost.overlaps_directions:
+            start = max(start, self.busy_until[1 - direction])
+        if num_pages == 0:
+            return start
+        duplex = other_active or self.busy_until[1 - direction] > start
+        took = self.cost.transfer_s(num_pages, duplex)
+        self.busy_until[direction] = start + took
+        self.pages[direction] += num_pages
+        self.busy_s[direction] += took
+        return start + took
+
+
+@dataclass
+class SimResult:
+    """What a run produced: the finished requests (in spec order) and counters."""
+
+    requests: list[SimRequest]
+    duration_s: float  # simulated: first arrival to last token
+    wall_s: float  # real seconds the simulation took
+    num_steps: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    pages_out: int
+    pages_in: int
+    shadow_pages: int
+    link_busy_s: tuple[float, float]  # (out, in) seconds the link was copying
+    num_device_pages: int
+    num_host_pages: int
+    cost_name: str
+    policy: str
+
+
+class Simulator:
+    """One engine configuration on one cost model; ``run`` plays a workload through it."""
+
+    def __init__(self, config: EngineConfig, cost: CostModel, num_device_pages: int,
+                 num_host_pages: int = 0, latency: LatencyModel | None = None):
+        if num_device_pages < config.max_pages_per_seq + 1:
+            raise ValueError(
+                f"num_device_pages ({num_device_pages}) cannot hold one request of "
+                f"max_model_len {config.max_model_len} ({config.max_pages_per_seq + 1} "
+                f"pages incl. the null page)")
+        if num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {num_host_pages}")
+        self.config = config
+        self.cost = cost
+        self.num_device_pages = num_device_pages
+        self.num_host_pages = num_host_pages
+        self.latency = latency
+
+    def run(self, specs: Sequence[RequestSpec],
+            progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``specs`` (sorted by arrival) until every request finished."""
+        _check_specs(specs, self.config)
+        return _Run(self, specs, progress).play()
+
+
+def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:
+    last = float("-inf")
+    for i, s in enumerate(specs):
+        if s.arrival_s < last:
+            raise ValueError(f"requests must be sorted by arrival_s (request {i}: "
+                             f"{s.arrival_s} < {last})")
+        if s.prompt_len < 1 or s.output_len < 1:
+            raise ValueError(f"request {i}: prompt_len and output_len must be >= 1, got "
+                             f"{s.prompt_len}, {s.output_len}")
+        if s.prompt_len >= config.max_model_len:
+            raise ValueError(f"request {i}: prompt has {s.prompt_len} tokens; max_model_len "
+                             f"is {config.max_model_len} (the engine rejects it)")
+        last = s.arrival_s
+
+
+class _Run:
+    """The state of one simulation (the scheduler and pages are fresh per run)."""
+
+    def __init__(self, sim: Simulator, specs: Sequence[RequestSpec],
+                 progress: Callable[[int], None] | None):
+        cfg = sim.config
+        self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
+        self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages)
+        self.sched = make_scheduler(cfg, self.kv, sim.latency)
+        self.sched.page_bytes = sim.cost.page_bytes
+        self.sim = sim
+        self.link = Link(sim.cost)
+        # Shadows matter only to a later rotate-out, and plain FCFS never rotates: unless
+        # copies cost the host time (a CPU, where they share the cores with the model),
+        # skipping them changes no timeline (the link has no other traffic) and saves
+        # the simulator the per-step scan of every running request's pages.
+        copies_cost_host = sim.cost.host_s(1, 1) > sim.cost.host_s(1, 0)
+        self.shadowing = (cfg.eager_shadowing and sim.num_host_pages > 0
+                          and (type(self.sched) is not FCFSScheduler or copies_cost_host))
+        self.requests: dict[str, SimRequest] = {}
+        self.order: list[SimRequest] = []
+        self.copies: list[tuple[float, int, int, str]] = []  # heap (done, seq, dir, req_id)
+        self.seq = 0
+        self.num_steps = self.num_prefill = self.num_decode = self.shadow_pages = 0
+        self.last_token = 0.0
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def play(self) -> SimResult:
+        wall0 = time.perf_counter()
+        specs, sched = self.specs, self.sched
+        n, i = len(specs), 0
+        t = specs[0].arrival_s if n else 0.0
+        while True:
+            while i < n and specs[i].arrival_s <= t:
+                self._add(specs[i], i)
+                i += 1
+            self._observe_copies(t)
+            if not sched.num_unfinished:
+                if i == n:
+                    break
+                t = specs[i].arrival_s
+                continue
+            plan = sched.schedule(t)
+            num_pages = self._issue_copies(plan, t)
+            if plan.is_empty:
+                t = self._next_event(i)
+                continue
+            t = self._step(plan, t, num_pages)
+        return self._result(wall0)
+
+    def _next_event(self, i: int) -> float:
+        """When something can change after an empty plan: an arrival or a copy landing."""
+        nxt = self.specs[i].arrival_s if i < len(self.specs) else float("inf")
+        if self.copies:
+            nxt = min(nxt, self.copies[0][0])
+        if nxt == float("inf"):
+            s = self.sched
+            raise RuntimeError(
+                f"simulation stuck: nothing can run and nothing will arrive or land "
+                f"({len(s.waiting)} waiting, {len(s.running)} running, {len(s.rotary)} "
+                f"rotary, {self.kv.num_free_pages} free device pages)")
+        return nxt
+
+    def _add(self, spec: RequestSpec, index: int) -> None:
+        req = SimRequest(str(index), spec)
+        self.requests[req.req_id] = req
+        self.order.append(req)
+        self.sched.add(req)
+
+    # -- the model step ------------------------------------------------------------------
+
+    def _step(self, plan: StepPlan, t: float, num_pages: int) -> float:
+        """Run the plan's two calls from ``t``; returns when the step ends."""
+        reqs, cost = self.requests, self.cost
+        self.num_steps += 1
+        t += cost.host_s(len(plan.prefill) + len(plan.decode), num_pages)
+        if plan.prefill:
+            rows = [(reqs[r], n) for r, n in plan.prefill]
+            t += cost.prefill_call_s(CallShape.of_rows(
+                [(n, q.num_computed_tokens) for q, n in rows]))
+            for q, n in rows:
+                self.num_prefill += n
+                self._advance(q, n, t)
+        if plan.decode:
+            drows = [reqs[r] for r in plan.decode]
+            ctx = [q.num_computed_tokens + 1 for q in drows]
+            total = sum(ctx)
+            t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total, max(ctx)))
+            self.num_decode += len(drows)
+            for q in drows:
+                self._advance(q, 1, t)
+        return t
+
+    def _advance(self, req: SimRequest, n: int, now: float) -> None:
+        """The engine's ``_advance``: account ``n`` tokens; the final row samples one."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens < req.num_tokens:
+            return  # a prefill chunk short of the end
+        req.num_output += 1
+        req.num_tokens += 1
+        req.token_times.append(now)
+        if req.num_output >= req.output_len or req.num_tokens >= self.cfg.max_model_len:
+            self.sched.remove(req)
+            req.set_status(RequestStatus.FINISHED_LENGTH, now)
+            self.last_token = max(self.last_token, now)
+            if self.progress is not None:
+                self.progress(1)
+
+    # -- copies --------------------------------------------------------------------------
+
+    def _issue_copies(self, plan: StepPlan, t: float) -> int:
+        """The plan's rotations and this step's eager shadows, as the engine issues them;
+        returns the number of pages issued."""
+        shadows = []
+        if self.shadowing:
+            moving = sum(len(m) for m in plan.moves_out)
+            budget = max(0, self.cfg.transfer_budget_pages - moving)
+            computed = {r.req_id: r.num_computed_tokens for r in self.sched.running}
+            shadows = self.kv.plan_shadows(computed, budget)
+        if not (plan.moves_out or shadows or plan.moves_in):
+            return 0
+        num_shadow = sum(len(m) for m in shadows)
+        self.shadow_pages += num_shadow
+        out_pages = sum(len(m) for m in plan.moves_out) + num_shadow
+        in_pages = sum(len(m) for m in plan.moves_in)
+        if plan.moves_out or shadows:
+            done = self.link.issue(OUT, out_pages, t, other_active=in_pages > 0)
+            for m in plan.moves_out:
+                self._push(done, OUT, m.req_id)
+        if plan.moves_in:
+            done = self.link.issue(IN, in_pages, t, other_active=out_pages > 0)
+            for m in plan.moves_in:
+                self._push(done, IN, m.req_id)
+        return out_pages + in_pages
+
+    def _push(self, done: float, direction: int, req_id: str) -> None:
+        heapq.heappush(self.copies, (done, self.seq, direction, req_id))
+        self.seq += 1
+
+    def _observe_copies(self, t: float) -> None:
+        copies = self.copies
+        if not copies or copies[0][0] > t:
+            return
+        landed = []
+        while copies and copies[0][0] <= t:
+            landed.append(heapq.heappop(copies))
+        landed.sort(key=lambda c: (c[2], c[1]))  # outs first, then ins, in issue order
+        for _, _, direction, req_id in landed:
+            req = self.requests[req_id]
+            if req.status.is_finished:
+                continue
+            if direction == OUT:
+                self.kv.finish_rotate_out(req_id)
+                self.sched.on_rotated_out(req, t)
+            else:
+                self.kv.finish_rotate_in(req_id)
+                self.sched.on_rotated_in(req, t)
+
+    def _result(self, wall0: float) -> SimResult:
+        first = self.specs[0].arrival_s if self.specs else 0.0
+        return SimResult(
+            requests=self.order, duration_s=max(0.0, self.last_token - first),
+            wall_s=time.perf_counter() - wall0, num_steps=self.num_steps,
+            num_prefill_tokens=self.num_prefill, num_decode_tokens=self.num_decode,
+            pages_out=self.link.pages[OUT], pages_in=self.link.pages[IN],
+            shadow_pages=self.shadow_pages, link_busy_s=tuple(self.link.busy_s),
+            num_device_pages=self.sim.num_device_pages,
+            num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
+            policy=self.cfg.policy)

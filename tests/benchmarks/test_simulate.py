@@ -1,0 +1,71 @@
+"""``superinfer simulate``: presets, the summary it prints, its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.metrics import Timeline, summarize
+from serving.cli import main as cli_main
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.request import SLO
+from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
+from superinfer_jax.sim import stats as sim_stats
+from superinfer_jax.sim.presets import PRESETS, get_preset
+
+
+def test_sim_summary_equals_the_benchmark_summary():
+    """The simulator's numpy summary and ``benchmarks.metrics.summarize`` agree exactly."""
+    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy="swap",
+                       max_num_batched_tokens=64, max_prefill_chunk=32, max_num_seqs=4)
+    slo = SLO(ttft_ms=30, tbt_ms=12)
+    specs = [RequestSpec(0.004 * i, 6 + 5 * (i % 4), 3 + i % 5, slo) for i in range(12)]
+    result = Simulator(cfg, ConstantCost(0.010, 0.005, 0.001), 24, 64).run(specs)
+    timelines = [Timeline(r.arrival_time, list(r.token_times), len(r.prompt_token_ids),
+                          r.slo.ttft_ms / 1000, r.slo.tbt_ms / 1000, r.num_rotations,
+                          r.num_recomputed_tokens) for r in result.requests]
+    want = summarize(timelines, result.duration_s)
+    got = sim_stats.summarize(result)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, nan_ok=True), key
+    assert 0 < got["ttft_attainment"] < 1  # the scenario exercises both outcomes
+
+
+def test_presets_build_simulators_with_paper_numbers():
+    p = get_preset("paper-qwen32b-sharegpt")
+    assert p.rates == (5, 10, 13, 15, 18, 20) and p.duration_s == 120
+    assert (p.ttft_ms, p.tbt_ms) == (5000, 100)
+    sim = p.simulator("gh200-96g", "rotasched")
+    assert 4000 < sim.num_device_pages < 6000
+    assert sim.num_host_pages == (400 << 30) // (16 * 262144)
+    assert sim.latency is not None  # the slack mode's latency model, from the roofline
+    assert set(PRESETS) >= {"paper-qwen32b-sharegpt", "paper-llama8b-sharegpt"}
+
+
+def test_simulate_command_runs_a_small_sweep(tmp_path):
+    out = tmp_path / "sim.json"
+    rc = cli_main(["simulate", "--model", "qwen2.5-32b", "--dataset", "random",
+                   "--hardware", "gh200-96g,h200-pcie", "--rates", "4,8",
+                   "--policies", "fcfs,rotasched", "--num-requests", "40",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert r["summary"]["completed"] == 40 and math.isfinite(r["ttft_att"])
+    assert (tmp_path / "sim.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "paper-gpt5"], "unknown preset"),
+    (["--model", "llama-3-8b"], "give --preset, or --model, --dataset and --rates"),
+    (["--preset", "paper-llama8b-sharegpt", "--hardware", "tpu-v9"], "hardware must be"),
+    (["--preset", "paper-llama8b-sharegpt", "--policies", "lifo"], "policy must be one of"),
+    (["--preset", "paper-llama8b-sharegpt", "--rates", "0"], "--rates must be positive"),
+    (["--model", "gpt-9", "--dataset", "random", "--rates", "1"], "model must be one of"),
+])
+def test_simulate_bad_arguments(argv, message, capsys):
+    assert cli_main(["simulate", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
