@@ -143,7 +143,7 @@ def test_model_info_and_server_stats(stub):
     info = stub.GetModelInfo(pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5)
     assert info.model_name == "tiny-llama" and info.api_version == "superinfer.v1"
     assert info.vocab_size == 49152 and info.max_model_len == 256 and info.page_size == 16
-    assert info.policy == "fcfs" and list(info.eos_token_ids) == [2]
+    assert info.policy == "rotasched" and list(info.eos_token_ids) == [2]  # the default
     stats = wait_idle(stub)
     assert stats.state == pb2.SERVER_STATE_SERVING
     assert stats.device_pages_total == 159  # 160 minus the null page
