@@ -9,6 +9,9 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
     superinfer simulate --model llama-3-8b --hardware gh200-96g --dataset sharegpt \\
         --rates 40 --num-requests 100000 --policies fcfs          # a speed run
     superinfer simulate --list
+    superinfer simulate --model smollm2-135m --dataset azure_conv --rates 1,2 \
+        --latency-profile profile.json --num-device-pages 48 --num-host-pages 512 \
+        --engine max_model_len=320 --engine max_num_seqs=16    # this machine, calibrated
 
 Writes JSON (every summary) and a PNG (attainment against rate, one column per hardware).
 """
@@ -40,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="sharegpt, random, azure_conv, azure_code, "
                    "mooncake_conv, mooncake_synthetic or a trace file")
     p.add_argument("--hardware", help="comma-separated: gh200-96g, gh200-144g, h100-pcie, "
-                   "h200-pcie")
+                   "h200-pcie, h100-nvl-pcie")
     p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched")
     p.add_argument("--rates", help="comma-separated requests per second")
     p.add_argument("--duration-s", type=float, help="arrivals for this long (default 120)")
@@ -53,13 +56,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
                    help="price prefill at the engine's padded buckets (default: ragged)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an EngineConfig field (repeatable), e.g. max_num_seqs=256")
+    c = p.add_argument_group("this machine (hardware this-machine)")
+    c.add_argument("--latency-profile", help="LatencyModel JSON of the engine on this "
+                   "machine (LatencyModel.save, or rotasched.latency_profile)")
+    c.add_argument("--page-bytes", type=int, help="bytes of one KV page (default: the "
+                   "--model preset's)")
+    c.add_argument("--num-device-pages", type=int, help="the profiled engine's device pool")
+    c.add_argument("--num-host-pages", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 rates, 30 s of arrivals")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", help="JSON path (default results/simulate-<preset>.json)")
 
 
 def _preset(args: argparse.Namespace):
-    from superinfer_jax.sim.presets import SimPreset, get_preset
+    from superinfer_jax.sim.presets import THIS_MACHINE, SimPreset, get_preset
 
     if args.preset:
         preset = get_preset(args.preset)
@@ -87,12 +99,57 @@ def _preset(args: argparse.Namespace):
         changes["duration_s"] = args.duration_s
     if args.pad is not None:
         changes["pad"] = args.pad
+    if args.engine:
+        changes["engine"] = preset.engine.replace(**_engine_overrides(args.engine))
+    if args.latency_profile:
+        changes["calibration"] = _calibration(args, preset)
+        changes.setdefault("hardware", (THIS_MACHINE,))
     if args.quick:
         rates = changes.get("rates", preset.rates)
         changes["rates"] = tuple(rates[i] for i in sorted({0, len(rates) // 2,
                                                            len(rates) - 1}))
         changes["duration_s"] = min(30.0, changes.get("duration_s", preset.duration_s))
     return replace(preset, **changes)
+
+
+def _engine_overrides(items: list[str]) -> dict[str, Any]:
+    """``key=value`` strings -> EngineConfig fields, values as int, float, bool or str."""
+    import dataclasses
+
+    from superinfer_jax.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--engine {item!r}: expected KEY=VALUE with KEY an EngineConfig "
+                             f"field")
+        out[key] = _scalar(value)
+    return out
+
+
+def _scalar(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _calibration(args: argparse.Namespace, preset):
+    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sim.cost_model import MODELS
+    from superinfer_jax.sim.presets import Calibration
+
+    if args.num_device_pages is None:
+        raise ValueError("--latency-profile needs --num-device-pages (the profiled pool)")
+    page_bytes = args.page_bytes or MODELS[preset.model].page_bytes(preset.engine.page_size)
+    return Calibration(LatencyModel.load(args.latency_profile), page_bytes,
+                       args.num_device_pages, args.num_host_pages)
 
 
 def _names(text: str) -> list[str]:

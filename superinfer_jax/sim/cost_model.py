@@ -94,6 +94,10 @@ HARDWARE: dict[str, Hardware] = {
                           batched_copy_overhead_s=1e-6),
     "h200-pcie": Hardware("h200-pcie", 141e9, 4.8e12, 989e12, 55e9, 55e9, 10e-6, 2e-3,
                           batched_copy_overhead_s=1e-6),
+    # H100 NVL: 94 GB at 3.9 TB/s on PCIe Gen5, dense bf16 835 TFLOP/s. Next to gh200-96g
+    # (96 GB, 4 TB/s) it isolates what the link is worth at the same KV capacity.
+    "h100-nvl-pcie": Hardware("h100-nvl-pcie", 94e9, 3.9e12, 835e12, 55e9, 55e9, 10e-6, 2e-3,
+                              batched_copy_overhead_s=1e-6),
 }
 
 

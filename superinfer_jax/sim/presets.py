@@ -24,9 +24,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from superinfer_jax.config import POLICIES, EngineConfig
-from superinfer_jax.sim.cost import RooflineCost, latency_model_of
+from superinfer_jax.latency import LatencyModel
+from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
+
+THIS_MACHINE = "this-machine"  # the hardware name of a ``Calibration``
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """This machine, as the engine measured it: its profiled latency model (``profile_
+    engine``, or a saved ``rotasched.latency_profile``) and the pool it was measured with."""
+
+    latency: LatencyModel
+    page_bytes: int
+    num_device_pages: int
+    num_host_pages: int = 0
+    host: HostOverhead = HostOverhead()
 
 
 def paper_engine_config() -> EngineConfig:
@@ -57,13 +72,17 @@ class SimPreset:
     host_memory_gb: float = 400.0
     pad: bool = False
     engine: EngineConfig = field(default_factory=paper_engine_config)
+    calibration: Calibration | None = None  # makes THIS_MACHINE a hardware choice
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         for hw in self.hardware:
-            if hw not in HARDWARE:
-                raise ValueError(f"hardware must be in {sorted(HARDWARE)}, got {hw!r}")
+            if hw == THIS_MACHINE and self.calibration is None:
+                raise ValueError(f"hardware {THIS_MACHINE!r} needs a latency profile")
+            if hw not in HARDWARE and hw != THIS_MACHINE:
+                raise ValueError(f"hardware must be in {sorted(HARDWARE) + [THIS_MACHINE]}, "
+                                 f"got {hw!r}")
         for p in self.policies:
             if p not in POLICIES:
                 raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
@@ -73,9 +92,13 @@ class SimPreset:
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
                   pad: bool | None = None) -> Simulator:
         """A simulator of this preset on ``hardware`` under ``policy``."""
+        config = self.engine.replace(policy=policy)
+        if hardware == THIS_MACHINE and self.calibration is not None:
+            c = self.calibration
+            cost = CalibratedCost(c.latency, config, c.page_bytes, c.host)
+            return Simulator(config, cost, c.num_device_pages, c.num_host_pages, c.latency)
         if hardware not in HARDWARE:
             raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
-        config = self.engine.replace(policy=policy)
         model, hw = MODELS[self.model], HARDWARE[hardware]
         cost = RooflineCost(model, hw, config, pad=self.pad if pad is None else pad,
                             transfer_mode=transfer_mode)

@@ -58,8 +58,31 @@ def test_simulate_command_runs_a_small_sweep(tmp_path):
     assert (tmp_path / "sim.png").stat().st_size > 0
 
 
+def test_simulate_this_machine_from_a_latency_profile(tmp_path):
+    from superinfer_jax.latency import LatencyModel
+
+    profile = tmp_path / "profile.json"
+    LatencyModel([0.02, 1e-3, 1e-6], [0.02, 2e-3, 5e-6], [0.0, 1e-10]).save(str(profile))
+    out = tmp_path / "mine.json"
+    rc = cli_main(["simulate", "--model", "smollm2-135m", "--dataset", "random", "--rates", "2",
+                   "--num-requests", "12", "--latency-profile", str(profile),
+                   "--num-device-pages", "48", "--num-host-pages", "64",
+                   "--engine", "max_model_len=512", "--engine", "max_num_seqs=16",
+                   "--engine", "max_num_batched_tokens=256", "--engine", "max_prefill_chunk=256",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["hardware"] for r in rows} == {"this-machine"} and len(rows) == 3
+    assert all(r["summary"]["num_device_pages"] == 48 for r in rows)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "paper-gpt5"], "unknown preset"),
+    (["--preset", "paper-llama8b-sharegpt", "--engine", "warp=9"], "EngineConfig field"),
+    (["--preset", "paper-llama8b-sharegpt", "--hardware", "this-machine"],
+     "needs a latency profile"),
+    (["--preset", "paper-llama8b-sharegpt", "--latency-profile", "x.json"],
+     "needs --num-device-pages"),
     (["--model", "llama-3-8b"], "give --preset, or --model, --dataset and --rates"),
     (["--preset", "paper-llama8b-sharegpt", "--hardware", "tpu-v9"], "hardware must be"),
     (["--preset", "paper-llama8b-sharegpt", "--policies", "lifo"], "policy must be one of"),
