@@ -135,7 +135,7 @@ class TwoTierKVManager(KVCacheManager):
             raise RuntimeError(f"cannot rotate out {req_id}")
         table = self.page_tables.pop(req_id)
         dirty = [d for d in table if d not in self.shadows]
-        for d in self._reclaimable(keep=set(table))[: len(dirty) - len(self._host_free)]:
+        for d in self._reclaimable(keep=set(table))[: max(0, len(dirty) - len(self._host_free))]:
             self._release_host([self.shadows.pop(d)])
         moves_dev, moves_host, host_table = [], [], []
         for d in table:

@@ -156,3 +156,17 @@ class TwoTierMachine(RuleBasedStateMachine):
 TestTwoTierMachine = TwoTierMachine.TestCase
 TestTwoTierMachine.settings = settings(max_examples=200, stateful_step_count=50,
                                        deadline=None)
+
+
+def test_rotate_out_with_enough_free_host_pages_keeps_other_shadows():
+    """Regression: a negative slice bound used to drop other requests' shadows."""
+    from superinfer_jax.kv.two_tier import TwoTierKVManager
+
+    kv = TwoTierKVManager(32, 4, 15)
+    kv.allocate_for("a", 40)  # 10 full pages
+    kv.plan_shadows({"a": 40}, 64)
+    kv.allocate_for("b", 6)  # 2 pages, 1 dirty full + 1 tail
+    before = len(kv.shadows)
+    kv.rotate_out("b", 6)
+    assert len(kv.shadows) == before
+    kv.check_invariants()
