@@ -103,6 +103,7 @@ class RotaSchedSection:
     max_prefill_chunk: int | None = _key(None, ge=1)  # default: min(256, batched tokens)
     seed: int = _key(0, ge=0)
     mode: str = _key("vlt", choices=RANKING_MODES)  # rank by virtual lag or predicted slack
+    async_scheduling: bool = _key(True)  # plan step t+1 while step t runs
     latency_profile: str | None = _key(None)  # JSON latency model (slack mode); profiled if absent
 
     def check(self) -> None:
@@ -180,6 +181,7 @@ _ENGINE_DIRECT = {
     "rotasched.max_num_batched_tokens": "max_num_batched_tokens",
     "rotasched.max_prefill_chunk": "max_prefill_chunk",
     "rotasched.seed": "seed",
+    "rotasched.async_scheduling": "async_scheduling",
     "server.warmup": "warmup",
 }
 

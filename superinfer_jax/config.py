@@ -134,6 +134,8 @@ class EngineConfig:
     host_memory_gb: float = 0.0  # host tier capacity in GiB of pinned host memory
     transfer_budget_pages: int = 2400  # pages moved per step, each direction (paper: 2400)
     eager_shadowing: bool = True  # copy pages to host as they fill, so eviction moves one
+    # Plan and dispatch step t+1 while step t runs; tokens feed back on the device.
+    async_scheduling: bool = True
     policy: str = "fcfs"  # fcfs (vLLM V1 recompute), swap (vLLM V0), rotasched
     rotasched: RotaSchedConfig = dataclasses.field(default_factory=RotaSchedConfig)
     tensor_parallel_size: int = 1  # devices of the 1-D "tp" mesh (superinfer_jax.parallel)
@@ -181,8 +183,9 @@ class EngineConfig:
                 or g < 0:
             raise ValueError(f"host_memory_gb must be a finite number >= 0, got {g!r}")
         _positive_int("transfer_budget_pages", self.transfer_budget_pages)
-        if not isinstance(self.eager_shadowing, bool):
-            raise ValueError(f"eager_shadowing must be a bool, got {self.eager_shadowing!r}")
+        for name in ("eager_shadowing", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

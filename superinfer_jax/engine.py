@@ -52,6 +52,7 @@ from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.policies import make_scheduler
 from superinfer_jax.sampling import SamplingInputs, sample
 from superinfer_jax.scheduler import StepPlan
+from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
 
@@ -66,6 +67,18 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+
+
+@dataclass
+class InflightStep:
+    """A dispatched step whose tokens the host has not read: its sampled arrays, and per
+    call the rows in order with whether each samples a token (a sequence's last row)."""
+
+    prefill: jax.Array | None = None
+    decode: jax.Array | None = None
+    prefill_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
+    decode_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> feedback
 
 
 @dataclass
@@ -116,6 +129,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
+        self._feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
+        self._no_tokens = self._committed(np.zeros(self._feedback_width, np.int32))
+        self._inflight: InflightStep | None = None  # dispatched, tokens not read yet
         self._step_fn = self._jit_step()
         self.last_stats = StepStats()
         self.num_model_steps = 0  # steps that ran the model
@@ -158,6 +174,13 @@ class LLMEngine:
                         out_shardings=parallel.pool_sharding(self.mesh))
         return zeros()
 
+    def _committed(self, value: np.ndarray) -> jax.Array:
+        """``value`` placed where the step's outputs live (replicated under TP), so it
+        hits the same compiled step as the arrays it stands in for."""
+        if self.mesh is None:
+            return jax.device_put(value, jax.devices()[0])
+        return jax.device_put(value, parallel.replicated(self.mesh))
+
     def _new_duplex(self) -> DuplexKV:
         cfg = self.config
         if self.mesh is None:
@@ -198,11 +221,13 @@ class LLMEngine:
             )
         return pages
 
-    def _step(self, params, kv_pool, inputs: StepInputs, sampling: SamplingInputs):
+    def _step(self, params, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
+              feedback: TokenFeedback):
+        inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
         logits, kv_pool = self.model.forward(
             params, kv_pool, inputs, attention_backend=self.backend
         )
-        return sample(logits, sampling), kv_pool
+        return pad_sampled(sample(logits, sampling), self._feedback_width), kv_pool
 
     def _shapes(self) -> list[tuple[int, int]]:
         cfg = self.config
@@ -217,10 +242,7 @@ class LLMEngine:
         for rows, cols in bar:
             bar.set_postfix_str(f"{rows}x{cols}")
             inputs = self._empty_inputs(rows, cols)
-            tokens, self.kv_pool = self._step_fn(
-                self.model.params, self.kv_pool, inputs, SamplingInputs.greedy(rows)
-            )
-            tokens.block_until_ready()
+            self._call_step(inputs, SamplingInputs.greedy(rows)).block_until_ready()
         if self.duplex is not None:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
         if self.config.policy == "rotasched":  # slack ranking and TBT-sized budgets
@@ -298,6 +320,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """A request whose token is still in flight is unfinished in the scheduler too, so
+        a step in flight that only carries finished requests' rows is left undrained."""
         return self.scheduler.num_unfinished > 0
 
     def force_rotate_out(self, req_id: str) -> None:
@@ -308,39 +332,79 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Plan and dispatch one step, then return the outputs of the step that finished.
+
+        With ``async_scheduling`` the outputs are those of the previous step: this call
+        plans step t+1 and dispatches it behind step t (the device never idles while the
+        host plans), and only then blocks on step t's tokens. Without it, the step just
+        dispatched is collected at once."""
         t0 = time.perf_counter()
         self._observe_rotations(t0)
         plan = self.scheduler.schedule(t0)
         self._issue_rotations(plan, t0)
         stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
                           num_rotated_in=len(plan.rotate_in))
-        if plan.is_empty:
-            self.last_stats = stats
-            return []
-        prefill_out = decode_out = None
-        if plan.prefill:
-            prefill_out = self._dispatch([(r, n) for r, n in plan.prefill], prefill=True)
+        launched = None
+        if not plan.is_empty:
+            launched = self._launch(plan)
             stats.num_prefill_tokens = sum(n for _, n in plan.prefill)
-        if plan.decode:
-            decode_out = self._dispatch([(r, 1) for r in plan.decode], prefill=False)
             stats.num_decode_tokens = len(plan.decode)
-        t1 = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        for rows, dispatched in ((plan.prefill, prefill_out),
-                                 ([(r, 1) for r in plan.decode], decode_out)):
-            if dispatched is None:
-                continue
-            tokens = np.asarray(dispatched)  # blocks on this call only
-            now = time.perf_counter()
-            for (req_id, n), token in zip(rows, tokens, strict=False):
-                out = self._advance(self.requests[req_id], n, int(token), now)
-                if out is not None:
-                    outputs.append(out)
-        stats.host_time_s = t1 - t0
-        self.num_model_steps += 1
-        self.total_host_time_s += stats.host_time_s
+            stats.host_time_s = time.perf_counter() - t0
+            self.num_model_steps += 1
+            self.total_host_time_s += stats.host_time_s
+        if self.config.async_scheduling:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        outputs = self._collect(done) if done is not None else []
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
+        return outputs
+
+    def _launch(self, plan: StepPlan) -> InflightStep:
+        """Dispatch the plan's prefill and decode calls and account their tokens as
+        computed; each row that completes its sequence leaves one token in flight."""
+        step = InflightStep()
+        for rows, prefill in ((plan.prefill, True), ([(r, 1) for r in plan.decode], False)):
+            if not rows:
+                continue
+            reqs = [(self.requests[r], n) for r, n in rows]
+            sampled = self._dispatch(reqs, prefill)
+            offset = 0 if prefill else self._feedback_width
+            finals = []
+            for b, (req, n) in enumerate(reqs):
+                req.num_computed_tokens += n
+                final = req.num_computed_tokens == req.num_tokens
+                if final:
+                    req.num_inflight_tokens += 1
+                    req.final_token_inflight = self._surely_final(req)
+                    step.sources[req.req_id] = offset + b
+                finals.append((req, final))
+            if prefill:
+                step.prefill, step.prefill_rows = sampled, finals
+            else:
+                step.decode, step.decode_rows = sampled, finals
+        return step
+
+    def _surely_final(self, req: Request) -> bool:
+        """Whether the tokens in flight end ``req`` whatever they are (a length limit)."""
+        return (len(req.output_token_ids) + req.num_inflight_tokens >= req.sampling.max_tokens
+                or req.num_tokens >= self.config.max_model_len)
+
+    def _collect(self, step: InflightStep) -> list[RequestOutput]:
+        """Block on a dispatched step's tokens and hand them to their requests."""
+        outputs: list[RequestOutput] = []
+        for sampled, rows in ((step.prefill, step.prefill_rows),
+                              (step.decode, step.decode_rows)):
+            if sampled is None:
+                continue
+            tokens = np.asarray(sampled)  # blocks on this call only
+            now = time.perf_counter()
+            for (req, final), token in zip(rows, tokens, strict=False):
+                if final:
+                    out = self._advance(req, int(token), now)
+                    if out is not None:
+                        outputs.append(out)
         return outputs
 
     # -- rotation (DuplexKV) -------------------------------------------------------------
@@ -373,7 +437,7 @@ class LLMEngine:
             if req is not None and not req.status.is_finished:
                 handlers[event.kind](req, now)
 
-    def _dispatch(self, rows: list[tuple[str, int]], prefill: bool) -> jax.Array:
+    def _dispatch(self, rows: list[tuple[Request, int]], prefill: bool) -> jax.Array:
         cfg = self.config
         if prefill:
             num_rows = _bucket(len(rows), cfg.prefill_row_buckets)
@@ -389,30 +453,55 @@ class LLMEngine:
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
-        for b, (req_id, n) in enumerate(rows):
-            req = self.requests[req_id]
+        source = np.full(num_rows, NO_SOURCE, np.int32)
+        for b, (req, n) in enumerate(rows):
             start = req.num_computed_tokens
-            tokens[b, :n] = req.all_token_ids[start:start + n]
+            known = req.all_token_ids[start:start + n]
+            tokens[b, :len(known)] = known
+            if len(known) < n:
+                source[b] = self._feedback_source(req, n, len(known))
             positions[b, :n] = np.arange(start, start + n)
             query_lens[b] = n
             context_lens[b] = start + n
-            table = self.kv.page_table(req_id)
+            table = self.kv.page_table(req.req_id)
             page_tables[b, :len(table)] = table
             sp = req.sampling
             temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
             seeds[b] = sp.seed or 0
         inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
         sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
-        sampled, self.kv_pool = self._step_fn(self.model.params, self.kv_pool, inputs, sampling)
+        prev = self._inflight
+        feedback = TokenFeedback(
+            source,
+            prev.prefill if prev is not None and prev.prefill is not None else self._no_tokens,
+            prev.decode if prev is not None and prev.decode is not None else self._no_tokens)
+        return self._call_step(inputs, sampling, feedback)
+
+    def _feedback_source(self, req: Request, n: int, num_known: int) -> int:
+        """Where a row's unknown input token lies: the one token the step in flight is
+        sampling for ``req``. Anything else is a scheduling bug, not a data race."""
+        prev = self._inflight
+        if n != 1 or num_known != 0 or prev is None or req.req_id not in prev.sources:
+            raise RuntimeError(
+                f"request {req.req_id!r} was scheduled {n} token(s) from position "
+                f"{req.num_computed_tokens} but the host knows only {len(req.all_token_ids)} "
+                "and no step in flight samples the missing one")
+        return prev.sources[req.req_id]
+
+    def _call_step(self, inputs: StepInputs, sampling: SamplingInputs,
+                   feedback: TokenFeedback | None = None) -> jax.Array:
+        """Run the jitted step on the pool (donated); returns the padded sampled tokens."""
+        if feedback is None:
+            feedback = TokenFeedback.none(inputs.tokens.shape[0], self._no_tokens)
+        sampled, self.kv_pool = self._step_fn(self.model.params, self.kv_pool, inputs,
+                                              sampling, feedback)
         return sampled
 
-    def _advance(self, req: Request, n: int, token: int, now: float) -> RequestOutput | None:
-        """Account ``n`` computed tokens; append the sampled token when the row was final."""
+    def _advance(self, req: Request, token: int, now: float) -> RequestOutput | None:
+        """Land a sampled token: append, detokenize, check stop conditions, stream."""
         if req.status.is_finished:
-            return None
-        req.num_computed_tokens += n
-        if req.num_computed_tokens < req.num_tokens:
-            return None  # a prefill chunk that did not reach the end yet
+            return None  # aborted, or ended by an earlier token: this row was wasted
+        req.num_inflight_tokens -= 1
         req.output_token_ids.append(token)
         req.token_times.append(now)
         detok = self._detok.get(req.req_id)
@@ -452,7 +541,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED, text
         if len(req.output_token_ids) >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH, text
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.prompt_token_ids) + len(req.output_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, text
         return None, text
 
@@ -461,6 +550,7 @@ class LLMEngine:
         if self.duplex is not None:
             self.duplex.cancel(req.req_id)
         req.set_status(status, now)
+        req.num_inflight_tokens, req.final_token_inflight = 0, False  # later rows: dropped
         self._detok.pop(req.req_id, None)
 
     def release(self, req_id: str) -> Request | None:

@@ -125,7 +125,12 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool (or being written)
+    # Async scheduling: output tokens sampled on the device that the host has not read
+    # yet. They count in ``num_tokens`` (the scheduler plans the next step as if they
+    # were known; the step takes them from the device), not in ``output_token_ids``.
+    num_inflight_tokens: int = 0
+    final_token_inflight: bool = False  # the in-flight tokens surely end the request
     token_times: list[float] = field(default_factory=list)  # one per output token
     transitions: list[tuple[float, RequestStatus]] = field(default_factory=list)
     num_preemptions: int = 0
@@ -143,16 +148,21 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens the host knows: in-flight ones are not in here yet."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens so far, in-flight ones included (what the next step builds on)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
 
     @property
     def num_pending_tokens(self) -> int:
         """Tokens whose K/V are not in the pool yet: 1 when decoding, more when prefilling
-        (a new prompt, or a preempted request being recomputed)."""
+        (a new prompt, or a preempted request being recomputed), 0 when the token in
+        flight surely finishes the request (nothing left to schedule)."""
+        if self.final_token_inflight:
+            return 0
         return self.num_tokens - self.num_computed_tokens
 
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:

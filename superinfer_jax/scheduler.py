@@ -94,8 +94,8 @@ class FCFSScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             pending = req.num_pending_tokens
-            if pending > 1 and prefill_rows >= self.config.max_prefill_rows:
-                i += 1
+            if pending == 0 or (pending > 1 and prefill_rows >= self.config.max_prefill_rows):
+                i += 1  # 0: its token in flight ends it (async scheduling)
                 continue
             n = 1 if pending == 1 else min(pending, self.config.max_prefill_chunk, budget)
             if not self._reserve(req, n, plan, now):
@@ -229,6 +229,8 @@ class FCFSScheduler:
                    now: float) -> int:
         """Admit waiting ``req`` for its first chunk if rows and pages allow; returns the
         tokens scheduled (0: not admitted)."""
+        if req.num_inflight_tokens:
+            return 0  # evicted while its last token was in flight: recompute once it lands
         pending = req.num_pending_tokens
         if pending > 1 and prefill_rows >= self.config.max_prefill_rows:
             return 0

@@ -123,8 +123,9 @@ class RotaSchedScheduler(SwapScheduler):
 
         Two guards keep rotation productive:
         - a running request that has produced fewer than ``min_residency_tokens`` since it
-          was admitted or rotated in ranks first: evicting it earlier moves pages for little
-          progress, and two requests could swap places every step forever (a livelock);
+          was admitted or rotated in (or whose token in flight ends it) ranks first:
+          evicting it earlier moves pages for little progress, and two requests could swap
+          places every step forever (a livelock);
         - a waiting or parked request that is not late (lag 0) ranks after the running
           ones: it may take free pages, but only a late request displaces a runner.
         With no one late this is FCFS order, whatever the memory pressure."""
@@ -135,7 +136,7 @@ class RotaSchedScheduler(SwapScheduler):
         def key(r: Request) -> tuple[int, float, float]:
             urgency = self.urgency(r, now)
             if r.status == RequestStatus.RUNNING:
-                if _resident_tokens(r) < k:
+                if _resident_tokens(r) < k or r.final_token_inflight:
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, -urgency, r.arrival_time)
             if urgency > 0:

@@ -84,11 +84,13 @@ def run_rotating(engine, prompts: list[list[int]], max_tokens: int, every: int,
 def step_hlo(engine) -> str:
     """Compiled HLO of the engine's widest decode step (compiled already by the run)."""
     from superinfer_jax.sampling import SamplingInputs
+    from superinfer_jax.token_feedback import TokenFeedback
 
     rows = engine.config.decode_buckets[-1]
     inputs = engine._empty_inputs(rows, 1)
     lowered = engine._step_fn.lower(engine.model.params, engine.kv_pool, inputs,
-                                    SamplingInputs.greedy(rows))
+                                    SamplingInputs.greedy(rows),
+                                    TokenFeedback.none(rows, engine._no_tokens))
     return lowered.compile().as_text()
 
 

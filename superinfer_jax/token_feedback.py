@@ -1,0 +1,45 @@
+"""Device-side token feedback: step t+1 reads the tokens step t sampled without the host.
+
+Async scheduling plans and dispatches step t+1 while step t still runs, so the host does
+not know the tokens step t is sampling. A decode row of step t+1 whose input token is
+one of them names where it lies instead: ``source[row]`` indexes the concatenation of
+step t's two sampled arrays (prefill call first, then decode call), each padded to the
+fixed ``width``. Fixed shapes keep the number of compiled step variants unchanged; the
+data dependency on step t's outputs orders the two steps on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NO_SOURCE = -1  # the row's first token comes from the host
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenFeedback:
+    source: jax.Array  # [B] int32: NO_SOURCE, or an index into concat(prefill, decode)
+    prev_prefill: jax.Array  # [width] int32: tokens the previous step's prefill call sampled
+    prev_decode: jax.Array  # [width] int32: tokens the previous step's decode call sampled
+
+    @staticmethod
+    def none(rows: int, empty: jax.Array) -> TokenFeedback:
+        """Every row's tokens come from the host; ``empty`` is a committed [width] array."""
+        return TokenFeedback(np.full(rows, NO_SOURCE, np.int32), empty, empty)
+
+
+def apply_feedback(tokens: jax.Array, feedback: TokenFeedback) -> jax.Array:
+    """``tokens`` [B, C] with column 0 replaced where a row names a device source."""
+    fed = jnp.concatenate([feedback.prev_prefill, feedback.prev_decode])
+    source = feedback.source
+    first = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], tokens[:, 0])
+    return tokens.at[:, 0].set(first)
+
+
+def pad_sampled(sampled: jax.Array, width: int) -> jax.Array:
+    """[B] sampled tokens padded to the fixed feedback ``width`` (B <= width)."""
+    return jnp.zeros(width, jnp.int32).at[: sampled.shape[0]].set(sampled)
