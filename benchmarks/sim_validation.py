@@ -17,6 +17,10 @@ run; ``refit`` removes that drift and so isolates the simulator's scheduling dyn
 
     python -m benchmarks.sim_validation [--quick] [--out results/sim_validation.json]
 
+The engine runs its synchronous loop (``async_scheduling=False``): the simulator prices a
+step as host work, then the prefill call, then the decode call, one after the other, and
+each recorded step must pair one plan with its own measured time to refit the costs.
+
 SLOs are multiples of this run's unloaded latencies (as ``benchmarks.policy_sweep``), so
 they mean the same on a fast or a slow (or shared) CPU.
 """
@@ -68,7 +72,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
         max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
-        show_progress=False)
+        show_progress=False, async_scheduling=False)
 
 
 def workload(args: argparse.Namespace, rate: float, seed: int, n: int, ttft_ms: float,
