@@ -1,10 +1,29 @@
-"""Jitted page gather and scatter on the device pool, over bucketed staging shapes.
+"""Jitted page gather and scatter on the device pool, over bucketed staging shapes, and the
+copies between the pool and the host tier in one of two modes.
 
 Gather: ``pool[ids]`` into ``B`` separate page arrays (one buffer per page, so each page
-is one copy to its own host array); ``B`` is a bucket (powers of 4 up to
+is one array of its own on the host); ``B`` is a bucket (powers of 4 up to
 ``max_pages``), padded with the null page, so a handful of compiles cover every step.
-Scatter: the arrived page arrays into the donated pool, in place (padding rows write the
+Scatter: arrived page arrays into the donated pool, in place (padding rows write the
 null page, which nobody reads).
+
+Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
+
+- ``device_put`` (GPU, TPU): gather into device staging pages, one batched async
+  ``jax.device_put`` of them to pinned_host; inbound, one batched ``device_put`` of the
+  host pages to the device, scattered into the pool when observed arrived. The copies
+  run on the runtime's transfer streams, beside the model step on the compute stream:
+  that is what makes rotation overlap compute. Each page is copied twice in the device's
+  memory (gather or scatter) and once over the link.
+- ``fused`` (CPU): the gather writes its page arrays straight into pinned_host memory
+  (the jitted function's outputs carry the host memory kind) and the scatter reads the
+  host pages straight into the pool (``jax.device_put(page, Space.Device)`` inside the
+  jitted function). On CPU both memory kinds are the same RAM and XLA:CPU reads and
+  writes host-kind operands in place (no copy in the compiled HLO), so each page is
+  copied once per direction instead of twice. Measured on the 2-core CPU box (1 GiB of
+  2 MiB pages, ``python -m benchmarks.duplex``): see that benchmark's ``batched`` and
+  ``batched (device_put)`` rows. It is not the GPU mode because a copy inside a jitted
+  function runs in the program on the compute stream, serialised with the model step.
 
 On XLA:CPU, in-place updates of a bfloat16 array are upcast to float32 over the *whole*
 array (measured: 4 pages into a 256 MiB bf16 pool 125 ms, f32 0.6 ms), so a bf16 pool
@@ -23,6 +42,13 @@ import numpy as np
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
+COPY_MODES = ("device_put", "fused")
+
+
+def default_copy_mode(platform: str | None = None) -> str:
+    """``fused`` on CPU (one copy per page each way, see the module docstring), else
+    ``device_put`` (copies on the transfer streams, overlapped with compute)."""
+    return "fused" if (platform or jax.default_backend()) == "cpu" else "device_put"
 
 
 def staging_buckets(max_pages: int) -> tuple[int, ...]:
@@ -47,26 +73,43 @@ def _scatter(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...]) -> j
     return pool
 
 
+def _scatter_from_host(pool: jax.Array, ids: jax.Array,
+                       pages: tuple[jax.Array, ...]) -> jax.Array:
+    # The host pages enter the program in host memory; moving each to the device here is
+    # what lets XLA:CPU copy it once, straight into the pool (fused mode).
+    return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
+
+
 class PageMover:
-    """Batched whole-page gather/scatter over a block-first pool."""
+    """Batched whole-page gather/scatter over a block-first pool, and the copies between
+    the pool and host page arrays (``to_host``, ``to_device``, ``scatter``)."""
 
     def __init__(self, layout: PoolLayout, max_pages: int,
-                 device_sharding: jax.sharding.Sharding | None = None,
-                 pool_sharding: jax.sharding.NamedSharding | None = None):
-        """``pool_sharding`` (tensor parallelism): the pool's sharding over a mesh; staging
-        pages are then split the same way (``device_sharding``), so every gather and
-        scatter stays on each device's own slice."""
+                 device_sharding: jax.sharding.Sharding,
+                 host_sharding: jax.sharding.Sharding,
+                 pool_sharding: jax.sharding.NamedSharding | None = None,
+                 copy_mode: str | None = None):
+        """``device_sharding`` / ``host_sharding``: one page in device / host memory.
+        ``pool_sharding`` (tensor parallelism): the pool's sharding over a mesh; pages are
+        then split the same way, so every gather and scatter stays on each device's own
+        slice. ``copy_mode``: ``device_put`` or ``fused`` (None: ``default_copy_mode``)."""
         self.layout = layout
+        self.copy_mode = copy_mode or default_copy_mode(
+            next(iter(device_sharding.device_set)).platform)
+        if self.copy_mode not in COPY_MODES:
+            raise ValueError(f"copy_mode must be one of {COPY_MODES}, got {self.copy_mode!r}")
+        self.device_sharding = device_sharding
+        self.host_sharding = host_sharding
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
-        if pool_sharding is None:
-            self._gather = jax.jit(_gather)
-            self._scatter = jax.jit(_scatter, donate_argnums=(0,))
-        else:
-            self._gather = jax.jit(_gather, out_shardings=device_sharding)
-            self._scatter = jax.jit(_scatter, donate_argnums=(0,), out_shardings=pool_sharding)
-        self._zero_page = jnp.zeros(layout.page_shape(), layout.dtype)
-        if device_sharding is not None:
-            self._zero_page = jax.device_put(self._zero_page, device_sharding)
+        fused = self.copy_mode == "fused"
+        gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
+        self._gather = jax.jit(_gather, out_shardings=gather_out)
+        self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
+                                out_shardings=pool_sharding or (
+                                    device_sharding if fused else None))
+        # Padding for a partly filled scatter bucket, where the scatter reads its pages.
+        self._pad_page = jax.device_put(jnp.zeros(layout.page_shape(), layout.dtype),
+                                        host_sharding if fused else device_sharding)
 
     @property
     def max_pages(self) -> int:
@@ -82,33 +125,52 @@ class PageMover:
             start += count
         return out
 
+    def _ids(self, page_ids: list[int], start: int, count: int, bucket: int) -> np.ndarray:
+        ids = np.full(bucket, NULL_PAGE, np.int32)
+        ids[:count] = page_ids[start:start + count]
+        return ids
+
     def gather(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
-        """One device array per page id, in order (dispatched, not waited for)."""
+        """One array per page id, in order (dispatched, not waited for): device staging
+        pages, or in fused mode the host pages themselves."""
         out: list[jax.Array] = []
         for start, count, bucket in self._chunks(len(page_ids)):
-            ids = np.full(bucket, NULL_PAGE, np.int32)
-            ids[:count] = page_ids[start:start + count]
-            out.extend(self._gather(pool, ids)[:count])
+            out.extend(self._gather(pool, self._ids(page_ids, start, count, bucket))[:count])
         return out
+
+    def to_host(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
+        """Host page arrays holding ``pool[page_ids]``, dispatched, not waited for."""
+        pages = self.gather(pool, page_ids)
+        if self.copy_mode == "fused" or not pages:
+            return pages
+        return list(jax.device_put(pages, self.host_sharding))
+
+    def to_device(self, host_pages: list[jax.Array]) -> list[jax.Array]:
+        """What ``scatter`` later lands for these host pages: device copies issued now
+        (``device_put`` mode), or the host pages themselves (fused: the scatter copies)."""
+        if self.copy_mode == "fused" or not host_pages:
+            return list(host_pages)
+        return list(jax.device_put(host_pages, self.device_sharding))
 
     def scatter(self, pool: jax.Array, page_ids: list[int],
                 pages: list[jax.Array]) -> jax.Array:
-        """Write ``pages[i]`` to ``pool[page_ids[i]]``; ``pool`` is donated."""
+        """Write ``pages[i]`` (from ``to_device``) to ``pool[page_ids[i]]``; ``pool`` is
+        donated."""
         if len(page_ids) != len(pages):
             raise ValueError(f"{len(page_ids)} page ids for {len(pages)} pages")
         for start, count, bucket in self._chunks(len(page_ids)):
-            ids = np.full(bucket, NULL_PAGE, np.int32)
-            ids[:count] = page_ids[start:start + count]
             padded = list(pages[start:start + count])
-            padded += [self._zero_page] * (bucket - count)
-            pool = self._scatter(pool, ids, tuple(padded))
+            padded += [self._pad_page] * (bucket - count)
+            pool = self._scatter(pool, self._ids(page_ids, start, count, bucket),
+                                 tuple(padded))
         return pool
 
     def warmup(self, pool: jax.Array) -> jax.Array:
-        """Compile every bucket now (reads and rewrites the null page only)."""
+        """Compile every bucket and both copies now (reads and rewrites the null page)."""
         for bucket in self.buckets:
             ids = np.full(bucket, NULL_PAGE, np.int32)
-            pages = self._gather(pool, ids)
-            pool = self._scatter(pool, ids, pages)
+            pool = self._scatter(pool, ids, self._gather(pool, ids))
+        pages = self.to_device(self.to_host(pool, [NULL_PAGE]))
+        pool = self.scatter(pool, [NULL_PAGE], pages)
         jax.block_until_ready(pool)
         return pool

@@ -6,10 +6,17 @@ One engine step, in order (see ``engine.LLMEngine.step``):
      call (pool donated) and their requests are runnable in this very step.
   2. The scheduler plans; ``TwoTierKVManager`` does the page bookkeeping (rotate_out
      frees device pages at once, rotate_in reserves them at once).
-  3. ``execute(pool, moves_out, moves_in, shadows)``: gather the pages leaving the device
-     into staging page arrays, one batched ``device_put`` of them to pinned_host, and one
-     batched ``device_put`` of the arriving host pages to the device. Returns at once.
+  3. ``execute(pool, moves_out, moves_in, shadows)``: issue the inbound copies (one
+     batched ``device_put`` of the arriving host pages to the device), then gather the
+     pages leaving the device and copy them to pinned_host. Returns at once.
   4. The engine dispatches the model step with the pool donated.
+
+How the copies are made depends on ``PageMover.copy_mode`` (``duplexkv.mover``):
+``device_put`` (GPU, TPU) gathers into device staging pages and moves them with batched
+async ``device_put`` each way, as above; ``fused`` (CPU, where both memory kinds are the
+same RAM) gathers straight into pinned_host arrays in (3), and an inbound request's host
+pages are read straight into the pool by the scatter in (1): one copy per page each way
+instead of two. The orderings below hold in both modes; where they differ, it is said.
 
 How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike):
 - *A page is read for eviction before a step that reuses it writes it.* The gather in
@@ -17,18 +24,23 @@ How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike)
   that same buffer donated. PJRT does not overwrite a donated buffer before computations
   already dispatched on it have read it (GPU: both run on the compute stream, in dispatch
   order; CPU: the donating execution waits on the buffer's pending usage events). The
-  host copy then reads the gather's own output buffers, which nothing else writes.
+  host copy then reads the gather's own output buffers, which nothing else writes (fused:
+  the gather's outputs *are* the host pages).
 - *A page freed by a rotate-out and reused by a rotate-in of the same step.* The in-copy
-  writes fresh device arrays, not the pool; they enter the pool in a later step's (1), by
-  a scatter whose input pool is the output of everything dispatched before it, the
-  gather that read the page's previous owner included.
+  writes fresh device arrays, not the pool (fused: it issues nothing yet); the pages enter
+  the pool in a later step's (1), by a scatter whose input pool is the output of
+  everything dispatched before it, the gather that read the page's previous owner
+  included. Issuing the in-copy before the gather in (3) changes nothing here: neither
+  reads what the other writes.
 - *An arriving page is written before the step that reads it.* The scatter in (1)
   produces the pool the step in (4) consumes. And a request is scheduled only after its
   arrays reported ``is_ready()`` with no error, so an errored copy never enters the pool.
-- *Host pages.* A host page array is written once, by the ``device_put`` that creates it,
-  and only read afterwards. Freeing a host page drops a reference; a copy in flight holds
-  its own. The host pages of a request coming in stay owned until its pages land (full
-  pages as shadows, which are not reclaimable meanwhile; the tail until arrival).
+- *Host pages.* A host page array is written once, by the copy that creates it, and only
+  read afterwards. Freeing a host page drops a reference; a copy in flight holds its own
+  (fused: the inbound flight holds the host arrays its scatter will read, and the
+  dispatched scatter holds them until it has). The host pages of a request coming in stay
+  owned until its pages land (full pages as shadows, which are not reclaimable meanwhile;
+  the tail until arrival).
 - *Shadows.* A shadow copies a full page, and full pages are never written while their
   request owns them (appends go to the tail page); the gather reads the pool produced by
   the step that wrote the page's last token.
@@ -75,7 +87,7 @@ class _Flight:
 
     req_id: str
     kind: str  # "out" | "in" | "shadow"
-    arrays: list[jax.Array]  # out/shadow: host page arrays; in: device page arrays
+    arrays: list[jax.Array]  # out/shadow: host pages; in: what ``PageMover.scatter`` lands
     pages: list[int]  # in: device pages to land in; shadow: host pages written
     batch: CopyBatch
 
@@ -95,15 +107,18 @@ class DuplexKV:
     """The rotation engine over one device pool and one host pool."""
 
     def __init__(self, layout: PoolLayout, kv: TwoTierKVManager, host: HostPool,
-                 budget_pages: int, pool_sharding: jax.sharding.NamedSharding | None = None):
+                 budget_pages: int, pool_sharding: jax.sharding.NamedSharding | None = None,
+                 copy_mode: str | None = None):
         """``pool_sharding``: the device pool's sharding under tensor parallelism (the host
-        pool's pages must be split the same way); None for a one-device pool."""
+        pool's pages must be split the same way); None for a one-device pool.
+        ``copy_mode``: ``PageMover``'s (None: the backend's default)."""
         self.layout = layout
         self.kv = kv
         self.host = host
         self.budget_pages = budget_pages
         self.pool_sharding = pool_sharding
-        self.mover = PageMover(layout, budget_pages, host.device_sharding, pool_sharding)
+        self.mover = PageMover(layout, budget_pages, host.device_sharding, host.host_sharding,
+                               pool_sharding, copy_mode)
         self.stats = TransferStats()
         self._flights: list[_Flight] = []
 
@@ -118,10 +133,7 @@ class DuplexKV:
         return jax.device_put(pool, self.pool_sharding or self.host.device_sharding)
 
     def warmup(self, pool: jax.Array) -> jax.Array:
-        pool = self.mover.warmup(pool)
-        probe = self._put([self.mover._zero_page], self.host.host_sharding)
-        jax.block_until_ready(self._put(probe, self.host.device_sharding))
-        return pool
+        return self.mover.warmup(pool)
 
     def shadow_budget(self, moves_out: list[PageMoves]) -> int:
         """Out-pages left this step for eager shadowing after the plan's rotations."""
@@ -141,7 +153,8 @@ class DuplexKV:
             if ok is None:
                 pending.append(f)
                 continue
-            f.batch.done_one(now, self.stats)
+            if f.kind != "in" or not ok:
+                f.batch.done_one(now, self.stats)
             if f.kind == "shadow":
                 if not ok:
                     self._shadow_failed(f.pages, f.arrays)
@@ -157,7 +170,9 @@ class DuplexKV:
         if landing:
             ids = [d for f in landing for d in f.pages]
             pool = self.mover.scatter(pool, ids, [a for f in landing for a in f.arrays])
+            now = time.perf_counter()  # fused mode's in-copy is this scatter: count it
             for f in landing:
+                f.batch.done_one(now, self.stats)
                 self.kv.finish_rotate_in(f.req_id)
                 events.append(RotationEvent(f.req_id, EventKind.ROTATED_IN))
         return pool, events
@@ -173,10 +188,13 @@ class DuplexKV:
         inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
         self._drop_freed()
         events: list[RotationEvent] = []
-        if moves_out or shadows:
-            events += self._issue_out(pool, moves_out, shadows, t0)
+        # Inbound first: its copies need nothing from this step, and on CPU the gather
+        # below runs in this thread (a copy-only program is run inline), so issued the
+        # other way round the in-copy would wait for it instead of running beside it.
         if moves_in:
             events += self._issue_in(moves_in, inbound, t0)
+        if moves_out or shadows:
+            events += self._issue_out(pool, moves_out, shadows, t0)
         self.stats.failures += len(events)
         self.stats.dispatch_s += time.perf_counter() - t0
         return events
@@ -187,7 +205,7 @@ class DuplexKV:
         device_ids = [d for m in moves for d in m.device_pages]
         host_ids = [h for m in moves for h in m.host_pages]
         try:
-            arrays = self._put(self.mover.gather(pool, device_ids), self.host.host_sharding)
+            arrays = self._copy_out(pool, device_ids)
         except Exception:  # noqa: BLE001 - nothing reached the host
             self.kv.drop_shadows([h for m in shadows for h in m.host_pages])
             return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_out]
@@ -206,8 +224,8 @@ class DuplexKV:
     def _issue_in(self, moves_in: list[PageMoves], inbound: list[list[jax.Array]],
                   t0: float) -> list[RotationEvent]:
         try:
-            arrays = self._put([a for arrs in inbound for a in arrs], self.host.device_sharding)
-        except Exception:  # noqa: BLE001
+            arrays = self._copy_in([a for arrs in inbound for a in arrs])
+        except Exception:  # noqa: BLE001 - nothing will land
             return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_in]
         self.stats.pages_in += len(arrays)
         self.stats.bytes_in += len(arrays) * self.layout.page_bytes
@@ -220,9 +238,15 @@ class DuplexKV:
             start += len(m)
         return []
 
-    def _put(self, arrays: list[jax.Array], sharding: jax.sharding.Sharding) -> list[jax.Array]:
-        """One batched, asynchronous copy of many arrays (tests patch this to fail)."""
-        return list(jax.device_put(arrays, sharding)) if arrays else []
+    def _copy_out(self, pool: jax.Array, device_ids: list[int]) -> list[jax.Array]:
+        """Host page arrays of ``pool[device_ids]``: batched, asynchronous. The one place
+        outbound copies are issued (tests patch it to fail)."""
+        return self.mover.to_host(pool, device_ids)
+
+    def _copy_in(self, host_pages: list[jax.Array]) -> list[jax.Array]:
+        """What a later ``poll`` lands for these host pages: batched, asynchronous. The one
+        place inbound copies are issued (tests patch it to fail)."""
+        return self.mover.to_device(host_pages)
 
     def wait_all(self) -> None:
         """Block until every copy in flight completes. For benchmarks and tests: the

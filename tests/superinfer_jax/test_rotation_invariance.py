@@ -96,15 +96,17 @@ def test_transfer_failures_fall_back_to_recompute(tiny, few_prompts, monkeypatch
     engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=64))
     reference = run_alone(engine, few_prompts, sp)
     calls = {"n": 0}
-    real_put = engine.duplex._put
 
-    def flaky_put(arrays, sharding):
-        calls["n"] += 1
-        if calls["n"] % 3 == 0:
-            raise RuntimeError("injected transfer failure")
-        return real_put(arrays, sharding)
+    def flaky(real):
+        def copy(*args):
+            calls["n"] += 1
+            if calls["n"] % 3 == 0:
+                raise RuntimeError("injected transfer failure")
+            return real(*args)
+        return copy
 
-    monkeypatch.setattr(engine.duplex, "_put", flaky_put)
+    for name in ("_copy_out", "_copy_in"):  # every copy, either way, may fail
+        monkeypatch.setattr(engine.duplex, name, flaky(getattr(engine.duplex, name)))
     done = run_rotating(engine, few_prompts, sp, every=2)
     assert [r.output_token_ids for r in done] == reference
     assert engine.duplex.stats.failures > 0

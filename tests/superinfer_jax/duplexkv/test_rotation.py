@@ -1,5 +1,8 @@
 """The rotation engine on real arrays: byte-exact round trips (float32, bfloat16) across
-page reuse, same-step reuse of a freed page, transfer failures and a full host tier."""
+page reuse, same-step reuse of a freed page, transfer failures and a full host tier.
+
+Both copy modes run here (``PageMover.copy_mode``): ``fused`` is what CPU engines use,
+``device_put`` what GPU engines use, so the GPU path's bookkeeping is exercised on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from superinfer_jax.duplexkv import DuplexKV, EventKind, staging_buckets
+from superinfer_jax.duplexkv import COPY_MODES, DuplexKV, EventKind, staging_buckets
 from superinfer_jax.kv.host_pool import HostPool
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.two_tier import TwoTierKVManager
@@ -23,10 +26,12 @@ class Rig:
     """A pool, its bookkeeping and the rotation engine, with a host-side mirror of what
     every request's pages must contain."""
 
-    def __init__(self, dtype: str, num_pages=9, num_host_pages=12, budget=64, seed=0):
+    def __init__(self, dtype: str, num_pages=9, num_host_pages=12, budget=64, seed=0,
+                 copy_mode=None):
         self.layout = PoolLayout(SPEC, PAGE, dtype)
         self.kv = TwoTierKVManager(num_pages, PAGE, num_host_pages)
-        self.duplex = DuplexKV(self.layout, self.kv, HostPool(num_host_pages), budget)
+        self.duplex = DuplexKV(self.layout, self.kv, HostPool(num_host_pages), budget,
+                               copy_mode=copy_mode)
         self.pool = self.duplex.adopt(self.layout.zeros(num_pages))
         self.rng = np.random.default_rng(seed)
         self.expect: dict[str, np.ndarray] = {}  # req_id -> [pages, L, 2, S, K, D]
@@ -85,9 +90,14 @@ def assert_bytes_equal(a: np.ndarray, b: np.ndarray) -> None:
     assert a.tobytes() == b.tobytes()
 
 
+def test_default_copy_mode_is_fused_on_cpu():
+    assert Rig("float32").duplex.mover.copy_mode == "fused"
+
+
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_round_trip_is_byte_exact_across_page_reuse(dtype):
-    rig = Rig(dtype)
+def test_round_trip_is_byte_exact_across_page_reuse(dtype, copy_mode):
+    rig = Rig(dtype, copy_mode=copy_mode)
     rig.fill("a", 10)  # 3 pages, the last one partly filled
     rig.fill("b", 8)
     for i in range(6):
@@ -101,8 +111,9 @@ def test_round_trip_is_byte_exact_across_page_reuse(dtype):
     assert rig.duplex.stats.shadow_pages > 0 and rig.duplex.stats.failures == 0
 
 
-def test_many_random_round_trips_bfloat16():
-    rig = Rig("bfloat16", num_pages=12, num_host_pages=20, seed=3)
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_many_random_round_trips_bfloat16(copy_mode):
+    rig = Rig("bfloat16", num_pages=12, num_host_pages=20, seed=3, copy_mode=copy_mode)
     sizes = {"a": 5, "b": 12, "c": 3}
     for req, n in sizes.items():
         rig.fill(req, n)
@@ -115,8 +126,9 @@ def test_many_random_round_trips_bfloat16():
     assert rig.duplex.stats.rotations_in == 12
 
 
-def test_page_freed_by_rotate_out_reused_by_rotate_in_in_the_same_step():
-    rig = Rig("float32", num_pages=4)  # 3 usable pages
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_page_freed_by_rotate_out_reused_by_rotate_in_in_the_same_step(copy_mode):
+    rig = Rig("float32", num_pages=4, copy_mode=copy_mode)  # 3 usable pages
     rig.fill("a", 8)  # 2 pages
     rig.round_trip("a", 8)  # a's copies now live on the host too
     rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
@@ -134,21 +146,42 @@ def test_page_freed_by_rotate_out_reused_by_rotate_in_in_the_same_step():
     assert_bytes_equal(rig.device_contents("b"), rig.expect["b"])
 
 
-def test_failed_copy_is_reported_and_nothing_lands(monkeypatch):
-    rig = Rig("float32")
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_failed_copy_is_reported_and_nothing_lands(monkeypatch, copy_mode):
+    rig = Rig("float32", copy_mode=copy_mode)
     rig.fill("a", 8)
     rig.fill("b", 6)
     before = np.asarray(rig.pool)
 
-    def broken(arrays, sharding):
+    def broken(*args):
         raise RuntimeError("DMA engine on fire")
 
-    monkeypatch.setattr(rig.duplex, "_put", broken)
+    monkeypatch.setattr(rig.duplex, "_copy_out", broken)
     rig.step(moves_out=[rig.kv.rotate_out("a", 8)], shadow_tokens={"b": 6})
     assert [(e.req_id, e.kind) for e in rig.events] == [("a", EventKind.FAILED)]
     assert not rig.kv.shadows  # the failed shadow copy is forgotten
     rig.kv.free("a")  # what the scheduler does: recompute a
     rig.kv.check_invariants()
+    assert rig.duplex.stats.failures == 1
+    np.testing.assert_array_equal(np.asarray(rig.pool), before)
+
+
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_failed_inbound_copy_is_reported_and_nothing_lands(monkeypatch, copy_mode):
+    rig = Rig("float32", copy_mode=copy_mode)
+    rig.fill("a", 8)
+    rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
+    rig.settle()
+    rig.scribble()
+    before = np.asarray(rig.pool)
+
+    def broken(*args):
+        raise RuntimeError("DMA engine on fire")
+
+    monkeypatch.setattr(rig.duplex, "_copy_in", broken)
+    rig.step(moves_in=[rig.kv.rotate_in("a")])
+    rig.settle()
+    assert [e.kind for e in rig.events] == [EventKind.ROTATED_OUT, EventKind.FAILED]
     assert rig.duplex.stats.failures == 1
     np.testing.assert_array_equal(np.asarray(rig.pool), before)
 
@@ -172,10 +205,11 @@ def test_cancel_drops_copies_and_the_host_pages_are_released():
     rig.kv.check_invariants()
 
 
-def test_staging_buckets_and_chunking():
+@pytest.mark.parametrize("copy_mode", COPY_MODES)
+def test_staging_buckets_and_chunking(copy_mode):
     assert staging_buckets(64) == (1, 4, 16, 64)
     assert staging_buckets(10) == (1, 4, 10)
-    rig = Rig("float32", num_pages=9, budget=4)
+    rig = Rig("float32", num_pages=9, budget=4, copy_mode=copy_mode)
     rig.fill("a", 30)  # 8 pages: two staging batches of 4
     rig.round_trip("a", 30)
     assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])
