@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.ops.paging import ceil_div, pad_page_table
 
 _MASKED = -1e30  # same finite "minus infinity" as the XLA reference: no inf - inf NaNs
 _MIN_DOT = 16  # Triton dot operands want power-of-two dims >= 16
@@ -161,7 +161,7 @@ def _combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
 
 def _decode_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     """Split the KV length until the grid has about ``_TARGET_PROGRAMS`` programs."""
-    want = -(-_TARGET_PROGRAMS // (batch * num_kv_heads))
+    want = ceil_div(_TARGET_PROGRAMS, batch * num_kv_heads)
     most = max(1, max_blocks // _MIN_BLOCKS_PER_SPLIT)
     return max(1, min(want, most))
 
@@ -187,13 +187,11 @@ def _paged_call(
     batch, cols, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads
-    row_blocks = -(-(cols * group) // block_rows)
+    row_blocks = ceil_div(cols * group, block_rows)
     max_tokens = page_tables.shape[1] * page_size
-    blocks_per_split = -(-max_tokens // (block_tokens * num_splits))
-    covered_pages = -(-(num_splits * blocks_per_split * block_tokens) // page_size)
-    page_tables = jnp.pad(page_tables.astype(jnp.int32),
-                          ((0, 0), (0, covered_pages - page_tables.shape[1])),
-                          constant_values=NULL_PAGE)  # [B, Pp]
+    blocks_per_split = ceil_div(max_tokens, block_tokens * num_splits)
+    covered_pages = ceil_div(num_splits * blocks_per_split * block_tokens, page_size)
+    page_tables = pad_page_table(page_tables.astype(jnp.int32), covered_pages)  # [B, Pp]
     qg = _group_queries(q, num_kv_heads, row_blocks * block_rows)  # [B, K, Rp, D]
     partial_dtype = q.dtype if num_splits == 1 else jnp.float32
     kernel = functools.partial(
@@ -252,7 +250,7 @@ def decode_attention(
     batch, _, num_heads, _ = q.shape
     num_kv_heads = kv_pool.shape[4]
     block_tokens = max(_MIN_DOT, _next_pow2(block_tokens))
-    max_blocks = -(-page_tables.shape[1] * kv_pool.shape[3] // block_tokens)
+    max_blocks = ceil_div(page_tables.shape[1] * kv_pool.shape[3], block_tokens)
     if num_splits is None:
         num_splits = _decode_splits(batch, num_kv_heads, max_blocks)
     return _paged_call(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.ops.paging import pad_page_table
 
 _MASKED = -1e30
 
@@ -61,7 +62,7 @@ def paged_attention(
     ppb = min(pages_per_block, num_pages_per_seq)
     pad = (-num_pages_per_seq) % ppb
     if pad:
-        page_tables = jnp.pad(page_tables, ((0, 0), (0, pad)), constant_values=NULL_PAGE)
+        page_tables = pad_page_table(page_tables, num_pages_per_seq + pad)
     block_tokens = ppb * page_size
 
     qg = q.reshape(batch, cols, num_kv_heads, group, head_dim).astype(jnp.float32) * scale

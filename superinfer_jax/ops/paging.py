@@ -1,0 +1,25 @@
+"""Page-table arithmetic shared by the XLA reference and the Pallas kernel.
+
+Both backends walk a row's keys in fixed-size tiles through its page table, so both round
+the table up to whole tiles and fill the extra slots with the null page: reads of it are
+masked out and writes to it are discarded. Keeping that padding in one place keeps the two
+backends reading the same pages, which is what lets one be tested against the other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from superinfer_jax.kv.layout import NULL_PAGE
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for static sizes, in integers (no float rounding on large counts)."""
+    return -(-a // b)
+
+
+def pad_page_table(page_tables: jax.Array, num_pages: int) -> jax.Array:
+    """[B, P] -> [B, num_pages] (``num_pages >= P``), the new slots pointing at the null page."""
+    return jnp.pad(page_tables, ((0, 0), (0, num_pages - page_tables.shape[1])),
+                   constant_values=NULL_PAGE)
