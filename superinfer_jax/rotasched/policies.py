@@ -121,13 +121,17 @@ class RotaSchedScheduler(SwapScheduler):
     def rank(self, now: float) -> list[Request]:
         """Every request that could run, most urgent first (ties: arrival order).
 
-        Two guards keep rotation productive:
+        Three guards keep rotation productive:
         - a running request that has produced fewer than ``min_residency_tokens`` since it
           was admitted or rotated in (or whose token in flight ends it) ranks first:
           evicting it earlier moves pages for little progress, and two requests could swap
           places every step forever (a livelock);
         - a waiting or parked request that is not late (lag 0) ranks after the running
-          ones: it may take free pages, but only a late request displaces a runner.
+          ones: it may take free pages, but only a late request displaces a runner;
+        - so does a waiting request already past its TTFT deadline: the miss is certain,
+          and displacing a runner for it would only add a TBT miss. Capacity goes to
+          requests that can still make their deadline (in simulation at overload this
+          raised both TTFT and TBT attainment; see ``benchmarks.policy_sweep``).
         With no one late this is FCFS order, whatever the memory pressure."""
         parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
         pool = list(self.waiting) + parked + list(self.running)
@@ -139,9 +143,9 @@ class RotaSchedScheduler(SwapScheduler):
                 if _resident_tokens(r) < k or r.final_token_inflight:
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, -urgency, r.arrival_time)
-            if urgency > 0:
+            if urgency > 0 and not _missed_ttft(r, now):
                 return (1, -urgency, r.arrival_time)  # late: may displace runners
-            return (2, 0.0, r.arrival_time)  # not late: FCFS behind the runners
+            return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
         return sorted(pool, key=key)
 
@@ -216,6 +220,11 @@ class RotaSchedScheduler(SwapScheduler):
             if n:
                 budget -= n
                 rows += req.num_pending_tokens > 1
+
+
+def _missed_ttft(req: Request, now: float) -> bool:
+    """A request without a first token whose TTFT deadline has passed."""
+    return not req.token_times and now - req.arrival_time > req.slo.ttft_ms / 1000
 
 
 def _resident_tokens(req: Request) -> int:

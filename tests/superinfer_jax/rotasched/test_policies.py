@@ -22,6 +22,8 @@ PAGE = 4
 
 
 def make(policy: str, device_pages: int = 64, host_pages: int = 64, **kw):
+    """Scenarios are a few tokens long: residency 4 (not the default 16) lets them rotate."""
+    kw.setdefault("rotasched", RotaSchedConfig(min_residency_tokens=4))
     cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False, policy=policy,
                        max_num_batched_tokens=64, max_prefill_chunk=32, **kw)
     kv = TwoTierKVManager(device_pages, PAGE, host_pages)
@@ -181,7 +183,7 @@ def test_fcfs_recomputes_where_swap_rotates():
 
 def test_burst_is_served_in_lag_order_and_nothing_leaks():
     sched, kv = make("rotasched", device_pages=17, host_pages=128,
-                     rotasched=RotaSchedConfig(high_water_mark=0.5))
+                     rotasched=RotaSchedConfig(high_water_mark=0.5, min_residency_tokens=4))
     d = Driver(sched, kv)
     burst = [req(f"b{i}", 12, arrival=0.0, max_tokens=10) for i in range(10)]
     for r in burst:
@@ -209,3 +211,19 @@ def test_only_late_requests_displace_runners():
     assert early.rotate_out == [] and early.prefill == []
     late = d.step(1.2)
     assert late.rotate_out == ["runner"] and [r for r, _ in late.prefill] == ["new"]
+
+
+def test_request_past_its_ttft_deadline_does_not_displace_a_runner():
+    """A waiting request whose TTFT is already missed waits for free pages (FCFS); one
+    that is late but can still make its deadline rotates the runner out."""
+    slo = SLO(ttft_ms=1000, tbt_ms=100)
+    for arrival, displaces in ((-2.0, False), (0.2, True)):  # deadline passed / ahead
+        sched, kv = make("rotasched", device_pages=9, host_pages=64)
+        d = Driver(sched, kv)
+        d.add(req("filler", 24, arrival=0.0, max_tokens=20))  # fills all 8 usable pages
+        for t in range(6):  # past its minimum residency (4 tokens)
+            d.step(t * 0.1)
+        d.add(req("new", 8, arrival=arrival, slo=slo))
+        plan = d.step(0.9)  # lag of "new": 0.9 - arrival - 0.5 > 0 in both cases
+        assert (plan.rotate_out == ["filler"]) is displaces
+        assert ("new" in [r for r, _ in plan.prefill]) is displaces

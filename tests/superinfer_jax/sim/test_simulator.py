@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.request import SLO, RequestStatus
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
 from superinfer_jax.sim.simulator import IN, OUT, Link
@@ -19,7 +19,8 @@ P, D, COPY = 0.010, 0.005, 0.001
 
 def config(policy: str = "fcfs", **kw) -> EngineConfig:
     base = dict(page_size=4, max_model_len=64, warmup=False, policy=policy,
-                max_num_batched_tokens=64, max_prefill_chunk=32, eager_shadowing=False)
+                max_num_batched_tokens=64, max_prefill_chunk=32, eager_shadowing=False,
+                rotasched=RotaSchedConfig(min_residency_tokens=4))  # scenarios are short
     return EngineConfig(**{**base, **kw})
 
 
