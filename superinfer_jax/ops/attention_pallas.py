@@ -45,6 +45,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +70,11 @@ def _next_pow2(n: int) -> int:
 def default_interpret() -> bool:
     """Interpret mode everywhere except GPU, where the Triton backend compiles the kernel."""
     return jax.default_backend() != "gpu"
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    """``None`` (every entry point's default) means ``default_interpret()``."""
+    return default_interpret() if interpret is None else interpret
 
 
 def _kernel(
@@ -166,6 +174,45 @@ def _decode_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     return max(1, min(want, most))
 
 
+def _dot_dim(n: int) -> int:
+    """Round a tile dim up to what Triton's ``dot`` takes: a power of two, at least 16."""
+    return max(_MIN_DOT, _next_pow2(n))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Tiling and Triton options of one kernel launch, already rounded to what Triton takes.
+
+    Decode and prefill choose the tiling differently (decode splits the KV length, prefill
+    blocks the rows) but launch the same kernel; ``_launch`` builds this for both, so the
+    rounding and the interpret default cannot drift apart between the two entry points.
+    """
+
+    block_rows: int
+    block_tokens: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _launch(
+    *,
+    block_rows: int,
+    block_tokens: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool | None,
+) -> _Launch:
+    """Round the tile dims for ``dot`` and resolve ``interpret=None`` to the backend default."""
+    return _Launch(
+        block_rows=_dot_dim(block_rows), block_tokens=_dot_dim(block_tokens),
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=_resolve_interpret(interpret),
+    )
+
+
 def _paged_call(
     q: jax.Array,  # [B, C, H, D]
     kv_pool: jax.Array,  # [N, L, 2, S, K, D]
@@ -176,33 +223,47 @@ def _paged_call(
     *,
     scale: float,
     soft_cap: float | None,
-    block_rows: int,
-    block_tokens: int,
-    num_splits: int,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    launch: _Launch,
 ) -> jax.Array:
     """Run the kernel over grid ``(B, K, row blocks, num_splits)`` and assemble [B, C, H, D]."""
-    batch, cols, num_heads, head_dim = q.shape
+    _, cols, num_heads, _ = q.shape
     page_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads
-    row_blocks = ceil_div(cols * group, block_rows)
+    row_blocks = ceil_div(cols * group, launch.block_rows)
     max_tokens = page_tables.shape[1] * page_size
-    blocks_per_split = ceil_div(max_tokens, block_tokens * num_splits)
-    covered_pages = ceil_div(num_splits * blocks_per_split * block_tokens, page_size)
+    blocks_per_split = ceil_div(max_tokens, launch.block_tokens * launch.num_splits)
+    covered_pages = ceil_div(launch.num_splits * blocks_per_split * launch.block_tokens,
+                             page_size)
     page_tables = pad_page_table(page_tables.astype(jnp.int32), covered_pages)  # [B, Pp]
-    qg = _group_queries(q, num_kv_heads, row_blocks * block_rows)  # [B, K, Rp, D]
-    partial_dtype = q.dtype if num_splits == 1 else jnp.float32
+    qg = _group_queries(q, num_kv_heads, row_blocks * launch.block_rows)  # [B, K, Rp, D]
     kernel = functools.partial(
-        _kernel, layer=layer, group=group, block_tokens=block_tokens,
+        _kernel, layer=layer, group=group, block_tokens=launch.block_tokens,
         blocks_per_split=blocks_per_split, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
     )
+    o, lse = _grid_call(kernel, qg, launch)(
+        context_lens.astype(jnp.int32), query_lens.astype(jnp.int32), page_tables, qg, kv_pool)
+    if launch.num_splits == 1:
+        out = o[:, :, 0]  # [B, K, Rp, D]
+    else:
+        out = _combine_splits(o, lse, q.dtype)  # [B, K, Rp, D]
+    return _ungroup(out, cols, group)
+
+
+def _grid_call(kernel: Callable[..., None], qg: jax.Array, launch: _Launch) -> Callable[..., Any]:
+    """The ``pallas_call`` over grid ``(B, K, Rp / block_rows, num_splits)``.
+
+    Takes (context_lens, query_lens, padded page tables, grouped queries, pool) and returns
+    the partial outputs [B, K, NS, Rp, D] and their log-sum-exp [B, K, NS, Rp]. One split's
+    partial is final, so it stays in q's dtype; several are combined in float32.
+    """
+    batch, num_kv_heads, rows_padded, head_dim = qg.shape
+    block_rows, num_splits = launch.block_rows, launch.num_splits
+    partial_dtype = qg.dtype if num_splits == 1 else jnp.float32
     whole = pl.BlockSpec()  # the full array: indexed inside the kernel, never blocked
-    o, lse = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, row_blocks, num_splits),
+        grid=(batch, num_kv_heads, rows_padded // block_rows, num_splits),
         in_specs=[
             whole, whole, whole,
             pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, r, s: (b, h, r, 0)),
@@ -214,20 +275,16 @@ def _paged_call(
             pl.BlockSpec((None, None, None, block_rows), lambda b, h, r, s: (b, h, s, r)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, *qg.shape[2:]),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows_padded, head_dim),
                                  partial_dtype),  # [B, K, NS, Rp, D]
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, qg.shape[2]),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows_padded),
                                  jnp.float32),  # [B, K, NS, Rp]
         ],
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_attention_r{block_rows}_t{block_tokens}_s{num_splits}",
-    )(context_lens.astype(jnp.int32), query_lens.astype(jnp.int32), page_tables, qg, kv_pool)
-    if num_splits == 1:
-        out = o[:, :, 0]  # [B, K, Rp, D]
-    else:
-        out = _combine_splits(o, lse, q.dtype)  # [B, K, Rp, D]
-    return _ungroup(out, cols, group)
+        interpret=launch.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps,
+                                             num_stages=launch.num_stages),
+        name=f"paged_attention_r{block_rows}_t{launch.block_tokens}_s{num_splits}",
+    )
 
 
 def decode_attention(
@@ -249,17 +306,15 @@ def decode_attention(
     """One query token per row; KV length split ``num_splits`` ways (default: heuristic)."""
     batch, _, num_heads, _ = q.shape
     num_kv_heads = kv_pool.shape[4]
-    block_tokens = max(_MIN_DOT, _next_pow2(block_tokens))
+    block_tokens = _dot_dim(block_tokens)
     max_blocks = ceil_div(page_tables.shape[1] * kv_pool.shape[3], block_tokens)
     if num_splits is None:
         num_splits = _decode_splits(batch, num_kv_heads, max_blocks)
-    return _paged_call(
-        q, kv_pool, layer, page_tables, context_lens, query_lens, scale=scale,
-        soft_cap=soft_cap, block_rows=max(_MIN_DOT, _next_pow2(num_heads // num_kv_heads)),
-        block_tokens=block_tokens, num_splits=max(1, min(num_splits, max_blocks)),
-        num_warps=num_warps, num_stages=num_stages,
-        interpret=default_interpret() if interpret is None else interpret,
-    )
+    launch = _launch(block_rows=num_heads // num_kv_heads, block_tokens=block_tokens,
+                     num_splits=max(1, min(num_splits, max_blocks)), num_warps=num_warps,
+                     num_stages=num_stages, interpret=interpret)
+    return _paged_call(q, kv_pool, layer, page_tables, context_lens, query_lens,
+                       scale=scale, soft_cap=soft_cap, launch=launch)
 
 
 def prefill_attention(
@@ -280,14 +335,11 @@ def prefill_attention(
 ) -> jax.Array:
     """Padded-ragged prefill chunks (and decode rows) in one batch; row blocks skip padding."""
     rows = q.shape[1] * (q.shape[2] // kv_pool.shape[4])
-    block_rows = max(_MIN_DOT, min(_next_pow2(block_rows), _next_pow2(rows)))
-    return _paged_call(
-        q, kv_pool, layer, page_tables, context_lens, query_lens, scale=scale,
-        soft_cap=soft_cap, block_rows=block_rows,
-        block_tokens=max(_MIN_DOT, _next_pow2(block_tokens)), num_splits=1,
-        num_warps=num_warps, num_stages=num_stages,
-        interpret=default_interpret() if interpret is None else interpret,
-    )
+    # No taller than the rows there are: a short chunk does not pay for a 64-row block.
+    launch = _launch(block_rows=min(block_rows, rows), block_tokens=block_tokens, num_splits=1,
+                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    return _paged_call(q, kv_pool, layer, page_tables, context_lens, query_lens,
+                       scale=scale, soft_cap=soft_cap, launch=launch)
 
 
 def paged_attention(
@@ -305,7 +357,7 @@ def paged_attention(
     """Same contract as ``attention_xla.paged_attention``; decode grid when ``C == 1``."""
     if q.shape[2] % kv_pool.shape[4]:
         raise ValueError(f"{q.shape[2]} query heads do not group over {kv_pool.shape[4]}")
-    interpret = default_interpret() if interpret is None else interpret
+    interpret = _resolve_interpret(interpret)
     if not interpret and not math.log2(q.shape[3]).is_integer():
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {q.shape[3]}; "
                          "use attention_backend='xla' for this model")
