@@ -109,6 +109,22 @@ class ModelConfig:
         return self.num_layers * per_layer + v * d + head + d
 
 
+_LLAMA_3_8B = ModelConfig(
+    name="llama-3-8b",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(),
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+)
+
 PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         name="smollm2-135m",
@@ -126,35 +142,15 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
         eos_token_ids=(2,),
     ),
-    "llama-3-8b": ModelConfig(
-        name="llama-3-8b",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(),
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
-    "llama-3-70b": ModelConfig(
+    "llama-3-8b": _LLAMA_3_8B,
+    # Same tokenizer, RoPE, KV heads and head dim as the 8B: only the sizes differ, so it is
+    # derived from it and the two cannot drift apart.
+    "llama-3-70b": _LLAMA_3_8B.replace(
         name="llama-3-70b",
-        vocab_size=128256,
         hidden_size=8192,
         intermediate_size=28672,
         num_layers=80,
         num_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(),
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
     ),
     "qwen2.5-32b": ModelConfig(
         name="qwen2.5-32b",
