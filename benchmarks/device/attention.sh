@@ -9,16 +9,10 @@
 # Without a GPU it still runs (Pallas interpret mode, small --quick shapes): a smoke test,
 # not a speed figure. Run from anywhere: bash benchmarks/device/attention.sh [extra args]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
-OUT_DIR=${OUT:-results}
-mkdir -p "$OUT_DIR"
+source "$(dirname "$0")/common.sh"
 
-if "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.memory \
-    --format=csv,noheader || true
+if jax_has_gpu; then
+  gpu_info clocks.max.memory
   # 32k contexts x 64 rows is an 8.6 GB one-layer pool: leave XLA room for the reference.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
   timeout 225 "$PY" -m benchmarks.attention --out "$OUT_DIR/attention.json" "$@"

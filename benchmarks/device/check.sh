@@ -10,17 +10,11 @@
 # Without a GPU it still runs (--quick, CPU): a smoke test, not the GPU figure.
 # Run from anywhere: bash benchmarks/device/check.sh [extra args for benchmarks.duplex]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
-OUT_DIR=${OUT:-results}
-mkdir -p "$OUT_DIR"
+source "$(dirname "$0")/common.sh"
 JSON="$OUT_DIR/duplex.json"
 
-if "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max \
-    --format=csv,noheader || true
+if jax_has_gpu; then
+  gpu_info pcie.link.gen.max
   timeout 225 "$PY" -m benchmarks.duplex --gib 4 --repeats 5 --layouts --out "$JSON" "$@"
 else
   echo "no GPU visible to JAX: CPU smoke run (--quick), not the GPU figure"

@@ -11,15 +11,10 @@
 # JSON to $OUT/tp_*.json (results/ without $OUT).
 # Run from anywhere: bash benchmarks/device/tp.sh
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
-OUT_DIR=${OUT:-results}
-mkdir -p "$OUT_DIR"
+source "$(dirname "$0")/common.sh"
 
 NGPU=$("$PY" -c 'import jax; print(sum(d.platform == "gpu" for d in jax.devices()))')
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+gpu_info
 if [ "$NGPU" -lt 2 ]; then
   echo "tp.sh needs at least 2 GPUs visible to JAX (found $NGPU); nothing to do"
   exit 0
