@@ -10,18 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.config import ModelConfig
 from models.servable import random_servable
-from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import RequestStatus
-
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=256, eos_token_ids=(255,))
-# Few compiled shapes: decode 1/2/4 rows, prefill 1 row x 16 columns.
-SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                     max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
-                     show_progress=False, warmup=False)
+from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 
 def run_alone(engine: LLMEngine, prompts, sp) -> list[list[int]]:

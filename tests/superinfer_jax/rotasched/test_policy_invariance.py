@@ -7,18 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.config import ModelConfig
 from models.servable import random_servable
-from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.request import SLO
+from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=256, eos_token_ids=(255,))
-SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                     max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
-                     show_progress=False, warmup=False)
 # Tight SLOs make lag grow quickly, so rotasched rotates a lot.
 TIGHT = SLO(ttft_ms=20, tbt_ms=5)
 

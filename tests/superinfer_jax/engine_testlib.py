@@ -1,0 +1,19 @@
+"""Model and engine configs shared by the engine-level invariance tests.
+
+The rotation and policy invariance tests compare token streams of the same tiny random
+model under different memory pressure; they share these so that a change to the model or
+to the compiled step shapes reaches both (and the persistent XLA cache serves both).
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from superinfer_jax import EngineConfig
+
+TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   max_position_embeddings=256, eos_token_ids=(255,))
+# Few compiled shapes: decode 1/2/4 rows, prefill 1 row x 16 columns.
+SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                     max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
+                     show_progress=False, warmup=False)
