@@ -113,8 +113,9 @@ class TwoTierKVManager(KVCacheManager):
     # -- device tier (base class), guarded -----------------------------------------------
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
-        if not self.is_resident(req_id):
-            raise RuntimeError(f"{req_id} is {self.residency_of(req_id).name}, not on device")
+        state = self.residency.get(req_id)  # ``is_resident`` inlined: called every row
+        if state is not None and state != Residency.DEVICE:
+            raise RuntimeError(f"{req_id} is {state.name}, not on device")
         return super().allocate_for(req_id, num_tokens)
 
     def free(self, req_id: str) -> int:

@@ -170,3 +170,11 @@ def test_rotate_out_with_enough_free_host_pages_keeps_other_shadows():
     kv.rotate_out("b", 6)
     assert len(kv.shadows) == before
     kv.check_invariants()
+
+
+def test_allocating_within_the_tail_page_takes_no_page():
+    kv = TwoTierKVManager(num_pages=9, page_size=PAGE)
+    assert len(kv.allocate_for("a", 5)) == 2
+    assert kv.allocate_for("a", 8) == [] and kv.num_free_pages == 6
+    assert kv.can_allocate("a", 8) and not kv.can_allocate("a", 8 + 7 * PAGE)
+    kv.check_invariants()
