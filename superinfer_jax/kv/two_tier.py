@@ -70,6 +70,13 @@ class TwoTierKVManager(KVCacheManager):
         self.residency: dict[str, Residency] = {}
         self._num_full: dict[str, int] = {}  # full pages of a parked request
         self._freed_host: list[int] = []  # freed since the last take_freed_host_pages
+        # Scan positions, so that the per-step shadow planning and dirty counts do not
+        # rescan every page table: ``_num_clean[r] = k`` promises that the first k device
+        # pages of r are shadowed (absent: 0; a lower bound is always safe). Dropping a
+        # shadow finds its request in ``_shadow_owner`` (device page -> req_id of every
+        # shadow) and forgets that promise.
+        self._num_clean: dict[str, int] = {}
+        self._shadow_owner: dict[int, str] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -89,7 +96,9 @@ class TwoTierKVManager(KVCacheManager):
 
     def dirty_pages(self, req_id: str) -> list[int]:
         """Device pages of ``req_id`` whose host copy is missing or stale."""
-        return [d for d in self.page_table(req_id) if d not in self.shadows]
+        table = self.page_table(req_id)
+        shadows = self.shadows
+        return [d for d in table[self._num_clean.get(req_id, 0):] if d not in shadows]
 
     def rotation_cost_out(self, req_id: str) -> int:
         """Pages a rotate_out of ``req_id`` would copy (the rest are shadowed already)."""
@@ -121,7 +130,11 @@ class TwoTierKVManager(KVCacheManager):
     def free(self, req_id: str) -> int:
         """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure)."""
         table = self.page_tables.get(req_id, [])
-        self._release_host([self.shadows.pop(d) for d in table if d in self.shadows])
+        shadowed = [d for d in table if d in self.shadows]
+        self._release_host([self.shadows.pop(d) for d in shadowed])
+        for d in shadowed:
+            del self._shadow_owner[d]
+        self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
         self.residency.pop(req_id, None)
         self._num_full.pop(req_id, None)
@@ -135,13 +148,16 @@ class TwoTierKVManager(KVCacheManager):
         if not self.can_rotate_out(req_id):
             raise RuntimeError(f"cannot rotate out {req_id}")
         table = self.page_tables.pop(req_id)
+        self._num_clean.pop(req_id, None)
         dirty = [d for d in table if d not in self.shadows]
         for d in self._reclaimable(keep=set(table))[: max(0, len(dirty) - len(self._host_free))]:
-            self._release_host([self.shadows.pop(d)])
+            self._release_host([self._drop_shadow(d)])
         moves_dev, moves_host, host_table = [], [], []
         for d in table:
             h = self.shadows.pop(d, None)
-            if h is None:
+            if h is not None:
+                del self._shadow_owner[d]
+            else:
                 h = self._host_free.pop()
                 moves_dev.append(d)
                 moves_host.append(h)
@@ -169,6 +185,8 @@ class TwoTierKVManager(KVCacheManager):
         self.page_tables[req_id] = device
         num_full = self._num_full.pop(req_id)
         self.shadows.update(zip(device[:num_full], host_table[:num_full], strict=True))
+        self._shadow_owner.update(dict.fromkeys(device[:num_full], req_id))
+        self._num_clean[req_id] = num_full
         self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
         self.residency[req_id] = Residency.ROTATING_IN
         return PageMoves(req_id, tuple(device), tuple(host_table))
@@ -184,22 +202,35 @@ class TwoTierKVManager(KVCacheManager):
         """Host copies for full, unshadowed pages of resident requests (eager shadowing).
 
         ``num_computed``: req_id -> tokens whose KV is in the pool the copy will read.
-        Uses free host pages only; it never reclaims (a shadow is an optimisation)."""
+        Uses free host pages only; it never reclaims (a shadow is an optimisation).
+        This runs every step over every running request, so a request whose full pages
+        are all shadowed costs a dict look-up, not a pass over its page table."""
         out: list[PageMoves] = []
+        shadows, host_free, clean = self.shadows, self._host_free, self._num_clean
+        page_size = self.page_size
         for req_id, n in num_computed.items():
-            if max_pages <= 0 or not self._host_free:
+            if max_pages <= 0 or not host_free:
                 break
-            if not self.is_resident(req_id):
+            start = clean.get(req_id, 0)
+            if start >= n // page_size:
+                continue  # every full page has its shadow: the common case
+            table = self.page_tables.get(req_id)
+            if table is None or not self.is_resident(req_id):
                 continue
-            full = self.page_table(req_id)[: n // self.page_size]
-            dev = [d for d in full if d not in self.shadows][:max_pages]
-            dev = dev[: len(self._host_free)]
-            if not dev:
+            num_full = min(n // page_size, len(table))
+            if start >= num_full:
                 continue
-            host = [self._host_free.pop() for _ in dev]
-            self.shadows.update(zip(dev, host, strict=True))
+            dirty = [i for i in range(start, num_full) if table[i] not in shadows]
+            take = min(len(dirty), max_pages, len(host_free))
+            clean[req_id] = dirty[take] if take < len(dirty) else num_full
+            if not take:
+                continue
+            dev = [table[i] for i in dirty[:take]]
+            host = [host_free.pop() for _ in dev]
+            shadows.update(zip(dev, host, strict=True))
+            self._shadow_owner.update(dict.fromkeys(dev, req_id))
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
-            max_pages -= len(dev)
+            max_pages -= take
         return out
 
     def drop_shadows(self, host_pages: list[int]) -> None:
@@ -207,8 +238,7 @@ class TwoTierKVManager(KVCacheManager):
         gone = set(host_pages)
         for d, h in list(self.shadows.items()):
             if h in gone:
-                del self.shadows[d]
-                self._release_host([h])
+                self._release_host([self._drop_shadow(d)])
 
     def take_freed_host_pages(self) -> list[int]:
         """Host pages freed since the last call: their arrays can be dropped."""
@@ -223,6 +253,11 @@ class TwoTierKVManager(KVCacheManager):
         arriving = {d for r, state in self.residency.items()
                     if state == Residency.ROTATING_IN for d in self.page_tables[r]}
         return [d for d in self.shadows if d not in keep and d not in arriving]
+
+    def _drop_shadow(self, device_page: int) -> int:
+        """Forget one shadow (its owner's scan restarts at 0); returns its host page."""
+        self._num_clean.pop(self._shadow_owner.pop(device_page), None)
+        return self.shadows.pop(device_page)
 
     def _release_host(self, pages: list[int]) -> None:
         self._host_free.extend(reversed(pages))
@@ -244,6 +279,11 @@ class TwoTierKVManager(KVCacheManager):
         assert sorted(host_owned + list(self._host_free)) == \
             list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
         assert set(self.shadows) <= set(dev_owned), "a shadow of a free device page"
+        assert self._shadow_owner.keys() == self.shadows.keys(), "shadow owners out of step"
+        for d, r in self._shadow_owner.items():
+            assert d in self.page_tables.get(r, ()), f"shadow of {d} owned by {r}, not its table"
+        for r, k in self._num_clean.items():
+            assert all(d in self.shadows for d in self.page_tables[r][:k]), f"{r} clean prefix"
         for req_id, state in self.residency.items():
             parked = state in (Residency.ROTATING_OUT, Residency.HOST)
             assert (req_id in self.page_tables) == (not parked), f"{req_id} {state.name}"

@@ -172,6 +172,31 @@ def test_rotate_out_with_enough_free_host_pages_keeps_other_shadows():
     kv.check_invariants()
 
 
+def test_a_reclaimed_shadow_is_planned_again():
+    """The per-request scan position of ``plan_shadows`` must forget pages whose shadow
+    another request's rotate_out reclaimed, or they would stay dirty for good."""
+    kv = TwoTierKVManager(num_pages=9, page_size=PAGE, num_host_pages=2)
+    kv.allocate_for("a", 8)
+    kv.allocate_for("b", 8)
+    assert sum(len(m) for m in kv.plan_shadows({"a": 8}, max_pages=8)) == 2
+    assert kv.plan_shadows({"a": 8}, max_pages=8) == []  # nothing new to copy
+    kv.rotate_out("b", 8)  # reclaims both of a's shadows
+    kv.free("b")
+    moves = kv.plan_shadows({"a": 8}, max_pages=8)
+    assert [m.device_pages for m in moves] == [tuple(kv.page_table("a"))]
+    kv.check_invariants()
+
+
+def test_a_failed_shadow_copy_is_planned_again():
+    kv = TwoTierKVManager(num_pages=9, page_size=PAGE, num_host_pages=8)
+    kv.allocate_for("a", 12)
+    (first,) = kv.plan_shadows({"a": 12}, max_pages=8)
+    kv.drop_shadows([first.host_pages[1]])  # the copy of a's second page failed
+    (again,) = kv.plan_shadows({"a": 12}, max_pages=8)
+    assert again.device_pages == (first.device_pages[1],)
+    kv.check_invariants()
+
+
 def test_allocating_within_the_tail_page_takes_no_page():
     kv = TwoTierKVManager(num_pages=9, page_size=PAGE)
     assert len(kv.allocate_for("a", 5)) == 2
