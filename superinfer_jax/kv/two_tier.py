@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 from superinfer_jax.kv.page_allocator import KVCacheManager
 
@@ -108,12 +110,16 @@ class TwoTierKVManager(KVCacheManager):
         return len(self.host_table(req_id))
 
     def can_rotate_out(self, req_id: str) -> bool:
-        """Resident, holds pages, and the host tier has room (reclaiming others' shadows)."""
+        """Resident, holds pages, and the host tier has room (reclaiming others' shadows).
+
+        Others' shadows are looked at only when the free host pages fall short, and only
+        as many as are missing: listing every reclaimable shadow costs a pass over all of
+        them, on every rotation the policies consider."""
         table = self.page_table(req_id)
         if not self.is_resident(req_id) or not table:
             return False
-        room = len(self._host_free) + len(self._reclaimable(keep=set(table)))
-        return self.rotation_cost_out(req_id) <= room
+        short = self.rotation_cost_out(req_id) - len(self._host_free)
+        return short <= 0 or len(self._reclaim(table, short)) == short
 
     def can_rotate_in(self, req_id: str) -> bool:
         return (self.residency_of(req_id) == Residency.HOST
@@ -147,10 +153,10 @@ class TwoTierKVManager(KVCacheManager):
         issue (dirty pages only) before any later step is dispatched."""
         if not self.can_rotate_out(req_id):
             raise RuntimeError(f"cannot rotate out {req_id}")
+        short = self.rotation_cost_out(req_id) - len(self._host_free)
         table = self.page_tables.pop(req_id)
         self._num_clean.pop(req_id, None)
-        dirty = [d for d in table if d not in self.shadows]
-        for d in self._reclaimable(keep=set(table))[: max(0, len(dirty) - len(self._host_free))]:
+        for d in self._reclaim(table, short):
             self._release_host([self._drop_shadow(d)])
         moves_dev, moves_host, host_table = [], [], []
         for d in table:
@@ -247,12 +253,20 @@ class TwoTierKVManager(KVCacheManager):
 
     # -- internals -----------------------------------------------------------------------
 
-    def _reclaimable(self, keep: set[int]) -> list[int]:
+    def _reclaimable(self, keep: set[int]) -> Iterator[int]:
         """Device pages whose shadow may be dropped for room, oldest first: shadows of
-        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use)."""
+        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use).
+        Lazy: callers take only the few they are short of."""
         arriving = {d for r, state in self.residency.items()
                     if state == Residency.ROTATING_IN for d in self.page_tables[r]}
-        return [d for d in self.shadows if d not in keep and d not in arriving]
+        return (d for d in self.shadows if d not in keep and d not in arriving)
+
+    def _reclaim(self, table: list[int], short: int) -> list[int]:
+        """The first ``short`` pages of ``_reclaimable`` outside ``table`` (fewer when there
+        are not that many), as a list: the caller may drop them while walking it."""
+        if short <= 0:
+            return []
+        return list(islice(self._reclaimable(keep=set(table)), short))
 
     def _drop_shadow(self, device_page: int) -> int:
         """Forget one shadow (its owner's scan restarts at 0); returns its host page."""
