@@ -32,8 +32,9 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
@@ -241,33 +242,35 @@ class _Run:
             rows = [(reqs[r], n) for r, n in plan.prefill]
             t += cost.prefill_call_s(CallShape.of_rows(
                 [(n, q.num_computed_tokens) for q, n in rows]))
-            for q, n in rows:
-                self.num_prefill += n
-                self._advance(q, n, t)
+            self.num_prefill += sum(n for _, n in rows)
+            self._advance(rows, t)
         if plan.decode:
             drows = [reqs[r] for r in plan.decode]
             ctx = [q.num_computed_tokens + 1 for q in drows]
             total = sum(ctx)
             t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total, max(ctx)))
             self.num_decode += len(drows)
-            for q in drows:
-                self._advance(q, 1, t)
+            self._advance(zip(drows, repeat(1)), t)
         return t
 
-    def _advance(self, req: SimRequest, n: int, now: float) -> None:
-        """The engine's ``_advance``: account ``n`` tokens; the final row samples one."""
-        req.num_computed_tokens += n
-        if req.num_computed_tokens < req.num_tokens:
-            return  # a prefill chunk short of the end
-        req.num_output += 1
-        req.num_tokens += 1
-        req.token_times.append(now)
-        if req.num_output >= req.output_len or req.num_tokens >= self.cfg.max_model_len:
-            self.sched.remove(req)
-            req.set_status(RequestStatus.FINISHED_LENGTH, now)
-            self.last_token = max(self.last_token, now)
-            if self.progress is not None:
-                self.progress(1)
+    def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
+        """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
+        final row samples one. One call per call of the model, not per row: this is the
+        simulator's innermost loop (a row per running request per step)."""
+        max_len = self.cfg.max_model_len
+        for req, n in rows:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk short of the end
+            req.num_output += 1
+            req.num_tokens += 1
+            req.token_times.append(now)
+            if req.num_output >= req.output_len or req.num_tokens >= max_len:
+                self.sched.remove(req)
+                req.set_status(RequestStatus.FINISHED_LENGTH, now)
+                self.last_token = max(self.last_token, now)
+                if self.progress is not None:
+                    self.progress(1)
 
     # -- copies --------------------------------------------------------------------------
 
