@@ -2,10 +2,12 @@
 copies between the pool and the host tier in one of two modes.
 
 Gather: ``pool[ids]`` into ``B`` separate page arrays (one buffer per page, so each page
-is one array of its own on the host); ``B`` is a bucket (powers of 4 up to
-``max_pages``), padded with the null page, so a handful of compiles cover every step.
-Scatter: arrived page arrays into the donated pool, in place (padding rows write the
-null page, which nobody reads).
+is one array of its own on the host); ``B`` is a bucket (powers of 2 up to
+``max_pages``), so a handful of compiles cover every step. Scatter: arrived page arrays
+into the donated pool, in place. A batch of ``n`` pages is cut into buckets that sum to
+``n`` exactly (37 = 32 + 4 + 1), never padded up to a larger one: a padding row is a
+real page copy (a 33-page batch padded to 64 would copy almost twice the bytes), while
+an extra call costs only a dispatch.
 
 Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
 
@@ -36,7 +38,6 @@ on CPU pays a pool-sized conversion per scatter; GPUs update bf16 in place.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
@@ -52,11 +53,11 @@ def default_copy_mode(platform: str | None = None) -> str:
 
 
 def staging_buckets(max_pages: int) -> tuple[int, ...]:
-    """Staging batch sizes: 1, 4, 16, ... up to ``max_pages`` (included)."""
+    """Staging batch sizes: 1, 2, 4, 8, ... up to ``max_pages`` (included)."""
     out, b = [], 1
     while b < max_pages:
         out.append(b)
-        b *= 4
+        b *= 2
     out.append(max_pages)
     return tuple(out)
 
@@ -107,35 +108,27 @@ class PageMover:
         self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
                                 out_shardings=pool_sharding or (
                                     device_sharding if fused else None))
-        # Padding for a partly filled scatter bucket, where the scatter reads its pages.
-        self._pad_page = jax.device_put(jnp.zeros(layout.page_shape(), layout.dtype),
-                                        host_sharding if fused else device_sharding)
 
     @property
     def max_pages(self) -> int:
         return self.buckets[-1]
 
-    def _chunks(self, n: int) -> list[tuple[int, int, int]]:
-        """(start, count, bucket) pieces covering ``n`` pages."""
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """(start, bucket) pieces covering ``n`` pages exactly: the largest bucket that
+        fits, again and again (1 is a bucket, so nothing is ever padded)."""
         out, start = [], 0
         while start < n:
-            count = min(n - start, self.max_pages)
-            bucket = next(b for b in self.buckets if b >= count)
-            out.append((start, count, bucket))
-            start += count
+            bucket = max(b for b in self.buckets if b <= n - start)
+            out.append((start, bucket))
+            start += bucket
         return out
-
-    def _ids(self, page_ids: list[int], start: int, count: int, bucket: int) -> np.ndarray:
-        ids = np.full(bucket, NULL_PAGE, np.int32)
-        ids[:count] = page_ids[start:start + count]
-        return ids
 
     def gather(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
         """One array per page id, in order (dispatched, not waited for): device staging
         pages, or in fused mode the host pages themselves."""
         out: list[jax.Array] = []
-        for start, count, bucket in self._chunks(len(page_ids)):
-            out.extend(self._gather(pool, self._ids(page_ids, start, count, bucket))[:count])
+        for start, bucket in self._chunks(len(page_ids)):
+            out.extend(self._gather(pool, np.asarray(page_ids[start:start + bucket], np.int32)))
         return out
 
     def to_host(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
@@ -158,11 +151,9 @@ class PageMover:
         donated."""
         if len(page_ids) != len(pages):
             raise ValueError(f"{len(page_ids)} page ids for {len(pages)} pages")
-        for start, count, bucket in self._chunks(len(page_ids)):
-            padded = list(pages[start:start + count])
-            padded += [self._pad_page] * (bucket - count)
-            pool = self._scatter(pool, self._ids(page_ids, start, count, bucket),
-                                 tuple(padded))
+        for start, bucket in self._chunks(len(page_ids)):
+            pool = self._scatter(pool, np.asarray(page_ids[start:start + bucket], np.int32),
+                                 tuple(pages[start:start + bucket]))
         return pool
 
     def warmup(self, pool: jax.Array) -> jax.Array:

@@ -207,9 +207,15 @@ def test_cancel_drops_copies_and_the_host_pages_are_released():
 
 @pytest.mark.parametrize("copy_mode", COPY_MODES)
 def test_staging_buckets_and_chunking(copy_mode):
-    assert staging_buckets(64) == (1, 4, 16, 64)
-    assert staging_buckets(10) == (1, 4, 10)
+    assert staging_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert staging_buckets(10) == (1, 2, 4, 8, 10)
     rig = Rig("float32", num_pages=9, budget=4, copy_mode=copy_mode)
+    assert rig.duplex.mover._chunks(7) == [(0, 4), (4, 2), (6, 1)]  # exact, no padding
+    assert rig.duplex.mover._chunks(9) == [(0, 4), (4, 4), (8, 1)]
     rig.fill("a", 30)  # 8 pages: two staging batches of 4
     rig.round_trip("a", 30)
     assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])
+    rig.kv.free("a")
+    rig.fill("b", 10)  # 3 pages: batches of 2 and 1
+    rig.round_trip("b", 10)
+    assert_bytes_equal(rig.device_contents("b"), rig.expect["b"])
