@@ -11,11 +11,13 @@ writing a page into such an array is a jitted dynamic-update-slice of a host-mem
 operand. On CPU that runs in place for 2-byte integer pages (0.1 ms per 2 MiB page,
 ``python -m benchmarks.duplex --layouts``), but XLA:CPU upcasts a bfloat16 update over
 the whole array, and on GPU it relies on XLA's host-offload pass turning the update into
-a DMA, which cannot be exercised without one. A page array needs nothing but
-``device_put``, the same on every backend: it is written once, by the copy that creates
-it, and only read afterwards, so a freed page is a dropped reference (an in-flight copy
-holds its own) and reusing a host page can never race with a transfer. Capacity is
-enforced by the host free list (``num_host_pages``); memory is taken as pages are used.
+a DMA, which cannot be exercised without one. A page array needs nothing but the copy
+that creates it (a ``device_put``, or on CPU the gather that writes it straight into
+host memory: ``duplexkv.mover``'s fused mode), the same on every backend: it is written
+once, by that copy, and only read afterwards, so a freed page is a dropped reference (an
+in-flight copy holds its own) and reusing a host page can never race with a transfer.
+Capacity is enforced by the host free list (``num_host_pages``); memory is taken as
+pages are used.
 """
 
 from __future__ import annotations
