@@ -11,8 +11,9 @@ class TransferStats:
     """Cumulative since the engine started. Bytes and pages count copies issued.
 
     ``time_*_s`` sums, per step and direction, the time from dispatching that step's
-    copies to observing them all complete; observation happens once per engine step, so
-    it is an upper bound with step granularity, not a device timer."""
+    copies to observing them all complete (inbound: to dispatching the scatter that lands
+    them, which in the fused copy mode is the copy itself); observation happens once per
+    engine step, so it is an upper bound with step granularity, not a device timer."""
 
     pages_out: int = 0  # device -> host, rotations and shadows
     bytes_out: int = 0
