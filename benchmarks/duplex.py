@@ -171,10 +171,13 @@ def naive_round(pool, pages, layout, host: HostPool) -> tuple[jax.Array, float, 
     which costs about 100 us of Python per slice) so the baseline pays for its copies'
     count, not for JAX's eager indexing."""
     num_layers = layout.kv_spec.num_layers
-    idx = [(np.int32(p), np.int32(layer)) for p in pages for layer in range(num_layers)]
-    jax.block_until_ready(_take_jit(pool, *idx[0]))  # compile
+    idx = [(p, layer) for p in pages for layer in range(num_layers)]
+    # Indices as numpy scalars for the slice, Python ints for the update: the faster
+    # dispatch of each, measured (28 vs 39 us, 10 vs 11 us per call).
+    np_idx = [(np.int32(p), np.int32(layer)) for p, layer in idx]
+    jax.block_until_ready(_take_jit(pool, *np_idx[0]))  # compile
     t = time.perf_counter()
-    outs = [jax.device_put(_take_jit(pool, p, layer), host.host_sharding) for p, layer in idx]
+    outs = [jax.device_put(_take_jit(pool, p, layer), host.host_sharding) for p, layer in np_idx]
     jax.block_until_ready(outs)
     out_s = time.perf_counter() - t
     pool = _write_jit(pool, jax.device_put(outs[0], host.device_sharding), *idx[0])  # compile
