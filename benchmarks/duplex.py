@@ -236,29 +236,33 @@ class BatchedRig:
 def batched_trials(layout: PoolLayout, num_pages: int, repeats: int,
                    copy_mode: str | None) -> tuple[dict[str, list[float]], bool, list[int],
                                                    jax.Array]:
-    """(b) and (c) on one rig: out/in/duplex times (after one untimed round each), whether
-    every round trip came back exact, and the pool and a request's pages for (a)."""
+    """(b) and (c) on one rig: out, in and duplex times, whether every round trip came
+    back exact, and the pool and a resident request's pages for (a).
+
+    Two requests of ``num_pages`` pages, one resident and one parked; each round times
+    a duplex swap (the resident one leaves while the parked one arrives, into the pages
+    just freed), then one out (both parked) and one in (the other one back): the three
+    interleaved, so changes in the machine's load hit them alike. Round 0 is untimed
+    (first-use costs, heap growth, are not the steady state)."""
     rig = BatchedRig(layout, num_pages, copy_mode)
-    rig.out("a")  # untimed: first-use costs (heap growth) are not the steady state
-    rig.into("a")
-    b_out, b_in = [], []
-    for _ in range(repeats):
-        b_out.append(rig.out("a"))
-        b_in.append(rig.into("a"))
-    ok = rig.verify("a")
     rig.out("a")
     rig.kv.allocate_for("b", num_pages * PAGE_TOKENS)  # b takes the pages a freed
     rig.expect["b"] = page_sums(rig.pool, rig.kv.page_table("b"))
-    pair = ("b", "a")
-    rig.swap(*pair)  # untimed, as above
-    pair = pair[::-1]
-    walls = []
-    for _ in range(repeats):
-        walls.append(rig.swap(*pair))
-        pair = pair[::-1]
-    ok = ok and rig.verify(pair[0])
-    return ({"out": b_out, "in": b_in, "duplex": walls}, ok, rig.kv.page_table(pair[0]),
-            rig.pool)
+    resident, parked = "b", "a"
+    times: dict[str, list[float]] = {"out": [], "in": [], "duplex": []}
+    for i in range(repeats + 1):
+        took = {"duplex": rig.swap(resident, parked)}
+        resident, parked = parked, resident
+        took["out"] = rig.out(resident)
+        took["in"] = rig.into(parked)
+        resident, parked = parked, resident
+        for k, v in took.items():
+            if i:
+                times[k].append(v)
+    ok = rig.verify(resident)
+    rig.swap(resident, parked)
+    ok = ok and rig.verify(parked)
+    return times, ok, rig.kv.page_table(parked), rig.pool
 
 
 def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, dict]:
