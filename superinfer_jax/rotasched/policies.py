@@ -18,6 +18,7 @@ between them measures the decision, not an implementation difference:
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 
 from superinfer_jax.config import EngineConfig
@@ -59,7 +60,7 @@ class RotaSchedScheduler(SwapScheduler):
         ranked = self.rank(now)
         keep = self._select(ranked)
         self._rotate_out_tail(ranked, keep, plan, now)
-        budget = self._schedule_running(plan, self._token_budget(), now)
+        budget = self._schedule_running(plan, self._token_budget(now), now)
         self._rotate_in_ranked(ranked, keep, plan, now)
         self._admit_ranked(ranked, keep, plan, budget, now)
         return plan
@@ -76,14 +77,18 @@ class RotaSchedScheduler(SwapScheduler):
             kept = set(map(id, self.running))  # admission order, minus this step's victims
             self.running = [r for r in order if id(r) in kept]
 
-    def _token_budget(self) -> int:
+    def _token_budget(self, now: float) -> int:
         """Tokens this step may take: decode rows plus the prefill that keeps the step
         within the tightest TBT SLO among the decoders (Sarathi-style), from the latency
-        model. Without a model, or with nobody decoding, the configured budget."""
+        model. Without a model, with nobody decoding, or while a request still waiting for
+        its first token is late (positive lag), the configured budget: the lag order puts
+        a late first token ahead of the runners' next ones, and a TBT-sized budget would
+        starve prefill (measured on the policy sweep at 3 req/s: TTFT attainment 0.27
+        with it, 0.98 without it while someone is late)."""
         budget = self.config.max_num_batched_tokens
         decoders = [r for r in self.running if r.num_pending_tokens == 1]
         lm = self.latency
-        if lm is None or not decoders:
+        if lm is None or not decoders or self._first_token_late(now):
             return budget
         tbt = min(r.slo.tbt_ms for r in decoders) / 1000
         context = sum(r.num_tokens for r in decoders)
@@ -92,6 +97,13 @@ class RotaSchedScheduler(SwapScheduler):
         prefill = int(room / per_token) if per_token > 0 and room > 0 else 0
         floor = min(16, self.config.max_prefill_chunk)  # prefill always makes progress
         return min(budget, len(decoders) + max(floor, prefill))
+
+    def _first_token_late(self, now: float) -> bool:
+        """Whether a request without its first token (waiting, or prefilling) is late:
+        past ``beta_f`` of its TTFT SLO, where the waiting lag starts to grow."""
+        beta = self.params.beta_f
+        return any(not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
+                   for r in itertools.chain(self.waiting, self.running))
 
     # -- ranking --------------------------------------------------------------------------
 

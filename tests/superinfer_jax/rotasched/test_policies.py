@@ -227,3 +227,20 @@ def test_request_past_its_ttft_deadline_does_not_displace_a_runner():
         plan = d.step(0.9)  # lag of "new": 0.9 - arrival - 0.5 > 0 in both cases
         assert (plan.rotate_out == ["filler"]) is displaces
         assert ("new" in [r for r, _ in plan.prefill]) is displaces
+
+
+def test_tbt_budget_yields_to_a_late_first_token():
+    """Under contention the step's tokens are sized to the decoders' TBT SLO, unless a
+    request still waiting for its first token is late: then prefill gets the full budget."""
+    from superinfer_jax.latency import LatencyModel
+
+    sched, kv = make("rotasched", device_pages=64, host_pages=64)
+    d = Driver(sched, kv)
+    d.add(req("dec", 8, arrival=0.0, max_tokens=50))
+    d.step(0.0)  # prefill: "dec" has its first token and now decodes
+    # a decode step costs 80 of the 100 ms TBT: room for (0.9*100-80)/1 = 10 prefill
+    # tokens, raised to the floor of 16
+    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.08, 0.0, 0.0])
+    d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+    assert sched._token_budget(1.2) == 1 + 16  # "new" is 0.2 s old: not late (0.5 s)
+    assert sched._token_budget(1.6) == 64  # late: the configured max_num_batched_tokens
