@@ -18,7 +18,6 @@ between them measures the decision, not an implementation difference:
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 
 from superinfer_jax.config import EngineConfig
@@ -60,7 +59,7 @@ class RotaSchedScheduler(SwapScheduler):
         ranked = self.rank(now)
         keep = self._select(ranked)
         self._rotate_out_tail(ranked, keep, plan, now)
-        budget = self._schedule_running(plan, self._token_budget(now), now)
+        budget = self._schedule_running(plan, self._token_budget(now, keep), now)
         self._rotate_in_ranked(ranked, keep, plan, now)
         self._admit_ranked(ranked, keep, plan, budget, now)
         return plan
@@ -70,25 +69,26 @@ class RotaSchedScheduler(SwapScheduler):
         budget a prefill early in the list must not crowd out a decoder behind it."""
         decoding = [r for r in self.running if r.num_pending_tokens == 1]
         prefilling = [r for r in self.running if r.num_pending_tokens > 1]
-        order, self.running = self.running, decoding + prefilling
+        ending = [r for r in self.running if r.num_pending_tokens == 0]  # token in flight
+        order, self.running = self.running, decoding + prefilling + ending
         try:
             return super()._schedule_running(plan, budget, now)
         finally:
             kept = set(map(id, self.running))  # admission order, minus this step's victims
             self.running = [r for r in order if id(r) in kept]
 
-    def _token_budget(self, now: float) -> int:
+    def _token_budget(self, now: float, keep: set[str]) -> int:
         """Tokens this step may take: decode rows plus the prefill that keeps the step
         within the tightest TBT SLO among the decoders (Sarathi-style), from the latency
-        model. Without a model, with nobody decoding, or while a request still waiting for
-        its first token is late (positive lag), the configured budget: the lag order puts
-        a late first token ahead of the runners' next ones, and a TBT-sized budget would
-        starve prefill (measured on the policy sweep at 3 req/s: TTFT attainment 0.27
-        with it, 0.98 without it while someone is late)."""
+        model. Without a model, with nobody decoding, or while a first token that can
+        still make its deadline is late and will prefill this step, the configured
+        budget: the lag order puts a late first token ahead of the runners' next ones,
+        and a TBT-sized budget would starve prefill (measured on the policy sweep at
+        3 req/s: TTFT attainment 0.27 with it, 0.98 without it while someone is late)."""
         budget = self.config.max_num_batched_tokens
         decoders = [r for r in self.running if r.num_pending_tokens == 1]
         lm = self.latency
-        if lm is None or not decoders or self._first_token_late(now):
+        if lm is None or not decoders or self._first_token_late(now, keep):
             return budget
         tbt = min(r.slo.tbt_ms for r in decoders) / 1000
         context = sum(r.num_tokens for r in decoders)
@@ -98,12 +98,20 @@ class RotaSchedScheduler(SwapScheduler):
         floor = min(16, self.config.max_prefill_chunk)  # prefill always makes progress
         return min(budget, len(decoders) + max(floor, prefill))
 
-    def _first_token_late(self, now: float) -> bool:
-        """Whether a request without its first token (waiting, or prefilling) is late:
-        past ``beta_f`` of its TTFT SLO, where the waiting lag starts to grow."""
+    def _first_token_late(self, now: float, keep: set[str]) -> bool:
+        """Whether a first token is late (past ``beta_f`` of its TTFT SLO, where the
+        waiting lag starts to grow) but not yet missed, for a request that prefills this
+        step: running with a prompt left, or waiting and selected to run. A hopeless or
+        unselected request would not get the tokens, and the decoders would pay."""
         beta = self.params.beta_f
-        return any(not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
-                   for r in itertools.chain(self.waiting, self.running))
+
+        def late(r: Request) -> bool:
+            waited = now - r.arrival_time
+            return not r.token_times and beta * r.slo.ttft_ms / 1000 < waited <= \
+                r.slo.ttft_ms / 1000
+
+        return any(late(r) for r in self.running if r.num_pending_tokens > 1) or any(
+            late(r) for r in self.waiting if r.req_id in keep)
 
     # -- ranking --------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from superinfer_jax.rotasched.policies import (
     SwapScheduler,
     make_scheduler,
 )
-from superinfer_jax.scheduler import FCFSScheduler
+from superinfer_jax.scheduler import FCFSScheduler, StepPlan
 
 PAGE = 4
 
@@ -242,5 +242,23 @@ def test_tbt_budget_yields_to_a_late_first_token():
     # tokens, raised to the floor of 16
     sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.08, 0.0, 0.0])
     d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
-    assert sched._token_budget(1.2) == 1 + 16  # "new" is 0.2 s old: not late (0.5 s)
-    assert sched._token_budget(1.6) == 64  # late: the configured max_num_batched_tokens
+    assert sched._token_budget(1.2, {"new"}) == 1 + 16  # 0.2 s old: not late (0.5 s)
+    assert sched._token_budget(1.6, {"new"}) == 64  # late: max_num_batched_tokens
+    assert sched._token_budget(1.6, set()) == 1 + 16  # late but not selected to run
+    assert sched._token_budget(2.5, {"new"}) == 1 + 16  # past its TTFT: hopeless
+
+
+def test_request_whose_token_in_flight_ends_it_stays_running():
+    """Async scheduling: a runner with nothing left to schedule (its last token is in
+    flight) keeps its seat and its place in ``running`` until the token lands."""
+    sched, kv = make("rotasched", device_pages=64, host_pages=64)
+    d = Driver(sched, kv)
+    for name in ("a", "b"):
+        d.add(req(name, 8, arrival=0.0, max_tokens=50))
+    d.step(0.0)
+    a = d.all["a"]
+    a.num_inflight_tokens, a.final_token_inflight = 1, True
+    plan = StepPlan()
+    sched._schedule_running(plan, 64, 0.1)
+    assert [r.req_id for r in sched.running] == ["a", "b"]
+    assert plan.decode == ["b"] and sched._num_seated() == 2
