@@ -95,8 +95,14 @@ class RotaSchedScheduler(SwapScheduler):
         room = 0.9 * tbt - lm.decode_s(len(decoders), context)
         per_token = lm.prefill[1] + lm.prefill[2] * context / len(decoders)
         prefill = int(room / per_token) if per_token > 0 and room > 0 else 0
-        floor = min(16, self.config.max_prefill_chunk)  # prefill always makes progress
-        return min(budget, len(decoders) + max(floor, prefill))
+        if prefill < min(16, self.config.max_prefill_chunk):
+            # Too little room for a useful chunk: any prefill makes this step miss the
+            # decoders' TBT anyway, so let the miss buy the most progress. Trickling a
+            # floor of tokens instead spread the misses over many steps (measured at
+            # 4 req/s on the policy sweep: TBT attainment 0.77 with the floor, 0.80
+            # without).
+            return budget
+        return min(budget, len(decoders) + prefill)
 
     def _first_token_late(self, now: float, keep: set[str]) -> bool:
         """Whether a first token is late (past ``beta_f`` of its TTFT SLO, where the

@@ -238,14 +238,17 @@ def test_tbt_budget_yields_to_a_late_first_token():
     d = Driver(sched, kv)
     d.add(req("dec", 8, arrival=0.0, max_tokens=50))
     d.step(0.0)  # prefill: "dec" has its first token and now decodes
-    # a decode step costs 80 of the 100 ms TBT: room for (0.9*100-80)/1 = 10 prefill
-    # tokens, raised to the floor of 16
-    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.08, 0.0, 0.0])
+    # a decode step costs 60 of the 100 ms TBT: room for (0.9*100-60)/1 = 30 prefill
+    # tokens besides the one decode row
+    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.06, 0.0, 0.0])
     d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
-    assert sched._token_budget(1.2, {"new"}) == 1 + 16  # 0.2 s old: not late (0.5 s)
+    assert sched._token_budget(1.2, {"new"}) == 1 + 30  # 0.2 s old: not late (0.5 s)
     assert sched._token_budget(1.6, {"new"}) == 64  # late: max_num_batched_tokens
-    assert sched._token_budget(1.6, set()) == 1 + 16  # late but not selected to run
-    assert sched._token_budget(2.5, {"new"}) == 1 + 16  # past its TTFT: hopeless
+    assert sched._token_budget(1.6, set()) == 1 + 30  # late but not selected to run
+    assert sched._token_budget(2.5, {"new"}) == 1 + 30  # past its TTFT: hopeless
+    # room for fewer tokens than a useful chunk: the step misses TBT anyway, take all
+    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.08, 0.0, 0.0])
+    assert sched._token_budget(1.2, {"new"}) == 64
 
 
 def test_request_whose_token_in_flight_ends_it_stays_running():
