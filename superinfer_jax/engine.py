@@ -388,8 +388,13 @@ class LLMEngine:
 
     def _surely_final(self, req: Request) -> bool:
         """Whether the tokens in flight end ``req`` whatever they are (a length limit)."""
-        return (len(req.output_token_ids) + req.num_inflight_tokens >= req.sampling.max_tokens
-                or req.num_tokens >= self.config.max_model_len)
+        return self._at_length_limit(req, len(req.output_token_ids) + req.num_inflight_tokens)
+
+    def _at_length_limit(self, req: Request, num_outputs: int) -> bool:
+        """Whether ``num_outputs`` output tokens reach max_tokens or max_model_len: the one
+        check behind both the stop decision and the in-flight prediction, so they agree."""
+        return (num_outputs >= req.sampling.max_tokens
+                or len(req.prompt_token_ids) + num_outputs >= self.config.max_model_len)
 
     def _collect(self, step: InflightStep) -> list[RequestOutput]:
         """Block on a dispatched step's tokens and hand them to their requests."""
@@ -539,9 +544,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED, text
         if not sp.ignore_eos and token in self.model.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, text
-        if len(req.output_token_ids) >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, text
-        if len(req.prompt_token_ids) + len(req.output_token_ids) >= self.config.max_model_len:
+        if self._at_length_limit(req, len(req.output_token_ids)):
             return RequestStatus.FINISHED_LENGTH, text
         return None, text
 

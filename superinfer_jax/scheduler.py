@@ -176,13 +176,6 @@ class FCFSScheduler:
         plan.rotate_in.append(req.req_id)
         req.set_status(RequestStatus.ROTATING_IN, now)
 
-    def _start_rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
-        kv = self.kv
-        assert isinstance(kv, TwoTierKVManager)
-        plan.moves_in.append(kv.rotate_in(req.req_id))
-        plan.rotate_in.append(req.req_id)
-        req.set_status(RequestStatus.ROTATING_IN, now)
-
     def _num_seated(self) -> int:
         """Requests holding a batch row: running, or on their way back to running."""
         return len(self.running) + self._num_rotating_in()

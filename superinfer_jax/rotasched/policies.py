@@ -112,9 +112,8 @@ class RotaSchedScheduler(SwapScheduler):
         beta = self.params.beta_f
 
         def late(r: Request) -> bool:
-            waited = now - r.arrival_time
-            return not r.token_times and beta * r.slo.ttft_ms / 1000 < waited <= \
-                r.slo.ttft_ms / 1000
+            return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
+                    and not _missed_ttft(r, now))
 
         return any(late(r) for r in self.running if r.num_pending_tokens > 1) or any(
             late(r) for r in self.waiting if r.req_id in keep)
@@ -231,7 +230,7 @@ class RotaSchedScheduler(SwapScheduler):
                 break
             if cost > budget or not self.kv.can_rotate_in(req.req_id):
                 continue
-            self._start_rotate_in(req, plan, now)
+            self._rotate_in(req, plan, now)
             budget -= cost
 
     def _admit_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
