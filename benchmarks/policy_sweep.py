@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-pages", type=int, default=512)
     parser.add_argument("--ttft-mult", type=float, default=5.0)
     parser.add_argument("--tbt-mult", type=float, default=3.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="workload seeds, pooled per row")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
     if args.quick:
@@ -70,17 +70,21 @@ def main(argv: list[str] | None = None) -> None:
     from superinfer_jax import EngineConfig, LLMEngine
 
     model = load_model(args.model)
-    trace = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
-                          args.max_prompt, args.max_output, args.scale)
-    rng = np.random.default_rng(args.seed)
-    trace = [trace[i] for i in rng.choice(len(trace), args.num_requests, replace=False)]
+    full_trace = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
+                               args.max_prompt, args.max_output, args.scale)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    traces = {}
+    for seed in seeds:
+        pick = np.random.default_rng(seed).choice(len(full_trace), args.num_requests,
+                                                  replace=False)
+        traces[seed] = [full_trace[i] for i in pick]
     base = EngineConfig(
         max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
         max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
     )
     engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
-    median_prompt = int(np.median([r.prompt_len for r in trace]))
+    median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
     ttft0, step0 = unloaded_latency(next(iter(engines.values())), median_prompt,
                                     model.vocab_size)
     ttft_ms, tbt_ms = 1000 * args.ttft_mult * ttft0, 1000 * args.tbt_mult * step0
@@ -88,30 +92,75 @@ def main(argv: list[str] | None = None) -> None:
           f"{1000 * step0:.0f} ms -> SLOs TTFT {ttft_ms:.0f} ms, TBT {tbt_ms:.0f} ms")
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
-        arrivals = poisson_arrivals(len(trace), rate, np.random.default_rng(args.seed + 1))
-        requests = build_requests(trace, arrivals, model.vocab_size, ttft_ms, tbt_ms,
-                                  args.seed + 2)
-        for policy, engine in engines.items():
-            steps0, host0 = engine.num_model_steps, engine.total_host_time_s
-            with tqdm(total=len(requests), desc=f"{policy} @ {rate}/s", leave=False) as bar:
-                t0 = time.perf_counter()
-                timelines, duration = replay(engine, requests, bar)
-            steps = engine.num_model_steps - steps0
-            host_ms = 1000 * (engine.total_host_time_s - host0) / max(1, steps)
-            s = summarize(timelines, duration)
-            rows.append({"policy": policy, "rate": rate,
-                         "ttft_att": s["ttft_attainment"], "tbt_att": s["tbt_attainment"],
-                         "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
-                         "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
-                         "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
-                         "recomputed": s["recomputed_tokens"], "host_ms_step": host_ms,
-                         "wall_s": time.perf_counter() - t0, "summary": s})
+        runs: dict[str, list] = {p: [] for p in engines}
+        for seed in seeds:
+            arrivals = poisson_arrivals(args.num_requests, rate,
+                                        np.random.default_rng(seed + 1))
+            requests = build_requests(traces[seed], arrivals, model.vocab_size, ttft_ms,
+                                      tbt_ms, seed + 2)
+            for policy, engine in engines.items():
+                runs[policy].append(run_once(engine, requests, f"{policy} @ {rate}/s #{seed}"))
+        for policy, results in runs.items():
+            rows.append(pooled_row(policy, rate, results))
             print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
     table = [{k: v for k, v in r.items() if k != "summary"} for r in rows]
-    print_table(table, title="policy sweep")
+    print_table(table, title=f"policy sweep ({len(seeds)} seed(s) pooled per row)")
+    verdict = knee_verdict(rows)
+    print(verdict["text"])
     write_json(args.out, {"args": vars(args), "ttft_slo_ms": ttft_ms, "tbt_slo_ms": tbt_ms,
-                          "unloaded_ttft_s": ttft0, "unloaded_step_s": step0, "rows": rows})
+                          "unloaded_ttft_s": ttft0, "unloaded_step_s": step0, "rows": rows,
+                          "verdict": verdict})
     plot(rows, os.path.splitext(args.out)[0] + ".png")
+
+
+def run_once(engine, requests, desc: str) -> dict:
+    """One replay: its timelines, wall time, model steps and host time."""
+    steps0, host0 = engine.num_model_steps, engine.total_host_time_s
+    with tqdm(total=len(requests), desc=desc, leave=False) as bar:
+        t0 = time.perf_counter()
+        timelines, duration = replay(engine, requests, bar)
+    return {"timelines": timelines, "duration": duration,
+            "wall_s": time.perf_counter() - t0,
+            "steps": engine.num_model_steps - steps0,
+            "host_s": engine.total_host_time_s - host0}
+
+
+def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
+    """One table row from every seed's run: timelines pooled, durations summed."""
+    timelines = [t for r in results for t in r["timelines"]]
+    s = summarize(timelines, sum(r["duration"] for r in results))
+    steps = sum(r["steps"] for r in results)
+    return {"policy": policy, "rate": rate,
+            "ttft_att": s["ttft_attainment"], "tbt_att": s["tbt_attainment"],
+            "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
+            "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
+            "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
+            "recomputed": s["recomputed_tokens"],
+            "host_ms_step": 1000 * sum(r["host_s"] for r in results) / max(1, steps),
+            "wall_s": sum(r["wall_s"] for r in results), "summary": s}
+
+
+def knee_verdict(rows: list[dict], policy: str = "rotasched", baseline: str = "fcfs") -> dict:
+    """The issue's goal at the first rate where the baseline's TTFT attainment is <= 60%:
+    TTFT attainment >= 1.5x, TBT attainment at most 5 points lower, throughput >= 0.95x."""
+    by = {(r["policy"], r["rate"]): r for r in rows}
+    knees = sorted(rate for (p, rate), r in by.items()
+                   if p == baseline and r["ttft_att"] <= 0.6 and (policy, rate) in by)
+    if not knees:
+        return {"rate": None, "text": f"no rate brought {baseline} TTFT attainment to 60% "
+                                      "or less: add higher rates"}
+    rate = knees[0]
+    ours, base = by[(policy, rate)], by[(baseline, rate)]
+    ttft_x = ours["ttft_att"] / max(base["ttft_att"], 1e-9)
+    tbt_pts = 100 * (ours["tbt_att"] - base["tbt_att"])
+    tput_x = ours["out_tok_s"] / base["out_tok_s"]
+    met = ttft_x >= 1.5 and tbt_pts >= -5 and tput_x >= 0.95
+    text = (f"knee {rate:g} req/s ({baseline} TTFT attainment {base['ttft_att']:.3f}): "
+            f"{policy} TTFT attainment {ttft_x:.2f}x (goal >= 1.5), TBT attainment "
+            f"{tbt_pts:+.1f} points (goal >= -5), output throughput {tput_x:.2f}x "
+            f"(goal >= 0.95): {'met' if met else 'NOT met'}")
+    return {"rate": rate, "ttft_ratio": ttft_x, "tbt_points": tbt_pts,
+            "throughput_ratio": tput_x, "met": met, "text": text}
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -59,7 +59,8 @@ class RotaSchedScheduler(SwapScheduler):
         ranked = self.rank(now)
         keep = self._select(ranked)
         self._rotate_out_tail(ranked, keep, plan, now)
-        budget = self._schedule_running(plan, self._token_budget(now, keep), now)
+        budget, self.prefill_slots = self._token_budget(now, keep)
+        budget = self._schedule_running(plan, budget, now)
         self._rotate_in_ranked(ranked, keep, plan, now)
         self._admit_ranked(ranked, keep, plan, budget, now)
         return plan
@@ -77,32 +78,36 @@ class RotaSchedScheduler(SwapScheduler):
             kept = set(map(id, self.running))  # admission order, minus this step's victims
             self.running = [r for r in order if id(r) in kept]
 
-    def _token_budget(self, now: float, keep: set[str]) -> int:
-        """Tokens this step may take: decode rows plus the prefill that keeps the step
-        within the tightest TBT SLO among the decoders (Sarathi-style), from the latency
-        model. Without a model, with nobody decoding, or while a first token that can
-        still make its deadline is late and will prefill this step, the configured
-        budget: the lag order puts a late first token ahead of the runners' next ones,
-        and a TBT-sized budget would starve prefill (measured on the policy sweep at
-        3 req/s: TTFT attainment 0.27 with it, 0.98 without it while someone is late)."""
-        budget = self.config.max_num_batched_tokens
+    def _token_budget(self, now: float, keep: set[str]) -> tuple[int, int]:
+        """(tokens, padded prefill slots) this step may take: decode rows plus the largest
+        prefill chunk bucket whose call keeps the step within the tightest TBT SLO among
+        the decoders (Sarathi-style), priced by the latency model at the padded shape the
+        engine will run, fixed cost of the prefill call included (pricing real tokens
+        only, 23 planned tokens ran as a 64-column call of 88 ms against a 54 ms SLO).
+
+        Without a model, with nobody decoding, or while a first token that can still make
+        its deadline is late and will prefill this step, the configured budget: the lag
+        order puts a late first token ahead of the runners' next ones, and a TBT-sized
+        budget would starve prefill (measured on the policy sweep at 3 req/s: TTFT
+        attainment 0.27 with it, 0.98 without it while someone is late)."""
+        full = (self.config.max_num_batched_tokens,) * 2
         decoders = [r for r in self.running if r.num_pending_tokens == 1]
         lm = self.latency
         if lm is None or not decoders or self._first_token_late(now, keep):
-            return budget
+            return full
         tbt = min(r.slo.tbt_ms for r in decoders) / 1000
-        context = sum(r.num_tokens for r in decoders)
-        room = 0.9 * tbt - lm.decode_s(len(decoders), context)
-        per_token = lm.prefill[1] + lm.prefill[2] * context / len(decoders)
-        prefill = int(room / per_token) if per_token > 0 and room > 0 else 0
-        if prefill < min(16, self.config.max_prefill_chunk):
-            # Too little room for a useful chunk: any prefill makes this step miss the
-            # decoders' TBT anyway, so let the miss buy the most progress. Trickling a
-            # floor of tokens instead spread the misses over many steps (measured at
-            # 4 req/s on the policy sweep: TBT attainment 0.77 with the floor, 0.80
-            # without).
-            return budget
-        return min(budget, len(decoders) + prefill)
+        room = 0.9 * tbt - lm.decode_s(len(decoders), sum(r.num_tokens for r in decoders))
+        context = max((r.num_computed_tokens for r in self.running
+                       if r.num_pending_tokens > 1), default=0)
+        fits = [c for c in self.config.prefill_chunk_buckets
+                if lm.prefill_s(c, context) <= room]
+        if not fits:
+            # No chunk fits: any prefill makes this step miss the decoders' TBT anyway,
+            # so let the miss buy the most progress. Trickling a floor of tokens instead
+            # spread the misses over many steps (measured at 4 req/s on the policy sweep:
+            # TBT attainment 0.77 with the floor, 0.80 without).
+            return full
+        return len(decoders) + fits[-1], fits[-1]
 
     def _first_token_late(self, now: float, keep: set[str]) -> bool:
         """Whether a first token is late (past ``beta_f`` of its TTFT SLO, where the
@@ -235,16 +240,12 @@ class RotaSchedScheduler(SwapScheduler):
 
     def _admit_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
                       budget: int, now: float) -> None:
-        rows = len(plan.prefill)
         for req in ranked:
             if req.status != RequestStatus.WAITING or req.req_id not in keep or budget <= 0:
                 continue
             if req.req_id in plan.preempted or self._num_seated() >= self.config.max_num_seqs:
                 continue
-            n = self._admit_one(req, plan, budget, rows, now)
-            if n:
-                budget -= n
-                rows += req.num_pending_tokens > 1
+            budget -= self._admit_one(req, plan, budget, now)
 
 
 def _missed_ttft(req: Request, now: float) -> bool:

@@ -36,11 +36,34 @@ def test_chunked_prefill_under_budget_then_decode():
     assert len(kv.page_table("a")) == 4
     complete(sched, p1)
     p2 = sched.schedule(1.0)
-    assert p2.prefill == [("a", 4), ("b", 5)]
+    # a second row would pad the call to 2x16 slots, over the 16-token budget
+    assert p2.prefill == [("a", 4)]
     complete(sched, p2)
     p3 = sched.schedule(2.0)
-    assert p3.decode == ["a", "b"] and p3.prefill == []
-    assert p3.num_tokens == 2
+    assert p3.decode == ["a"] and p3.prefill == [("b", 5)]
+    complete(sched, p3)
+    p4 = sched.schedule(3.0)
+    assert p4.decode == ["a", "b"] and p4.prefill == []
+    assert p4.num_tokens == 2
+
+
+def test_prefill_rows_pack_only_within_the_padded_budget():
+    """The prefill call runs padded to [row bucket, column bucket]: more rows join only
+    while that padded shape fits the token budget."""
+    sched, _ = make(max_num_batched_tokens=64, max_prefill_chunk=64, max_prefill_rows=4)
+    for rid, n in (("long", 100), ("short", 10)):
+        sched.add(req(rid, n))
+    p1 = sched.schedule(0.0)
+    assert p1.prefill == [("long", 64)]  # 1x64; with "short" it would be 4x64 = 256 slots
+    complete(sched, p1)
+    p2 = sched.schedule(1.0)
+    assert p2.prefill == [("long", 36)]  # still padded to 64 columns
+    sched2, _ = make(max_num_batched_tokens=64, max_prefill_chunk=64, max_prefill_rows=4)
+    for rid, n in (("c", 10), ("d", 12), ("e", 14), ("f", 30)):
+        sched2.add(req(rid, n))
+    p = sched2.schedule(0.0)
+    # 4x16 = 64 slots: "f" joins with a 16-token chunk, not its 30 (a 4x64 call)
+    assert p.prefill == [("c", 10), ("d", 12), ("e", 14), ("f", 16)]
 
 
 def test_fcfs_head_blocks_admission_when_pages_run_out():

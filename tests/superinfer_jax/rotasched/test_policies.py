@@ -234,21 +234,27 @@ def test_tbt_budget_yields_to_a_late_first_token():
     request still waiting for its first token is late: then prefill gets the full budget."""
     from superinfer_jax.latency import LatencyModel
 
-    sched, kv = make("rotasched", device_pages=64, host_pages=64)
+    # a high-water mark of 1%: contended as soon as anything holds a page
+    sched, kv = make("rotasched", device_pages=64, host_pages=64,
+                     rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
     d = Driver(sched, kv)
     d.add(req("dec", 8, arrival=0.0, max_tokens=50))
     d.step(0.0)  # prefill: "dec" has its first token and now decodes
-    # a decode step costs 60 of the 100 ms TBT: room for (0.9*100-60)/1 = 30 prefill
-    # tokens besides the one decode row
-    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.06, 0.0, 0.0])
+    # a decode step costs 60 of the 100 ms TBT, leaving 30 ms: a 16-column prefill call
+    # (10 + 16 ms) fits, a 32-column one (10 + 32 ms) does not
+    sched.latency = LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.06, 0.0, 0.0])
     d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
-    assert sched._token_budget(1.2, {"new"}) == 1 + 30  # 0.2 s old: not late (0.5 s)
-    assert sched._token_budget(1.6, {"new"}) == 64  # late: max_num_batched_tokens
-    assert sched._token_budget(1.6, set()) == 1 + 30  # late but not selected to run
-    assert sched._token_budget(2.5, {"new"}) == 1 + 30  # past its TTFT: hopeless
-    # room for fewer tokens than a useful chunk: the step misses TBT anyway, take all
-    sched.latency = LatencyModel(prefill=[0.0, 0.001, 0.0], decode=[0.08, 0.0, 0.0])
-    assert sched._token_budget(1.2, {"new"}) == 64
+    tbt_sized, full = (1 + 16, 16), (64, 64)
+    assert sched._token_budget(1.2, {"new"}) == tbt_sized  # 0.2 s old: not late (0.5 s)
+    assert sched._token_budget(1.6, {"new"}) == full  # late: max_num_batched_tokens
+    assert sched._token_budget(1.6, set()) == tbt_sized  # late but not selected to run
+    assert sched._token_budget(2.5, {"new"}) == tbt_sized  # past its TTFT: hopeless
+    plan = d.step(1.2)  # the plan follows the budget: one 16-token chunk
+    assert plan.decode == ["dec"] and plan.prefill == [("new", 16)]
+    # 20 ms of room: 20 real tokens would fit, but the call is padded to 16 columns and
+    # pays its 10 ms fixed cost (26 ms); the step misses TBT anyway, so take it all
+    sched.latency = LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.07, 0.0, 0.0])
+    assert sched._token_budget(1.3, {"new"}) == full
 
 
 def test_request_whose_token_in_flight_ends_it_stays_running():
