@@ -58,7 +58,8 @@ class RotaSchedConfig:
     ``high_water_mark``: share of device pages in use at which the policy starts acting
     (proactively, before an allocation fails). ``min_residency_tokens``: tokens a request
     produces after it is admitted or rotated in before it may be rotated out again, so
-    every rotation buys progress and overload does not turn into a rotation storm.
+    every rotation buys progress and overload does not turn into a rotation storm; a
+    request within that many tokens of its ``max_tokens`` is not rotated out either.
     ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
     (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.

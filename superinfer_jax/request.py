@@ -165,6 +165,12 @@ class Request:
             return 0
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def max_tokens_left(self) -> int:
+        """Output tokens still to come at most, by ``max_tokens`` (in-flight ones count as
+        produced): a request this close to its end frees its pages soon by itself."""
+        return self.sampling.max_tokens - len(self.output_token_ids) - self.num_inflight_tokens
+
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.status = status

@@ -75,6 +75,10 @@ class SimRequest(Request):
         self.output_len = spec.output_len
         self.num_output = 0
 
+    @property
+    def max_tokens_left(self) -> int:
+        return self.output_len - self.num_output
+
 
 @dataclass
 class Link:

@@ -136,7 +136,8 @@ def test_hog_and_urgent_short_requests():
 def test_priority_class_goes_first_under_contention():
     sched, kv = make("rotasched", device_pages=9, host_pages=64)
     d = Driver(sched, kv)
-    d.add(req("filler", 24, arrival=0.0, max_tokens=8))  # grows to all 8 pages: contended
+    # grows to all 8 pages (contended), and stays more than 4 tokens from its end
+    d.add(req("filler", 24, arrival=0.0, max_tokens=12))
     for t in range(5):  # past its minimum residency (4 tokens)
         d.step(t * 0.1)
     d.add(req("std", 8, arrival=1.0))
@@ -203,7 +204,7 @@ def test_only_late_requests_displace_runners():
     past beta_F of its TTFT SLO it may push a runner (past its minimum residency) out."""
     sched, kv = make("rotasched", device_pages=9, host_pages=64)
     d = Driver(sched, kv)
-    d.add(req("runner", 24, arrival=0.0, max_tokens=8))
+    d.add(req("runner", 24, arrival=0.0, max_tokens=12))
     for t in range(5):
         d.step(t * 0.1)
     d.add(req("new", 8, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
@@ -211,6 +212,22 @@ def test_only_late_requests_displace_runners():
     assert early.rotate_out == [] and early.prefill == []
     late = d.step(1.2)
     assert late.rotate_out == ["runner"] and [r for r, _ in late.prefill] == ["new"]
+
+
+def test_runner_near_its_end_is_not_rotated_out():
+    """A runner within min_residency_tokens (4) of its max_tokens frees its pages by
+    itself within a few steps: a late request waits for them instead of rotating it out
+    (which would cost the runner a TBT miss for a few steps' worth of pages)."""
+    for max_tokens, displaces in ((9, False), (12, True)):  # 3 or 6 tokens left at 1.2 s
+        sched, kv = make("rotasched", device_pages=9, host_pages=64)
+        d = Driver(sched, kv)
+        d.add(req("runner", 24, arrival=0.0, max_tokens=max_tokens))
+        for t in range(6):
+            d.step(t * 0.1)
+        d.add(req("new", 8, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+        plan = d.step(1.2)  # "new" is late (past 0.5 + 0.5 * 1 s); the pool is full
+        assert (plan.rotate_out == ["runner"]) is displaces
+        assert ("new" in [r for r, _ in plan.prefill]) is displaces
 
 
 def test_request_past_its_ttft_deadline_does_not_displace_a_runner():
