@@ -96,7 +96,10 @@ class RotaSchedScheduler(SwapScheduler):
         if lm is None or not decoders or self._first_token_late(now, keep):
             return full
         tbt = min(r.slo.tbt_ms for r in decoders) / 1000
-        room = 0.9 * tbt - lm.decode_s(len(decoders), sum(r.num_tokens for r in decoders))
+        # the decode call as compiled: rows padded to a bucket, every row walking the
+        # longest context (XLA attention; an upper bound for the Pallas kernel)
+        rows = next(b for b in self.config.decode_buckets if b >= len(decoders))
+        room = 0.9 * tbt - lm.decode_s(rows, rows * max(r.num_tokens for r in decoders))
         context = max((r.num_computed_tokens for r in self.running
                        if r.num_pending_tokens > 1), default=0)
         fits = [c for c in self.config.prefill_chunk_buckets
