@@ -205,13 +205,25 @@ class EngineConfig:
 
     @property
     def prefill_chunk_buckets(self) -> tuple[int, ...]:
-        """Chunk lengths (columns) a prefill step is padded to: powers of 4 from 16."""
+        """Chunk lengths (columns) a prefill step is padded to: powers of 2 from 16.
+
+        Padding wastes at most half the call. With powers of 4, a 105-token prompt (the
+        median of the policy sweep) ran as 256 columns; in the calibrated simulator
+        powers of 2 gave every policy 4-5% more throughput for a few more compiles."""
         out, c = [], min(16, self.max_prefill_chunk)
         while c < self.max_prefill_chunk:
             out.append(c)
-            c *= 4
+            c *= 2
         out.append(self.max_prefill_chunk)
         return tuple(out)
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows, columns) buckets a prefill call can take, all compiled at warm-up: one
+        row at any column bucket, more rows only where the padded shape fits the token
+        budget (the scheduler packs rows no further; ``FCFSScheduler._prefill_chunk_cap``)."""
+        return tuple((r, c) for c in self.prefill_chunk_buckets for r in self.prefill_row_buckets
+                     if r == 1 or r * c <= self.max_num_batched_tokens)
 
     @property
     def prefill_row_buckets(self) -> tuple[int, ...]:

@@ -232,7 +232,7 @@ class LLMEngine:
     def _shapes(self) -> list[tuple[int, int]]:
         cfg = self.config
         shapes = [(b, 1) for b in cfg.decode_buckets]
-        shapes += [(r, c) for c in cfg.prefill_chunk_buckets for r in cfg.prefill_row_buckets]
+        shapes += list(cfg.prefill_shapes)
         return shapes
 
     def warmup(self) -> None:

@@ -139,3 +139,34 @@ def test_requests_rotating_in_hold_their_batch_rows():
     plan = sched.schedule(3.0)  # a still in flight: b must not take its row
     assert plan.prefill == [] and plan.decode == []
     assert len(sched.running) + sched._num_rotating_in() <= cfg.max_num_seqs
+
+
+def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
+    """Random arrivals and lengths: the padded shape of every planned prefill call is one
+    of ``config.prefill_shapes`` (the engine compiles exactly those), multi-row included."""
+    import random
+
+    rng = random.Random(0)
+    sched, _ = make(num_pages=40, max_num_batched_tokens=64, max_prefill_chunk=64,
+                    max_prefill_rows=4)
+    cfg = sched.config
+    compiled = set(cfg.prefill_shapes)
+    assert compiled == {(1, 16), (1, 32), (1, 64), (4, 16)}
+
+    def bucket(v: int, buckets: tuple[int, ...]) -> int:
+        return next(b for b in buckets if b >= v)
+
+    seen = set()
+    for step in range(400):
+        for k in range(rng.choice((0, 0, 1, 3))):
+            sched.add(req(f"r{step}.{k}", rng.randint(1, 56)))
+        plan = sched.schedule(float(step))
+        if plan.prefill:
+            shape = (bucket(len(plan.prefill), cfg.prefill_row_buckets),
+                     bucket(max(n for _, n in plan.prefill), cfg.prefill_chunk_buckets))
+            assert shape in compiled, (shape, plan.prefill)
+            seen.add(shape)
+        complete(sched, plan)
+        for r in [r for r in sched.running if len(r.output_token_ids) >= 8]:
+            sched.remove(r)
+    assert (4, 16) in seen and (1, 64) in seen

@@ -27,14 +27,14 @@ def test_decode_is_bandwidth_bound_at_small_batch():
 def test_prefill_is_compute_bound_and_padding_costs():
     padded = RooflineCost(LLAMA, GH200, CFG, pad=True)
     ragged = RooflineCost(LLAMA, GH200, CFG, pad=False)
-    shape = CallShape.of_rows([(300, 0), (20, 0)])  # two rows: [4, 1024] once padded
+    shape = CallShape.of_rows([(300, 0), (20, 0)])  # two rows: [4, 512] once padded
     flops = 2 * LLAMA.num_params * 320
     assert ragged.prefill_call_s(shape) == pytest.approx(
         max(flops / (GH200.compute_flops * GH200.compute_efficiency),
             ragged.prefill_call_s(shape) - GH200.step_overhead_s) + GH200.step_overhead_s)
     ratio = (padded.prefill_call_s(shape) - GH200.step_overhead_s) / \
         (ragged.prefill_call_s(shape) - GH200.step_overhead_s)
-    assert ratio == pytest.approx(4 * 1024 / 320, rel=0.05)  # FLOPs of the padded tokens
+    assert ratio == pytest.approx(4 * 512 / 320, rel=0.05)  # FLOPs of the padded tokens
 
 
 def test_call_shape_counts():
@@ -77,9 +77,9 @@ def test_calibrated_cost_prices_the_padded_buckets():
     assert bucket(3, CFG.decode_buckets) == 4
     decode = CallShape(3, 1, 3, 300, 300, 120)  # padded to 4 rows, each at context 120
     assert cost.decode_call_s(decode) == pytest.approx(0.005 + 4e-4 + 1e-7 * 4 * 120)
-    prefill = CallShape.of_rows([(100, 0), (30, 500)])  # [4 rows, 256 columns], context 530
-    assert cost.prefill_call_s(prefill) == pytest.approx(0.01 + 4 * (1e-5 * 256
-                                                                     + 1e-8 * 256 * 274))
+    prefill = CallShape.of_rows([(100, 0), (30, 500)])  # [4 rows, 128 columns], context 530
+    assert cost.prefill_call_s(prefill) == pytest.approx(0.01 + 4 * (1e-5 * 128
+                                                                     + 1e-8 * 128 * 402))
     assert cost.host_s(5, 3) == pytest.approx(0.0025 + 0.003)
     assert cost.transfer_s(3, duplex=True) == pytest.approx(1e-4 + 3e-6)
 
