@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from superinfer_jax import ops, parallel
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.detokenize import IncrementalDetokenizer
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
@@ -90,13 +90,6 @@ class StepStats:
     num_rotated_in: int = 0
     host_time_s: float = 0.0
     step_time_s: float = 0.0
-
-
-def _bucket(value: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if value <= b:
-            return b
-    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
 class LLMEngine:
@@ -445,10 +438,10 @@ class LLMEngine:
     def _dispatch(self, rows: list[tuple[Request, int]], prefill: bool) -> jax.Array:
         cfg = self.config
         if prefill:
-            num_rows = _bucket(len(rows), cfg.prefill_row_buckets)
-            cols = _bucket(max(n for _, n in rows), cfg.prefill_chunk_buckets)
+            num_rows = bucket(len(rows), cfg.prefill_row_buckets)
+            cols = bucket(max(n for _, n in rows), cfg.prefill_chunk_buckets)
         else:
-            num_rows, cols = _bucket(len(rows), cfg.decode_buckets), 1
+            num_rows, cols = bucket(len(rows), cfg.decode_buckets), 1
         tokens = np.zeros((num_rows, cols), np.int32)
         positions = np.zeros((num_rows, cols), np.int32)
         query_lens = np.zeros(num_rows, np.int32)

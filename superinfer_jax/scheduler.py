@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
 from superinfer_jax.request import Request, RequestStatus
@@ -94,11 +94,10 @@ class FCFSScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             pending = req.num_pending_tokens
-            cap = self._prefill_chunk_cap(plan) if pending > 1 else 1
-            if pending == 0 or cap == 0:
-                i += 1  # 0: its token in flight ends it (async scheduling)
+            n = self._next_chunk(req, plan, budget)
+            if n == 0:
+                i += 1  # its token in flight ends it (async scheduling), or no prefill room
                 continue
-            n = 1 if pending == 1 else min(pending, cap, budget)
             if not self._reserve(req, n, plan, now):
                 break  # req itself was preempted; everything after it already was
             if pending == 1:
@@ -108,6 +107,14 @@ class FCFSScheduler:
             budget -= n
             i += 1
         return budget
+
+    def _next_chunk(self, req: Request, plan: StepPlan, budget: int) -> int:
+        """Tokens ``req`` takes this step: 1 when decoding, else its next prefill chunk
+        within the budget and the padded call (0: no room for another prefill row)."""
+        pending = req.num_pending_tokens
+        if pending == 1:
+            return 1
+        return min(pending, self._prefill_chunk_cap(plan), budget)
 
     def _prefill_chunk_cap(self, plan: StepPlan) -> int:
         """Longest chunk one more prefill row may take this step (0: no more rows).
@@ -121,7 +128,7 @@ class FCFSScheduler:
         rows = len(plan.prefill) + 1
         if rows > cfg.max_prefill_rows:
             return 0
-        row_bucket = next(b for b in cfg.prefill_row_buckets if b >= rows)
+        row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
         fits = [c for c in cfg.prefill_chunk_buckets
                 if row_bucket * c <= self.prefill_slots and c >= longest]
@@ -241,11 +248,10 @@ class FCFSScheduler:
         tokens scheduled (0: not admitted)."""
         if req.num_inflight_tokens:
             return 0  # evicted while its last token was in flight: recompute once it lands
-        pending = req.num_pending_tokens
-        cap = self._prefill_chunk_cap(plan) if pending > 1 else 1
-        if cap == 0:
+        n = self._next_chunk(req, plan, budget)
+        if n == 0:
             return 0
-        n = 1 if pending == 1 else min(pending, cap, budget)
+        pending = req.num_pending_tokens
         if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
             return 0
         self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)

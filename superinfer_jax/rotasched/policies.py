@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
@@ -98,7 +98,7 @@ class RotaSchedScheduler(SwapScheduler):
         tbt = min(r.slo.tbt_ms for r in decoders) / 1000
         # the decode call as compiled: rows padded to a bucket, every row walking the
         # longest context (XLA attention; an upper bound for the Pallas kernel)
-        rows = next(b for b in self.config.decode_buckets if b >= len(decoders))
+        rows = bucket(len(decoders), self.config.decode_buckets)
         room = 0.9 * tbt - lm.decode_s(rows, rows * max(r.num_tokens for r in decoders))
         context = max((r.num_computed_tokens for r in self.running
                        if r.num_pending_tokens > 1), default=0)

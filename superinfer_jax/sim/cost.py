@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.sim.cost_model import (
     Hardware,
@@ -87,14 +87,6 @@ class CostModel(Protocol):
 
     @property
     def name(self) -> str: ...
-
-
-def bucket(value: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket holding ``value`` (the engine pads to it)."""
-    for b in buckets:
-        if value <= b:
-            return b
-    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclass(frozen=True)

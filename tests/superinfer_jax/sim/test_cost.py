@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.sim import CalibratedCost, CallShape, HostOverhead, RooflineCost
-from superinfer_jax.sim.cost import bucket, latency_model_of
+from superinfer_jax.sim.cost import latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 
 CFG = EngineConfig(page_size=16, max_model_len=4096, max_num_seqs=256, warmup=False,
