@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.request import Request, RequestStatus, SamplingParams
 from superinfer_jax.scheduler import FCFSScheduler
@@ -152,10 +152,6 @@ def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
     cfg = sched.config
     compiled = set(cfg.prefill_shapes)
     assert compiled == {(1, 16), (1, 32), (1, 64), (4, 16)}
-
-    def bucket(v: int, buckets: tuple[int, ...]) -> int:
-        return next(b for b in buckets if b >= v)
-
     seen = set()
     for step in range(400):
         for k in range(rng.choice((0, 0, 1, 3))):
