@@ -135,6 +135,9 @@ class ServerSection:
     drain_grace_s: float = _key(30.0, ge=0)
     max_request_bytes: int = _key(1 << 20, ge=1024)  # larger requests are refused
     warmup: bool = _key(True)
+    # HTTP: refuse unknown body fields with a 400 (default: ignore them and log each name
+    # once, as vLLM does; clients send vendor extensions). gRPC always refuses them.
+    strict_request_fields: bool = _key(False)
 
     def check(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

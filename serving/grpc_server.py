@@ -6,7 +6,12 @@ into messages. Status codes, each with a message naming the problem:
 - INVALID_ARGUMENT: unparsable bytes (bad UTF-8 included), unknown fields, bad values;
 - ALREADY_EXISTS: a request_id that is in flight;
 - RESOURCE_EXHAUSTED: the admission queue is full, or the request is over the size limit;
-- UNAVAILABLE: warming up or draining;  UNAUTHENTICATED: a missing or wrong API key.
+- UNAVAILABLE: warming up, draining, or the engine went down;
+- UNAUTHENTICATED: a missing or wrong API key;
+- INTERNAL: a bug: the engine failed this one request (the others go on).
+
+Health implements ``Check``, ``Watch`` and ``List`` (grpcio-health-checking ships no
+``List``, although its stubs and reflection advertise it).
 
 Requests arrive as raw bytes and are parsed here rather than by grpcio, whose own parse
 failure is an opaque INTERNAL. A cancelled or timed-out call aborts its request through
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,9 +119,13 @@ class InferenceService:
             context.abort(_status_of(e), str(e))
         req_id = stream.req_id
         context.add_callback(lambda: engine.abort(req_id))
+        failed: str | None = None
         try:
             stream.wait_admitted()
             for out in stream:
+                if out.error is not None:
+                    failed = out.error
+                    break
                 if out.new_token_ids or out.new_text:
                     yield pb2.GenerateResponse(request_id=req_id, chunk=pb2.Chunk(
                         token_ids=out.new_token_ids, text=out.new_text))
@@ -124,6 +134,8 @@ class InferenceService:
                                                completion=_completion(out))
         except Exception as e:
             context.abort(_status_of(e), str(e))
+        if failed is not None:
+            context.abort(grpc.StatusCode.INTERNAL, failed)
 
     def _inputs(self, req: Any) -> tuple[list[int], Any, Any]:
         kind = req.WhichOneof("prompt")
@@ -217,6 +229,27 @@ def _completion(out: RequestOutput) -> Any:
         num_preemptions=s.num_preemptions, slo=slo)
 
 
+class HealthService(health.HealthServicer):
+    """grpcio's health servicer plus ``List``: every registered service's status."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
+        self._statuses_lock = threading.Lock()
+
+    def set(self, service: str, status: int) -> None:
+        super().set(service, status)
+        with self._statuses_lock:
+            self._statuses[service] = status
+
+    def List(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        with self._statuses_lock:
+            statuses = dict(self._statuses)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
+
+
 class ApiKeyInterceptor(grpc.ServerInterceptor):
     """Checks ``authorization: Bearer KEY`` (or ``x-api-key: KEY``) on the inference
     service; health and reflection stay open for probes and tooling."""
@@ -258,7 +291,7 @@ class GrpcFront:
         self.server = grpc.server(pool, interceptors=interceptors, options=options,
                                   maximum_concurrent_rpcs=workers)
         self.server.add_generic_rpc_handlers((InferenceService(runtime).handler(),))
-        self.health = health.HealthServicer()
+        self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)

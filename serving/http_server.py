@@ -1,14 +1,22 @@
 """The OpenAI-compatible HTTP front: completions, chat, models, health, metrics.
 
-Bodies are read and parsed here (size cap, strict UTF-8, JSON, then the pydantic model),
-so every failure is an OpenAI-shaped error naming the problem, with a 4xx code:
-400 bad request, 401 API key, 404 unknown model or route, 413 too large, 429 admission
-queue full, 503 warming up or draining.
+Bodies are read and parsed here (size cap, strict UTF-8, JSON nested at most
+``MAX_JSON_DEPTH`` deep with no lone surrogate in any string, then the pydantic model),
+so every failure is an OpenAI-shaped error naming the problem (``param``), with a 4xx
+code: 400 bad request, 401 API key, 404 unknown model or route, 413 too large, 429
+admission queue full, 503 warming up, draining or engine down (429 and 503 carry
+``Retry-After``). A 500 is a bug: an unexpected exception is logged and answered as an
+OpenAI-shaped 500, never hidden behind a 400.
+
+The OpenAPI document (``/openapi.json``, browsable at ``/docs``) carries the request-body
+schemas of both generation routes, so clients and fuzzers can generate from it.
 
 A request is admitted by the engine loop *before* the response starts, so a streaming
 request that the engine refuses (a prompt over max_model_len, say) still gets a plain 400
 rather than a 200 with an error inside the stream. A client that disconnects (streaming
-or not) aborts its request.
+or not) aborts its request. A stream that fails after it started (the engine failed this
+request, or the whole engine went down) ends with an ``error`` event and ``[DONE]``,
+never with a silent cut.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.metrics import CONTENT_TYPE
@@ -37,15 +47,20 @@ from serving.openai_schema import (
     chunk_json,
     completion_json,
     error_json,
+    unknown_fields,
     usage_chunk_json,
+    usage_counts,
 )
 from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
 from serving.runtime import Runtime, ServerState
 from superinfer_jax.async_engine import EngineUnavailableError, QueueFullError, RequestStream
 from superinfer_jax.engine import RequestOutput
+from superinfer_jax.request import FieldError
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
+MAX_JSON_DEPTH = 64  # no OpenAI body nests deeper; deeper is an attack on the parsers
+_RETRY_AFTER_S = {429: "1", 503: "5"}
 
 
 class HTTPError(Exception):
@@ -56,7 +71,9 @@ class HTTPError(Exception):
 
 
 def _error_response(e: HTTPError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.status in _RETRY_AFTER_S:
+        headers["Retry-After"] = _RETRY_AFTER_S[e.status]
     return JSONResponse(error_json(e.status, e.message, e.param, e.code), e.status,
                         headers=headers)
 
@@ -88,26 +105,94 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise HTTPError(400, f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise HTTPError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from e
     if not isinstance(body, dict):
         raise HTTPError(400, "request body must be a JSON object")
+    _check_json_values(body)
     return body
+
+
+def _check_json_values(body: dict[str, Any]) -> None:
+    """Refuse what valid JSON can hold but no consumer should get: nesting deeper than
+    ``MAX_JSON_DEPTH`` and strings with a lone UTF-16 surrogate (``"\ud800"`` decodes to
+    a str that cannot be encoded, which the tokenizer rejects). Iterative, so a deep body
+    cannot exhaust the stack here either."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise HTTPError(400, f"{path}: nests deeper than {MAX_JSON_DEPTH} levels",
+                            param=path)
+        if isinstance(value, str):
+            _check_string(value, path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_path = f"{path}.{key}" if path else key
+                _check_string(key, key_path)
+                stack.append((item, key_path, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_string(value: str, path: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HTTPError(400, f"{path}: string holds a lone UTF-16 surrogate "
+                             f"(\\u{ord(value[e.start]):04x} at character {e.start}); send "
+                             "valid Unicode", param=path) from e
 
 
 def _validation_error(e: ValidationError) -> HTTPError:
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or None
+    loc = _field_path(err["loc"]) or None
     msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    elif err["type"] == "missing":
+    if err["type"] == "missing":
         msg = "field required"
     more = f" (and {len(e.errors()) - 1} more problems)" if len(e.errors()) > 1 else ""
     return HTTPError(400, f"{loc}: {msg}{more}" if loc else msg + more, param=loc)
 
 
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the body spells it: the field names, with list
+    indexes in brackets (``messages[0].content``); union-branch tags left out."""
+    path = ""
+    names = iter(loc)
+    for part in names:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "list[int]", "list[str]") or \
+                str(part).startswith(("list[", "function-", "literal[")):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+# The engine's field names (``superinfer_jax.request``) as the HTTP bodies spell them.
+_HTTP_FIELD_PREFIXES = (("slo.", "slo_constraints."), ("text", "prompt"),
+                        ("token_ids", "prompt"))
+
+
+def _http_param(field: str, body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The body field an engine ``FieldError`` is about (so ``param`` always names a
+    field the client sent or must send)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    if field == "max_tokens" and chat and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if field == "prompt" and chat:
+        return "messages"
+    for engine_prefix, http_prefix in _HTTP_FIELD_PREFIXES:
+        if field.startswith(engine_prefix):
+            return http_prefix + field[len(engine_prefix):]
+    return field
+
+
 class OpenAIFront:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
+        self._logged_unknown: set[str] = set()
         self.app = self._build_app()
 
     # -- request -> engine -------------------------------------------------------------
@@ -130,6 +215,7 @@ class OpenAIFront:
             parsed = cls.model_validate(body)
         except ValidationError as e:
             raise _validation_error(e) from e
+        self._check_unknown(parsed)
         problem = parsed.unsupported()
         if problem:
             raise HTTPError(400, problem, param=problem.split(":")[0])
@@ -139,15 +225,27 @@ class OpenAIFront:
                             code="model_not_found")
         return parsed
 
+    def _check_unknown(self, parsed: CompletionRequest | ChatCompletionRequest) -> None:
+        """Unknown fields: a 400 in strict mode, else ignored and logged once per name."""
+        unknown = unknown_fields(parsed)
+        if not unknown:
+            return
+        if self.runtime.config.server.strict_request_fields:
+            raise HTTPError(400, f"{unknown[0]}: unknown field (server.strict_request_fields "
+                                 "is on)", param=unknown[0])
+        for name in unknown:
+            if name not in self._logged_unknown:
+                self._logged_unknown.add(name)
+                log.warning("ignoring unknown request field %r (logged once)", name)
+
     def _token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tok = self.runtime.tokenizer
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            return encode_prompt(tok, messages=messages)
+            return encode_prompt(tok, messages=[m.to_template() for m in body.messages])
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise ValueError("prompt: only one prompt per request is supported")
+                raise FieldError("prompt", "prompt: only one prompt per request is supported")
             prompt = prompt[0]
         if isinstance(prompt, list):
             return encode_prompt(tok, token_ids=prompt)
@@ -160,7 +258,8 @@ class OpenAIFront:
             token_ids = self._token_ids(body)
             max_tokens = body.max_tokens
             if isinstance(body, ChatCompletionRequest):
-                max_tokens = body.max_completion_tokens or max_tokens
+                if body.max_completion_tokens is not None:
+                    max_tokens = body.max_completion_tokens
                 if max_tokens is None:  # chat's OpenAI default: until the context is full
                     max_tokens = max(1, engine.engine.config.max_model_len - len(token_ids))
             stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -175,7 +274,7 @@ class OpenAIFront:
                                    loop=asyncio.get_running_loop())
             await stream.wait_admitted_async()
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
-            param = str(e).split(" ")[0].strip(":") if isinstance(e, ValueError) else None
+            param = _http_param(e.field, body) if isinstance(e, FieldError) else None
             raise HTTPError(_status_of(e), str(e), param=param) from e
         return stream
 
@@ -187,11 +286,18 @@ class OpenAIFront:
         rid = ("chatcmpl-" if chat else "cmpl-") + _new_id()
         stream = await self._submit(body, rid)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, rid, chat, include_usage),
+            opts = body.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            continuous = bool(opts and opts.continuous_usage_stats)
+            return StreamingResponse(self._sse(stream, rid, chat, include_usage, continuous),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        last = await self._collect(request, stream)
+        try:
+            last = await self._collect(request, stream)
+        except EngineUnavailableError as e:  # the engine went down mid-request
+            raise HTTPError(503, str(e)) from e
+        if last.error is not None:
+            raise HTTPError(500, last.error, code="engine_error")
         s = RequestSummary.from_request(last.request)
         make = chat_json if chat else completion_json
         return JSONResponse(make(rid, self.runtime.served_name, s))
@@ -218,31 +324,51 @@ class OpenAIFront:
                 task.cancel()
 
     async def _sse(self, stream: RequestStream, rid: str, chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, continuous: bool) -> AsyncIterator[str]:
+        """The SSE body. ``continuous`` (vLLM's ``continuous_usage_stats``) puts the
+        running usage in every chunk; ``include_usage`` adds OpenAI's final usage chunk.
+        A failure after the stream started ends it with an ``error`` event."""
         model = self.runtime.served_name
+        with_usage = include_usage or continuous
         finished = False
+        prompt_tokens = 0
+
+        def usage(out: RequestOutput | None) -> dict[str, int] | None:
+            if not continuous:
+                return None
+            return usage_counts(prompt_tokens, len(out.request.output_token_ids) if out else 0)
+
         try:
             if chat:
                 yield _sse(chunk_json(rid, model, chat, "", first=True,
-                                      with_usage_field=include_usage))
+                                      with_usage_field=with_usage, usage=usage(None)))
             async for out in stream:
+                prompt_tokens = len(out.request.prompt_token_ids)
+                if out.error is not None:
+                    finished = True
+                    yield _sse(error_json(500, out.error, code="engine_error"))
+                    break
                 if out.new_text:
                     yield _sse(chunk_json(rid, model, chat, out.new_text,
-                                          with_usage_field=include_usage))
+                                          with_usage_field=with_usage, usage=usage(out)))
                 if out.finished:
                     finished = True
                     s = RequestSummary.from_request(out.request)
                     final = chunk_json(rid, model, chat, None if chat else "",
                                        finish_reason=s.finish_reason,
-                                       with_usage_field=include_usage)
+                                       with_usage_field=with_usage, usage=usage(out))
                     if not include_usage:
                         final["superinfer"] = s.to_json()
                     yield _sse(final)
                     if include_usage:
                         yield _sse(usage_chunk_json(rid, model, chat, s))
             yield "data: [DONE]\n\n"
+        except EngineUnavailableError as e:  # the whole engine went down mid-stream
+            finished = True
+            yield _sse(error_json(503, str(e), code="engine_unavailable"))
+            yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (or the engine failed) mid-stream
+            if not finished:  # the client went away mid-stream
                 self._abort(rid)
 
     def _abort(self, req_id: str) -> None:
@@ -253,12 +379,21 @@ class OpenAIFront:
     # -- the app -----------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="superinfer", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="superinfer", version="v1", docs_url="/docs", redoc_url=None,
+                      openapi_url="/openapi.json")
         rt = self.runtime
 
         @app.exception_handler(HTTPError)
         async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
             return _error_response(e)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+            """A bug: logged with its traceback, answered as a visible 500."""
+            log.error("unhandled %s on %s %s", type(e).__name__, request.method,
+                      request.url.path, exc_info=e)
+            return _error_response(HTTPError(500, f"internal error: {type(e).__name__}: {e}",
+                                             code="internal_error"))
 
         @app.exception_handler(StarletteHTTPException)
         async def _starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -266,11 +401,11 @@ class OpenAIFront:
                        (404, 405) else str(e.detail))
             return _error_response(HTTPError(e.status_code, message))
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
         async def completions(request: Request) -> Response:
             return await self._generate(request, CompletionRequest)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
         async def chat_completions(request: Request) -> Response:
             return await self._generate(request, ChatCompletionRequest)
 
@@ -293,7 +428,31 @@ class OpenAIFront:
         async def metrics() -> Response:
             return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
 
+        app.openapi = lambda: _openapi(app)
         return app
+
+
+_BODY_MODELS = (CompletionRequest, ChatCompletionRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    """The route's request body in the OpenAPI document: the handlers read raw bodies
+    (to control every error), so FastAPI cannot infer it."""
+    schema = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the body models' schemas under components.schemas."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, top = models_json_schema([(m, "validation") for m in _BODY_MODELS],
+                                    ref_template=_REF)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def _sse(payload: dict[str, Any]) -> str:

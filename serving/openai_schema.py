@@ -1,13 +1,22 @@
 """OpenAI request bodies (with vLLM's and our extensions) and the response shapes.
 
-Requests are parsed strictly: an unknown field or a wrong type is a 400 naming it, never
-silently ignored (a misspelt ``max_token`` would otherwise generate 16 tokens without a
-word). Fields OpenAI defines that this server cannot honour (``n > 1``, logprobs,
-penalties) are accepted only at their neutral value and refused otherwise.
+Types are checked strictly: a wrong type is a 400 naming the field. Unknown fields are
+accepted and ignored, as vLLM does (clients send vendor extensions, e.g. guidellm's
+``stream_options.continuous_usage_stats`` before we supported it); the server logs each
+unknown name once, and ``server.strict_request_fields`` turns them into 400s instead
+(``unknown_fields`` lists them). Fields OpenAI defines that this server cannot honour
+(``n > 1``, logprobs, penalties) are accepted only at their neutral value and refused
+otherwise.
+
+Numeric bounds are not checked here but by the engine's request dataclasses
+(``superinfer_jax.request.FIELD_RANGES``), the one place they are written; the models
+carry them into the published OpenAPI document (``json_schema_extra``) so clients and
+fuzzers see the same bounds.
 
 Extensions: ``slo_constraints: {ttft_ms, tbt_ms, priority_class}``, and vLLM's ``top_k``,
-``ignore_eos`` and ``stop_token_ids``. Responses carry a ``superinfer`` object (TTFT,
-queue time, rotations, SLO outcome), which OpenAI clients keep as an extra field.
+``ignore_eos``, ``stop_token_ids`` and ``stream_options.continuous_usage_stats``.
+Responses carry a ``superinfer`` object (TTFT, queue time, rotations, SLO outcome, the
+engine's own finish reason), which OpenAI clients keep as an extra field.
 """
 
 from __future__ import annotations
@@ -18,20 +27,43 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.requests import RequestSummary
+from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Strict types; unknown fields kept in ``model_extra`` (see ``unknown_fields``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def _bounded(name: str) -> Any:
+    """An optional numeric field carrying the engine's bounds into the OpenAPI document."""
+    return Field(None, json_schema_extra=FIELD_RANGES[name].json_schema())
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields the schema does not know, recursively
+    (``stream_options.continuous_usage_stats``, ``messages.0.audio``)."""
+    found = [f"{prefix}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                path = f"{prefix}{name}." if i is None else f"{prefix}{name}.{i}."
+                found += unknown_fields(item, path)
+    return found
 
 
 class SLOConstraints(_Strict):
-    ttft_ms: float | None = None
-    tbt_ms: float | None = None
-    priority_class: str | None = None
+    ttft_ms: float | None = _bounded("slo.ttft_ms")
+    tbt_ms: float | None = _bounded("slo.tbt_ms")
+    priority_class: str | None = Field(None, json_schema_extra={"enum": list(PRIORITY_CLASSES)})
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class TextPart(_Strict):
@@ -39,21 +71,54 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
+    """``content`` may be null on an assistant message (one that carries tool calls);
+    a ``tool`` message answers the call named by ``tool_call_id``."""
+
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """What the chat template gets: the fields set, extensions left out."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if isinstance(self.content, list):
+            out["content"] = [p.model_dump(include={"type", "text"}) for p in self.content]
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type,
+                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls]
+        return out
 
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: int | None = _bounded("max_tokens")
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
+    seed: int | None = _bounded("seed")
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(
+        None, json_schema_extra={"items": {"type": "integer",
+                                           **FIELD_RANGES["stop_token_ids"].json_schema()}})
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -99,7 +164,7 @@ class CompletionRequest(_Common):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _bounded("max_tokens")
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -109,16 +174,31 @@ class ChatCompletionRequest(_Common):
         return super().unsupported()
 
 
+# The engine's finish reasons as OpenAI's. An aborted request (client cancel, drain
+# grace over) was cut short, which OpenAI clients read from "length" (the text is
+# incomplete), never from "stop" (it ended by itself); the engine's own reason stays in
+# ``superinfer.finish_reason``.
+_OPENAI_FINISH = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+def openai_finish_reason(reason: str) -> str:
+    return _OPENAI_FINISH.get(reason, "stop")
+
+
 def usage_json(s: RequestSummary) -> dict[str, int]:
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
-            "total_tokens": s.prompt_tokens + s.completion_tokens}
+    return usage_counts(s.prompt_tokens, s.completion_tokens)
+
+
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def completion_json(rid: str, model: str, s: RequestSummary) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "text": s.text, "logprobs": None,
-                     "finish_reason": s.finish_reason}],
+                     "finish_reason": openai_finish_reason(s.finish_reason)}],
         "usage": usage_json(s), "superinfer": s.to_json(),
     }
 
@@ -127,15 +207,19 @@ def chat_json(rid: str, model: str, s: RequestSummary) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text},
-                     "logprobs": None, "finish_reason": s.finish_reason}],
+                     "logprobs": None, "finish_reason": openai_finish_reason(s.finish_reason)}],
         "usage": usage_json(s), "superinfer": s.to_json(),
     }
 
 
 def chunk_json(rid: str, model: str, chat: bool, text: str | None,
                finish_reason: str | None = None, first: bool = False,
-               with_usage_field: bool = False) -> dict[str, Any]:
-    """One SSE chunk with a text delta (chat: a ``delta`` object)."""
+               with_usage_field: bool = False,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """One SSE chunk with a text delta (chat: a ``delta`` object). ``usage`` is the
+    running count under ``continuous_usage_stats``; else the field is null when asked."""
+    if finish_reason is not None:
+        finish_reason = openai_finish_reason(finish_reason)
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
@@ -146,8 +230,8 @@ def chunk_json(rid: str, model: str, chat: bool, text: str | None,
                   "finish_reason": finish_reason}
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
-    if with_usage_field:
-        body["usage"] = None
+    if with_usage_field or usage is not None:
+        body["usage"] = usage
     return body
 
 

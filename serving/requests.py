@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from superinfer_jax.request import SLO, Request, SamplingParams
+from superinfer_jax.request import SLO, FieldError, Request, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -20,64 +20,99 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 def encode_prompt(tokenizer: Any, *, text: str | None = None,
                   token_ids: Sequence[int] | None = None,
                   messages: Sequence[Any] | None = None) -> list[int]:
-    """Token ids of exactly one of: raw text, pre-tokenized ids, chat messages."""
-    given = [n for n, v in (("prompt", text), ("token_ids", token_ids), ("messages", messages))
+    """Token ids of exactly one of: raw text, pre-tokenized ids, chat messages.
+
+    Errors are ``FieldError``s naming the field as the gRPC schema spells it (``text``,
+    ``token_ids``, ``messages[i].role``); the HTTP front maps them to its own names."""
+    given = [n for n, v in (("text", text), ("token_ids", token_ids), ("messages", messages))
              if v is not None]
     if not given:
-        raise ValueError("a prompt is required: give prompt text, token ids or messages")
+        raise FieldError("prompt",
+                         "a prompt is required: give prompt text, token ids or messages")
     if len(given) > 1:
-        raise ValueError(f"give only one of prompt, token_ids, messages (got {given})")
+        raise FieldError(given[1], f"give only one of text, token_ids, messages (got {given})")
     if token_ids is not None:
         ids = list(token_ids)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"token ids must be integers, got {t!r}")
+                raise FieldError("token_ids", f"token ids must be integers, got {t!r}")
         if not ids:
-            raise ValueError("token_ids must not be empty")
+            raise FieldError("token_ids", "token_ids must not be empty")
         return ids
+    field = "messages" if messages is not None else "text"
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer: send token ids")
+        raise FieldError(field, "this model has no tokenizer: send token ids")
     if messages is not None:
         text = render_chat(tokenizer, messages)
     if not isinstance(text, str):
-        raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        raise FieldError(field, f"prompt must be a string, got {type(text).__name__}")
     if not text:
-        raise ValueError("prompt must not be empty")
+        raise FieldError(field, "prompt must not be empty")
     return list(tokenizer.encode(text))
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+    """The prompt text of OpenAI-style messages, through the model's chat template.
+
+    Assistant messages may carry ``tool_calls`` (then ``content`` may be null) and tool
+    messages a ``tool_call_id``; tool calls need a template that renders them (one that
+    mentions ``tool_calls``), else they are refused rather than silently dropped."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise FieldError("messages", "messages must be a non-empty list")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be an object with role and content")
-        role, content = m.get("role"), m.get("content")
+            raise FieldError(f"messages[{i}]",
+                             f"messages[{i}] must be an object with role and content")
+        role = m.get("role")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
-        clean.append({"role": role, "content": _content_text(i, content)})
+            raise FieldError(f"messages[{i}].role",
+                             f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        message = {"role": role, "content": _content_text(i, role, m)}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise FieldError(f"messages[{i}].tool_calls",
+                                 f"messages[{i}].tool_calls: only assistant messages carry them")
+            if not _template_renders_tools(tokenizer):
+                raise FieldError(f"messages[{i}].tool_calls",
+                                 f"messages[{i}].tool_calls: this model's chat template does "
+                                 "not render tool calls")
+            message["tool_calls"] = m["tool_calls"]
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        clean.append(message)
     try:
         return tokenizer.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as e:  # a template's own raise_exception, or a missing template
-        raise ValueError(f"messages: chat template failed: {e}") from e
+        raise FieldError("messages", f"messages: chat template failed: {e}") from e
 
 
-def _content_text(i: int, content: Any) -> str:
-    """OpenAI content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+def _template_renders_tools(tokenizer: Any) -> bool:
+    return "tool_calls" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
+    """OpenAI content: a string, or a list of ``{"type": "text", "text": ...}`` parts; null
+    (or absent) only on an assistant message, which then carries tool calls."""
+    content = message.get("content")
     if isinstance(content, str):
         return content
+    if content is None and role == "assistant":
+        return ""
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text"
                     and isinstance(part.get("text"), str)):
-                raise ValueError(
+                raise FieldError(
+                    f"messages[{i}].content[{j}]",
                     f"messages[{i}].content[{j}] must be a text part "
                     '({"type": "text", "text": "..."}); other parts are not supported')
             parts.append(part["text"])
         return "".join(parts)
-    raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+    raise FieldError(f"messages[{i}].content",
+                     f"messages[{i}].content must be a string, got {type(content).__name__}")
 
 
 def make_sampling(**fields: Any) -> SamplingParams:
@@ -155,6 +190,7 @@ class RequestSummary:
     def to_json(self) -> dict[str, Any]:
         """The ``superinfer`` extension object of HTTP responses and batch results."""
         return {
+            "finish_reason": self.finish_reason,
             "ttft_ms": _round(self.ttft_ms),
             "queue_time_ms": _round(self.queue_time_ms),
             "e2e_ms": _round(self.e2e_ms),

@@ -22,6 +22,14 @@ mesh (``superinfer_jax.parallel``): the model arrives sharded (or is sharded thr
 ``shard(mesh)``), the pool and the host tier are split over KV heads, and everything on
 the host (plans, page tables, bookkeeping) stays global. ``docs/tensor_parallel.md``.
 
+Blast radius: one request's bad data never stops the engine. Its host-side work in a
+step (building its row of inputs: tokens, page table, sampling values; landing its token:
+detokenizer, stop check) is contained: the request is aborted with an ``error`` in its
+final ``RequestOutput`` and the other requests go on. What still raises out of ``step``,
+and so stops the serving loop (which then ends every stream with an error), is what
+cannot be pinned on one request: the scheduler or the page bookkeeping breaking an
+invariant, a DuplexKV copy failing, or the device step itself failing.
+
 The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``).
 """
 
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -48,18 +57,21 @@ from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.profiler import profile_engine
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.request import SLO, FieldError, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.policies import make_scheduler
-from superinfer_jax.sampling import SamplingInputs, sample
+from superinfer_jax.sampling import SamplingInputs, sample, sampler_seed
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: a delta for streaming."""
+    """What one step produced for one request: a delta for streaming. ``error`` is set
+    when the engine failed this request alone (its inputs could not be built, its token
+    not detokenized): it is finished (aborted) and the fronts report the error."""
 
     req_id: str
     new_token_ids: list[int]
@@ -67,6 +79,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+    error: str | None = None
 
 
 @dataclass
@@ -125,6 +138,7 @@ class LLMEngine:
         self._feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self._no_tokens = self._committed(np.zeros(self._feedback_width, np.int32))
         self._inflight: InflightStep | None = None  # dispatched, tokens not read yet
+        self._failed: list[RequestOutput] = []  # requests failed alone during this step
         self._step_fn = self._jit_step()
         self.last_stats = StepStats()
         self.num_model_steps = 0  # steps that ran the model
@@ -274,23 +288,24 @@ class LLMEngine:
         slo: SLO | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        sampling = sampling or SamplingParams()
-        prompt = [int(t) for t in prompt_token_ids]
+        sampling = self._fit_sampling(sampling or SamplingParams())
+        prompt = list(prompt_token_ids)
         if not prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
         if len(prompt) >= self.config.max_model_len:
-            raise ValueError(
+            raise FieldError(
+                "prompt",
                 f"prompt has {len(prompt)} tokens; max_model_len is "
                 f"{self.config.max_model_len} (prompt must leave room for one new token)"
             )
         vocab = self.model.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab
+               for t in prompt):
+            raise FieldError("prompt", f"prompt token ids must be in [0, {vocab})")
+        prompt = [int(t) for t in prompt]
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
             raise ValueError(f"request_id {req_id!r} is already in flight")
-        if sampling.seed is None and not sampling.greedy:
-            sampling = _with_seed(sampling, int(self._seed_rng.integers(0, 2**31)))
         req = Request(
             req_id=req_id,
             prompt_token_ids=prompt,
@@ -303,6 +318,25 @@ class LLMEngine:
             self._detok[req_id] = IncrementalDetokenizer(self.model.tokenizer, prompt)
         self.scheduler.add(req)
         return req_id
+
+    def _fit_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """The bounds that need the model, checked or fitted here, where the model is known
+        (so the Python API is covered too): stop tokens in the vocabulary, ``top_k``
+        clamped to it, the seed folded into the sampler's 32 bits (an unseeded random
+        request gets one now, so a rotation or recomputation replays the same tokens)."""
+        vocab = self.model.vocab_size
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
+        if bad:
+            raise FieldError("stop_token_ids",
+                             f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
+        changes: dict[str, int] = {}
+        if sampling.top_k > vocab:
+            changes["top_k"] = vocab
+        if sampling.seed is None and not sampling.greedy:
+            changes["seed"] = int(self._seed_rng.integers(0, 2**31))
+        elif sampling.seed is not None:
+            changes["seed"] = sampler_seed(sampling.seed)
+        return dataclasses.replace(sampling, **changes) if changes else sampling
 
     def abort_request(self, req_id: str) -> bool:
         """Abort and free a request; False when it is unknown or already finished."""
@@ -332,6 +366,7 @@ class LLMEngine:
         host plans), and only then blocks on step t's tokens. Without it, the step just
         dispatched is collected at once."""
         t0 = time.perf_counter()
+        self._failed = []
         self._observe_rotations(t0)
         plan = self.scheduler.schedule(t0)
         self._issue_rotations(plan, t0)
@@ -350,6 +385,7 @@ class LLMEngine:
         else:
             done = launched
         outputs = self._collect(done) if done is not None else []
+        outputs += self._failed
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
         return outputs
@@ -362,7 +398,9 @@ class LLMEngine:
             if not rows:
                 continue
             reqs = [(self.requests[r], n) for r, n in rows]
-            sampled = self._dispatch(reqs, prefill)
+            sampled, reqs = self._dispatch(reqs, prefill)
+            if sampled is None:
+                continue
             offset = 0 if prefill else self._feedback_width
             finals = []
             for b, (req, n) in enumerate(reqs):
@@ -399,10 +437,15 @@ class LLMEngine:
             tokens = np.asarray(sampled)  # blocks on this call only
             now = time.perf_counter()
             for (req, final), token in zip(rows, tokens, strict=False):
-                if final:
+                if not final:
+                    continue
+                try:
                     out = self._advance(req, int(token), now)
-                    if out is not None:
-                        outputs.append(out)
+                except Exception as e:  # detokenizer or stop check: this request only
+                    self._fail_request(req, e)
+                    continue
+                if out is not None:
+                    outputs.append(out)
         return outputs
 
     # -- rotation (DuplexKV) -------------------------------------------------------------
@@ -435,7 +478,11 @@ class LLMEngine:
             if req is not None and not req.status.is_finished:
                 handlers[event.kind](req, now)
 
-    def _dispatch(self, rows: list[tuple[Request, int]], prefill: bool) -> jax.Array:
+    def _dispatch(self, rows: list[tuple[Request, int]], prefill: bool
+                  ) -> tuple[jax.Array | None, list[tuple[Request, int]]]:
+        """Build one padded call from ``rows`` and dispatch it. A row whose inputs cannot
+        be built fails its request alone (the row stays padding); returns the sampled
+        tokens (None when no row was left) and the rows that run, in order."""
         cfg = self.config
         if prefill:
             num_rows = bucket(len(rows), cfg.prefill_row_buckets)
@@ -452,20 +499,35 @@ class LLMEngine:
         top_p = np.ones(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
         source = np.full(num_rows, NO_SOURCE, np.int32)
-        for b, (req, n) in enumerate(rows):
-            start = req.num_computed_tokens
-            known = req.all_token_ids[start:start + n]
-            tokens[b, :len(known)] = known
-            if len(known) < n:
-                source[b] = self._feedback_source(req, n, len(known))
-            positions[b, :n] = np.arange(start, start + n)
-            query_lens[b] = n
-            context_lens[b] = start + n
-            table = self.kv.page_table(req.req_id)
-            page_tables[b, :len(table)] = table
-            sp = req.sampling
-            temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
-            seeds[b] = sp.seed or 0
+        arrays = (tokens, positions, query_lens, context_lens, page_tables, temperature, top_k,
+                  top_p, seeds, source)
+        padding = (0, 0, 0, 0, NULL_PAGE, 0, 0, 1, 0, NO_SOURCE)  # each array's fill
+        kept: list[tuple[Request, int]] = []
+        b = 0
+        for req, n in rows:
+            try:
+                start = req.num_computed_tokens
+                known = req.all_token_ids[start:start + n]
+                tokens[b, :len(known)] = known
+                if len(known) < n:
+                    source[b] = self._feedback_source(req, n, len(known))
+                positions[b, :n] = np.arange(start, start + n)
+                query_lens[b] = n
+                context_lens[b] = start + n
+                table = self.kv.page_table(req.req_id)
+                page_tables[b, :len(table)] = table
+                sp = req.sampling
+                temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
+                seeds[b] = sp.seed or 0
+            except Exception as e:  # this request's inputs only: it fails, the step goes on
+                for a, pad in zip(arrays, padding, strict=True):
+                    a[b] = pad
+                self._fail_request(req, e)
+                continue
+            kept.append((req, n))
+            b += 1
+        if not kept:
+            return None, kept
         inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
         sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
         prev = self._inflight
@@ -473,7 +535,18 @@ class LLMEngine:
             source,
             prev.prefill if prev is not None and prev.prefill is not None else self._no_tokens,
             prev.decode if prev is not None and prev.decode is not None else self._no_tokens)
-        return self._call_step(inputs, sampling, feedback)
+        return self._call_step(inputs, sampling, feedback), kept
+
+    def _fail_request(self, req: Request, error: BaseException) -> None:
+        """End one request whose host-side work failed, with an error its client gets;
+        the other requests and the engine go on (blast radius of one)."""
+        log.error("request %s failed: %s: %s", req.req_id, type(error).__name__, error,
+                  exc_info=error)
+        if not req.status.is_finished:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._detok.pop(req.req_id, None)
+        message = f"request failed in the engine: {type(error).__name__}: {error}"
+        self._failed.append(RequestOutput(req.req_id, [], "", True, "abort", req, message))
 
     def _feedback_source(self, req: Request, n: int, num_known: int) -> int:
         """Where a row's unknown input token lies: the one token the step in flight is
@@ -577,5 +650,3 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(sp, seed=seed)

@@ -36,7 +36,68 @@ class RequestStatus(enum.IntEnum):
 
 
 PRIORITY_CLASSES = ("critical", "standard", "batch")
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**64 - 1  # seeds are unsigned 64-bit; the engine folds them into the sampler's 32
 _MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a unit mistake, not an SLO
+
+
+class FieldError(ValueError):
+    """A request field with a value the engine cannot take. ``field`` names it (``top_k``,
+    ``slo.ttft_ms``), so every front reports the same field: HTTP puts it in ``param``,
+    gRPC in the INVALID_ARGUMENT message (which starts with it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Range:
+    """The bounds of one numeric request field, in one place: ``check`` validates a value
+    (the engine's, for every front and the Python API) and ``json_schema`` publishes the
+    same bounds in the HTTP front's OpenAPI document. Integer fields that reach a
+    fixed-width device array have an upper bound too, so no value can overflow it."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False  # (low, high] instead of [low, high]
+
+    def check(self, name: str, value: object) -> None:
+        if self.integer:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise FieldError(name, f"{name} must be an int, got {value!r}")
+        elif (isinstance(value, bool) or not isinstance(value, int | float)
+              or not math.isfinite(value)):
+            raise FieldError(name, f"{name} must be a finite number, got {value!r}")
+        too_low = value <= self.low if self.low_open else value < self.low
+        if too_low or value > self.high:
+            raise FieldError(name, f"{name} must be in {self.describe()}, got {value!r}")
+
+    def describe(self) -> str:
+        return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
+
+    def json_schema(self) -> dict[str, object]:
+        low_key = "exclusiveMinimum" if self.low_open else "minimum"
+        return {low_key: self.low, "maximum": self.high}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# Every numeric request field, with both bounds. ``top_k``: -1 and 0 both mean "off"
+# (vLLM's convention); a value above the vocabulary is clamped to it by the engine.
+FIELD_RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, INT32_MAX, integer=True),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, INT32_MAX, integer=True),
+    "seed": Range(0, SEED_MAX, integer=True),
+    "stop_token_ids": Range(0, INT32_MAX, integer=True),
+    "slo.ttft_ms": Range(0.0, _MAX_SLO_MS, low_open=True),
+    "slo.tbt_ms": Range(0.0, _MAX_SLO_MS, low_open=True),
+}
 
 
 @dataclass(frozen=True)
@@ -49,23 +110,22 @@ class SLO:
 
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tbt_ms"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"slo.{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value <= 0 or value > _MAX_SLO_MS:
-                raise ValueError(
-                    f"slo.{name} must be in (0, {_MAX_SLO_MS:.0f}] milliseconds, got {value!r}"
-                )
+            FIELD_RANGES[f"slo.{name}"].check(f"slo.{name}", getattr(self, name))
         if self.priority_class not in PRIORITY_CLASSES:
-            raise ValueError(
+            raise FieldError(
+                "slo.priority_class",
                 f"slo.priority_class must be one of {PRIORITY_CLASSES}, "
-                f"got {self.priority_class!r}"
+                f"got {self.priority_class!r}",
             )
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+
+    ``seed`` is any integer in [0, 2**64); ``top_k`` -1 or 0 means no cut (stored as 0).
+    Bounds that need the model (the vocabulary) are checked by ``LLMEngine.add_request``.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -77,41 +137,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("top_k", self.top_k, low=0)
+        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+            FIELD_RANGES[name].check(name, getattr(self, name))
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
-        _check_number("temperature", self.temperature)
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        _check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            FIELD_RANGES["seed"].check("seed", self.seed)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise FieldError("stop", f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0)
+            FIELD_RANGES["stop_token_ids"].check("stop_token_ids", t)
+        if not isinstance(self.ignore_eos, bool):
+            raise FieldError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-
-
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass

@@ -63,3 +63,21 @@ def sample(logits: jax.Array, s: SamplingInputs) -> jax.Array:
         lambda: _sample_rows(logits, s).astype(jnp.int32),
         lambda: greedy,
     )
+
+
+SEED32_MAX = 2**32 - 1
+
+
+def sampler_seed(seed: int) -> int:
+    """A request seed (any integer in [0, 2**64)) as the sampler's 32-bit key seed.
+
+    Seeds that fit in 32 bits are used as they are (so they reproduce what they always
+    did); larger ones are folded in with splitmix64's finalizer, so seeds that differ only
+    in their high bits still sample differently."""
+    if seed <= SEED32_MAX:
+        return seed
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & SEED32_MAX

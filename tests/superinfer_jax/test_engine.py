@@ -10,7 +10,7 @@ import pytest
 from models.config import ModelConfig
 from models.servable import random_servable
 from superinfer_jax import LLM, EngineConfig, LLMEngine, SamplingParams
-from superinfer_jax.request import RequestStatus
+from superinfer_jax.request import FieldError, RequestStatus
 
 TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -152,15 +152,21 @@ def test_abort_frees_pages(model, prompts):
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
         ({"seed": -5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
         ({"stop": ("",)}, "stop"),
         ({"max_tokens": "7"}, "max_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
     ],
 )
 def test_invalid_sampling_names_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(FieldError, match=field) as err:
         SamplingParams(**kwargs)
+    assert err.value.field == field
 
 
 @pytest.mark.parametrize(
