@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -252,7 +252,8 @@ class OpenAIFront:
         return encode_prompt(tok, text=prompt)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest,
-                      rid: str) -> RequestStream:
+                      rid: str) -> tuple[RequestStream, int]:
+        """The admitted request's stream and its prompt length in tokens."""
         try:
             engine = self.runtime.serving_engine()
             token_ids = self._token_ids(body)
@@ -276,7 +277,7 @@ class OpenAIFront:
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
             param = _http_param(e.field, body) if isinstance(e, FieldError) else None
             raise HTTPError(_status_of(e), str(e), param=param) from e
-        return stream
+        return stream, len(token_ids)
 
     # -- responses ---------------------------------------------------------------------
 
@@ -284,12 +285,13 @@ class OpenAIFront:
         body = await self._parse(request, cls)
         chat = cls is ChatCompletionRequest
         rid = ("chatcmpl-" if chat else "cmpl-") + _new_id()
-        stream = await self._submit(body, rid)
+        stream, prompt_tokens = await self._submit(body, rid)
         if body.stream:
             opts = body.stream_options
             include_usage = bool(opts and opts.include_usage)
             continuous = bool(opts and opts.continuous_usage_stats)
-            return StreamingResponse(self._sse(stream, rid, chat, include_usage, continuous),
+            usage = (lambda n: usage_counts(prompt_tokens, n)) if continuous else None
+            return StreamingResponse(self._sse(stream, rid, chat, include_usage, usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
@@ -323,27 +325,26 @@ class OpenAIFront:
                 self._abort(stream.req_id)
                 task.cancel()
 
-    async def _sse(self, stream: RequestStream, rid: str, chat: bool,
-                   include_usage: bool, continuous: bool) -> AsyncIterator[str]:
-        """The SSE body. ``continuous`` (vLLM's ``continuous_usage_stats``) puts the
-        running usage in every chunk; ``include_usage`` adds OpenAI's final usage chunk.
+    async def _sse(self, stream: RequestStream, rid: str, chat: bool, include_usage: bool,
+                   running_usage: Callable[[int], dict[str, int]] | None
+                   ) -> AsyncIterator[str]:
+        """The SSE body. ``running_usage`` (vLLM's ``continuous_usage_stats``) puts the
+        usage so far in every chunk; ``include_usage`` adds OpenAI's final usage chunk.
         A failure after the stream started ends it with an ``error`` event."""
         model = self.runtime.served_name
-        with_usage = include_usage or continuous
+        with_usage = include_usage or running_usage is not None
         finished = False
-        prompt_tokens = 0
 
         def usage(out: RequestOutput | None) -> dict[str, int] | None:
-            if not continuous:
+            if running_usage is None:
                 return None
-            return usage_counts(prompt_tokens, len(out.request.output_token_ids) if out else 0)
+            return running_usage(len(out.request.output_token_ids) if out else 0)
 
         try:
             if chat:
                 yield _sse(chunk_json(rid, model, chat, "", first=True,
                                       with_usage_field=with_usage, usage=usage(None)))
             async for out in stream:
-                prompt_tokens = len(out.request.prompt_token_ids)
                 if out.error is not None:
                     finished = True
                     yield _sse(error_json(500, out.error, code="engine_error"))

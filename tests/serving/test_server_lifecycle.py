@@ -85,6 +85,7 @@ def test_warmup_health_then_sigterm_drains_in_flight(start_server):
         r = httpx.post(f"{srv.http_url}/v1/completions",
                        json={"model": "tiny-llama", "prompt": "late"}, timeout=5)
         assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "5"
         for t in threads:
             t.join(120)
     assert srv.terminate() == 0, srv.log()
@@ -142,6 +143,7 @@ def test_tls_admission_limit_and_drain_grace(start_server, tls_files):
                 return "ok"
             except openai.RateLimitError as e:
                 assert "admission queue is full" in e.message
+                assert e.response.headers["Retry-After"] == "1"
                 return "full"
 
         with ThreadPoolExecutor(16) as pool:
