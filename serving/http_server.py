@@ -218,7 +218,8 @@ class OpenAIFront:
         self._check_unknown(parsed)
         problem = parsed.unsupported()
         if problem:
-            raise HTTPError(400, problem, param=problem.split(":")[0])
+            field, message = problem
+            raise HTTPError(400, message, param=field)
         if parsed.model != self.runtime.served_name:
             raise HTTPError(404, f"model {parsed.model!r} does not exist; this server serves "
                                  f"{self.runtime.served_name!r}", param="model",

@@ -22,11 +22,11 @@ engine's own finish reason), which OpenAI clients keep as an extra field.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from serving.requests import RequestSummary
+from serving.requests import CHAT_ROLES, RequestSummary
 from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES
 
 
@@ -36,9 +36,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``5.0`` is the integer 5 (JSON Schema agrees), while
+    ``5.5`` and ``"5"`` stay what they are and fail the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
 def _bounded(name: str) -> Any:
     """An optional numeric field carrying the engine's bounds into the OpenAPI document."""
     return Field(None, json_schema_extra=FIELD_RANGES[name].json_schema())
+
+
+def _only(*values: Any) -> Any:
+    """A field this server accepts only at its neutral value(s): the OpenAPI document says
+    so (``enum``), so clients and fuzzers know; other values get a 400 naming the field."""
+    return {"json_schema_extra": {"enum": list(values)}}
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -86,7 +103,7 @@ class ChatMessage(_Strict):
     """``content`` may be null on an assistant message (one that carries tool calls);
     a ``tool`` message answers the call named by ``tool_call_id``."""
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -110,67 +127,68 @@ class ChatMessage(_Strict):
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = _bounded("max_tokens")
+    max_tokens: JsonInt | None = _bounded("max_tokens")
     temperature: float | None = _bounded("temperature")
     top_p: float | None = _bounded("top_p")
-    top_k: int | None = _bounded("top_k")
-    seed: int | None = _bounded("seed")
+    top_k: JsonInt | None = _bounded("top_k")
+    seed: JsonInt | None = _bounded("seed")
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(
+    stop_token_ids: list[JsonInt] | None = Field(
         None, json_schema_extra={"items": {"type": "integer",
                                            **FIELD_RANGES["stop_token_ids"].json_schema()}})
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: JsonInt = Field(1, **_only(1))
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, **_only(0, None))
+    frequency_penalty: float | None = Field(None, **_only(0, None))
+    logit_bias: dict[str, float] | None = Field(None, **_only({}, None))
     slo_constraints: SLOConstraints | None = None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something this server cannot do, with why."""
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field set to something this server cannot do: (field, why)."""
         if self.n != 1:
-            return "n: only n=1 is supported"
+            return "n", "n: only n=1 is supported"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                return f"{name}: penalties are not supported (use 0 or omit it)"
+                return name, f"{name}: penalties are not supported (use 0 or omit it)"
         if self.logit_bias:
-            return "logit_bias: not supported"
+            return "logit_bias", "logit_bias: not supported"
         if self.stream_options is not None and not self.stream:
-            return "stream_options: only allowed when stream is true"
+            return "stream_options", "stream_options: only allowed when stream is true"
         return None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: str | list[JsonInt] | list[str] | list[list[JsonInt]]
+    echo: bool = Field(False, **_only(False))
+    logprobs: JsonInt | None = Field(None, **_only(0, None))
+    suffix: str | None = Field(None, **_only("", None))
+    best_of: JsonInt | None = Field(None, **_only(1, None))
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo: not supported"
+            return "echo", "echo: not supported"
         if self.logprobs:
-            return "logprobs: not supported"
+            return "logprobs", "logprobs: not supported"
         if self.suffix:
-            return "suffix: not supported"
+            return "suffix", "suffix: not supported"
         if self.best_of not in (None, 1):
-            return "best_of: only 1 is supported"
+            return "best_of", "best_of: only 1 is supported"
         return super().unsupported()
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = _bounded("max_tokens")
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: JsonInt | None = _bounded("max_tokens")
+    logprobs: bool | None = Field(None, **_only(False, None))
+    top_logprobs: JsonInt | None = Field(None, **_only(0, None))
 
-    def unsupported(self) -> str | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs: not supported"
+    def unsupported(self) -> tuple[str, str] | None:
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(self, name):
+                return name, f"{name}: not supported"
         return super().unsupported()
 
 
