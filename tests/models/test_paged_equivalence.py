@@ -12,6 +12,7 @@ from models.config import ModelConfig, RopeScaling
 from models.servable import random_servable
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import StepInputs
+from tests.numerics import assert_close, assert_same_top1, logits_tolerance
 
 CFG = ModelConfig(name="paged-test", vocab_size=512, hidden_size=96, intermediate_size=192,
                   num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -71,11 +72,19 @@ def test_shuffled_pages_and_odd_chunks_equal_one_shot(model, step):
     for chunks in ([3], [5, 7], [1], [13, 2, 11]):
         got = run_chunks(model, step, prompts, chunks, rng)
         for w, g in zip(want, got, strict=True):
-            np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
+            # Batched odd chunks vs one request in one shot: other shapes, other summation
+            # order (per CPU model, too), so the float32 bound of the model's logits.
+            tol = logits_tolerance(CFG, w, len(w))
+            what = f"chunks {chunks}, prompt of {len(w)}"
+            assert_close(g, w, tol, what)
+            assert_same_top1(g, w, tol, what)
 
 
 def test_one_shot_page_size_does_not_matter(model):
     ids = np.random.default_rng(1).integers(0, 512, size=37)
     a = model.logits(ids, page_size=8)
     b = model.logits(ids, page_size=32, chunk_size=6)
-    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5)
+    # Other page size and chunks: other attention blocks and matmul shapes (see above).
+    tol = logits_tolerance(CFG, a, ids.size)
+    assert_close(b, a, tol, "page 32, chunks of 6 vs page 8, one shot")
+    assert_same_top1(b, a, tol, "page 32, chunks of 6 vs page 8, one shot")

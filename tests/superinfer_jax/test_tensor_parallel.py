@@ -193,4 +193,7 @@ def test_loader_path_matches_one_device_logits(tp_run, tp):
     run = tp_run["sink"][tp]
     assert run["tied_exact"] and run["tied_spec"] == "P(None, 'tp')"
     for backend in ("xla", "pallas"):
-        assert run[backend]["argmax_equal"] and run[backend]["max_abs_diff"] < 1e-5
+        # Bound derived in tp_check from the model's shape and logits (tests/numerics).
+        got = run[backend]
+        assert got["max_abs_diff"] <= got["bound"], (backend, got)
+        assert got["top1_disagreements"] == 0 and got["top1_decided"] >= 0.5, (backend, got)

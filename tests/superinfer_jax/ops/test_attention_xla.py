@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from superinfer_jax.ops import attention_xla
+from tests.numerics import assert_close, attention_tolerance
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -57,4 +58,7 @@ def test_paged_matches_dense(t: int, heads: int, kv_heads: int, page_size: int, 
         outs.append(out[0, :n])
     got = jnp.concatenate(outs)  # [T, H, D]
     want = attention_xla.dense_causal_attention(q, k, v, scale)  # [T, H, D]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # Blocked online softmax over pages vs one dense softmax: other summation orders,
+    # bounded by head dim, context and the inputs' sizes (tests/numerics).
+    tol = attention_tolerance(q, k, v, scale=scale, context_len=t)
+    assert_close(got, want, tol, f"paged vs dense, t={t}, chunk={chunk}")
