@@ -30,7 +30,7 @@ def _time_step(engine, rows: int, cols: int, query_len: int, context: int,
     best = float("inf")
     for _ in range(repeats + 1):  # the first run is a warm-up
         t = time.perf_counter()
-        engine._call_step(inputs, sampling).block_until_ready()
+        engine.call_step(inputs, sampling).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -51,7 +51,9 @@ def _time_transfer(engine, num_pages: int, repeats: int) -> float:
 
 
 def profile_engine(engine, repeats: int = 2) -> LatencyModel:
-    """Fit prefill / decode / transfer costs from the engine's own compiled buckets."""
+    """Fit prefill / decode / transfer costs from the engine's own compiled buckets
+    (``engine``: an ``LLMEngine`` or its ``ModelRunner``, which owns the buckets)."""
+    engine = getattr(engine, "runner", engine)
     cfg = engine.config
     max_ctx = cfg.max_model_len - 1
     contexts = sorted({min(c, max_ctx) for c in (16, max_ctx // 4, max_ctx)})

@@ -108,7 +108,7 @@ def test_failing_detokenizer_ends_its_request_alone(engine):
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     good = engine.add_request([1, 2, 3], sp)
     bad = engine.add_request([4, 5, 6], sp)
-    engine._detok[bad] = Boom()
+    engine.output._detok[bad] = Boom()
     outs = run(engine)
     assert "TextInputSequence" in outs[bad][-1].error
     assert len(tokens(outs[good])) == 4 and outs[good][-1].error is None

@@ -87,10 +87,10 @@ def step_hlo(engine) -> str:
     from superinfer_jax.token_feedback import TokenFeedback
 
     rows = engine.config.decode_buckets[-1]
-    inputs = engine._empty_inputs(rows, 1)
-    lowered = engine._step_fn.lower(engine.model.params, engine.kv_pool, inputs,
+    inputs = engine.runner.empty_inputs(rows, 1)
+    lowered = engine.runner._step_fn.lower(engine.model.params, engine.kv_pool, inputs,
                                     SamplingInputs.greedy(rows),
-                                    TokenFeedback.none(rows, engine._no_tokens))
+                                    TokenFeedback.none(rows, engine.runner.no_tokens))
     return lowered.compile().as_text()
 
 
@@ -243,6 +243,7 @@ def sink_case(tps) -> dict[str, Any]:
     from models.servable import random_servable
     from models.sharding import flat_state
     from superinfer_jax.parallel import make_mesh
+    from tests.numerics import logits_tolerance, max_abs_diff, top1_disagreements
 
     cfg = ModelConfig(name="sink", vocab_size=128, hidden_size=72, intermediate_size=102,
                       num_layers=2, num_heads=9, num_kv_heads=3, head_dim=8, qkv_bias=True,
@@ -268,8 +269,12 @@ def sink_case(tps) -> dict[str, Any]:
         for backend in ("xla", "pallas"):
             ref = base.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
             got = model.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
-            row[backend] = {"max_abs_diff": float(np.abs(got - ref).max()),
-                            "argmax_equal": bool((got.argmax(-1) == ref.argmax(-1)).all())}
+            # The all-reduces after wo and w_down sum per-shard partial products: another
+            # summation order, so the float32 bound of a model's logits (tests/numerics).
+            bound = logits_tolerance(cfg, ref, ids.size)
+            bad, decided = top1_disagreements(got, ref, bound)
+            row[backend] = {"max_abs_diff": max_abs_diff(got, ref), "bound": bound,
+                            "top1_disagreements": len(bad), "top1_decided": decided}
         out[str(tp)] = row
     return out
 

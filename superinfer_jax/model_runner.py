@@ -1,0 +1,328 @@
+"""The model runner: everything that lives on the device, behind one object.
+
+It owns the device state and the calls on it, as vLLM V1's model runner does: the model
+placed on its mesh (one device, or tensor-parallel), the paged KV pool, the DuplexKV
+rotation engine that copies the pool's pages to and from the host tier, the jitted step
+with the pool donated, the shape buckets and their warm-up, building a step's padded
+inputs from scheduled rows, and the token feedback of asynchronous scheduling (the step
+in flight). Nothing in here decides who runs or what a token means: the scheduler plans,
+the output processor interprets, ``LLMEngine`` narrates.
+
+Blast radius: building one row's inputs can fail for that request alone (an out-of-range
+value that slipped past validation, a missing page table); ``dispatch`` reports it and
+pads the row instead of raising, so the rest of the batch runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from superinfer_jax import ops, parallel
+from superinfer_jax.config import EngineConfig, bucket
+from superinfer_jax.duplexkv import DuplexKV, RotationEvent
+from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
+from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
+from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
+from superinfer_jax.model_api import ServableModel, StepInputs
+from superinfer_jax.request import Request
+from superinfer_jax.sampling import SamplingInputs, sample
+from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
+
+_CPU_DEFAULT_POOL_BYTES = 2 << 30
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InflightStep:
+    """A dispatched step whose tokens the host has not read: its sampled arrays, and per
+    call the rows in order with whether each samples a token (a sequence's last row)."""
+
+    prefill: jax.Array | None = None
+    decode: jax.Array | None = None
+    prefill_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
+    decode_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> feedback
+
+
+@dataclass
+class Dispatched:
+    """One dispatched call: its sampled tokens (None when no row was left), the rows that
+    run, in order, and the requests whose rows could not be built, with why."""
+
+    sampled: jax.Array | None
+    rows: list[tuple[Request, int]]
+    failed: list[tuple[Request, BaseException]]
+
+
+class ModelRunner:
+    """Device state and the calls on it, for one engine."""
+
+    def __init__(self, model: ServableModel, config: EngineConfig):
+        self.config = config
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.mesh = self._make_mesh()  # None: one device, exactly as without TP
+        self.model = model = self._place_model(model)
+        self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
+        self.num_device_pages = self._choose_num_pages()
+        self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
+        # The pages' bookkeeping (host only): the scheduler plans with it, DuplexKV copies
+        # the pages it names.
+        self.kv = TwoTierKVManager(self.num_device_pages, config.page_size, self.num_host_pages)
+        self.kv_pool = self._new_pool()
+        self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
+        if self.num_host_pages > 0:
+            self.duplex = self._new_duplex()
+            self.kv_pool = self.duplex.adopt(self.kv_pool)
+        self.backend = ops.resolve_backend(config.attention_backend)
+        self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
+        self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
+        self.inflight: InflightStep | None = None  # dispatched, tokens not read yet
+        self._step_fn = self._jit_step()
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _make_mesh(self) -> Mesh | None:
+        tp = self.config.tensor_parallel_size
+        return parallel.make_mesh(tp) if tp > 1 else None
+
+    def _place_model(self, model: ServableModel) -> ServableModel:
+        """The model on this engine's mesh: as given when it already is (loaded with
+        ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
+        model_mesh = getattr(model, "mesh", None)
+        if model_mesh == self.mesh:
+            if self.mesh is not None:
+                parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
+            return model
+        if self.mesh is None:
+            raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
+                             f"{model_mesh.size} devices; set tensor_parallel_size to match")
+        shard = getattr(model, "shard", None)
+        if shard is None:
+            raise ValueError(f"tensor_parallel_size={self.mesh.size}: this model cannot be "
+                             "sharded (it has no shard(mesh))")
+        model = shard(self.mesh)
+        parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
+        return model
+
+    def _new_pool(self) -> jax.Array:
+        """The zeroed device pool, committed: an uncommitted array is a different jit cache
+        key, and the first real step would recompile a bucket warm-up already compiled.
+        Sharded, each device allocates only its own slice."""
+        if self.mesh is None:
+            return jax.device_put(self.layout.zeros(self.num_device_pages), jax.devices()[0])
+        zeros = jax.jit(lambda: self.layout.zeros(self.num_device_pages),
+                        out_shardings=parallel.pool_sharding(self.mesh))
+        return zeros()
+
+    def _committed(self, value: np.ndarray) -> jax.Array:
+        """``value`` placed where the step's outputs live (replicated under TP), so it
+        hits the same compiled step as the arrays it stands in for."""
+        if self.mesh is None:
+            return jax.device_put(value, jax.devices()[0])
+        return jax.device_put(value, parallel.replicated(self.mesh))
+
+    def _new_duplex(self) -> DuplexKV:
+        cfg = self.config
+        if self.mesh is None:
+            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
+            return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages)
+        host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
+        return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
+                        pool_sharding=parallel.pool_sharding(self.mesh))
+
+    def _jit_step(self):
+        """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
+        replicated (every process can read them) and the pool in its own sharding, so the
+        donated buffer is reused and no step ever changes the pool's layout."""
+        if self.mesh is None:
+            return jax.jit(self._step, donate_argnums=(1,))
+        out = (parallel.replicated(self.mesh), parallel.pool_sharding(self.mesh))
+        return jax.jit(self._step, donate_argnums=(1,), out_shardings=out)
+
+    def _choose_num_pages(self) -> int:
+        cfg = self.config
+        need_one = cfg.max_pages_per_seq + 1
+        if cfg.num_device_pages is not None:
+            pages = cfg.num_device_pages
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:  # per device; a device holds 1/tp of each page
+                free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                shard_bytes = self.layout.page_bytes // cfg.tensor_parallel_size
+                pages = int(free * cfg.device_memory_fraction) // shard_bytes
+            else:
+                want = cfg.max_num_seqs * cfg.max_pages_per_seq + 1
+                pages = min(want, _CPU_DEFAULT_POOL_BYTES // self.layout.page_bytes)
+            pages = max(pages, need_one)
+        if pages < need_one:
+            raise ValueError(
+                f"num_device_pages ({pages}) cannot hold one request of max_model_len "
+                f"{cfg.max_model_len} ({need_one} pages incl. the null page)"
+            )
+        return pages
+
+    def _step(self, params, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
+              feedback: TokenFeedback):
+        inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
+        logits, kv_pool = self.model.forward(
+            params, kv_pool, inputs, attention_backend=self.backend
+        )
+        return pad_sampled(sample(logits, sampling), self.feedback_width), kv_pool
+
+    def shapes(self) -> list[tuple[int, int]]:
+        cfg = self.config
+        shapes = [(b, 1) for b in cfg.decode_buckets]
+        shapes += list(cfg.prefill_shapes)
+        return shapes
+
+    # -- warm-up -------------------------------------------------------------------------
+
+    def warmup(self) -> dict[str, float]:
+        """Compile every (rows, columns) bucket now, so serving never compiles; returns
+        each phase's seconds (start-up time is a product number, and the persistent XLA
+        cache only shortens the compile phase)."""
+        t0 = time.perf_counter()
+        shapes = self.shapes()
+        bar = tqdm(shapes, desc="compiling step buckets", disable=not self.config.show_progress)
+        for rows, cols in bar:
+            bar.set_postfix_str(f"{rows}x{cols}")
+            inputs = self.empty_inputs(rows, cols)
+            self.call_step(inputs, SamplingInputs.greedy(rows)).block_until_ready()
+        t1 = time.perf_counter()
+        if self.duplex is not None:
+            self.kv_pool = self.duplex.warmup(self.kv_pool)
+        t2 = time.perf_counter()
+        return {"step_buckets": t1 - t0, "duplex": t2 - t1}
+
+    def empty_inputs(self, rows: int, cols: int) -> StepInputs:
+        return StepInputs.from_numpy(
+            tokens=np.zeros((rows, cols)),
+            positions=np.zeros((rows, cols)),
+            query_lens=np.zeros(rows),
+            context_lens=np.zeros(rows),
+            page_tables=np.full((rows, self.config.max_pages_per_seq), NULL_PAGE),
+        )
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def dispatch(self, rows: list[tuple[Request, int]], prefill: bool,
+                 page_table: Callable[[str], list[int]]) -> Dispatched:
+        """Build one padded call from ``rows`` (request, tokens this step) and dispatch
+        it behind the step in flight. A row whose inputs cannot be built is reported in
+        ``failed`` and left as padding; the others run."""
+        cfg = self.config
+        if prefill:
+            num_rows = bucket(len(rows), cfg.prefill_row_buckets)
+            cols = bucket(max(n for _, n in rows), cfg.prefill_chunk_buckets)
+        else:
+            num_rows, cols = bucket(len(rows), cfg.decode_buckets), 1
+        tokens = np.zeros((num_rows, cols), np.int32)
+        positions = np.zeros((num_rows, cols), np.int32)
+        query_lens = np.zeros(num_rows, np.int32)
+        context_lens = np.zeros(num_rows, np.int32)
+        page_tables = np.full((num_rows, cfg.max_pages_per_seq), NULL_PAGE, np.int32)
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        source = np.full(num_rows, NO_SOURCE, np.int32)
+        arrays = (tokens, positions, query_lens, context_lens, page_tables, temperature, top_k,
+                  top_p, seeds, source)
+        padding = (0, 0, 0, 0, NULL_PAGE, 0, 0, 1, 0, NO_SOURCE)  # each array's fill
+        kept: list[tuple[Request, int]] = []
+        failed: list[tuple[Request, BaseException]] = []
+        b = 0
+        for req, n in rows:
+            try:
+                start = req.num_computed_tokens
+                known = req.all_token_ids[start:start + n]
+                tokens[b, :len(known)] = known
+                if len(known) < n:
+                    source[b] = self._feedback_source(req, n, len(known))
+                positions[b, :n] = np.arange(start, start + n)
+                query_lens[b] = n
+                context_lens[b] = start + n
+                table = page_table(req.req_id)
+                page_tables[b, :len(table)] = table
+                sp = req.sampling
+                temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
+                seeds[b] = sp.seed or 0
+            except Exception as e:  # this request's inputs only: it fails, the step goes on
+                for a, pad in zip(arrays, padding, strict=True):
+                    a[b] = pad
+                failed.append((req, e))
+                continue
+            kept.append((req, n))
+            b += 1
+        if not kept:
+            return Dispatched(None, kept, failed)
+        inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
+        sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
+        prev = self.inflight
+        feedback = TokenFeedback(
+            source,
+            prev.prefill if prev is not None and prev.prefill is not None else self.no_tokens,
+            prev.decode if prev is not None and prev.decode is not None else self.no_tokens)
+        return Dispatched(self.call_step(inputs, sampling, feedback), kept, failed)
+
+    def _feedback_source(self, req: Request, n: int, num_known: int) -> int:
+        """Where a row's unknown input token lies: the one token the step in flight is
+        sampling for ``req``. Anything else is a scheduling bug, not a data race."""
+        prev = self.inflight
+        if n != 1 or num_known != 0 or prev is None or req.req_id not in prev.sources:
+            raise RuntimeError(
+                f"request {req.req_id!r} was scheduled {n} token(s) from position "
+                f"{req.num_computed_tokens} but the host knows only {len(req.all_token_ids)} "
+                "and no step in flight samples the missing one")
+        return prev.sources[req.req_id]
+
+    def call_step(self, inputs: StepInputs, sampling: SamplingInputs,
+                   feedback: TokenFeedback | None = None) -> jax.Array:
+        """Run the jitted step on the pool (donated); returns the padded sampled tokens."""
+        if feedback is None:
+            feedback = TokenFeedback.none(inputs.tokens.shape[0], self.no_tokens)
+        sampled, self.kv_pool = self._step_fn(self.model.params, self.kv_pool, inputs,
+                                              sampling, feedback)
+        return sampled
+
+    # -- DuplexKV on the pool ----------------------------------------------------------
+
+    def poll_rotations(self) -> list[RotationEvent]:
+        """Finished page copies, observed without waiting; arrived pages land in the pool."""
+        if self.duplex is None:
+            return []
+        self.kv_pool, events = self.duplex.poll(self.kv_pool)
+        return events
+
+    def issue_rotations(self, moves_out: list[PageMoves], moves_in: list[PageMoves],
+                        shadows: list[PageMoves]) -> list[RotationEvent]:
+        """Issue a plan's copies, before the step that donates the pool is dispatched;
+        returns the copies that failed at once."""
+        if self.duplex is None:
+            return []
+        return self.duplex.execute(self.kv_pool, moves_out, moves_in, shadows)
+
+    def cancel_rotations(self, req_id: str) -> None:
+        if self.duplex is not None:
+            self.duplex.cancel(req_id)
+
+    @staticmethod
+    def read_tokens(sampled: jax.Array) -> np.ndarray:
+        """The sampled token ids on the host: blocks on this call only."""
+        return np.asarray(sampled)
+
+
+def enable_compilation_cache(path: str) -> None:
+    """Persist compiled steps on disk: a restart (or a second engine) skips XLA compiles."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

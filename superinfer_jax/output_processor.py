@@ -1,0 +1,99 @@
+"""The output processor: what a sampled token means for its request.
+
+It owns everything between a token id on the host and a streamed delta, as vLLM V1's
+output processor does: incremental detokenization, the stop decisions (stop strings, stop
+tokens, EOS) and the length decision, and the text that is safe to stream (held back
+while it could still turn out to start a stop string). The length check is one function,
+``at_length_limit``, shared with the engine's in-flight prediction and with the
+simulator, so all three agree on when a request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from superinfer_jax.detokenize import IncrementalDetokenizer
+from superinfer_jax.model_api import Tokenizer
+from superinfer_jax.request import Request, RequestStatus
+
+
+def at_length_limit(num_prompt_tokens: int, num_outputs: int, max_tokens: int,
+                    max_model_len: int) -> bool:
+    """Whether ``num_outputs`` output tokens reach ``max_tokens`` or ``max_model_len``."""
+    return num_outputs >= max_tokens or num_prompt_tokens + num_outputs >= max_model_len
+
+
+@dataclass
+class TokenOutcome:
+    """One landed token: the request's finish status (None: it goes on) and the text
+    delta safe to stream now."""
+
+    finish: RequestStatus | None
+    delta: str
+
+
+class OutputProcessor:
+    """Detokenizers and stop/length decisions for the requests of one engine."""
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: Collection[int],
+                 max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_model_len = max_model_len
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, req: Request) -> None:
+        if self.tokenizer is not None:
+            self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer,
+                                                             req.prompt_token_ids)
+
+    def remove(self, req_id: str) -> None:
+        self._detok.pop(req_id, None)
+
+    def at_length_limit(self, req: Request, num_outputs: int) -> bool:
+        """Whether ``num_outputs`` output tokens end ``req`` by length."""
+        return at_length_limit(len(req.prompt_token_ids), num_outputs,
+                               req.sampling.max_tokens, self.max_model_len)
+
+    def land(self, req: Request, token: int, now: float) -> TokenOutcome:
+        """Append a sampled token to ``req``, detokenize it and decide whether it ends
+        the request. The caller finishes the request when ``finish`` is set."""
+        req.num_inflight_tokens -= 1
+        req.output_token_ids.append(token)
+        req.token_times.append(now)
+        detok = self._detok.get(req.req_id)
+        text = req.output_text + (detok.push(token) if detok else "")
+        reason, text = self._stop_reason(req, token, text)
+        if reason is not None and detok is not None and reason != RequestStatus.FINISHED_STOPPED:
+            text += detok.flush()  # an incomplete character at the very end
+        req.output_text = text
+        return TokenOutcome(reason, self._emit_text(req, finished=reason is not None))
+
+    @staticmethod
+    def _emit_text(req: Request, finished: bool) -> str:
+        """Text safe to stream: hold back what could still turn out to start a stop string."""
+        end = len(req.output_text)
+        if req.sampling.stop and not finished:
+            end -= max(len(s) for s in req.sampling.stop) - 1
+        end = max(end, req.num_emitted_chars)
+        delta = req.output_text[req.num_emitted_chars:end]
+        req.num_emitted_chars = end
+        return delta
+
+    def _stop_reason(self, req: Request, token: int,
+                     text: str) -> tuple[RequestStatus | None, str]:
+        """(finish status or None, output text cut before a stop string if one appeared)."""
+        sp = req.sampling
+        if sp.stop:
+            search_from = max(0, len(req.output_text) - max(len(s) for s in sp.stop) + 1)
+            hits = [i for i in (text.find(s, search_from) for s in sp.stop) if i >= 0]
+            if hits:
+                return RequestStatus.FINISHED_STOPPED, text[:min(hits)]
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, text
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, text
+        if self.at_length_limit(req, len(req.output_token_ids)):
+            return RequestStatus.FINISHED_LENGTH, text
+        return None, text
