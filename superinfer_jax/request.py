@@ -118,6 +118,16 @@ class SLO:
                 f"got {self.priority_class!r}",
             )
 
+    @property
+    def ttft_s(self) -> float:
+        """The TTFT SLO in seconds."""
+        return self.ttft_ms / 1000
+
+    @property
+    def tbt_s(self) -> float:
+        """The TBT SLO in seconds."""
+        return self.tbt_ms / 1000
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -210,6 +220,11 @@ class Request:
         if self.final_token_inflight:
             return 0
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Whether the next step takes exactly one token of it (its prompt is in the pool)."""
+        return self.num_pending_tokens == 1
 
     @property
     def max_tokens_left(self) -> int:

@@ -1,65 +1,91 @@
-"""Who runs this step: continuous batching with chunked prefill under a token budget.
+"""Who runs this step: one pipeline of stages; a ``Policy`` supplies the decisions.
 
 The scheduler is pure host code over ``Request`` objects and the page seam of
-``KVCacheManager``. It returns a ``StepPlan`` (data); the engine executes it and reports
-back through ``on_step_done``. This is the vLLM V1 baseline: first come, first served;
-when a running request needs a page and none is free, the most recently admitted running
-request is preempted (its pages freed, to be recomputed later). The RotaSched policies
-plug in at the same seam.
+``KVCacheManager`` / ``TwoTierKVManager``. ``schedule`` returns a ``StepPlan`` (data)
+that is complete: rows, evictions, rotations with their page copies, the eager shadows
+and the budget it ran under. The engine and the simulator execute it and never re-derive
+any of it; they report back through ``on_rotated_out`` / ``on_rotated_in`` /
+``on_rotation_failed`` and ``remove``.
 
-Rotation (DuplexKV) seam: a policy rotates a running request out with ``_rotate_out``
-(``TwoTierKVManager.rotate_out`` frees its device pages now; the plan carries the page
-copies) and a parked one back in with ``_rotate_in``. Requests in flight or parked sit in
-``rotary`` and are never scheduled; the engine reports finished copies through
-``on_rotated_out`` / ``on_rotated_in`` / ``on_rotation_failed``. FCFS itself never
-decides to rotate: it brings parked requests back first, and ``force_rotate_out`` is a
-test-only hook that rotates the named running requests at the next ``schedule``. Without
-room on the host (or without a host tier) a rotation falls back to recomputation.
+Every step runs the same stages, in this order:
+
+1. forced rotations: requests named in ``force_rotate_out`` (a test hook) rotate out;
+2. ranking: if the policy says the step is contended, it ranks every request that could
+   run (waiting, parked, running); otherwise the order is FCFS and nobody overtakes;
+3. selection within pages, seats and the inbound transfer budget: from the head of the
+   ranking, who fits on the device this step;
+4. victims: running requests outside the selection leave, from the tail of the ranking,
+   within the outbound transfer budget (the policy says where to: host or recompute);
+5. the step's token budget (the policy's, when contended; else the configured one);
+6. running rows: decode rows and prefill chunks within the token budget and the padded
+   prefill call; a request that needs a page when none is free evicts the most recent
+   runner (when contended: the last in decode, prefill, finishing order);
+7. rotate-ins: parked requests come back within seats and the inbound transfer budget
+   (uncontended: oldest first, stopping at the first that cannot);
+8. admissions: waiting requests start (uncontended: only once nothing is parked, FCFS
+   with the head blocking; contended: the selected ones, in rank order);
+9. eager shadows: host copies of full pages, within what the rotations left of the
+   outbound transfer budget (only for a caller that issues them: ``shadowing``).
+
+Per-step state is one ``StepBudget`` passed through the stages, never kept on the
+instance. Rotation (DuplexKV): ``TwoTierKVManager.rotate_out`` frees device pages now and
+the plan carries the copies; requests in flight or parked sit in ``rotary``. Without room
+on the host (or without a host tier) a rotation falls back to recomputation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
-from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget, StepPlan
 
+if TYPE_CHECKING:
+    from superinfer_jax.rotasched.policy import Policy
 
-@dataclass
-class StepPlan:
-    """One step's work, as host ints. The engine executes it verbatim."""
+__all__ = ["HOST", "RECOMPUTE", "Scheduler", "StepBudget", "StepPlan", "next_chunk"]
 
-    prefill: list[tuple[str, int]] = field(default_factory=list)  # (req_id, new tokens)
-    decode: list[str] = field(default_factory=list)  # req_ids taking exactly one token
-    preempted: list[str] = field(default_factory=list)  # freed now, recomputed later
-    rotate_out: list[str] = field(default_factory=list)  # req_ids parked on the host
-    rotate_in: list[str] = field(default_factory=list)  # req_ids brought back
-    moves_out: list[PageMoves] = field(default_factory=list)  # device -> host page copies
-    moves_in: list[PageMoves] = field(default_factory=list)  # host -> device page copies
+class Scheduler:
+    """The stages, over the request queues. ``policy`` decides; this class executes.
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
+    ``page_bytes``: bytes of one KV page (for the policies' transfer-time predictions).
+    ``latency``: the latency model, or None until it is known (the engine profiles it
+    after warm-up and calls ``set_latency_model``). ``shadowing``: the caller issues
+    eager shadow copies, so plan them (with ``config.eager_shadowing`` and a host tier)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
-
-
-class FCFSScheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: Policy, *,
+                 page_bytes: int = 0, latency: LatencyModel | None = None,
+                 shadowing: bool = False):
         self.config = config
         self.kv = kv
+        self.policy = policy
+        self.page_bytes = page_bytes
+        self._latency = latency
+        self.shadowing = (shadowing and config.eager_shadowing
+                          and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
-        self.page_bytes = 0  # bytes of one page (set by the engine), for cost predictions
-        self.prefill_slots = config.max_num_batched_tokens  # padded prefill size, this step
+
+    @property
+    def latency(self) -> LatencyModel | None:
+        return self._latency
+
+    @latency.setter
+    def latency(self, model: LatencyModel | None) -> None:  # the engine's older spelling
+        self.set_latency_model(model)
+
+    def set_latency_model(self, model: LatencyModel | None) -> None:
+        """The latency model, once known (profiling needs the compiled engine)."""
+        self._latency = model
 
     @property
     def num_unfinished(self) -> int:
@@ -79,51 +105,181 @@ class FCFSScheduler:
         self.force_rotate_out.discard(req.req_id)
         self.kv.free(req.req_id)
 
+    def candidates(self) -> list[Request]:
+        """Every request that could run this step: waiting, parked, running (in that
+        order; a stable sort keeps it among equals)."""
+        parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
+        return list(self.waiting) + parked + list(self.running)
+
+    def device_pages_in_use(self) -> tuple[int, int]:
+        """(used, usable) device pages."""
+        usable = self.kv.allocator.num_usable
+        return usable - self.kv.num_free_pages, usable
+
+    # -- the stages -------------------------------------------------------------------
+
     def schedule(self, now: float | None = None) -> StepPlan:
         now = time.perf_counter() if now is None else now
-        plan = StepPlan()
-        budget = self.prefill_slots = self.config.max_num_batched_tokens
+        plan, budget = StepPlan(), StepBudget.full(self.config)
         self._rotate_forced(plan, now)
-        budget = self._schedule_running(plan, budget, now)
-        if self._rotate_in_parked(plan, now):
-            self._admit_waiting(plan, budget, now)
+        ranked = self.policy.rank(self, now) if self.policy.contended(self) else None
+        keep = self._select(ranked, budget) if ranked is not None else None
+        self._evict_unselected(ranked, keep, plan, budget, now)
+        if ranked is not None:
+            budget = self.policy.token_budget(self, budget, now, keep)
+        plan.budget = dataclasses.replace(budget)
+        self._run_rows(plan, budget, now, contended=ranked is not None)
+        if self._rotate_in(ranked, keep, plan, budget, now):
+            self._admit(ranked, keep, plan, budget, now)
+        if self.shadowing:
+            self._plan_shadows(plan)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
+    def _rotate_forced(self, plan: StepPlan, now: float) -> None:
+        for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
+            self._rotate_out(req, plan, now)
+        self.force_rotate_out.clear()  # requests not running now are not rotated
+
+    def _select(self, ranked: list[Request], budget: StepBudget) -> set[str]:
+        """From the head: who fits in the device pool, the seats and the inbound transfer
+        budget. Capacity is what the running requests hold plus what is free: pages of
+        requests rotating in are spoken for, pages of requests rotating out are free."""
+        capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
+                                                for r in self.running)
+        transfer = budget.pages_in
+        used, seats, keep = 0, self.config.max_num_seqs - self._num_rotating_in(), set()
+        for req in ranked:
+            need = self._pages_to_run(req)
+            moving = self._host_pages(req)
+            if len(keep) >= seats or used + need > capacity or moving > transfer:
+                continue
+            keep.add(req.req_id)
+            used += need
+            transfer -= moving
+        return keep
+
+    def _evict_unselected(self, ranked: list[Request] | None, keep: set[str] | None,
+                          plan: StepPlan, budget: StepBudget, now: float) -> None:
+        """Runners outside the selection leave, from the tail of the ranking."""
+        if ranked is None or keep is None:
+            return
+        for req in reversed(ranked):
+            if req.status != RequestStatus.RUNNING or req.req_id in keep:
+                continue
+            cost = self.kv.rotation_cost_out(req.req_id)
+            if cost > budget.pages_out:
+                continue
+            budget.pages_out -= cost
+            self._evict(req, plan, now)
+
+    def _run_rows(self, plan: StepPlan, budget: StepBudget, now: float,
+                  contended: bool) -> None:
+        """Rows for the running requests, in admission order; when contended decode rows
+        go first, then prefill chunks (under a TBT-sized budget a prefill early in the
+        list must not crowd out a decoder behind it), then runners whose token in flight
+        ends them. Evictions for pages take the last of that order."""
+        if contended:
+            running = self.running
+            rows = ([r for r in running if r.is_decoding]
+                    + [r for r in running if r.num_pending_tokens > 1]
+                    + [r for r in running if r.num_pending_tokens == 0])
+        else:
+            rows = list(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            pending = req.num_pending_tokens
+        while i < len(rows) and budget.tokens > 0:
+            req = rows[i]
             n = self._next_chunk(req, plan, budget)
             if n == 0:
                 i += 1  # its token in flight ends it (async scheduling), or no prefill room
                 continue
-            if not self._reserve(req, n, plan, now):
-                break  # req itself was preempted; everything after it already was
-            if pending == 1:
-                plan.decode.append(req.req_id)
-            else:
-                plan.prefill.append((req.req_id, n))
-            budget -= n
+            if not self._reserve(req, n, plan, rows, now):
+                break  # req itself was evicted; everything after it already was
+            self._add_row(plan, req, n)
+            budget.tokens -= n
             i += 1
-        return budget
 
-    def _next_chunk(self, req: Request, plan: StepPlan, budget: int) -> int:
+    def _rotate_in(self, ranked: list[Request] | None, keep: set[str] | None,
+                   plan: StepPlan, budget: StepBudget, now: float) -> bool:
+        """Bring parked requests back within the seats and the inbound transfer budget.
+        Returns whether admissions may follow: contended, always; uncontended, only when
+        nobody is left parked or on the way out (the parked ones are older, go first)."""
+        if ranked is None or keep is None:
+            for req in [r for r in self.rotary if r.status == RequestStatus.ROTARY]:
+                kv = self.kv
+                assert isinstance(kv, TwoTierKVManager)
+                cost = kv.rotation_cost_in(req.req_id)
+                if self._num_seated() >= self.config.max_num_seqs or not kv.can_rotate_in(
+                        req.req_id) or (plan.rotate_in and cost > budget.pages_in):
+                    return False
+                self._start_rotate_in(req, plan, now)
+                budget.pages_in -= cost
+            return all(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+        for req in ranked:
+            if req.status != RequestStatus.ROTARY or req.req_id not in keep:
+                continue
+            cost = self._host_pages(req)
+            if self._num_seated() >= self.config.max_num_seqs:
+                break
+            assert isinstance(self.kv, TwoTierKVManager)  # only it parks requests
+            if cost > budget.pages_in or not self.kv.can_rotate_in(req.req_id):
+                continue
+            self._start_rotate_in(req, plan, now)
+            budget.pages_in -= cost
+        return True
+
+    def _admit(self, ranked: list[Request] | None, keep: set[str] | None, plan: StepPlan,
+               budget: StepBudget, now: float) -> None:
+        """Uncontended: FCFS, the head waits for memory and nobody overtakes it.
+        Contended: the selected waiting requests, in rank order."""
+        max_seqs = self.config.max_num_seqs
+        if ranked is None or keep is None:
+            while self.waiting and budget.tokens > 0 and self._num_seated() < max_seqs:
+                req = self.waiting[0]
+                if req.req_id in plan.preempted or not self._admit_one(req, plan, budget,
+                                                                       now):
+                    break  # not what this very step evicted; else the head waits
+            return
+        for req in ranked:
+            if req.status != RequestStatus.WAITING or req.req_id not in keep \
+                    or budget.tokens <= 0:
+                continue
+            if req.req_id in plan.preempted or self._num_seated() >= max_seqs:
+                continue
+            self._admit_one(req, plan, budget, now)
+
+    def _plan_shadows(self, plan: StepPlan) -> None:
+        """Host copies of the runners' full, unshadowed pages, within what the plan's
+        rotate-outs left of the outbound transfer budget (``DuplexKV.shadow_budget``)."""
+        assert isinstance(self.kv, TwoTierKVManager)
+        moving = sum(len(m) for m in plan.moves_out)
+        room = max(0, self.config.transfer_budget_pages - moving)
+        computed = {r.req_id: r.num_computed_tokens for r in self.running}
+        plan.shadows = self.kv.plan_shadows(computed, room)
+
+    # -- rows and pages ---------------------------------------------------------------
+
+    def _next_chunk(self, req: Request, plan: StepPlan, budget: StepBudget) -> int:
         """Tokens ``req`` takes this step: 1 when decoding, else its next prefill chunk
-        within the budget and the padded call (0: no room for another prefill row)."""
-        pending = req.num_pending_tokens
-        if pending == 1:
+        within the token budget and the padded call (0: no room for another prefill row,
+        or nothing left to schedule)."""
+        if req.is_decoding:
             return 1
-        return min(pending, self._prefill_chunk_cap(plan), budget)
+        return next_chunk(req, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
 
-    def _prefill_chunk_cap(self, plan: StepPlan) -> int:
+    def _pages_to_run(self, req: Request) -> int:
+        """Device pages ``req`` holds after its next step, with the longest chunk a step
+        can give it (the selection's estimate: the budget is not known yet)."""
+        chunk = next_chunk(req, self.config.max_prefill_chunk)
+        return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
+
+    def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
         """Longest chunk one more prefill row may take this step (0: no more rows).
 
         The prefill call is padded to ``[row bucket, column bucket]`` and a padded slot
-        costs what a real token does, so the padded shape must fit in the step's token
-        budget (``prefill_slots``), not only the real tokens: two rows of 200 tokens pad
-        to 4x256 and ran 3.5x longer than one row of 256 (744 vs 211 ms on the CPU policy
-        sweep), a stall for every decoder in the step."""
+        costs what a real token does, so the padded shape must fit in the step's prefill
+        slots, not only the real tokens: two rows of 200 tokens pad to 4x256 and ran 3.5x
+        longer than one row of 256 (744 vs 211 ms on the CPU policy sweep), a stall for
+        every decoder in the step."""
         cfg = self.config
         rows = len(plan.prefill) + 1
         if rows > cfg.max_prefill_rows:
@@ -131,25 +287,57 @@ class FCFSScheduler:
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
         fits = [c for c in cfg.prefill_chunk_buckets
-                if row_bucket * c <= self.prefill_slots and c >= longest]
+                if row_bucket * c <= budget.prefill_slots and c >= longest]
         if fits:
             return fits[-1]
         return cfg.max_prefill_chunk if rows == 1 else 0  # one row always makes progress
 
-    def _reserve(self, req: Request, n: int, plan: StepPlan, now: float) -> bool:
-        """Pages for ``n`` more tokens of ``req``, preempting from the tail if needed."""
+    @staticmethod
+    def _add_row(plan: StepPlan, req: Request, n: int) -> None:
+        if req.is_decoding:
+            plan.decode.append(req.req_id)
+        else:
+            plan.prefill.append((req.req_id, n))
+
+    def _reserve(self, req: Request, n: int, plan: StepPlan, rows: list[Request],
+                 now: float) -> bool:
+        """Pages for ``n`` more tokens of ``req``, evicting the last of ``rows`` (and so of
+        ``running``) until they fit; False when ``req`` itself had to go."""
         total = req.num_computed_tokens + n
         while not self.kv.can_allocate(req.req_id, total):
-            victim = self.running[-1]
+            victim = rows.pop()
             self._evict(victim, plan, now)
             if victim is req:
                 return False
         self.kv.allocate_for(req.req_id, total)
         return True
 
+    def _host_pages(self, req: Request) -> int:
+        """Pages ``req`` must move in before it can run (0 unless parked)."""
+        if req.status == RequestStatus.ROTARY:
+            assert isinstance(self.kv, TwoTierKVManager)  # only it parks requests
+            return self.kv.rotation_cost_in(req.req_id)
+        return 0
+
+    def _num_seated(self) -> int:
+        """Requests holding a batch row: running, or on their way back to running."""
+        return len(self.running) + self._num_rotating_in()
+
+    def _num_rotating_in(self) -> int:
+        return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+
+    # -- moving requests --------------------------------------------------------------
+
     def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
-        """Make room by taking ``req`` off the device: FCFS (vLLM V1) recomputes it later."""
-        self._preempt(req, plan, now)
+        """Take ``req`` off the device, where its policy says: the host, or recompute."""
+        target = self.policy.evict_to(self, req)
+        if target == HOST:
+            self._rotate_out(req, plan, now)
+        elif target == RECOMPUTE:
+            self._preempt(req, plan, now)
+        else:
+            raise ValueError(f"policy {self.config.policy!r}: evict_to returned {target!r}; "
+                             f"expected {HOST!r} or {RECOMPUTE!r}")
 
     def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
         self.running.remove(req)
@@ -158,13 +346,6 @@ class FCFSScheduler:
         plan.preempted.append(req.req_id)
         plan.decode = [r for r in plan.decode if r != req.req_id]
         plan.prefill = [(r, n) for r, n in plan.prefill if r != req.req_id]
-
-    # -- rotation --------------------------------------------------------------------------
-
-    def _rotate_forced(self, plan: StepPlan, now: float) -> None:
-        for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
-            self._rotate_out(req, plan, now)
-        self.force_rotate_out.clear()  # requests not running now are not rotated
 
     def _rotate_out(self, req: Request, plan: StepPlan, now: float) -> None:
         """Park a running request on the host, or recompute it when the host has no room."""
@@ -179,36 +360,40 @@ class FCFSScheduler:
         req.num_rotations += 1
         req.set_status(RequestStatus.ROTATING_OUT, now)
 
-    def _rotate_in_parked(self, plan: StepPlan, now: float) -> bool:
-        """Bring parked requests back, oldest first, within the transfer budget.
-
-        Returns whether no request is left parked or on its way out: only then does FCFS
-        admit new requests (the parked ones are older and go first)."""
-        budget = self.config.transfer_budget_pages
-        for req in [r for r in self.rotary if r.status == RequestStatus.ROTARY]:
-            kv = self.kv
-            assert isinstance(kv, TwoTierKVManager)
-            cost = kv.rotation_cost_in(req.req_id)
-            if self._num_seated() >= self.config.max_num_seqs \
-                    or not kv.can_rotate_in(req.req_id) or (plan.rotate_in and cost > budget):
-                return False
-            self._rotate_in(req, plan, now)
-            budget -= cost
-        return all(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
-
-    def _rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
+    def _start_rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
         """Bring a parked request back (device pages reserved now, runnable on arrival)."""
         assert isinstance(self.kv, TwoTierKVManager)
         plan.moves_in.append(self.kv.rotate_in(req.req_id))
         plan.rotate_in.append(req.req_id)
         req.set_status(RequestStatus.ROTATING_IN, now)
 
-    def _num_seated(self) -> int:
-        """Requests holding a batch row: running, or on their way back to running."""
-        return len(self.running) + self._num_rotating_in()
+    def _admit_one(self, req: Request, plan: StepPlan, budget: StepBudget,
+                   now: float) -> int:
+        """Admit waiting ``req`` for its first chunk if rows and pages allow; returns the
+        tokens scheduled (0: not admitted)."""
+        if req.num_inflight_tokens:
+            return 0  # evicted while its last token was in flight: recompute once it lands
+        n = self._next_chunk(req, plan, budget)
+        if n == 0 or not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+            return 0
+        self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.set_status(RequestStatus.RUNNING, now)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self._add_row(plan, req, n)
+        budget.tokens -= n
+        return n
 
-    def _num_rotating_in(self) -> int:
-        return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+    def _requeue_for_recompute(self, req: Request, now: float) -> None:
+        req.num_recomputed_tokens += req.num_computed_tokens
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.set_status(RequestStatus.WAITING, now)
+        self.waiting.appendleft(req)
+
+    # -- what the engine reports ------------------------------------------------------
 
     def on_rotated_out(self, req: Request, now: float) -> None:
         req.set_status(RequestStatus.ROTARY, now)
@@ -224,44 +409,9 @@ class FCFSScheduler:
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)
 
-    def _requeue_for_recompute(self, req: Request, now: float) -> None:
-        req.num_recomputed_tokens += req.num_computed_tokens
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.set_status(RequestStatus.WAITING, now)
-        self.waiting.appendleft(req)
 
-    # -- admission -----------------------------------------------------------------------
-
-    def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
-        while self.waiting and budget > 0 and self._num_seated() < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.req_id in plan.preempted:
-                break  # do not re-admit what this very step evicted
-            n = self._admit_one(req, plan, budget, now)
-            if not n:
-                break  # FCFS: the head waits for memory, nobody overtakes it
-            budget -= n
-
-    def _admit_one(self, req: Request, plan: StepPlan, budget: int, now: float) -> int:
-        """Admit waiting ``req`` for its first chunk if rows and pages allow; returns the
-        tokens scheduled (0: not admitted)."""
-        if req.num_inflight_tokens:
-            return 0  # evicted while its last token was in flight: recompute once it lands
-        n = self._next_chunk(req, plan, budget)
-        if n == 0:
-            return 0
-        pending = req.num_pending_tokens
-        if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
-            return 0
-        self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
-        self.waiting.remove(req)
-        self.running.append(req)
-        req.set_status(RequestStatus.RUNNING, now)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        if pending == 1:
-            plan.decode.append(req.req_id)
-        else:
-            plan.prefill.append((req.req_id, n))
-        return n
+def next_chunk(req: Request, limit: int) -> int:
+    """The one chunk rule: 1 token when decoding, else the pending prompt up to ``limit``
+    (0 when nothing is left to schedule: its token in flight ends it)."""
+    pending = req.num_pending_tokens
+    return 1 if pending == 1 else min(pending, limit)

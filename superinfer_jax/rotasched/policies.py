@@ -1,106 +1,99 @@
-"""Scheduling policies over one seam: ``fcfs`` (vLLM V1), ``swap`` (vLLM V0), ``rotasched``.
+"""The built-in policies: ``fcfs`` (vLLM V1), ``swap`` (vLLM V0), ``rotasched``.
 
-All three are the FCFS scheduler with one or two decisions changed, so a comparison
-between them measures the decision, not an implementation difference:
+All three run through the same ``Scheduler`` stages and differ only in their decisions
+(``policy.Policy``), so a comparison between them measures the decision, not an
+implementation difference:
 
-- ``fcfs``: when a running request needs a page and none is free, the most recently
-  admitted running request is preempted and later recomputed.
-- ``swap``: the same victim is swapped out to host memory instead (rotated out, falling
-  back to recomputation when the host tier is full), and swapped requests come back
+- ``fcfs``: never contended; when a running request needs a page and none is free, the
+  most recently admitted running request is preempted and later recomputed.
+- ``swap``: ``fcfs`` whose victim is swapped out to host memory instead (rotated out,
+  falling back to recomputation when the host tier is full); swapped requests come back
   before any new request is admitted.
-- ``rotasched``: with no memory contention, exactly ``fcfs``. Under contention (device
-  pages above the high-water mark, or requests parked on the host) every request is
-  ranked by virtual lag (or by predicted slack), requests are kept or brought onto the
-  device from the head while they fit in the device pool and the step's transfer budget,
-  and running requests are rotated out from the tail, before an allocation fails.
+- ``rotasched``: with no memory contention, exactly ``fcfs``. Contended (device pages
+  above the high-water mark, or requests parked on the host), every request is ranked by
+  virtual lag (or by predicted slack), requests are kept or brought onto the device from
+  the head while they fit in the device pool and the step's transfer budget, running
+  requests are rotated out from the tail before an allocation fails, and the step's
+  tokens are sized to the decoders' tightest TBT SLO.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
+import dataclasses
+from typing import TYPE_CHECKING
 
 from superinfer_jax.config import EngineConfig, bucket
-from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.rotasched.policy import HOST, Policy
+from superinfer_jax.rotasched.registry import make_scheduler, register_policy
+from superinfer_jax.step_plan import StepBudget
+
+if TYPE_CHECKING:
+    from superinfer_jax.scheduler import Scheduler
+
+__all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy", "make_scheduler"]
 
 
-class SwapScheduler(FCFSScheduler):
+@register_policy("fcfs")
+class FCFSPolicy(Policy):
+    """vLLM V1: never contended; a victim is recomputed."""
+
+    name = "fcfs"
+
+
+@register_policy("swap")
+class SwapPolicy(FCFSPolicy):
     """vLLM V0 swap preemption: the victim's KV goes to host memory, not away."""
 
-    def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
-        self._rotate_out(req, plan, now)
+    name = "swap"
+
+    def evict_to(self, s: Scheduler, req: Request) -> str:
+        return HOST
 
 
-class RotaSchedScheduler(SwapScheduler):
-    def __init__(self, config: EngineConfig, kv: TwoTierKVManager,
-                 latency: LatencyModel | None = None):
-        super().__init__(config, kv)
+@register_policy("rotasched")
+class RotaSchedPolicy(SwapPolicy):
+    name = "rotasched"
+    uses_latency = True  # mode "slack" and the TBT-sized token budget
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
         self.params = config.rotasched
-        self.latency = latency  # needed by mode "slack"; the engine sets it at warm-up
 
     # -- when to act ----------------------------------------------------------------------
 
-    def contended(self) -> bool:
+    def contended(self, s: Scheduler) -> bool:
         """Proactive trigger: above the high-water mark, or anyone parked or rotating."""
-        usable = self.kv.allocator.num_usable
-        used = usable - self.kv.num_free_pages
-        return bool(self.rotary) or used >= self.config.rotasched.high_water_mark * usable
+        used, usable = s.device_pages_in_use()
+        return bool(s.rotary) or used >= self.params.high_water_mark * usable
 
-    def schedule(self, now: float | None = None) -> StepPlan:
-        now = time.perf_counter() if now is None else now
-        if not self.contended():
-            return super().schedule(now)
-        plan = StepPlan()
-        self._rotate_forced(plan, now)
-        ranked = self.rank(now)
-        keep = self._select(ranked)
-        self._rotate_out_tail(ranked, keep, plan, now)
-        budget, self.prefill_slots = self._token_budget(now, keep)
-        budget = self._schedule_running(plan, budget, now)
-        self._rotate_in_ranked(ranked, keep, plan, now)
-        self._admit_ranked(ranked, keep, plan, budget, now)
-        return plan
+    # -- the step's token budget ----------------------------------------------------------
 
-    def _schedule_running(self, plan: StepPlan, budget: int, now: float) -> int:
-        """Decode rows first, then prefill chunks with what is left: under a TBT-sized
-        budget a prefill early in the list must not crowd out a decoder behind it."""
-        decoding = [r for r in self.running if r.num_pending_tokens == 1]
-        prefilling = [r for r in self.running if r.num_pending_tokens > 1]
-        ending = [r for r in self.running if r.num_pending_tokens == 0]  # token in flight
-        order, self.running = self.running, decoding + prefilling + ending
-        try:
-            return super()._schedule_running(plan, budget, now)
-        finally:
-            kept = set(map(id, self.running))  # admission order, minus this step's victims
-            self.running = [r for r in order if id(r) in kept]
-
-    def _token_budget(self, now: float, keep: set[str]) -> tuple[int, int]:
-        """(tokens, padded prefill slots) this step may take: decode rows plus the largest
-        prefill chunk bucket whose call keeps the step within the tightest TBT SLO among
-        the decoders (Sarathi-style), priced by the latency model at the padded shape the
-        engine will run, fixed cost of the prefill call included (pricing real tokens
-        only, 23 planned tokens ran as a 64-column call of 88 ms against a 54 ms SLO).
+    def token_budget(self, s: Scheduler, budget: StepBudget, now: float,
+                     keep: set[str]) -> StepBudget:
+        """Decode rows plus the largest prefill chunk bucket whose call keeps the step
+        within the tightest TBT SLO among the decoders (Sarathi-style), priced by the
+        latency model at the padded shape the engine will run, fixed cost of the prefill
+        call included (pricing real tokens only, 23 planned tokens ran as a 64-column
+        call of 88 ms against a 54 ms SLO).
 
         Without a model, with nobody decoding, or while a first token that can still make
         its deadline is late and will prefill this step, the configured budget: the lag
         order puts a late first token ahead of the runners' next ones, and a TBT-sized
         budget would starve prefill (measured on the policy sweep at 3 req/s: TTFT
         attainment 0.27 with it, 0.98 without it while someone is late)."""
-        full = (self.config.max_num_batched_tokens,) * 2
-        decoders = [r for r in self.running if r.num_pending_tokens == 1]
-        lm = self.latency
-        if lm is None or not decoders or self._first_token_late(now, keep):
-            return full
-        tbt = min(r.slo.tbt_ms for r in decoders) / 1000
+        decoders = [r for r in s.running if r.is_decoding]
+        lm = s.latency
+        if lm is None or not decoders or self._first_token_late(s, now, keep):
+            return budget
+        tbt = min(r.slo.tbt_s for r in decoders)
         # the decode call as compiled: rows padded to a bucket, every row walking the
         # longest context (XLA attention; an upper bound for the Pallas kernel)
         rows = bucket(len(decoders), self.config.decode_buckets)
         room = 0.9 * tbt - lm.decode_s(rows, rows * max(r.num_tokens for r in decoders))
-        context = max((r.num_computed_tokens for r in self.running
+        context = max((r.num_computed_tokens for r in s.running
                        if r.num_pending_tokens > 1), default=0)
         fits = [c for c in self.config.prefill_chunk_buckets
                 if lm.prefill_s(c, context) <= room]
@@ -109,10 +102,11 @@ class RotaSchedScheduler(SwapScheduler):
             # so let the miss buy the most progress. Trickling a floor of tokens instead
             # spread the misses over many steps (measured at 4 req/s on the policy sweep:
             # TBT attainment 0.77 with the floor, 0.80 without).
-            return full
-        return len(decoders) + fits[-1], fits[-1]
+            return budget
+        return dataclasses.replace(budget, tokens=len(decoders) + fits[-1],
+                                   prefill_slots=fits[-1])
 
-    def _first_token_late(self, now: float, keep: set[str]) -> bool:
+    def _first_token_late(self, s: Scheduler, now: float, keep: set[str]) -> bool:
         """Whether a first token is late (past ``beta_f`` of its TTFT SLO, where the
         waiting lag starts to grow) but not yet missed, for a request that prefills this
         step: running with a prompt left, or waiting and selected to run. A hopeless or
@@ -120,38 +114,39 @@ class RotaSchedScheduler(SwapScheduler):
         beta = self.params.beta_f
 
         def late(r: Request) -> bool:
+            # ``beta * ttft_ms / 1000``, not ``beta * ttft_s``: the same float as always
             return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
                     and not _missed_ttft(r, now))
 
-        return any(late(r) for r in self.running if r.num_pending_tokens > 1) or any(
-            late(r) for r in self.waiting if r.req_id in keep)
+        return any(late(r) for r in s.running if r.num_pending_tokens > 1) or any(
+            late(r) for r in s.waiting if r.req_id in keep)
 
     # -- ranking --------------------------------------------------------------------------
 
-    def urgency(self, req: Request, now: float) -> float:
+    def urgency(self, s: Scheduler, req: Request, now: float) -> float:
         """Larger is more urgent: virtual lag, or negated (weighted) predicted slack."""
-        if self.config.rotasched.mode == "vlt":
+        if self.params.mode == "vlt":
             return virtual_lag(req, now, self.params)
-        slack = self.predicted_slack(req, now)
+        slack = self.predicted_slack(s, req, now)
         weight = self.params.priority_weights[req.slo.priority_class]
         return -(slack / weight if slack > 0 else slack * weight)
 
-    def predicted_slack(self, req: Request, now: float) -> float:
+    def predicted_slack(self, s: Scheduler, req: Request, now: float) -> float:
         """Seconds to spare before the next deadline, after the predicted work to meet it."""
-        lm = self.latency
+        lm = s.latency
         if lm is None:
             raise RuntimeError("rotasched.mode 'slack' needs a latency model; warm up the "
                                "engine or give rotasched.latency_profile")
         if not req.token_times:
             work = lm.prefill_s(req.num_pending_tokens, req.num_computed_tokens)
-            return req.arrival_time + req.slo.ttft_ms / 1000 - now - work
-        work = lm.decode_s(max(1, len(self.running)), req.num_tokens)
+            return req.arrival_time + req.slo.ttft_s - now - work
+        work = lm.decode_s(max(1, len(s.running)), req.num_tokens)
         if req.status != RequestStatus.RUNNING:
-            pages = self.kv.page_table(req.req_id) or []
-            work += lm.transfer_s(len(pages) * self.page_bytes) if pages else 0.0
-        return req.token_times[-1] + req.slo.tbt_ms / 1000 - now - work
+            pages = s.kv.page_table(req.req_id) or []
+            work += lm.transfer_s(len(pages) * s.page_bytes) if pages else 0.0
+        return req.token_times[-1] + req.slo.tbt_s - now - work
 
-    def rank(self, now: float) -> list[Request]:
+    def rank(self, s: Scheduler, now: float) -> list[Request]:
         """Every request that could run, most urgent first (ties: arrival order).
 
         Three guards keep rotation productive:
@@ -169,12 +164,10 @@ class RotaSchedScheduler(SwapScheduler):
           requests that can still make their deadline (in simulation at overload this
           raised both TTFT and TBT attainment; see ``benchmarks.policy_sweep``).
         With no one late this is FCFS order, whatever the memory pressure."""
-        parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
-        pool = list(self.waiting) + parked + list(self.running)
         k = self.params.min_residency_tokens
 
         def key(r: Request) -> tuple[int, float, float]:
-            urgency = self.urgency(r, now)
+            urgency = self.urgency(s, r, now)
             if r.status == RequestStatus.RUNNING:
                 if _resident_tokens(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
@@ -183,80 +176,12 @@ class RotaSchedScheduler(SwapScheduler):
                 return (1, -urgency, r.arrival_time)  # late: may displace runners
             return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
-        return sorted(pool, key=key)
-
-    # -- selection ------------------------------------------------------------------------
-
-    def _pages_to_run(self, req: Request) -> int:
-        """Device pages ``req`` holds after its next step (its next chunk included)."""
-        chunk = 1 if req.num_pending_tokens == 1 else min(req.num_pending_tokens,
-                                                          self.config.max_prefill_chunk)
-        return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
-
-    def _select(self, ranked: list[Request]) -> set[str]:
-        """From the head: who fits in the device pool and the inbound transfer budget.
-
-        Capacity is what the running requests hold plus what is free: pages of requests
-        rotating in are spoken for, pages of requests rotating out are already free."""
-        capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
-                                                for r in self.running)
-        transfer = self.config.transfer_budget_pages
-        used, seats, keep = 0, self.config.max_num_seqs - self._num_rotating_in(), set()
-        for req in ranked:
-            need = self._pages_to_run(req)
-            moving = self._host_pages(req)
-            if len(keep) >= seats or used + need > capacity or moving > transfer:
-                continue
-            keep.add(req.req_id)
-            used += need
-            transfer -= moving
-        return keep
-
-    def _host_pages(self, req: Request) -> int:
-        """Pages ``req`` must move in before it can run (0 unless parked)."""
-        if req.status == RequestStatus.ROTARY:
-            return self.kv.rotation_cost_in(req.req_id)
-        return 0
-
-    def _rotate_out_tail(self, ranked: list[Request], keep: set[str], plan: StepPlan,
-                         now: float) -> None:
-        budget = self.config.transfer_budget_pages
-        for req in reversed(ranked):
-            if req.status != RequestStatus.RUNNING or req.req_id in keep:
-                continue
-            cost = self.kv.rotation_cost_out(req.req_id)
-            if cost > budget:
-                continue
-            budget -= cost
-            self._evict(req, plan, now)
-
-    def _rotate_in_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
-                          now: float) -> None:
-        budget = self.config.transfer_budget_pages
-        for req in ranked:
-            if req.status != RequestStatus.ROTARY or req.req_id not in keep:
-                continue
-            cost = self._host_pages(req)
-            if self._num_seated() >= self.config.max_num_seqs:
-                break
-            if cost > budget or not self.kv.can_rotate_in(req.req_id):
-                continue
-            self._rotate_in(req, plan, now)
-            budget -= cost
-
-    def _admit_ranked(self, ranked: list[Request], keep: set[str], plan: StepPlan,
-                      budget: int, now: float) -> None:
-        for req in ranked:
-            if req.status != RequestStatus.WAITING or req.req_id not in keep or budget <= 0:
-                continue
-            if req.req_id in plan.preempted or self._num_seated() >= self.config.max_num_seqs:
-                continue
-            budget -= self._admit_one(req, plan, budget, now)
+        return sorted(s.candidates(), key=key)
 
 
 def _missed_ttft(req: Request, now: float) -> bool:
     """A request without a first token whose TTFT deadline has passed."""
-    return not req.token_times and now - req.arrival_time > req.slo.ttft_ms / 1000
+    return not req.token_times and now - req.arrival_time > req.slo.ttft_s
 
 
 def _resident_tokens(req: Request) -> int:
@@ -264,12 +189,3 @@ def _resident_tokens(req: Request) -> int:
     if req.running_since is None:
         return 0
     return len(req.token_times) - bisect.bisect_left(req.token_times, req.running_since)
-
-
-def make_scheduler(config: EngineConfig, kv: TwoTierKVManager,
-                   latency: LatencyModel | None = None) -> FCFSScheduler:
-    if config.policy == "fcfs":
-        return FCFSScheduler(config, kv)
-    if config.policy == "swap":
-        return SwapScheduler(config, kv)
-    return RotaSchedScheduler(config, kv, latency)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from superinfer_jax.config import POLICIES, EngineConfig
 from superinfer_jax.latency import LatencyModel
+from superinfer_jax.rotasched.registry import resolve_policy
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
@@ -63,7 +64,7 @@ class SimPreset:
     rates: tuple[float, ...]  # requests per second
     duration_s: float = 120.0  # arrivals are generated for this long
     hardware: tuple[str, ...] = ("gh200-96g", "h200-pcie")
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = POLICIES  # registered names or module:Class paths
     ttft_ms: float = 5000.0
     tbt_ms: float = 100.0
     max_prompt: int = 4096
@@ -84,8 +85,7 @@ class SimPreset:
                 raise ValueError(f"hardware must be in {sorted(HARDWARE) + [THIS_MACHINE]}, "
                                  f"got {hw!r}")
         for p in self.policies:
-            if p not in POLICIES:
-                raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
+            resolve_policy(p)  # a registered name or module:Class, else a ValueError
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
 
@@ -104,7 +104,8 @@ class SimPreset:
                             transfer_mode=transfer_mode)
         pages = num_device_pages_for(model, hw, config.page_size, self.memory_fraction)
         host = int(self.host_memory_gb * (1 << 30)) // cost.page_bytes
-        latency = latency_model_of(cost, config) if policy == "rotasched" else None
+        uses_latency = getattr(resolve_policy(policy), "uses_latency", False)
+        latency = latency_model_of(cost, config) if uses_latency else None
         return Simulator(config, cost, pages, host, latency)
 
 

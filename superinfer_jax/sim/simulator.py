@@ -1,8 +1,9 @@
 """Discrete-event simulator: the engine's step loop, with the model and the copies priced.
 
-It drives the *same* scheduler objects (``make_scheduler``: fcfs, swap, rotasched) and the
-same page bookkeeping (``TwoTierKVManager``) as ``engine.LLMEngine``; only the jitted model
-step and the page copies are replaced by a ``CostModel``. Events, in time order:
+It drives the *same* scheduler (``make_scheduler``: fcfs, swap, rotasched or a plug-in
+policy) and the same page bookkeeping (``TwoTierKVManager``) as ``engine.LLMEngine``, and
+executes its plans as they are (rotations and eager shadows included); only the jitted
+model step and the page copies are replaced by a ``CostModel``. Events, in time order:
 
 - *arrival*: a request joins the scheduler at the next step start, stamped with its
   true arrival time (the replay loop adds arrivals at the top of each iteration);
@@ -40,8 +41,8 @@ from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.policies import make_scheduler
-from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.rotasched.registry import make_scheduler
+from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.sim.cost import CallShape, CostModel
 
 OUT, IN = 0, 1  # copy directions: device -> host, host -> device
@@ -173,17 +174,15 @@ class _Run:
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
         self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages)
-        self.sched = make_scheduler(cfg, self.kv, sim.latency)
-        self.sched.page_bytes = sim.cost.page_bytes
-        self.sim = sim
-        self.link = Link(sim.cost)
         # Shadows matter only to a later rotate-out, and plain FCFS never rotates: unless
         # copies cost the host time (a CPU, where they share the cores with the model),
         # skipping them changes no timeline (the link has no other traffic) and saves
         # the simulator the per-step scan of every running request's pages.
         copies_cost_host = sim.cost.host_s(1, 1) > sim.cost.host_s(1, 0)
-        self.shadowing = (cfg.eager_shadowing and sim.num_host_pages > 0
-                          and (type(self.sched) is not FCFSScheduler or copies_cost_host))
+        self.sched = make_scheduler(cfg, self.kv, sim.latency, page_bytes=sim.cost.page_bytes,
+                                    shadowing=cfg.policy != "fcfs" or copies_cost_host)
+        self.sim = sim
+        self.link = Link(sim.cost)
         self.requests: dict[str, SimRequest] = {}
         self.order: list[SimRequest] = []
         self.copies: list[tuple[float, int, int, str]] = []  # heap (done, seq, dir, req_id)
@@ -279,14 +278,9 @@ class _Run:
     # -- copies --------------------------------------------------------------------------
 
     def _issue_copies(self, plan: StepPlan, t: float) -> int:
-        """The plan's rotations and this step's eager shadows, as the engine issues them;
-        returns the number of pages issued."""
-        shadows = []
-        if self.shadowing:
-            moving = sum(len(m) for m in plan.moves_out)
-            budget = max(0, self.cfg.transfer_budget_pages - moving)
-            computed = {r.req_id: r.num_computed_tokens for r in self.sched.running}
-            shadows = self.kv.plan_shadows(computed, budget)
+        """The plan's rotations and eager shadows, as the engine issues them; returns the
+        number of pages issued."""
+        shadows = plan.shadows
         if not (plan.moves_out or shadows or plan.moves_in):
             return 0
         num_shadow = sum(len(m) for m in shadows)

@@ -41,8 +41,8 @@ def summarize(result: SimResult) -> dict[str, Any]:
     arrival = np.array([r.arrival_time for r in reqs])
     first = np.array([r.token_times[0] for r in reqs])
     last = np.array([r.token_times[-1] for r in reqs])
-    ttft_slo = np.array([r.slo.ttft_ms / 1000 for r in reqs])
-    tbt_slo = np.array([r.slo.tbt_ms / 1000 for r in reqs])
+    ttft_slo = np.array([r.slo.ttft_s for r in reqs])
+    tbt_slo = np.array([r.slo.tbt_s for r in reqs])
     gaps = [np.diff(np.frombuffer(r.token_times, np.float64)) for r in reqs]
     itl = np.concatenate(gaps) if gaps else np.zeros(0)
     gap_owner = np.repeat(np.arange(len(reqs)), np.maximum(counts - 1, 0))

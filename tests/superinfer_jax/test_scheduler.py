@@ -5,20 +5,21 @@ from __future__ import annotations
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.request import Request, RequestStatus, SamplingParams
-from superinfer_jax.scheduler import FCFSScheduler
+from superinfer_jax.rotasched.registry import make_scheduler
+from superinfer_jax.scheduler import Scheduler
 
 
 def make(num_pages=64, **kw):
     cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, **kw)
     kv = KVCacheManager(num_pages, cfg.page_size)
-    return FCFSScheduler(cfg, kv), kv
+    return make_scheduler(cfg, kv), kv
 
 
 def req(rid: str, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8))
 
 
-def complete(sched: FCFSScheduler, plan, token: int = 7) -> None:
+def complete(sched: Scheduler, plan, token: int = 7) -> None:
     """What the engine does after a step: account tokens, append one where a row ended."""
     for rid, n in plan.prefill + [(r, 1) for r in plan.decode]:
         r = next(x for x in sched.running if x.req_id == rid)
@@ -123,7 +124,7 @@ def test_requests_rotating_in_hold_their_batch_rows():
     cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, max_num_seqs=1,
                        num_host_pages=16)
     kv = TwoTierKVManager(32, cfg.page_size, 16)
-    sched = FCFSScheduler(cfg, kv)
+    sched = make_scheduler(cfg, kv)
     a, b = req("a", 6), req("b", 6)
     sched.add(a)
     sched.add(b)

@@ -11,12 +11,9 @@ import pytest
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.policies import (
-    RotaSchedScheduler,
-    SwapScheduler,
-    make_scheduler,
-)
-from superinfer_jax.scheduler import FCFSScheduler, StepPlan
+from superinfer_jax.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
+from superinfer_jax.rotasched.registry import make_scheduler
+from superinfer_jax.scheduler import StepBudget, StepPlan
 
 PAGE = 4
 
@@ -81,10 +78,16 @@ def plans_of(policy: str, reqs, steps: int, **kw):
     return out
 
 
+def token_budget(sched, now: float, keep: set[str]) -> tuple[int, int]:
+    """(tokens, padded prefill slots) the policy grants a contended step."""
+    b = sched.policy.token_budget(sched, StepBudget.full(sched.config), now, keep)
+    return b.tokens, b.prefill_slots
+
+
 def test_factory_picks_policy():
-    assert type(make("fcfs")[0]) is FCFSScheduler
-    assert type(make("swap")[0]) is SwapScheduler
-    assert type(make("rotasched")[0]) is RotaSchedScheduler
+    assert type(make("fcfs")[0].policy) is FCFSPolicy
+    assert type(make("swap")[0].policy) is SwapPolicy
+    assert type(make("rotasched")[0].policy) is RotaSchedPolicy
 
 
 def test_no_contention_rotasched_is_exactly_fcfs():
@@ -142,7 +145,7 @@ def test_priority_class_goes_first_under_contention():
         d.step(t * 0.1)
     d.add(req("std", 8, arrival=1.0))
     d.add(req("crit", 8, arrival=1.1, slo=SLO(1000, 100, "critical")))
-    ranked = [r.req_id for r in sched.rank(2.0)]
+    ranked = [r.req_id for r in sched.policy.rank(sched, 2.0)]
     assert ranked.index("crit") < ranked.index("std")  # 4x weight beats 0.1 s of arrival
     plan = d.step(2.0)
     admitted = [r for r, _ in plan.prefill]
@@ -259,19 +262,19 @@ def test_tbt_budget_yields_to_a_late_first_token():
     d.step(0.0)  # prefill: "dec" has its first token and now decodes
     # a decode step costs 60 of the 100 ms TBT, leaving 30 ms: a 16-column prefill call
     # (10 + 16 ms) fits, a 32-column one (10 + 32 ms) does not
-    sched.latency = LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.06, 0.0, 0.0])
+    sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.06, 0.0, 0.0]))
     d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
     tbt_sized, full = (1 + 16, 16), (64, 64)
-    assert sched._token_budget(1.2, {"new"}) == tbt_sized  # 0.2 s old: not late (0.5 s)
-    assert sched._token_budget(1.6, {"new"}) == full  # late: max_num_batched_tokens
-    assert sched._token_budget(1.6, set()) == tbt_sized  # late but not selected to run
-    assert sched._token_budget(2.5, {"new"}) == tbt_sized  # past its TTFT: hopeless
+    assert token_budget(sched, 1.2, {"new"}) == tbt_sized  # 0.2 s old: not late (0.5 s)
+    assert token_budget(sched, 1.6, {"new"}) == full  # late: max_num_batched_tokens
+    assert token_budget(sched, 1.6, set()) == tbt_sized  # late but not selected to run
+    assert token_budget(sched, 2.5, {"new"}) == tbt_sized  # past its TTFT: hopeless
     plan = d.step(1.2)  # the plan follows the budget: one 16-token chunk
     assert plan.decode == ["dec"] and plan.prefill == [("new", 16)]
     # 20 ms of room: 20 real tokens would fit, but the call is padded to 16 columns and
     # pays its 10 ms fixed cost (26 ms); the step misses TBT anyway, so take it all
-    sched.latency = LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.07, 0.0, 0.0])
-    assert sched._token_budget(1.3, {"new"}) == full
+    sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.07, 0.0, 0.0]))
+    assert token_budget(sched, 1.3, {"new"}) == full
 
 
 def test_request_whose_token_in_flight_ends_it_stays_running():
@@ -285,6 +288,6 @@ def test_request_whose_token_in_flight_ends_it_stays_running():
     a = d.all["a"]
     a.num_inflight_tokens, a.final_token_inflight = 1, True
     plan = StepPlan()
-    sched._schedule_running(plan, 64, 0.1)
+    sched._run_rows(plan, StepBudget.full(sched.config), 0.1, contended=True)
     assert [r.req_id for r in sched.running] == ["a", "b"]
     assert plan.decode == ["b"] and sched._num_seated() == 2

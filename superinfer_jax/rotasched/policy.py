@@ -1,0 +1,70 @@
+"""The policy interface: the decisions a scheduling policy makes, and nothing else.
+
+``superinfer_jax.scheduler.Scheduler`` runs the same stages every step (forced rotations,
+ranking, selection, victims, the token budget, rows, rotate-ins, admissions, shadows);
+a policy answers four questions for it:
+
+- ``contended(s)``: does this step need decisions at all? When not, the step is FCFS:
+  running requests in admission order, parked ones back oldest first, then waiting ones
+  with the head blocking, and a request that needs a page evicts the most recent runner.
+- ``rank(s, now)``: when contended, every request that could run, most urgent first. The
+  scheduler keeps or brings onto the device the head of this list, as far as pages,
+  seats and the transfer budget go, and evicts the runners outside it from the tail.
+- ``evict_to(s, req)``: where an evicted runner goes, ``HOST`` (rotated out, its KV kept)
+  or ``RECOMPUTE`` (its KV dropped, its tokens computed again later).
+- ``token_budget(s, budget, now, keep)``: when contended, the step's ``StepBudget``
+  (tokens and padded prefill slots) after the victims left; ``keep`` holds the ids the
+  selection kept.
+
+Every hook gets the scheduler ``s`` to read (``s.waiting``, ``s.running``, ``s.rotary``,
+``s.candidates()``, ``s.device_pages_in_use()``, ``s.kv``, ``s.config``, ``s.latency``,
+``s.page_bytes``) and must not change it. A policy is built as ``cls(config)``. The base
+class is FCFS; subclass it and override what differs. ``uses_latency``: the policy reads
+``s.latency`` (the engine then profiles one at warm-up, the simulator fits one).
+
+Register a policy by name with ``register_policy`` (``superinfer_jax.rotasched.registry``),
+or name it by path, ``package.module:Class``, wherever a policy is named.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.request import Request
+from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget
+
+if TYPE_CHECKING:
+    from superinfer_jax.scheduler import Scheduler
+
+__all__ = ["HOST", "POLICY_METHODS", "RECOMPUTE", "Policy"]
+
+POLICY_METHODS = ("contended", "rank", "evict_to", "token_budget")
+
+
+class Policy:
+    """FCFS decisions: never contended, evicted requests are recomputed."""
+
+    name: ClassVar[str] = "fcfs"
+    uses_latency: ClassVar[bool] = False
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def contended(self, s: Scheduler) -> bool:
+        return False
+
+    def rank(self, s: Scheduler, now: float) -> list[Request]:
+        """FCFS order (a policy that is contended and does not rank)."""
+        return sorted(s.candidates(), key=lambda r: r.arrival_time)
+
+    def evict_to(self, s: Scheduler, req: Request) -> str:
+        return RECOMPUTE
+
+    def token_budget(self, s: Scheduler, budget: StepBudget, now: float,
+                     keep: set[str]) -> StepBudget:
+        return budget
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+

@@ -1,0 +1,58 @@
+"""What one step does and may spend: ``StepPlan`` (the scheduler's output, executed
+verbatim by the engine and the simulator) and ``StepBudget`` (what the scheduler's
+stages spend while they plan). Host ints only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.two_tier import PageMoves
+
+HOST = "host"  # an evicted request's KV goes to the host tier (rotation)
+RECOMPUTE = "recompute"  # an evicted request's KV is dropped and recomputed later
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step may still take; the stages spend it as they plan.
+
+    ``tokens``: tokens of the step (decode rows and prefill chunks). ``prefill_slots``:
+    padded slots of the prefill call (row bucket x column bucket; a padded slot costs
+    what a real token does). ``pages_out`` / ``pages_in``: page copies each way that
+    policy-chosen rotations may still take (forced rotations, and evictions a row needs
+    for its pages, are not refused for want of it)."""
+
+    tokens: int
+    prefill_slots: int
+    pages_out: int
+    pages_in: int
+
+    @classmethod
+    def full(cls, config: EngineConfig) -> StepBudget:
+        """The configured budget: ``max_num_batched_tokens`` and ``transfer_budget_pages``."""
+        tokens, pages = config.max_num_batched_tokens, config.transfer_budget_pages
+        return cls(tokens, tokens, pages, pages)
+
+
+@dataclass
+class StepPlan:
+    """One step's work, as host ints. The engine executes it verbatim."""
+
+    prefill: list[tuple[str, int]] = field(default_factory=list)  # (req_id, new tokens)
+    decode: list[str] = field(default_factory=list)  # req_ids taking exactly one token
+    preempted: list[str] = field(default_factory=list)  # freed now, recomputed later
+    rotate_out: list[str] = field(default_factory=list)  # req_ids parked on the host
+    rotate_in: list[str] = field(default_factory=list)  # req_ids brought back
+    moves_out: list[PageMoves] = field(default_factory=list)  # device -> host page copies
+    moves_in: list[PageMoves] = field(default_factory=list)  # host -> device page copies
+    shadows: list[PageMoves] = field(default_factory=list)  # eager shadows, device -> host
+    budget: StepBudget | None = None  # tokens and slots granted, before the rows spent them
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
