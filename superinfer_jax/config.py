@@ -1,24 +1,21 @@
 """Engine configuration: frozen dataclasses validated on construction.
 
-Every error names the field, so a bad YAML key or CLI flag is found without a debugger.
+Every field is declared with its bounds and help (``knob``) and checked by the one
+validator (``superinfer_jax.config_schema``); every error is a ``ConfigError`` naming the
+field, so a bad YAML key or CLI flag is found without a debugger.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from superinfer_jax.config_schema import ConfigError, internal, knob, power_of_two, validate
 from superinfer_jax.request import PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -59,6 +56,17 @@ def _default_priority_weights() -> dict[str, float]:
     return {"critical": 4.0, "standard": 1.0, "batch": 0.25}
 
 
+def _priority_weights_check(key: str, weights: dict[str, float]) -> str | None:
+    unknown = set(weights) - set(PRIORITY_CLASSES)
+    if unknown:
+        return f"has unknown classes {sorted(unknown)} (classes: {list(PRIORITY_CLASSES)})"
+    for cls in PRIORITY_CLASSES:
+        w = weights.get(cls)
+        if w is None or not w > 0:
+            raise ConfigError(f"{key}.{cls}", f"must be > 0, got {w!r}")
+    return None
+
+
 @dataclass(frozen=True)
 class RotaSchedConfig:
     """The paper's policy parameters (defaults: alpha 3, beta_F 0.5, beta_B 0).
@@ -71,42 +79,31 @@ class RotaSchedConfig:
     ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
     (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.
+
+    Every field is a key of the deployment file's ``rotasched:`` section.
     """
 
-    alpha: float = 3.0
-    beta_f: float = 0.5
-    beta_b: float = 0.0
-    high_water_mark: float = 0.85
-    mode: str = "vlt"
+    alpha: float = knob(3.0, ge=0, help="weight of rotary requests' virtual lag")
+    beta_f: float = knob(0.5, ge=0, help="fraction of the TTFT SLO a waiting request may use")
+    beta_b: float = knob(0.0, ge=0, help="fraction of the TBT SLO a rotary request may use")
+    high_water_mark: float = knob(
+        0.85, gt=0, le=1, help="share of device pages in use at which rotasched acts")
+    mode: str = knob("vlt", choices=RANKING_MODES, help="vlt (virtual lag) | slack "
+                     "(predicted slack, from the latency profile)")
     # A request runs this many tokens before it can rotate out. 16 (not 4): in simulation
     # of the policy sweep at overload, 4 rotated 3-4x as often and lost 5-15 points of
     # TBT attainment, for TTFT attainment within about 8 points either way.
-    min_residency_tokens: int = 16
-    priority_weights: dict[str, float] = dataclasses.field(
-        default_factory=_default_priority_weights)
-    latency_profile: str | None = None  # JSON written by LatencyModel.save
+    min_residency_tokens: int = knob(
+        16, ge=1, help="tokens a request runs before it may rotate out (and near its end)")
+    priority_weights: dict[str, float] = knob(
+        default_factory=_default_priority_weights, check=_priority_weights_check,
+        help="scale of a request's lag by its SLO priority class (all three classes)")
+    latency_profile: str | None = knob(
+        None, example="/var/lib/superinfer/profile.json",
+        help="latency model JSON: loaded if present, else profiled at start and saved")
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta_f", "beta_b"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 \
-                    or not math.isfinite(value):
-                raise ValueError(f"rotasched.{name} must be a finite number >= 0, got {value!r}")
-        h = self.high_water_mark
-        if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h <= 1:
-            raise ValueError(f"rotasched.high_water_mark must be in (0, 1], got {h!r}")
-        m = self.min_residency_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"rotasched.min_residency_tokens must be an int >= 1, got {m!r}")
-        if self.mode not in RANKING_MODES:
-            raise ValueError(f"rotasched.mode must be one of {RANKING_MODES}, got {self.mode!r}")
-        unknown = set(self.priority_weights) - set(PRIORITY_CLASSES)
-        if unknown:
-            raise ValueError(f"rotasched.priority_weights has unknown classes {sorted(unknown)}")
-        for cls in PRIORITY_CLASSES:
-            w = self.priority_weights.get(cls)
-            if isinstance(w, bool) or not isinstance(w, int | float) or not w > 0:
-                raise ValueError(f"rotasched.priority_weights.{cls} must be > 0, got {w!r}")
+        validate(self, prefix="rotasched.")
 
 
 @dataclass(frozen=True)
@@ -125,79 +122,75 @@ class EngineConfig:
     heads per device). A page id still names one page; each device holds its heads of it,
     so page counts and ``host_memory_gb`` are totals over the mesh, while
     ``device_memory_fraction`` applies to each device.
+
+    Each field's metadata (``knob``) gives its bounds, help text and the deployment-file
+    section it sits in (``serving.config_schema``); ``__post_init__`` checks them all with
+    the one validator (``superinfer_jax.config_schema``).
     """
 
-    page_size: int = 16
-    num_device_pages: int | None = None
-    device_memory_fraction: float = 0.9
-    max_model_len: int = 2048
-    max_num_seqs: int = 32  # most requests decoding in one step
-    max_num_batched_tokens: int = 512  # token budget of one step (decode + prefill)
-    max_prefill_chunk: int = 256  # longest prefill chunk of one request in one step
-    max_prefill_rows: int = 4  # most requests prefilling in one step
-    dtype: str = "float32"  # KV cache dtype
-    attention_backend: str = "auto"
-    default_slo: SLO = dataclasses.field(default_factory=SLO)
-    seed: int = 0
-    warmup: bool = True  # compile every bucket before serving
-    compilation_cache_dir: str | None = None  # persistent XLA cache: later starts are fast
-    show_progress: bool = True
-    num_host_pages: int | None = None  # host tier capacity in pages; overrides host_memory_gb
-    host_memory_gb: float = 0.0  # host tier capacity in GiB of pinned host memory
-    transfer_budget_pages: int = 2400  # pages moved per step, each direction (paper: 2400)
-    eager_shadowing: bool = True  # copy pages to host as they fill, so eviction moves one
-    # Plan and dispatch step t+1 while step t runs; tokens feed back on the device.
-    async_scheduling: bool = True
-    policy: str = "fcfs"  # fcfs (vLLM V1 recompute), swap (vLLM V0), rotasched
-    rotasched: RotaSchedConfig = dataclasses.field(default_factory=RotaSchedConfig)
-    tensor_parallel_size: int = 1  # devices of the 1-D "tp" mesh (superinfer_jax.parallel)
+    page_size: int = knob(16, ge=1, check=power_of_two, section="hardware",
+                          help="tokens per KV page (a power of two)")
+    num_device_pages: int | None = knob(
+        None, ge=2, section="hardware", example=4096,
+        help="fixed device page count (page 0 is the null page) instead of "
+             "device_memory_fraction (CPU default: enough for max_num_seqs)")
+    device_memory_fraction: float = knob(
+        0.9, gt=0, le=1, section="hardware",
+        help="of free accelerator memory given to KV pages")
+    max_model_len: int = knob(2048, ge=2, section="model",
+                              help="prompt + output tokens per request")
+    max_num_seqs: int = knob(32, ge=1, section="engine",
+                             help="most requests in one step")
+    max_num_batched_tokens: int = knob(
+        512, ge=1, section="engine", help="token budget of one step (decode + prefill chunks)")
+    max_prefill_chunk: int = knob(
+        256, ge=1, section="engine", help="longest prefill chunk of one request in one step")
+    max_prefill_rows: int = knob(4, ge=1, section="engine",
+                                 help="most requests prefilling in one step")
+    dtype: str = knob("float32", choices=DTYPES, section="model", name="kv_cache_dtype",
+                      help="KV cache dtype")
+    attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS, section="hardware",
+                                  help="auto | xla | pallas")
+    default_slo: SLO = knob(default_factory=SLO, section="default_slo",
+                            help="SLO of requests that send none")
+    seed: int = knob(0, ge=0, section="engine",
+                     help="seeds the sampler of a request that sends no seed")
+    warmup: bool = knob(True, section="engine",
+                        help="compile every step bucket before serving")
+    compilation_cache_dir: str | None = knob(
+        None, section="hardware",
+        help="persistent XLA cache: later starts skip the compiler")
+    show_progress: bool = internal(
+        True, reason="a terminal's progress bar, set by the command (batch --no-progress)")
+    num_host_pages: int | None = knob(
+        None, ge=0, section="duplex_kv", example=16384,
+        help="host tier capacity in pages; overrides host_memory_gb")
+    host_memory_gb: float = knob(
+        0.0, ge=0, section="duplex_kv",
+        help="GiB of pinned host memory for rotated KV pages (0: no host tier)")
+    transfer_budget_pages: int = knob(
+        2400, ge=1, section="duplex_kv",
+        help="pages moved between tiers per step, each direction (paper: 2400)")
+    eager_shadowing: bool = knob(
+        True, section="duplex_kv",
+        help="copy full pages to host as they fill, so an eviction moves one page")
+    async_scheduling: bool = knob(
+        True, section="engine",
+        help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
+    policy: str = knob("fcfs", choices=POLICIES, section="engine",
+                       help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
+    rotasched: RotaSchedConfig = knob(default_factory=RotaSchedConfig, section="rotasched",
+                                      help="RotaSched's parameters")
+    tensor_parallel_size: int = knob(
+        1, ge=1, section="model",
+        help="devices on this host to split the model over (docs/tensor_parallel.md)")
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "max_prefill_chunk", "max_prefill_rows", "tensor_parallel_size"):
-            _positive_int(name, getattr(self, name))
-        if self.num_device_pages is not None:
-            _positive_int("num_device_pages", self.num_device_pages)
-            if self.num_device_pages < 2:
-                raise ValueError("num_device_pages must be >= 2 (page 0 is the null page)")
-        f = self.device_memory_fraction
-        if isinstance(f, bool) or not isinstance(f, int | float) or not (0 < f <= 1) \
-                or not math.isfinite(f):
-            raise ValueError(f"device_memory_fraction must be in (0, 1], got {f!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
+        validate(self)
         if self.max_prefill_chunk > self.max_num_batched_tokens:
-            raise ValueError(
-                f"max_prefill_chunk ({self.max_prefill_chunk}) must not exceed "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
-            )
-        self._validate_host_tier()
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not isinstance(self.rotasched, RotaSchedConfig):
-            raise ValueError(f"rotasched must be a RotaSchedConfig, got {self.rotasched!r}")
-        if not isinstance(self.default_slo, SLO):
-            raise ValueError(f"default_slo must be an SLO, got {self.default_slo!r}")
-
-    def _validate_host_tier(self) -> None:
-        if self.num_host_pages is not None and (
-                isinstance(self.num_host_pages, bool) or not isinstance(self.num_host_pages, int)
-                or self.num_host_pages < 0):
-            raise ValueError(
-                f"num_host_pages must be a non-negative int or None, got {self.num_host_pages!r}")
-        g = self.host_memory_gb
-        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) \
-                or g < 0:
-            raise ValueError(f"host_memory_gb must be a finite number >= 0, got {g!r}")
-        _positive_int("transfer_budget_pages", self.transfer_budget_pages)
-        for name in ("eager_shadowing", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            raise ConfigError(
+                "max_prefill_chunk", f"must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), got {self.max_prefill_chunk}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -224,7 +217,7 @@ class EngineConfig:
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """(rows, columns) buckets a prefill call can take, all compiled at warm-up: one
         row at any column bucket, more rows only where the padded shape fits the token
-        budget (the scheduler packs rows no further; ``FCFSScheduler._prefill_chunk_cap``)."""
+        budget (the scheduler packs rows no further; ``Scheduler._prefill_chunk_cap``)."""
         return tuple((r, c) for c in self.prefill_chunk_buckets for r in self.prefill_row_buckets
                      if r == 1 or r * c <= self.max_num_batched_tokens)
 
