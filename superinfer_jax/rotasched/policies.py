@@ -40,14 +40,10 @@ __all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy", "make_scheduler"]
 class FCFSPolicy(Policy):
     """vLLM V1: never contended; a victim is recomputed."""
 
-    name = "fcfs"
-
 
 @register_policy("swap")
 class SwapPolicy(FCFSPolicy):
     """vLLM V0 swap preemption: the victim's KV goes to host memory, not away."""
-
-    name = "swap"
 
     def evict_to(self, s: Scheduler, req: Request) -> str:
         return HOST
@@ -55,7 +51,9 @@ class SwapPolicy(FCFSPolicy):
 
 @register_policy("rotasched")
 class RotaSchedPolicy(SwapPolicy):
-    name = "rotasched"
+    """The paper's policy: lag (or slack) ranking and a TBT-sized token budget, under
+    contention; FCFS otherwise."""
+
     uses_latency = True  # mode "slack" and the TBT-sized token budget
 
     def __init__(self, config: EngineConfig):

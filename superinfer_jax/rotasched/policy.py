@@ -45,7 +45,6 @@ POLICY_METHODS = ("contended", "rank", "evict_to", "token_budget")
 class Policy:
     """FCFS decisions: never contended, evicted requests are recomputed."""
 
-    name: ClassVar[str] = "fcfs"
     uses_latency: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig):

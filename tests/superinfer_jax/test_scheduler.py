@@ -167,3 +167,73 @@ def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
         for r in [r for r in sched.running if len(r.output_token_ids) >= 8]:
             sched.remove(r)
     assert (4, 16) in seen and (1, 64) in seen
+
+
+def test_plan_carries_the_shadows_the_engine_planned_itself():
+    """``shadowing=True``: the plan's eager shadows are exactly what the engine used to
+    plan after ``schedule`` (``kv.plan_shadows`` over the runners, within what the plan's
+    rotate-outs left of the transfer budget, ``DuplexKV.shadow_budget``), step by step,
+    with forced rotations and a budget small enough to bind."""
+    from superinfer_jax.kv.two_tier import TwoTierKVManager
+
+    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy="swap",
+                       max_num_batched_tokens=32, max_prefill_chunk=16,
+                       transfer_budget_pages=3, num_host_pages=64)
+    twins = []
+    for shadowing in (True, False):
+        kv = TwoTierKVManager(24, cfg.page_size, 64)
+        twins.append((make_scheduler(cfg, kv, shadowing=shadowing), kv))
+    reqs = {s: [req(f"r{i}", 6 + 5 * i) for i in range(5)] for s, _ in twins}
+    for s, _ in twins:
+        for r in reqs[s]:
+            s.add(r)
+    shadowed = 0
+    for step in range(40):
+        plans = []
+        for s, kv in twins:
+            if step % 5 == 4 and s.running:
+                s.force_rotate_out.add(s.running[0].req_id)
+            plan = s.schedule(float(step))
+            if not s.shadowing:
+                room = max(0, cfg.transfer_budget_pages - sum(len(m) for m in plan.moves_out))
+                computed = {r.req_id: r.num_computed_tokens for r in s.running}
+                plan.shadows = kv.plan_shadows(computed, room)
+            for rid in plan.rotate_out:
+                kv.finish_rotate_out(rid)
+                s.on_rotated_out(next(r for r in reqs[s] if r.req_id == rid), float(step))
+            for rid in plan.rotate_in:
+                kv.finish_rotate_in(rid)
+                s.on_rotated_in(next(r for r in reqs[s] if r.req_id == rid), float(step))
+            complete(s, plan)
+            for r in [r for r in s.running if len(r.output_token_ids) >= 8]:
+                s.remove(r)
+            plans.append(plan)
+        assert plans[0] == plans[1], step
+        assert sum(len(m) for m in plans[0].shadows + plans[0].moves_out) \
+            <= max(3, sum(len(m) for m in plans[0].moves_out))
+        shadowed += sum(len(m) for m in plans[0].shadows)
+    assert shadowed > 0 and twins[0][0].num_unfinished == 0
+
+
+def test_no_shadows_without_a_host_tier_or_unless_asked():
+    from superinfer_jax.kv.two_tier import TwoTierKVManager
+
+    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False)
+    for kv, shadowing in ((KVCacheManager(32, 4), True), (TwoTierKVManager(32, 4, 0), True),
+                          (TwoTierKVManager(32, 4, 16), False)):
+        sched = make_scheduler(cfg, kv, shadowing=shadowing)
+        sched.add(req("a", 20))
+        assert not sched.shadowing and sched.schedule(0.0).shadows == []
+    sched = make_scheduler(cfg.replace(eager_shadowing=False), TwoTierKVManager(32, 4, 16),
+                           shadowing=True)
+    assert not sched.shadowing
+
+
+def test_plan_records_the_budget_it_ran_under():
+    sched, _ = make(max_num_batched_tokens=16, max_prefill_chunk=16,
+                    transfer_budget_pages=5)
+    sched.add(req("a", 20))
+    plan = sched.schedule(0.0)
+    assert (plan.budget.tokens, plan.budget.prefill_slots) == (16, 16)
+    assert (plan.budget.pages_out, plan.budget.pages_in) == (5, 5)
+    assert plan.num_tokens == 16

@@ -1,0 +1,1 @@
+"""Examples: complete, runnable pieces to copy from (``docs/research.md``)."""
