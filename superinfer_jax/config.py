@@ -56,6 +56,14 @@ def _default_priority_weights() -> dict[str, float]:
     return {"critical": 4.0, "standard": 1.0, "batch": 0.25}
 
 
+def _policy_check(key: str, name: str) -> str | None:
+    """A registered policy (``POLICIES`` are built in) or a ``module:Class`` path; the
+    one resolver and its messages are ``superinfer_jax.rotasched.registry``'s."""
+    from superinfer_jax.rotasched.registry import policy_problem
+
+    return policy_problem(name)
+
+
 def _priority_weights_check(key: str, weights: dict[str, float]) -> str | None:
     unknown = set(weights) - set(PRIORITY_CLASSES)
     if unknown:
@@ -177,7 +185,7 @@ class EngineConfig:
     async_scheduling: bool = knob(
         True, section="engine",
         help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
-    policy: str = knob("fcfs", choices=POLICIES, section="engine",
+    policy: str = knob("fcfs", check=_policy_check, section="engine",
                        help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
     rotasched: RotaSchedConfig = knob(default_factory=RotaSchedConfig, section="rotasched",
                                       help="RotaSched's parameters")
