@@ -60,8 +60,8 @@ def deployment(args: argparse.Namespace, model_ref: str) -> dict[str, object]:
     model_key = "model.path" if os.path.exists(model_ref) else "model.name"
     return {model_key: model_ref,
             "model.max_model_len": args.prompt_len + args.max_tokens + 16,
-            "rotasched.max_num_seqs": args.concurrency,
-            "rotasched.max_num_batched_tokens": max(256, args.prompt_len),
+            "engine.max_num_seqs": args.concurrency,
+            "engine.max_num_batched_tokens": max(256, args.prompt_len),
             "hardware.compilation_cache_dir": args.compilation_cache}
 
 

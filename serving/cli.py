@@ -1,8 +1,10 @@
 """``superinfer``: thin command-line wiring from flags to library calls.
 
-``serve`` and ``batch`` read the deployment file (``--config``) and let flags override it
-key by key (``--max-num-seqs`` is ``rotasched.max_num_seqs``; ``--set section.key=value``
-reaches any key), so a flag is validated exactly like the file.
+``generate``, ``serve`` and ``batch`` build their configuration one way: the deployment
+file (``--config``), then flags over it key by key (``--max-num-seqs`` is
+``engine.max_num_seqs``; ``--set section.key=value`` reaches any key), checked by the one
+validator (``serving.deploy_config``). A flag's type and help come from its key's field.
+A bad value exits 2 with ``error: <key>: <message>``, before any port is bound.
 """
 
 from __future__ import annotations
@@ -11,50 +13,118 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "superinfer", "xla")
+# flag -> deployment key. Type and help come from the key's field; a flag not given
+# (None) does not override the file.
+ENGINE_FLAGS = {
+    "--dtype": "model.dtype", "--kv-cache-dtype": "model.kv_cache_dtype",
+    "--max-model-len": "model.max_model_len", "--page-size": "hardware.page_size",
+    "--num-device-pages": "hardware.num_device_pages",
+    "--attention-backend": "hardware.attention_backend",
+    "--compilation-cache": "hardware.compilation_cache_dir", "--policy": "engine.policy",
+    "--max-num-seqs": "engine.max_num_seqs",
+    "--max-num-batched-tokens": "engine.max_num_batched_tokens",
+}
+SERVER_FLAGS = {
+    "--host": "server.host", "--grpc-port": "server.grpc_port",
+    "--http-port": "server.http_port", "--grpc": "server.enable_grpc",
+    "--http": "server.enable_http", "--api-key": "server.api_key",
+    "--tls-cert": "server.tls_cert", "--tls-key": "server.tls_key",
+    "--max-queue-len": "server.max_queue_len", "--drain-grace-s": "server.drain_grace_s",
+    "--warmup": "engine.warmup",
+}
+# ``generate`` runs one request: no other request to rotate for, so no host tier and
+# vLLM's policy unless the file or a flag says otherwise; one row, chunks sized to the
+# prompt (so warm-up compiles only the shapes this run uses).
+GENERATE_DEFAULTS = {"engine.policy": "fcfs", "duplex_kv.host_memory_gb": 0.0}
+
+
+def _add_key_flags(p: argparse.ArgumentParser, flags: dict[str, str]) -> None:
+    from serving.config_schema import KEYS
+
+    keys: dict[str, str] = dict(p.get_default("flag_keys") or {})
+    for flag, path in flags.items():
+        key = KEYS[path]
+        base = next(t for t in getattr(key.hint, "__args__", (key.hint,))
+                    if t is not type(None))
+        dest = flag.removeprefix("--").replace("-", "_")
+        text = f"{key.help} ({path})"
+        if base is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+        else:
+            default = os.environ.get("SUPERINFER_API_KEY") if path == "server.api_key" \
+                else None
+            p.add_argument(flag, type=base if base in (int, float) else str,
+                           default=default, help=text)
+        keys[dest] = path
+    p.set_defaults(flag_keys=keys)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="deployment YAML (see superinfer_config.yaml)")
+    p.add_argument("--model", help="preset name, HF dir, .gguf or Orbax dir (model.name/path)")
+    p.add_argument("--served-model-name", help="name clients use (model.name)")
+    _add_key_flags(p, ENGINE_FLAGS)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key (repeatable), e.g. --set rotasched.alpha=2")
+
+
+def _deployment(args: argparse.Namespace, base: dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None):
+    """The one way a command builds its configuration: ``base`` (the command's own
+    defaults), the file, the flags, ``--set``, then ``extra`` (what the command fixes)."""
+    from serving.deploy_config import UNSET, DeploymentConfig, parse_set
+
+    overrides = {path: getattr(args, dest) for dest, path in args.flag_keys.items()}
+    if args.model is not None and os.path.exists(args.model):
+        overrides.update({"model.path": args.model, "model.name": UNSET})
+    elif args.model is not None:
+        overrides.update({"model.name": args.model, "model.path": UNSET})
+    if args.served_model_name is not None:
+        overrides["model.name"] = args.served_model_name
+    overrides.update(parse_set(args.set))
+    overrides.update(extra or {})
+    return DeploymentConfig.load(args.config, overrides, base=base)
+
+
+def _load_model(config: Any) -> Any:
+    from models import load_model
+
+    return load_model(config.model.source, dtype=config.model.dtype,
+                      tensor_parallel_size=config.engine.tensor_parallel_size)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, HF dir, .gguf or Orbax dir")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"))
-    p.add_argument("--compilation-cache", default=DEFAULT_CACHE,
-                   help="persistent XLA cache dir ('' disables)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of this request")
+    _add_engine_flags(p)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from models import load_model
-    from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+    from superinfer_jax import LLMEngine, SamplingParams
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model = load_model(args.model, dtype=args.dtype)
+    config = _deployment(args, base=GENERATE_DEFAULTS)
+    model = _load_model(config)
     prompt = args.prompt
     if args.chat:
         prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     token_ids = model.tokenizer.encode(prompt)
-    # One prompt: one request row, and prefill chunks sized to this prompt, so warm-up
-    # compiles only the shapes this run uses.
     chunk = min(256, max(16, len(token_ids)))
-    config = EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=1, max_prefill_rows=1,
-        max_prefill_chunk=chunk, max_num_batched_tokens=chunk, dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        compilation_cache_dir=args.compilation_cache or None,
-    )
-    engine = LLMEngine(model, config)
+    config = _deployment(args, base=GENERATE_DEFAULTS, extra={
+        "engine.max_num_seqs": 1, "engine.max_prefill_rows": 1,
+        "engine.max_prefill_chunk": chunk, "engine.max_num_batched_tokens": chunk})
+    engine = LLMEngine(model, config.engine_config())
     req_id = engine.add_request(token_ids, sampling)
     start = time.perf_counter()
     if not args.chat:
@@ -64,69 +134,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
     req = engine.release(req_id)
+    assert req is not None  # finished: the loop above ran until it was
     elapsed = time.perf_counter() - start
     n = len(req.output_token_ids)
     sys.stdout.write("\n")
-    print(f"[{n} tokens, {n / elapsed:.1f} tok/s, TTFT {req.ttft * 1000:.0f} ms, "
+    print(f"[{n} tokens, {n / elapsed:.1f} tok/s, TTFT {(req.ttft or 0.0) * 1000:.0f} ms, "
           f"finish: {req.status.finish_reason}]", file=sys.stderr)
     return 0
-
-
-# flag dest -> deployment key. Flags left at None do not override the file.
-_ENGINE_FLAGS = {
-    "dtype": "model.dtype", "max_model_len": "model.max_model_len",
-    "kv_cache_dtype": "model.kv_cache_dtype", "page_size": "hardware.page_size",
-    "num_device_pages": "hardware.num_device_pages",
-    "attention_backend": "hardware.attention_backend",
-    "compilation_cache": "hardware.compilation_cache_dir", "policy": "rotasched.policy",
-    "max_num_seqs": "rotasched.max_num_seqs",
-    "max_num_batched_tokens": "rotasched.max_num_batched_tokens",
-}
-_SERVER_FLAGS = {
-    "host": "server.host", "grpc_port": "server.grpc_port", "http_port": "server.http_port",
-    "api_key": "server.api_key", "tls_cert": "server.tls_cert", "tls_key": "server.tls_key",
-    "max_queue_len": "server.max_queue_len", "drain_grace_s": "server.drain_grace_s",
-    "grpc": "server.enable_grpc", "http": "server.enable_http", "warmup": "server.warmup",
-}
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="deployment YAML (see superinfer_config.yaml)")
-    p.add_argument("--model", help="preset name, HF dir, .gguf or Orbax dir (model.name/path)")
-    p.add_argument("--served-model-name", help="name clients use (model.name)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"))
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16"))
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--num-device-pages", type=int)
-    p.add_argument("--attention-backend", choices=("auto", "xla", "pallas"))
-    p.add_argument("--compilation-cache", help="persistent XLA cache dir ('' disables)")
-    p.add_argument("--policy", choices=("fcfs", "swap", "rotasched"))
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config key (repeatable), e.g. --set rotasched.alpha=2")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers")
     _add_engine_flags(p)
-    p.add_argument("--host", help="bind address of both fronts (default 127.0.0.1)")
-    p.add_argument("--grpc-port", type=int, help="default 50051")
-    p.add_argument("--http-port", type=int, help="default 8000")
-    p.add_argument("--grpc", action=argparse.BooleanOptionalAction, default=None,
-                   help="serve gRPC (default on)")
-    p.add_argument("--http", action=argparse.BooleanOptionalAction, default=None,
-                   help="serve HTTP (default on)")
-    p.add_argument("--api-key", default=os.environ.get("SUPERINFER_API_KEY"),
-                   help="required bearer key (default: $SUPERINFER_API_KEY; none: open)")
-    p.add_argument("--tls-cert", help="PEM certificate (enables TLS on both fronts)")
-    p.add_argument("--tls-key", help="PEM private key")
-    p.add_argument("--max-queue-len", type=int, help="waiting requests before 429 / "
-                   "RESOURCE_EXHAUSTED")
-    p.add_argument("--drain-grace-s", type=float, help="SIGTERM: seconds to finish in-flight")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every bucket before serving (default on)")
+    _add_key_flags(p, SERVER_FLAGS)
     p.set_defaults(func=cmd_serve)
 
 
@@ -140,18 +160,26 @@ def _add_batch(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_batch)
 
 
-def _deployment(args: argparse.Namespace, flags: dict[str, str]):
-    from serving.deploy_config import UNSET, DeploymentConfig, parse_set
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="print the default deployment file (generated from "
+                       "the schema), or check a file and print what it resolves to")
+    p.add_argument("--config", help="a deployment YAML to check (with --set)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--write", metavar="PATH", help="write the default file to PATH")
+    p.set_defaults(func=cmd_config)
 
-    overrides = {key: getattr(args, dest) for dest, key in flags.items()}
-    if args.model is not None and os.path.exists(args.model):
-        overrides.update({"model.path": args.model, "model.name": UNSET})
-    elif args.model is not None:
-        overrides.update({"model.name": args.model, "model.path": UNSET})
-    if args.served_model_name is not None:
-        overrides["model.name"] = args.served_model_name
-    overrides.update(parse_set(args.set))
-    return DeploymentConfig.load(args.config, overrides)
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from serving.config_schema import write_default
+    from serving.deploy_config import DeploymentConfig, parse_set
+
+    if args.config is None and not args.set:
+        return write_default(args.write)
+    config = DeploymentConfig.load(args.config, parse_set(args.set))
+    sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -162,17 +190,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     for name in ("serving", "superinfer", "superinfer_jax"):  # ours; libraries stay quiet
         logging.getLogger(name).setLevel(logging.INFO)
-    return serve(_deployment(args, _ENGINE_FLAGS | _SERVER_FLAGS))
+    return serve(_deployment(args))
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from models import load_model
     from serving.batch import BatchRunner
     from superinfer_jax.engine import LLMEngine
 
-    config = _deployment(args, _ENGINE_FLAGS)
+    config = _deployment(args)
     engine_config = config.engine_config(show_progress=not args.no_progress)
-    model = load_model(config.model.source, dtype=config.model.dtype)
+    model = _load_model(config)
     engine = LLMEngine(model, engine_config)
     runner = BatchRunner(engine, model.tokenizer, engine_config.default_slo,
                          show_progress=not args.no_progress)
@@ -211,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_batch(sub)
+    _add_config(sub)
     _add_bench(sub)
     _add_simulate(sub)
     return parser
@@ -221,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as e:
-        print(f"superinfer: error: {e}", file=sys.stderr)
+        # A ConfigError names its key. (Its module is loaded whenever one was raised; not
+        # importing it here keeps `superinfer --help` and `bench` free of JAX.)
+        schema = sys.modules.get("superinfer_jax.config_schema")
+        if schema is not None and isinstance(e, schema.ConfigError):
+            print(f"superinfer: error: {e.key}: {e.message}", file=sys.stderr)
+        else:
+            print(f"superinfer: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -50,8 +50,7 @@ class Runtime:
         self.engine: AsyncEngine | None = None
         self.tokenizer: Any = None
         self.model_info: ModelInfo | None = None
-        self.default_slo = SLO(config.rotasched.ttft_slo_target_ms,
-                               config.rotasched.tbt_slo_target_ms)
+        self.default_slo: SLO = config.engine.default_slo
         self.metrics = ServingMetrics(config.model.served_name)
         self.created = int(time.time())
         self._lock = threading.Lock()

@@ -72,7 +72,7 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
     model = load_model(config.model.source, dtype=config.model.dtype,
-                       tensor_parallel_size=config.model.tensor_parallel_size)
+                       tensor_parallel_size=engine_config.tensor_parallel_size)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     engine = LLMEngine(model, engine_config)
     loop = AsyncEngine(engine, config.server.max_queue_len,
@@ -85,10 +85,6 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]
 def serve(config: DeploymentConfig) -> int:
     """Run until a stop signal; returns the exit code (0 after a drain, 1 when the engine
     failed, so a supervisor restarts it)."""
-    config.engine_config()  # a bad value fails before any port is bound
-    for note in config.not_applied():
-        log.warning("config key not applied by this engine build (accepted, recorded): %s",
-                    note)
     runtime = Runtime(config)
     stop = threading.Event()
     fronts = _start_fronts(runtime)

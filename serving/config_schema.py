@@ -1,0 +1,421 @@
+"""The deployment file's schema, derived from the configuration dataclasses.
+
+Every key of ``superinfer_config.yaml`` is a dataclass field:
+
+- the server's own keys are the fields of ``ModelSection`` and ``ServerSection`` (below);
+- every engine knob is a field of ``EngineConfig`` (``superinfer_jax.config``), placed in
+  a section by its metadata (``knob(section=...)``); a field holding a dataclass
+  (``rotasched: RotaSchedConfig``, ``default_slo: SLO``) is a section of its own, one key
+  per field.
+
+So a key's section, name, type, bounds and help text are written once, on the field, and
+checked by the one validator (``superinfer_jax.config_schema.check_value``). What this
+module adds is what a dataclass cannot say: where a server's default differs from the
+library's (``SERVING``), keys that were renamed or moved (``RENAMED``: they still load,
+with a warning) or removed (``REMOVED``: an error), and the rendering of the default file
+(``render_default``; ``python -m serving.config_schema --write superinfer_config.yaml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from superinfer_jax.config import DTYPES, EngineConfig, default_kv_dtype
+from superinfer_jax.config_schema import ConfigError, check_value, knob, type_hints, validate
+from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES, SLO
+
+log = logging.getLogger("superinfer.config")
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_COMPILATION_CACHE = "~/.cache/superinfer/xla"
+
+
+# -- the server's own sections ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    name: str | None = knob(None, example=DEFAULT_MODEL,
+                            help=f"a preset to load (default {DEFAULT_MODEL}); with `path`, "
+                                 "the name clients use")
+    path: str | None = knob(None, example="/models/Meta-Llama-3-8B-Instruct",
+                            help="HF dir, .gguf file or Orbax dir")
+    dtype: str = knob("float32", choices=DTYPES,
+                      help="float32 | bfloat16 (weights and compute)")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="model.")
+
+    @property
+    def source(self) -> str:
+        """What ``load_model`` gets: the path when set, else the preset name."""
+        return self.path or self.name or DEFAULT_MODEL
+
+    @property
+    def served_name(self) -> str:
+        """The name clients use (OpenAI ``model``, ``GetModelInfo``)."""
+        if self.name:
+            return self.name
+        if self.path:
+            return Path(self.path).name or self.path
+        return DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = knob("127.0.0.1",
+                     help="both fronts; 0.0.0.0 to listen on every interface")
+    grpc_port: int = knob(50051, ge=1, le=65535, help="gRPC (superinfer.v1)")
+    http_port: int = knob(8000, ge=1, le=65535, help="OpenAI-compatible HTTP")
+    enable_grpc: bool = knob(True, help="serve gRPC")
+    enable_http: bool = knob(True, help="serve HTTP")
+    api_key: str | None = knob(
+        None, example="change-me",
+        help='or $SUPERINFER_API_KEY; clients send "Authorization: Bearer <key>"')
+    tls_cert: str | None = knob(None, example="/etc/superinfer/cert.pem",
+                                help="PEM certificate: TLS on both fronts (with tls_key)")
+    tls_key: str | None = knob(None, example="/etc/superinfer/key.pem",
+                               help="PEM private key")
+    max_queue_len: int = knob(256, ge=1,
+                              help="waiting requests before 429 / RESOURCE_EXHAUSTED")
+    drain_grace_s: float = knob(30.0, ge=0,
+                                help="SIGTERM: time in-flight requests get to finish")
+    max_request_bytes: int = knob(
+        1 << 20, ge=1024,
+        help="larger request bodies are refused (413 / RESOURCE_EXHAUSTED)")
+    # HTTP: refuse unknown body fields with a 400 (default: ignore them and log each name
+    # once, as vLLM does; clients send vendor extensions). gRPC always refuses them.
+    strict_request_fields: bool = knob(
+        False, help="HTTP: 400 on unknown body fields (default: ignore, log once)")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="server.")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (("tls_cert", "tls_key") if self.tls_key is None
+                              else ("tls_key", "tls_cert"))
+            raise ConfigError(f"server.{given}", f"needs server.{missing} too (TLS takes "
+                                                 "both)")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ConfigError(f"server.{name}", f"no such file {path!r}")
+        if self.api_key == "":
+            raise ConfigError("server.api_key", "must not be empty (omit it to disable auth)")
+        if not (self.enable_grpc or self.enable_http):
+            raise ConfigError("server.enable_grpc",
+                              "is false and so is server.enable_http: nothing to serve")
+
+
+# -- what the dataclasses cannot say ----------------------------------------------------
+
+SECTION_HELP = {
+    "model": "what to serve",
+    "hardware": "device memory, KV pages and kernels",
+    "engine": "batching and scheduling, for every policy",
+    "default_slo": "the SLO of a request that sends none",
+    "rotasched": "RotaSched's parameters (engine.policy: rotasched)",
+    "duplex_kv": "the host tier: rotated KV pages in pinned host memory, and their copies",
+    "server": "the gRPC and OpenAI HTTP fronts",
+}
+SECTIONS = tuple(SECTION_HELP)  # in the file's order
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a server reads an engine key differently from the library (``EngineConfig``).
+
+    ``default``: the server's default. ``auto``: extra values the file accepts, meaning
+    "decide from the rest" (``to_engine`` decides). ``to_engine(value, values)``: the
+    engine field's value from the key's and the other keys' (``values``, by YAML key)."""
+
+    default: Any
+    help: str | None = None  # replaces the field's help in the file
+    auto: tuple[Any, ...] = ()
+    to_engine: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    example: Any = None
+
+
+def _cache_dir(value: str, values: Mapping[str, Any]) -> str | None:
+    return str(Path(value).expanduser()) if value else None
+
+
+def _prefill_chunk(value: int | None, values: Mapping[str, Any]) -> int:
+    return min(256, values["engine.max_num_batched_tokens"]) if value is None else value
+
+
+def _kv_dtype(value: str, values: Mapping[str, Any]) -> str:
+    return default_kv_dtype(values["model.dtype"]) if value == "auto" else value
+
+
+SERVING: dict[str, Serving] = {
+    # A server runs the paper's policy with a host tier; the library defaults to vLLM's.
+    "engine.policy": Serving("rotasched"),
+    "duplex_kv.host_memory_gb": Serving(2.0),
+    "hardware.compilation_cache_dir": Serving(
+        DEFAULT_COMPILATION_CACHE, to_engine=_cache_dir,
+        help='persistent XLA cache: later starts skip the compiler ("" disables)'),
+    "engine.max_prefill_chunk": Serving(
+        None, auto=(None,), to_engine=_prefill_chunk, example=256,
+        help="longest prefill chunk of one request in one step "
+             "(default: min(256, max_num_batched_tokens))"),
+    "model.kv_cache_dtype": Serving(
+        "auto", auto=("auto",), to_engine=_kv_dtype,
+        help="auto (= model.dtype, but float32 on CPU) | float32 | bfloat16"),
+}
+
+# Old key -> its new name. The old name still loads, with a warning (once per process).
+RENAMED: dict[str, str] = {
+    "rotasched.policy": "engine.policy",
+    "rotasched.max_num_seqs": "engine.max_num_seqs",
+    "rotasched.max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "rotasched.max_prefill_chunk": "engine.max_prefill_chunk",
+    "rotasched.seed": "engine.seed",
+    "rotasched.async_scheduling": "engine.async_scheduling",
+    "rotasched.transfer_budget_pages": "duplex_kv.transfer_budget_pages",
+    "rotasched.ttft_slo_target_ms": "default_slo.ttft_ms",
+    "rotasched.tbt_slo_target_ms": "default_slo.tbt_ms",
+    "rotasched.proactive_eviction_threshold": "rotasched.high_water_mark",
+    "hardware.hbm_memory_fraction": "hardware.device_memory_fraction",
+    "hardware.cpu_memory_buffer_gb": "duplex_kv.host_memory_gb",
+    "server.warmup": "engine.warmup",
+}
+
+# Removed key -> why. Such a key in a file is an error naming it.
+REMOVED: dict[str, str] = {
+    "duplex_kv.staging_buffer_mb": "it never did anything: DuplexKV copies pages straight "
+                                   "between the two pools, through no staging buffer",
+}
+
+# EngineConfig fields that are not deployment keys, with why (set by the program).
+NOT_KEYS: dict[str, str] = {
+    f.name: f.metadata["internal"] for f in dataclasses.fields(EngineConfig)
+    if "internal" in f.metadata
+}
+
+
+# -- the keys ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of the file: ``path`` (``engine.max_num_seqs``), the annotation and field
+    metadata its value is checked against, its default, and ``target``: where the value
+    lands in ``DeploymentConfig`` (``("engine", "rotasched", "alpha")``)."""
+
+    path: str
+    hint: Any
+    meta: Mapping[str, Any]
+    default: Any
+    target: tuple[str, ...]
+    to_engine: Callable[[Any, Mapping[str, Any]], Any] | None = None
+
+    @property
+    def section(self) -> str:
+        return self.path.split(".", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.split(".", 1)[1]
+
+    @property
+    def help(self) -> str:
+        return str(self.meta.get("help") or "")
+
+    def check(self, value: Any) -> None:
+        check_value(self.path, value, self.hint, self.meta)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"{f.name} has no default")
+
+
+def _slo_meta(name: str) -> dict[str, Any]:
+    """``SLO`` keeps its bounds in the request table (``FIELD_RANGES``): read them there."""
+    help_ = {"ttft_ms": "time to first token, ms", "tbt_ms": "time between tokens, ms",
+             "priority_class": " | ".join(PRIORITY_CLASSES)}[name]
+    if name == "priority_class":
+        return {"help": help_, "choices": PRIORITY_CLASSES}
+    r = FIELD_RANGES[f"slo.{name}"]
+    return {"help": help_, "gt" if r.low_open else "ge": r.low, "le": r.high}
+
+
+def _dataclass_keys(section: str, cls: type, target: tuple[str, ...],
+                    metas: Callable[[dataclasses.Field], Mapping[str, Any]]) -> list[Key]:
+    hints = type_hints(cls)
+    return [Key(f"{section}.{f.name}", hints[f.name], metas(f), _field_default(f),
+                (*target, f.name)) for f in dataclasses.fields(cls)]
+
+
+def _build_keys() -> dict[str, Key]:
+    keys: list[Key] = []
+    keys += _dataclass_keys("model", ModelSection, ("model",), lambda f: f.metadata)
+    keys += _dataclass_keys("server", ServerSection, ("server",), lambda f: f.metadata)
+    hints = type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if "internal" in f.metadata:
+            continue
+        section, hint = f.metadata["section"], hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # its own section
+            metas = _slo_meta_of if hint is SLO else (lambda g: g.metadata)
+            keys += _dataclass_keys(section, hint, ("engine", f.name), metas)
+        else:
+            name = f.metadata.get("name") or f.name
+            keys.append(Key(f"{section}.{name}", hint, f.metadata, _field_default(f),
+                            ("engine", f.name)))
+    out = {}
+    for key in keys:
+        rule = SERVING.get(key.path)
+        if rule is not None:
+            meta = dict(key.meta)
+            hint = key.hint
+            if rule.help is not None:
+                meta["help"] = rule.help
+            if rule.example is not None:
+                meta["example"] = rule.example
+            if None in rule.auto:
+                hint = hint | None
+            extra = tuple(a for a in rule.auto if a is not None)
+            if extra:
+                meta["choices"] = (*extra, *meta["choices"])
+            key = dataclasses.replace(key, hint=hint, meta=meta, default=rule.default,
+                                      to_engine=rule.to_engine)
+        out[key.path] = key
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    return dict(sorted(out.items(), key=lambda kv: order[kv[1].section]))
+
+
+def _slo_meta_of(f: dataclasses.Field) -> Mapping[str, Any]:
+    return _slo_meta(f.name)
+
+
+KEYS: dict[str, Key] = _build_keys()
+
+# The YAML key of each EngineConfig field (``"rotasched.alpha"`` for the nested field).
+ENGINE_KEYS: dict[str, str] = {".".join(k.target[1:]): k.path for k in KEYS.values()
+                               if k.target[0] == "engine"}
+
+
+def keys_of(section: str) -> list[Key]:
+    return [k for k in KEYS.values() if k.section == section]
+
+
+# -- lookups: renamed, removed and unknown keys -----------------------------------------
+
+_warned: set[str] = set()
+
+
+def resolve(path: str) -> str:
+    """The current name of ``path``: itself, or the new name of a renamed key (warned
+    about once per process). A removed or unknown key is a ``ConfigError``."""
+    if path in KEYS:
+        return path
+    if path in REMOVED:
+        raise ConfigError(path, f"was removed ({REMOVED[path]}); delete it")
+    new = RENAMED.get(path)
+    if new is not None:
+        if path not in _warned:
+            _warned.add(path)
+            log.warning("config key %s is deprecated: it is now %s (the old name still "
+                        "loads; rename it)", path, new)
+        return new
+    raise unknown(path)
+
+
+def unknown(path: str) -> ConfigError:
+    """The error for a key that does not exist, with the closest key if one is near."""
+    section, _, name = path.partition(".")
+    if section not in SECTIONS:
+        near = difflib.get_close_matches(section, SECTIONS, n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        return ConfigError(section, f"is not a known section{hint} "
+                                    f"(sections: {', '.join(SECTIONS)})")
+    same = [k.name for k in keys_of(section)]
+    near = difflib.get_close_matches(name, same, n=1)
+    if near:
+        return ConfigError(path, f"is not a known key; did you mean {section}.{near[0]}?")
+    elsewhere = [p for p in (*KEYS, *RENAMED) if p.split(".", 1)[1] == name]
+    if not elsewhere:
+        elsewhere = difflib.get_close_matches(path, [*KEYS, *RENAMED], n=1, cutoff=0.75)
+    if elsewhere:
+        return ConfigError(path, f"is not a known key; did you mean "
+                                 f"{RENAMED.get(elsewhere[0], elsewhere[0])}?")
+    return ConfigError(path, f"is not a known key ({section} keys: {', '.join(same)})")
+
+
+# -- the default file -------------------------------------------------------------------
+
+HEADER = """\
+# superinfer deployment config: `superinfer serve --config superinfer_config.yaml`
+#
+# Generated from the schema by `superinfer config --write superinfer_config.yaml` (the
+# keys are the fields of EngineConfig, RotaSchedConfig and serving/config_schema.py; a
+# test keeps this file equal to it). Every key is optional and shows its default. Flags
+# override keys (`--max-num-seqs 8`, or `--set section.key=value` for any key). An
+# unknown key or a bad value stops the server with an error naming it, e.g.
+# "error: rotasched.alpha: must be >= 0, got -1".
+"""
+_COMMENT_COLUMN = 32
+_WIDTH = 100
+
+
+def _scalar(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000, sort_keys=False)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def render_default() -> str:
+    """The default ``superinfer_config.yaml``: every key, its default, its help."""
+    out = [HEADER]
+    for section in SECTIONS:
+        out.append(f"\n# {SECTION_HELP[section]}\n{section}:\n")
+        for key in keys_of(section):
+            if key.default is None:
+                line = f"  # {key.name}: {_scalar(key.meta['example'])}"
+            else:
+                line = f"  {key.name}: {_scalar(key.default)}"
+            inline = f"{line.ljust(_COMMENT_COLUMN - 2)}  # {key.help}"
+            if len(inline) <= _WIDTH:
+                out.append(inline.rstrip() + "\n")
+                continue
+            for part in textwrap.wrap(key.help, _WIDTH - 4, break_on_hyphens=False):
+                out.append(f"  # {part}\n")
+            out.append(line + "\n")
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.config_schema",
+                                     description="Print or write the default deployment "
+                                                 "file, generated from the schema.")
+    parser.add_argument("--write", metavar="PATH", help="write it to PATH (else: stdout)")
+    args = parser.parse_args(argv)
+    return write_default(args.write)
+
+
+def write_default(path: str | None) -> int:
+    text = render_default()
+    if path is None:
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
