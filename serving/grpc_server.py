@@ -38,7 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from serving.protogen import stubs
 from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
 from serving.runtime import API_VERSION, Runtime, ServerState
-from serving.stats_view import StatsView
+from serving.stats_view import numeric, read
 from superinfer_jax.async_engine import (
     DuplicateRequestError,
     EngineUnavailableError,
@@ -192,13 +192,13 @@ class InferenceService:
     def get_server_stats(self, data: bytes, context: grpc.ServicerContext) -> Any:
         _parse(pb2.GetServerStatsRequest, data, context)
         stats = self.runtime.stats()
-        v = StatsView.of(stats)
+        v = read(stats)
         return pb2.ServerStats(
             state=_STATE[self.runtime.state], num_running=v.num_running,
             num_waiting=v.num_waiting, num_rotary=v.num_rotary,
             device_pages_total=v.device_pages_total, device_pages_free=v.device_pages_free,
             host_pages_total=v.host_pages_total, host_pages_free=v.host_pages_free,
-            num_requests_total=v.num_requests_total, engine_stats=StatsView.numeric(stats))
+            num_requests_total=v.num_requests_total or 0, engine_stats=numeric(stats))
 
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable, out: type[Message]) -> grpc.RpcMethodHandler:

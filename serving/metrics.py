@@ -4,7 +4,7 @@ Latency histograms and counters are fed by an engine-loop observer (``observe``)
 on the engine thread right after each step, so token times are the engine's own, not the
 moment a front got round to sending them. Gauges (running, waiting, rotary, cache usage)
 and the bytes-moved counters come from the latest stats snapshot at scrape time, through
-a custom collector: they are the engine's numbers, read when asked for.
+a custom collector: they are the engine's numbers (``EngineStats``), read when asked for.
 
 Each server owns its registry, so two servers in one process (tests) never collide.
 Preemptions and rotations are counted when their request finishes.
@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from serving.requests import RequestSummary
-from serving.stats_view import StatsView
+from serving.stats_view import read
 from superinfer_jax.engine import RequestOutput
 
 PREFIX = "superinfer:"
@@ -47,7 +47,7 @@ class _SnapshotCollector(Collector):
         self.stats: dict[str, Any] = {}
 
     def collect(self) -> Iterator[Any]:
-        view = StatsView.of(self.stats)
+        view = read(self.stats)
         labels = ["model_name"]
         for name, value, doc in (
             ("num_requests_running", view.num_running, "Requests decoding or prefilling."),

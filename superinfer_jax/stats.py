@@ -1,0 +1,132 @@
+"""The engine's stats, typed: what ``LLMEngine.stats()`` reports, field by field.
+
+``EngineStats.from_dict`` reads the flat dict the engine builds (and the serving loop's
+``num_requests_total`` beside it) and accepts exactly those keys: a key it does not know
+is an error, so an engine that renames a stat fails a test instead of reporting 0. An
+``EngineStats`` is also a read-only mapping of the same flat keys (``as_dict``), so code
+that indexes the dict (``stats["device_pages_free"]``) reads it unchanged.
+
+Without a host tier the engine reports no host or transfer keys: ``host`` is None and
+the host-tier properties read 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from superinfer_jax.duplexkv.stats import TransferStats
+
+_TRANSFER_PREFIX = "transfer_"
+_TRANSFER_KEYS = tuple(_TRANSFER_PREFIX + f.name for f in dataclasses.fields(TransferStats))
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """The DuplexKV tier: requests parked there, its pages, and the copies made."""
+
+    num_rotary: int  # requests whose KV is in host memory
+    pages_total: int
+    pages_free: int
+    transfer: TransferStats  # cumulative copies, each way
+
+
+@dataclass(frozen=True)
+class EngineStats(Mapping[str, float]):
+    num_running: int = 0
+    num_waiting: int = 0
+    device_pages_total: int = 0
+    device_pages_free: int = 0
+    host: HostTierStats | None = None  # None: no host tier
+    num_requests_total: int | None = None  # admitted so far: the serving loop's count
+
+    # -- what the servers report --------------------------------------------------------
+
+    @property
+    def num_rotary(self) -> int:
+        return 0 if self.host is None else self.host.num_rotary
+
+    @property
+    def host_pages_total(self) -> int:
+        return 0 if self.host is None else self.host.pages_total
+
+    @property
+    def host_pages_free(self) -> int:
+        return 0 if self.host is None else self.host.pages_free
+
+    @property
+    def bytes_to_host(self) -> int:
+        return 0 if self.host is None else self.host.transfer.bytes_out
+
+    @property
+    def bytes_to_device(self) -> int:
+        return 0 if self.host is None else self.host.transfer.bytes_in
+
+    def usage(self, tier: str) -> float:
+        """Fraction of the tier's pages in use (0 when the tier does not exist)."""
+        total, free = ((self.device_pages_total, self.device_pages_free) if tier == "device"
+                       else (self.host_pages_total, self.host_pages_free))
+        return 0.0 if total <= 0 else (total - free) / total
+
+    # -- the flat dict ------------------------------------------------------------------
+
+    def as_dict(self) -> dict[str, float]:
+        """The flat dict the engine has always reported (``transfer_bytes_out``, ...)."""
+        out: dict[str, float] = {
+            "num_running": self.num_running, "num_waiting": self.num_waiting,
+            "device_pages_total": self.device_pages_total,
+            "device_pages_free": self.device_pages_free,
+        }
+        if self.host is not None:
+            out.update(num_rotary=self.host.num_rotary, host_pages_total=self.host.pages_total,
+                       host_pages_free=self.host.pages_free,
+                       **{_TRANSFER_PREFIX + k: v
+                          for k, v in dataclasses.asdict(self.host.transfer).items()})
+        if self.num_requests_total is not None:
+            out["num_requests_total"] = self.num_requests_total
+        return out
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any]) -> EngineStats:
+        """From the engine's flat dict; a key the engine does not produce is a ValueError,
+        and the host-tier keys come all together or not at all."""
+        if isinstance(stats, EngineStats):
+            return stats
+        unknown = sorted(set(stats) - set(_ALL_KEYS))
+        if unknown:
+            raise ValueError(f"engine stats: unknown keys {unknown} (known: {list(_ALL_KEYS)})")
+        for key, value in stats.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"engine stats: {key} must be a number, got {value!r}")
+        host_keys = [k for k in _HOST_KEYS if k in stats]
+        host = None
+        if host_keys:
+            missing = sorted(set(_HOST_KEYS) - set(host_keys))
+            if missing:
+                raise ValueError(f"engine stats: host tier keys missing: {missing}")
+            transfer = TransferStats(**{k.removeprefix(_TRANSFER_PREFIX): stats[k]
+                                        for k in _TRANSFER_KEYS})
+            host = HostTierStats(int(stats["num_rotary"]), int(stats["host_pages_total"]),
+                                 int(stats["host_pages_free"]), transfer)
+        total = stats.get("num_requests_total")
+        return cls(num_running=int(stats.get("num_running", 0)),
+                   num_waiting=int(stats.get("num_waiting", 0)),
+                   device_pages_total=int(stats.get("device_pages_total", 0)),
+                   device_pages_free=int(stats.get("device_pages_free", 0)),
+                   host=host, num_requests_total=None if total is None else int(total))
+
+    def __getitem__(self, key: str) -> float:
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+_HOST_KEYS = ("num_rotary", "host_pages_total", "host_pages_free", *_TRANSFER_KEYS)
+_ALL_KEYS = ("num_running", "num_waiting", "device_pages_total", "device_pages_free",
+             *_HOST_KEYS, "num_requests_total")
