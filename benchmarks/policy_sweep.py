@@ -15,6 +15,7 @@ the goal. The table ends with the verdict at the knee: the first rate where ``fc
 TTFT attainment is at most 60%. The defaults take about 16 minutes on 2 cores.
 
     python -m benchmarks.policy_sweep [--quick] [--seeds 0,1,2] [--out results/policy_sweep.json]
+    python -m benchmarks.policy_sweep --quick --policies fcfs,examples.edf_policy:EDFPolicy
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "policy_sweep")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--policies", default="fcfs,swap,rotasched")
+    parser.add_argument("--policies", default="fcfs,swap,rotasched",
+                        help="comma-separated registered names or package.module:Class "
+                             "plug-ins (examples.edf_policy:EDFPolicy)")
     parser.add_argument("--rates", default="2,3,4,5", help="requests per second")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--trace", default="azure_conv")
@@ -72,6 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.num_requests, args.seeds = "1,3", 16, "0"
+    from superinfer_jax.rotasched.registry import resolve_policy
+
+    for policy in args.policies.split(","):
+        try:
+            resolve_policy(policy)  # a bad name or path fails now, not after the model loads
+        except ValueError as e:
+            parser.error(str(e))
 
     from models import load_model
     from superinfer_jax import EngineConfig, LLMEngine

@@ -9,6 +9,8 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
     superinfer simulate --model llama-3-8b --hardware gh200-96g --dataset sharegpt \\
         --rates 40 --num-requests 100000 --policies fcfs          # a speed run
     superinfer simulate --list
+    superinfer simulate --preset paper-qwen32b-sharegpt --hardware gh200-96g --rates 20 \
+        --duration-s 60 --policies fcfs,rotasched,examples.edf_policy:EDFPolicy  # a plug-in
     superinfer simulate --model smollm2-135m --dataset azure_conv --rates 1,2 \
         --latency-profile profile.json --num-device-pages 48 --num-host-pages 512 \
         --engine max_model_len=320 --engine max_num_seqs=16    # this machine, calibrated
@@ -44,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "mooncake_conv, mooncake_synthetic or a trace file")
     p.add_argument("--hardware", help="comma-separated: gh200-96g, gh200-144g, h100-pcie, "
                    "h200-pcie, h100-nvl-pcie")
-    p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched")
+    p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched, another "
+                   "registered name, or a plug-in as package.module:Class "
+                   "(examples.edf_policy:EDFPolicy)")
     p.add_argument("--rates", help="comma-separated requests per second")
     p.add_argument("--duration-s", type=float, help="arrivals for this long (default 120)")
     p.add_argument("--num-requests", type=int, help="instead of --duration-s")

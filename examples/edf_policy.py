@@ -51,8 +51,8 @@ def main() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     for r in map(engine.release, ids):
-        print(f"request {r.req_id}: TTFT SLO {r.slo.ttft_ms:.0f} ms, {len(r.output_token_ids)}"
-              f" tokens, {r.num_rotations} rotations, {r.status.name}")
+        print(f"{r.req_id}: TTFT {1000 * r.ttft:.0f} ms (SLO {r.slo.ttft_ms:.0f}), "
+              f"{r.num_rotations} rotations, {len(r.output_token_ids)} tokens, {r.status.name}")
 
 
 if __name__ == "__main__":
