@@ -1,11 +1,10 @@
 """Who runs this step: one pipeline of stages; a ``Policy`` supplies the decisions.
 
-The scheduler is pure host code over ``Request`` objects and the page seam of
-``KVCacheManager`` / ``TwoTierKVManager``. ``schedule`` returns a ``StepPlan`` (data)
-that is complete: rows, evictions, rotations with their page copies, the eager shadows
-and the budget it ran under. The engine and the simulator execute it and never re-derive
-any of it; they report back through ``on_rotated_out`` / ``on_rotated_in`` /
-``on_rotation_failed`` and ``remove``.
+Pure host code over ``Request`` objects and the page seam of ``TwoTierKVManager``.
+``schedule`` returns a complete ``StepPlan``: rows, evictions, rotations with their page
+copies, the eager shadows and the budget it ran under. The engine and the simulator
+execute it, never re-derive it, and report back through ``on_rotated_out`` /
+``on_rotated_in`` / ``on_rotation_failed`` and ``remove``.
 
 Every step runs the same stages, in this order:
 
@@ -28,9 +27,8 @@ Every step runs the same stages, in this order:
    outbound transfer budget (only for a caller that issues them: ``shadowing``).
 
 Per-step state is one ``StepBudget`` passed through the stages, never kept on the
-instance. Rotation (DuplexKV): ``TwoTierKVManager.rotate_out`` frees device pages now and
-the plan carries the copies; requests in flight or parked sit in ``rotary``. Without room
-on the host (or without a host tier) a rotation falls back to recomputation.
+instance. Requests rotating or parked sit in ``rotary``; without room on the host (or
+without a host tier) a rotation falls back to recomputation.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
-from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget, StepPlan
+from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget, StepPlan, next_chunk
 
 if TYPE_CHECKING:
     from superinfer_jax.rotasched.policy import Policy
@@ -67,7 +65,7 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.page_bytes = page_bytes
-        self._latency = latency
+        self.latency = latency  # None until known: ``set_latency_model``
         self.shadowing = (shadowing and config.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
         self.waiting: deque[Request] = deque()
@@ -75,17 +73,9 @@ class Scheduler:
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
 
-    @property
-    def latency(self) -> LatencyModel | None:
-        return self._latency
-
-    @latency.setter
-    def latency(self, model: LatencyModel | None) -> None:  # the engine's older spelling
-        self.set_latency_model(model)
-
     def set_latency_model(self, model: LatencyModel | None) -> None:
         """The latency model, once known (profiling needs the compiled engine)."""
-        self._latency = model
+        self.latency = model
 
     @property
     def num_unfinished(self) -> int:
@@ -122,10 +112,11 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         plan, budget = StepPlan(), StepBudget.full(self.config)
         self._rotate_forced(plan, now)
-        ranked = self.policy.rank(self, now) if self.policy.contended(self) else None
-        keep = self._select(ranked, budget) if ranked is not None else None
-        self._evict_unselected(ranked, keep, plan, budget, now)
-        if ranked is not None:
+        ranked, keep = None, None  # uncontended: FCFS, nobody overtakes
+        if self.policy.contended(self):
+            ranked = self.policy.rank(self, now)
+            keep = self._select(ranked, budget)
+            self._evict_unselected(ranked, keep, plan, budget, now)
             budget = self.policy.token_budget(self, budget, now, keep)
         plan.budget = dataclasses.replace(budget)
         self._run_rows(plan, budget, now, contended=ranked is not None)
@@ -147,7 +138,8 @@ class Scheduler:
         capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
                                                 for r in self.running)
         transfer = budget.pages_in
-        used, seats, keep = 0, self.config.max_num_seqs - self._num_rotating_in(), set()
+        used, seats = 0, self.config.max_num_seqs - self._num_rotating_in()
+        keep: set[str] = set()
         for req in ranked:
             need = self._pages_to_run(req)
             moving = self._host_pages(req)
@@ -158,15 +150,15 @@ class Scheduler:
             transfer -= moving
         return keep
 
-    def _evict_unselected(self, ranked: list[Request] | None, keep: set[str] | None,
-                          plan: StepPlan, budget: StepBudget, now: float) -> None:
+    def _evict_unselected(self, ranked: list[Request], keep: set[str], plan: StepPlan,
+                          budget: StepBudget, now: float) -> None:
         """Runners outside the selection leave, from the tail of the ranking."""
-        if ranked is None or keep is None:
-            return
+        kv = self.kv
+        assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
         for req in reversed(ranked):
             if req.status != RequestStatus.RUNNING or req.req_id in keep:
                 continue
-            cost = self.kv.rotation_cost_out(req.req_id)
+            cost = kv.rotation_cost_out(req.req_id)
             if cost > budget.pages_out:
                 continue
             budget.pages_out -= cost
@@ -234,10 +226,9 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         if ranked is None or keep is None:
             while self.waiting and budget.tokens > 0 and self._num_seated() < max_seqs:
-                req = self.waiting[0]
-                if req.req_id in plan.preempted or not self._admit_one(req, plan, budget,
-                                                                       now):
-                    break  # not what this very step evicted; else the head waits
+                head = self.waiting[0]  # not re-admitted when this very step evicted it
+                if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
+                    break  # the head waits for memory; nobody overtakes it
             return
         for req in ranked:
             if req.status != RequestStatus.WAITING or req.req_id not in keep \
@@ -268,18 +259,16 @@ class Scheduler:
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages ``req`` holds after its next step, with the longest chunk a step
-        can give it (the selection's estimate: the budget is not known yet)."""
+        can give it (the budget is not known yet when the selection asks)."""
         chunk = next_chunk(req, self.config.max_prefill_chunk)
         return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
 
     def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
-        """Longest chunk one more prefill row may take this step (0: no more rows).
-
-        The prefill call is padded to ``[row bucket, column bucket]`` and a padded slot
-        costs what a real token does, so the padded shape must fit in the step's prefill
-        slots, not only the real tokens: two rows of 200 tokens pad to 4x256 and ran 3.5x
-        longer than one row of 256 (744 vs 211 ms on the CPU policy sweep), a stall for
-        every decoder in the step."""
+        """Longest chunk one more prefill row may take this step (0: no more rows). The
+        call is padded to ``[row bucket, column bucket]``, and a padded slot costs what a
+        real token does, so the padded shape must fit the step's prefill slots: two rows
+        of 200 tokens pad to 4x256 and ran 3.5x longer than one row of 256 (744 vs 211 ms
+        on the CPU policy sweep), a stall for every decoder in the step."""
         cfg = self.config
         rows = len(plan.prefill) + 1
         if rows > cfg.max_prefill_rows:
@@ -409,9 +398,3 @@ class Scheduler:
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)
 
-
-def next_chunk(req: Request, limit: int) -> int:
-    """The one chunk rule: 1 token when decoding, else the pending prompt up to ``limit``
-    (0 when nothing is left to schedule: its token in flight ends it)."""
-    pending = req.num_pending_tokens
-    return 1 if pending == 1 else min(pending, limit)

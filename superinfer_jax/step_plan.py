@@ -1,6 +1,7 @@
 """What one step does and may spend: ``StepPlan`` (the scheduler's output, executed
 verbatim by the engine and the simulator) and ``StepBudget`` (what the scheduler's
-stages spend while they plan). Host ints only."""
+stages spend while they plan), and the one rule for a request's next chunk. Host ints
+only."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import PageMoves
+from superinfer_jax.request import Request
 
 HOST = "host"  # an evicted request's KV goes to the host tier (rotation)
 RECOMPUTE = "recompute"  # an evicted request's KV is dropped and recomputed later
@@ -56,3 +58,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+def next_chunk(req: Request, limit: int) -> int:
+    """The one chunk rule: 1 token when decoding, else the pending prompt up to ``limit``
+    (0 when nothing is left to schedule: its token in flight ends it)."""
+    pending = req.num_pending_tokens
+    return 1 if pending == 1 else min(pending, limit)

@@ -64,7 +64,10 @@ class CostModel(Protocol):
     """Seconds for the simulator's events. Implementations must be monotone in every
     count (more work is never faster), like the engine's latency model."""
 
-    page_bytes: int  # bytes of one KV page (all layers, K and V)
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page (all layers, K and V)."""
+        ...
 
     def prefill_call_s(self, shape: CallShape) -> float: ...
 

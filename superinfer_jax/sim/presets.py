@@ -95,8 +95,8 @@ class SimPreset:
         config = self.engine.replace(policy=policy)
         if hardware == THIS_MACHINE and self.calibration is not None:
             c = self.calibration
-            cost = CalibratedCost(c.latency, config, c.page_bytes, c.host)
-            return Simulator(config, cost, c.num_device_pages, c.num_host_pages, c.latency)
+            calibrated = CalibratedCost(c.latency, config, c.page_bytes, c.host)
+            return Simulator(config, calibrated, c.num_device_pages, c.num_host_pages, c.latency)
         if hardware not in HARDWARE:
             raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
         model, hw = MODELS[self.model], HARDWARE[hardware]

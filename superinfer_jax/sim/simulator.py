@@ -69,7 +69,8 @@ class SimRequest(Request):
     __hash__ = object.__hash__
 
     def __init__(self, req_id: str, spec: RequestSpec):
-        super().__init__(req_id, range(spec.prompt_len), _SAMPLING, slo=spec.slo,
+        super().__init__(req_id, range(spec.prompt_len),  # type: ignore[arg-type]
+                         _SAMPLING, slo=spec.slo,
                          arrival_time=spec.arrival_s)
         self.token_times = array("d")  # type: ignore[assignment]
         self.num_tokens = spec.prompt_len
@@ -327,7 +328,7 @@ class _Run:
             wall_s=time.perf_counter() - wall0, num_steps=self.num_steps,
             num_prefill_tokens=self.num_prefill, num_decode_tokens=self.num_decode,
             pages_out=self.link.pages[OUT], pages_in=self.link.pages[IN],
-            shadow_pages=self.shadow_pages, link_busy_s=tuple(self.link.busy_s),
+            shadow_pages=self.shadow_pages, link_busy_s=(self.link.busy_s[0], self.link.busy_s[1]),
             num_device_pages=self.sim.num_device_pages,
             num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
             policy=self.cfg.policy)
