@@ -68,6 +68,7 @@ from superinfer_jax.request import SLO, FieldError, Request, RequestStatus, Samp
 from superinfer_jax.rotasched.policies import make_scheduler
 from superinfer_jax.sampling import sampler_seed
 from superinfer_jax.scheduler import StepPlan
+from superinfer_jax.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, config)
         self.kv = self.runner.kv
         self.latency: LatencyModel | None = None  # profiled at warm-up or loaded
-        self.scheduler = make_scheduler(config, self.kv)
-        self.scheduler.page_bytes = self.layout.page_bytes
+        self.scheduler = make_scheduler(config, self.kv, page_bytes=self.layout.page_bytes,
+                                        shadowing=self.runner.duplex is not None)
         self.output = OutputProcessor(self.model.tokenizer, self.model.eos_token_ids,
                                       config.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -183,7 +184,7 @@ class LLMEngine:
 
     def set_latency_model(self, model: LatencyModel) -> None:
         self.latency = model
-        self.scheduler.latency = model
+        self.scheduler.set_latency_model(model)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -359,14 +360,8 @@ class LLMEngine:
         self._apply_rotation_events(self.runner.poll_rotations(), now)
 
     def _issue_rotations(self, plan: StepPlan, now: float) -> None:
-        """Issue the plan's copies and this step's shadows, before the model step."""
-        if self.duplex is None:
-            return
-        shadows = []
-        if self.config.eager_shadowing:
-            computed = {r.req_id: r.num_computed_tokens for r in self.scheduler.running}
-            shadows = self.kv.plan_shadows(computed, self.duplex.shadow_budget(plan.moves_out))
-        failed = self.runner.issue_rotations(plan.moves_out, plan.moves_in, shadows)
+        """Issue the plan's copies and eager shadows, before the model step."""
+        failed = self.runner.issue_rotations(plan.moves_out, plan.moves_in, plan.shadows)
         self._apply_rotation_events(failed, now)
 
     def _apply_rotation_events(self, events: list[RotationEvent], now: float) -> None:
@@ -415,7 +410,8 @@ class LLMEngine:
             return self.requests.pop(req_id)
         return None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
+        """Typed counters (``superinfer_jax.stats``), also readable as a mapping."""
         out = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -427,4 +423,4 @@ class LLMEngine:
                        host_pages_total=self.num_host_pages,
                        host_pages_free=self.kv.num_host_free_pages,
                        **{f"transfer_{k}": v for k, v in self.duplex.stats.as_dict().items()})
-        return out
+        return EngineStats.from_dict(out)
