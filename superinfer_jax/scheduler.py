@@ -16,9 +16,8 @@ Every step runs the same stages, in this order:
 4. victims: running requests outside the selection leave, from the tail of the ranking,
    within the outbound transfer budget (the policy says where to: host or recompute);
 5. the step's token budget (the policy's, when contended; else the configured one);
-6. running rows: decode rows and prefill chunks within the token budget and the padded
-   prefill call; a request that needs a page when none is free evicts the most recent
-   runner (when contended: the last in decode, prefill, finishing order);
+6. running rows, within the token budget and the padded prefill call; a row that needs
+   a page when none is free evicts the last runner (contended: decode, prefill order);
 7. rotate-ins: parked requests come back within seats and the inbound transfer budget
    (uncontended: oldest first, stopping at the first that cannot);
 8. admissions: waiting requests start (uncontended: only once nothing is parked, FCFS
@@ -33,7 +32,6 @@ without a host tier) a rotation falls back to recomputation.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -50,13 +48,13 @@ if TYPE_CHECKING:
 
 __all__ = ["HOST", "RECOMPUTE", "Scheduler", "StepBudget", "StepPlan", "next_chunk"]
 
-class Scheduler:
-    """The stages, over the request queues. ``policy`` decides; this class executes.
 
-    ``page_bytes``: bytes of one KV page (for the policies' transfer-time predictions).
-    ``latency``: the latency model, or None until it is known (the engine profiles it
-    after warm-up and calls ``set_latency_model``). ``shadowing``: the caller issues
-    eager shadow copies, so plan them (with ``config.eager_shadowing`` and a host tier)."""
+class Scheduler:
+    """The stages over the request queues: ``policy`` decides, this class executes.
+    ``page_bytes``: one KV page (the policies' transfer-time predictions). ``latency``: the
+    latency model, None until known (the engine profiles it after warm-up and calls
+    ``set_latency_model``). ``shadowing``: the caller issues eager shadow copies, so plan
+    them (with ``config.eager_shadowing`` and a host tier)."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: Policy, *,
                  page_bytes: int = 0, latency: LatencyModel | None = None,
@@ -65,7 +63,7 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.page_bytes = page_bytes
-        self.latency = latency  # None until known: ``set_latency_model``
+        self.latency = latency  # None until known (``set_latency_model``)
         self.shadowing = (shadowing and config.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
         self.waiting: deque[Request] = deque()
@@ -118,7 +116,7 @@ class Scheduler:
             keep = self._select(ranked, budget)
             self._evict_unselected(ranked, keep, plan, budget, now)
             budget = self.policy.token_budget(self, budget, now, keep)
-        plan.budget = dataclasses.replace(budget)
+        plan.budget = budget.copy()
         self._run_rows(plan, budget, now, contended=ranked is not None)
         if self._rotate_in(ranked, keep, plan, budget, now):
             self._admit(ranked, keep, plan, budget, now)
@@ -132,9 +130,8 @@ class Scheduler:
         self.force_rotate_out.clear()  # requests not running now are not rotated
 
     def _select(self, ranked: list[Request], budget: StepBudget) -> set[str]:
-        """From the head: who fits in the device pool, the seats and the inbound transfer
-        budget. Capacity is what the running requests hold plus what is free: pages of
-        requests rotating in are spoken for, pages of requests rotating out are free."""
+        """From the head: who fits in the device pool (what runners hold plus what is
+        free), the seats and the inbound transfer budget."""
         capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
                                                 for r in self.running)
         transfer = budget.pages_in
@@ -176,17 +173,18 @@ class Scheduler:
                     + [r for r in running if r.num_pending_tokens > 1]
                     + [r for r in running if r.num_pending_tokens == 0])
         else:
-            rows = list(self.running)
+            rows = self.running
         i = 0
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
-            n = self._next_chunk(req, plan, budget)
+            pending = req.num_pending_tokens
+            n = self._next_chunk(pending, plan, budget)
             if n == 0:
                 i += 1  # its token in flight ends it (async scheduling), or no prefill room
                 continue
             if not self._reserve(req, n, plan, rows, now):
                 break  # req itself was evicted; everything after it already was
-            self._add_row(plan, req, n)
+            self._add_row(plan, req.req_id, n, pending == 1)
             budget.tokens -= n
             i += 1
 
@@ -249,18 +247,17 @@ class Scheduler:
 
     # -- rows and pages ---------------------------------------------------------------
 
-    def _next_chunk(self, req: Request, plan: StepPlan, budget: StepBudget) -> int:
-        """Tokens ``req`` takes this step: 1 when decoding, else its next prefill chunk
-        within the token budget and the padded call (0: no room for another prefill row,
-        or nothing left to schedule)."""
-        if req.is_decoding:
-            return 1
-        return next_chunk(req, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
+    def _next_chunk(self, pending: int, plan: StepPlan, budget: StepBudget) -> int:
+        """Tokens a request with ``pending`` tokens takes this step (``next_chunk``) within
+        the token budget and the padded call (0: no room for another prefill row)."""
+        if pending == 1:
+            return 1  # most rows: no prefill cap to work out
+        return next_chunk(pending, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages ``req`` holds after its next step, with the longest chunk a step
         can give it (the budget is not known yet when the selection asks)."""
-        chunk = next_chunk(req, self.config.max_prefill_chunk)
+        chunk = next_chunk(req.num_pending_tokens, self.config.max_prefill_chunk)
         return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
 
     def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
@@ -282,20 +279,22 @@ class Scheduler:
         return cfg.max_prefill_chunk if rows == 1 else 0  # one row always makes progress
 
     @staticmethod
-    def _add_row(plan: StepPlan, req: Request, n: int) -> None:
-        if req.is_decoding:
-            plan.decode.append(req.req_id)
+    def _add_row(plan: StepPlan, req_id: str, n: int, decoding: bool) -> None:
+        if decoding:
+            plan.decode.append(req_id)
         else:
-            plan.prefill.append((req.req_id, n))
+            plan.prefill.append((req_id, n))
 
     def _reserve(self, req: Request, n: int, plan: StepPlan, rows: list[Request],
                  now: float) -> bool:
-        """Pages for ``n`` more tokens of ``req``, evicting the last of ``rows`` (and so of
-        ``running``) until they fit; False when ``req`` itself had to go."""
+        """Pages for ``n`` more tokens of ``req``, evicting the last of ``rows`` (``running``
+        or its reordering) until they fit; False when ``req`` itself had to go."""
         total = req.num_computed_tokens + n
         while not self.kv.can_allocate(req.req_id, total):
-            victim = rows.pop()
-            self._evict(victim, plan, now)
+            victim = rows[-1]
+            self._evict(victim, plan, now)  # takes it out of ``running``
+            if rows is not self.running:
+                rows.pop()
             if victim is req:
                 return False
         self.kv.allocate_for(req.req_id, total)
@@ -362,7 +361,8 @@ class Scheduler:
         tokens scheduled (0: not admitted)."""
         if req.num_inflight_tokens:
             return 0  # evicted while its last token was in flight: recompute once it lands
-        n = self._next_chunk(req, plan, budget)
+        pending = req.num_pending_tokens
+        n = self._next_chunk(pending, plan, budget)
         if n == 0 or not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
             return 0
         self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
@@ -371,7 +371,7 @@ class Scheduler:
         req.set_status(RequestStatus.RUNNING, now)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        self._add_row(plan, req, n)
+        self._add_row(plan, req.req_id, n, pending == 1)
         budget.tokens -= n
         return n
 

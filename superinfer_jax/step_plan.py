@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import PageMoves
-from superinfer_jax.request import Request
 
 HOST = "host"  # an evicted request's KV goes to the host tier (rotation)
 RECOMPUTE = "recompute"  # an evicted request's KV is dropped and recomputed later
@@ -36,6 +35,9 @@ class StepBudget:
         tokens, pages = config.max_num_batched_tokens, config.transfer_budget_pages
         return cls(tokens, tokens, pages, pages)
 
+    def copy(self) -> StepBudget:
+        return StepBudget(self.tokens, self.prefill_slots, self.pages_out, self.pages_in)
+
 
 @dataclass
 class StepPlan:
@@ -60,8 +62,8 @@ class StepPlan:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
-def next_chunk(req: Request, limit: int) -> int:
-    """The one chunk rule: 1 token when decoding, else the pending prompt up to ``limit``
-    (0 when nothing is left to schedule: its token in flight ends it)."""
-    pending = req.num_pending_tokens
+def next_chunk(pending: int, limit: int) -> int:
+    """The one chunk rule, for a request with ``pending`` tokens to compute: 1 when
+    decoding, else the pending prompt up to ``limit`` (0 when nothing is left to
+    schedule: its token in flight ends it)."""
     return 1 if pending == 1 else min(pending, limit)
