@@ -10,6 +10,7 @@ A bad value exits 2 with ``error: <key>: <message>``, before any port is bound.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -211,41 +212,48 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from benchmarks import serve_bench
+# The tools that live in benchmarks/, as subcommands: (name, module, one-line help). Their
+# modules are imported only when the command is one of them, so `superinfer serve` never
+# imports benchmark code.
+_TOOLS = {
+    "bench": ("benchmarks.serve_bench", "measure a running server (gRPC or OpenAI HTTP) on "
+              "a workload: TTFT, TPOT, ITL, SLO attainment, goodput"),
+    "simulate": ("benchmarks.simulate", "simulate the policies at paper scale (GH200, H200 "
+                 "PCIe, ...) with a cost model"),
+}
 
-    p = sub.add_parser("bench", help="measure a running server (gRPC or OpenAI HTTP) on a "
-                       "workload: TTFT, TPOT, ITL, SLO attainment, goodput",
-                       description=serve_bench.__doc__,
+
+def _add_tool(sub: argparse._SubParsersAction, name: str, load: bool) -> None:
+    """The ``name`` subcommand: complete (its module loaded) when it is the one run, else
+    only its name and help for ``superinfer --help``."""
+    module_name, help_text = _TOOLS[name]
+    if not load:
+        sub.add_parser(name, help=help_text, add_help=False)
+        return
+    module = importlib.import_module(module_name)
+    p = sub.add_parser(name, help=help_text, description=module.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve_bench.add_arguments(p)
-    p.set_defaults(func=serve_bench.run)
+    module.add_arguments(p)
+    p.set_defaults(func=module.run)
 
 
-def _add_simulate(sub: argparse._SubParsersAction) -> None:
-    from benchmarks import simulate
-
-    p = sub.add_parser("simulate", help="simulate the policies at paper scale (GH200, H200 "
-                       "PCIe, ...) with a cost model", description=simulate.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    simulate.add_arguments(p)
-    p.set_defaults(func=simulate.run)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` (the first argument) says which benchmark tool, if any, to
+    load (None: all of them, e.g. for documentation)."""
     parser = argparse.ArgumentParser(prog="superinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
     _add_batch(sub)
     _add_config(sub)
-    _add_bench(sub)
-    _add_simulate(sub)
+    for name in _TOOLS:
+        _add_tool(sub, name, load=command is None or command == name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else "").parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:

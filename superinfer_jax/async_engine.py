@@ -83,6 +83,7 @@ class RequestStream:
         if self._loop is None:
             self._queue.put(item)
             return
+        assert self._aqueue is not None  # created with the loop
         try:
             self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
         except RuntimeError:

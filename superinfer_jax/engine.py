@@ -49,6 +49,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cac
 from superinfer_jax.output_processor import OutputProcessor
 from superinfer_jax.profiler import profile_engine
 from superinfer_jax.request import SLO, FieldError, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.policies import make_scheduler
+from superinfer_jax.rotasched import make_scheduler
 from superinfer_jax.sampling import sampler_seed
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats
@@ -164,7 +165,7 @@ class LLMEngine:
         ``warmup_times_s``."""
         times = self.runner.warmup()
         t0 = time.perf_counter()
-        if self.config.policy == "rotasched":  # slack ranking and TBT-sized budgets
+        if self.scheduler.policy.uses_latency:  # e.g. slack ranking, TBT-sized budgets
             self.set_latency_model(self._latency_model())
         times["latency_profile"] = time.perf_counter() - t0
         self.warmup_times_s = times
@@ -236,7 +237,7 @@ class LLMEngine:
         if bad:
             raise FieldError("stop_token_ids",
                              f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
-        changes: dict[str, int] = {}
+        changes: dict[str, Any] = {}
         if sampling.top_k > vocab:
             changes["top_k"] = vocab
         if sampling.seed is None and not sampling.greedy:
@@ -412,7 +413,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Typed counters (``superinfer_jax.stats``), also readable as a mapping."""
-        out = {
+        out: dict[str, Any] = {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "device_pages_total": self.kv.allocator.num_usable,

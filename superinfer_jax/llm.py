@@ -65,13 +65,20 @@ class LLM:
             ids.append(self.engine.add_request(token_ids, sp, slo=slo))
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        return [CompletionOutput.from_request(self.engine.release(i)) for i in ids]
+        return [CompletionOutput.from_request(self._release(i)) for i in ids]
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _release(self, req_id: str) -> Request:
+        req = self.engine.release(req_id)
+        assert req is not None, f"{req_id} finished, so it can be released"
+        return req
+
+    def _encode(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.model.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
             return self.model.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r}")
         return [int(t) for t in prompt]

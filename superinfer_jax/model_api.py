@@ -32,16 +32,20 @@ class KVSpec:
     head_dim: int
 
 
+# A step input: numpy on the host while a batch is built, a jax.Array inside the step.
+StepArray = jax.Array | np.ndarray
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class StepInputs:
     """Device inputs of one model step. All int32; padding rows have ``query_lens == 0``."""
 
-    tokens: jax.Array  # [B, C] token ids, padded with 0
-    positions: jax.Array  # [B, C] absolute position of each token in its sequence
-    query_lens: jax.Array  # [B] number of valid tokens in the row
-    context_lens: jax.Array  # [B] KV length after this step (past + query_lens)
-    page_tables: jax.Array  # [B, P] device page ids; unused entries point at the null page
+    tokens: StepArray  # [B, C] token ids, padded with 0
+    positions: StepArray  # [B, C] absolute position of each token in its sequence
+    query_lens: StepArray  # [B] number of valid tokens in the row
+    context_lens: StepArray  # [B] KV length after this step (past + query_lens)
+    page_tables: StepArray  # [B, P] device page ids; unused entries point at the null page
 
     @staticmethod
     def from_numpy(

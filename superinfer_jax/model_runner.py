@@ -98,12 +98,13 @@ class ModelRunner:
     def _place_model(self, model: ServableModel) -> ServableModel:
         """The model on this engine's mesh: as given when it already is (loaded with
         ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
-        model_mesh = getattr(model, "mesh", None)
+        model_mesh: Mesh | None = getattr(model, "mesh", None)
         if model_mesh == self.mesh:
             if self.mesh is not None:
                 parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
             return model
         if self.mesh is None:
+            assert model_mesh is not None  # else the meshes would be equal (both None)
             raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
                              f"{model_mesh.size} devices; set tensor_parallel_size to match")
         shard = getattr(model, "shard", None)

@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from superinfer_jax.model_api import StepArray
+
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingInputs:
-    temperature: jax.Array  # [B] float32, 0 = greedy
-    top_k: jax.Array  # [B] int32, 0 = off
-    top_p: jax.Array  # [B] float32, 1 = off
-    seeds: jax.Array  # [B] uint32
-    positions: jax.Array  # [B] int32, position of the token being sampled
+    temperature: StepArray  # [B] float32, 0 = greedy
+    top_k: StepArray  # [B] int32, 0 = off
+    top_p: StepArray  # [B] float32, 1 = off
+    seeds: StepArray  # [B] uint32
+    positions: StepArray  # [B] int32, position of the token being sampled
 
     @staticmethod
     def greedy(batch: int) -> SamplingInputs:

@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from superinfer_jax.model_api import StepArray
+
 NO_SOURCE = -1  # the row's first token comes from the host
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class TokenFeedback:
-    source: jax.Array  # [B] int32: NO_SOURCE, or an index into concat(prefill, decode)
+    source: StepArray  # [B] int32: NO_SOURCE, or an index into concat(prefill, decode)
     prev_prefill: jax.Array  # [width] int32: tokens the previous step's prefill call sampled
     prev_decode: jax.Array  # [width] int32: tokens the previous step's decode call sampled
 
@@ -32,12 +34,12 @@ class TokenFeedback:
         return TokenFeedback(np.full(rows, NO_SOURCE, np.int32), empty, empty)
 
 
-def apply_feedback(tokens: jax.Array, feedback: TokenFeedback) -> jax.Array:
+def apply_feedback(tokens: StepArray, feedback: TokenFeedback) -> jax.Array:
     """``tokens`` [B, C] with column 0 replaced where a row names a device source."""
     fed = jnp.concatenate([feedback.prev_prefill, feedback.prev_decode])
     source = feedback.source
     first = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], tokens[:, 0])
-    return tokens.at[:, 0].set(first)
+    return jnp.asarray(tokens).at[:, 0].set(first)  # traced: asarray is a no-op
 
 
 def pad_sampled(sampled: jax.Array, width: int) -> jax.Array:

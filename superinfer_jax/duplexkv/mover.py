@@ -40,6 +40,8 @@ on CPU pays a pool-sized conversion per scatter; GPUs update bf16 in place.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -98,8 +100,8 @@ class PageMover:
         then split the same way, so every gather and scatter stays on each device's own
         slice. ``copy_mode``: ``device_put`` or ``fused`` (None: ``default_copy_mode``)."""
         self.layout = layout
-        self.copy_mode = copy_mode or default_copy_mode(
-            next(iter(device_sharding.device_set)).platform)
+        device: Any = next(iter(device_sharding.device_set))  # jax.Device: no stubs
+        self.copy_mode = copy_mode or default_copy_mode(device.platform)
         if self.copy_mode not in COPY_MODES:
             raise ValueError(f"copy_mode must be one of {COPY_MODES}, got {self.copy_mode!r}")
         self.device_sharding = device_sharding

@@ -95,7 +95,7 @@ class _Flight:
 def _arrived(arrays: list[jax.Array]) -> bool | None:
     """None while any copy is pending; then True, or False when one carries an error."""
     try:
-        if not all(a.is_ready() for a in arrays):
+        if not all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # not in stubs
             return None
         jax.block_until_ready(arrays)  # all ready: returns at once, or raises their error
     except Exception:  # noqa: BLE001 - any transfer error means: recompute

@@ -22,6 +22,8 @@ pages are used.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from superinfer_jax.config import EngineConfig
@@ -61,7 +63,8 @@ class HostPool:
             self.device = device or jax.devices()[0]
             page_sharding = jax.sharding.SingleDeviceSharding(self.device)
         else:  # memory kinds are asked of a device this process drives
-            mine = [d for d in page_sharding.device_set if d.process_index == jax.process_index()]
+            devices: list[Any] = list(page_sharding.device_set)  # jax.Device: no stubs
+            mine = [d for d in devices if d.process_index == jax.process_index()]
             self.device = min(mine, key=lambda d: d.id)
         self.memory_kind = host_memory_kind(self.device)
         self.host_sharding = page_sharding.with_memory_kind(self.memory_kind)
