@@ -40,6 +40,7 @@ from itertools import repeat
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
+from superinfer_jax.output_processor import at_length_limit
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.registry import make_scheduler
 from superinfer_jax.scheduler import StepPlan
@@ -260,7 +261,8 @@ class _Run:
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
         final row samples one. One call per call of the model, not per row: this is the
-        simulator's innermost loop (a row per running request per step)."""
+        simulator's innermost loop (a row per running request per step). The length
+        decision is the engine's own (``output_processor.at_length_limit``)."""
         max_len = self.cfg.max_model_len
         for req, n in rows:
             req.num_computed_tokens += n
@@ -269,7 +271,8 @@ class _Run:
             req.num_output += 1
             req.num_tokens += 1
             req.token_times.append(now)
-            if req.num_output >= req.output_len or req.num_tokens >= max_len:
+            if at_length_limit(req.num_tokens - req.num_output, req.num_output,
+                               req.output_len, max_len):
                 self.sched.remove(req)
                 req.set_status(RequestStatus.FINISHED_LENGTH, now)
                 self.last_token = max(self.last_token, now)
