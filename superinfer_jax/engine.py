@@ -43,7 +43,6 @@ The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -55,6 +54,7 @@ import numpy as np
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
+from superinfer_jax.intake import check_prompt, fit_sampling
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.model_api import ServableModel
@@ -65,9 +65,8 @@ from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cac
 )
 from superinfer_jax.output_processor import OutputProcessor
 from superinfer_jax.profiler import profile_engine
-from superinfer_jax.request import SLO, FieldError, Request, RequestStatus, SamplingParams
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched import make_scheduler
-from superinfer_jax.sampling import sampler_seed
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats
 
@@ -197,21 +196,10 @@ class LLMEngine:
         slo: SLO | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        sampling = self._fit_sampling(sampling or SamplingParams())
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise FieldError("prompt", "prompt must not be empty")
-        if len(prompt) >= self.config.max_model_len:
-            raise FieldError(
-                "prompt",
-                f"prompt has {len(prompt)} tokens; max_model_len is "
-                f"{self.config.max_model_len} (prompt must leave room for one new token)"
-            )
-        vocab = self.model.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab
-               for t in prompt):
-            raise FieldError("prompt", f"prompt token ids must be in [0, {vocab})")
-        prompt = [int(t) for t in prompt]
+        """Queue a request; bounds that need the model are checked here (``intake``)."""
+        vocab, max_len = self.model.vocab_size, self.config.max_model_len
+        sampling = fit_sampling(sampling or SamplingParams(), vocab, self._seed_rng)
+        prompt = check_prompt(prompt_token_ids, vocab, max_len)
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
             raise ValueError(f"request_id {req_id!r} is already in flight")
@@ -226,25 +214,6 @@ class LLMEngine:
         self.output.add(req)
         self.scheduler.add(req)
         return req_id
-
-    def _fit_sampling(self, sampling: SamplingParams) -> SamplingParams:
-        """The bounds that need the model, checked or fitted here, where the model is known
-        (so the Python API is covered too): stop tokens in the vocabulary, ``top_k``
-        clamped to it, the seed folded into the sampler's 32 bits (an unseeded random
-        request gets one now, so a rotation or recomputation replays the same tokens)."""
-        vocab = self.model.vocab_size
-        bad = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad:
-            raise FieldError("stop_token_ids",
-                             f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
-        changes: dict[str, Any] = {}
-        if sampling.top_k > vocab:
-            changes["top_k"] = vocab
-        if sampling.seed is None and not sampling.greedy:
-            changes["seed"] = int(self._seed_rng.integers(0, 2**31))
-        elif sampling.seed is not None:
-            changes["seed"] = sampler_seed(sampling.seed)
-        return dataclasses.replace(sampling, **changes) if changes else sampling
 
     def abort_request(self, req_id: str) -> bool:
         """Abort and free a request; False when it is unknown or already finished."""
