@@ -23,8 +23,6 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from superinfer_jax.detokenize import IncrementalDetokenizer
-
 # GGUF token types (llama.cpp's llama_token_type).
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
@@ -264,10 +262,6 @@ class Tokenizer:
         """Ids to text; special tokens are dropped by default, as serving output wants."""
         return self.backend.decode([int(t) for t in token_ids],
                                    skip_special_tokens=skip_special_tokens)
-
-    def incremental(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-                    ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
     # ----------------------------------------------------------------- chat
     @cached_property

@@ -238,7 +238,7 @@ class Scheduler:
 
     def _plan_shadows(self, plan: StepPlan) -> None:
         """Host copies of the runners' full, unshadowed pages, within what the plan's
-        rotate-outs left of the outbound transfer budget (``DuplexKV.shadow_budget``)."""
+        rotate-outs left of the outbound transfer budget: DuplexKV issues them as given."""
         assert isinstance(self.kv, TwoTierKVManager)
         moving = sum(len(m) for m in plan.moves_out)
         room = max(0, self.config.transfer_budget_pages - moving)

@@ -81,9 +81,6 @@ class ParamSink:
         self._targets: dict[ParamPath, jax.ShapeDtypeStruct] = flat_state(targets)
         self._values: dict[ParamPath, jax.Array] = {}
 
-    def expects(self, path: ParamPath) -> bool:
-        return path in self._targets
-
     def put(self, path: ParamPath, array: Any, source: str) -> None:
         target = self._targets.get(path)
         if target is None:

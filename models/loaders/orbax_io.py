@@ -47,10 +47,6 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**data)
 
 
-def is_orbax_dir(path: str | Path) -> bool:
-    return (Path(path) / ORBAX_MARKER).is_file()
-
-
 def save_orbax(servable: LlamaServable, path: str | Path) -> Path:
     """Write ``servable`` to ``path`` (created if needed; an earlier save is replaced)."""
     path = Path(path).expanduser().resolve()

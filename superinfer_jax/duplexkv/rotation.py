@@ -135,10 +135,6 @@ class DuplexKV:
     def warmup(self, pool: jax.Array) -> jax.Array:
         return self.mover.warmup(pool)
 
-    def shadow_budget(self, moves_out: list[PageMoves]) -> int:
-        """Out-pages left this step for eager shadowing after the plan's rotations."""
-        return max(0, self.budget_pages - sum(len(m) for m in moves_out))
-
     # -- step (1): observe ---------------------------------------------------------------
 
     def poll(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:

@@ -172,7 +172,7 @@ def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
 def test_plan_carries_the_shadows_the_engine_planned_itself():
     """``shadowing=True``: the plan's eager shadows are exactly what the engine used to
     plan after ``schedule`` (``kv.plan_shadows`` over the runners, within what the plan's
-    rotate-outs left of the transfer budget, ``DuplexKV.shadow_budget``), step by step,
+    rotate-outs left of the transfer budget, as DuplexKV.shadow_budget did), step by step,
     with forced rotations and a budget small enough to bind."""
     from superinfer_jax.kv.two_tier import TwoTierKVManager
 
