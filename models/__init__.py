@@ -7,7 +7,8 @@ exported for tests, benchmarks and tools that build or inspect models directly.
 from models.config import PRESETS, ModelConfig, RopeScaling, preset
 from models.loaders import EMBEDDED_PRESETS, load_model, save_orbax
 from models.servable import LlamaServable, random_servable
-from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from models.tokenizer import Tokenizer
+from superinfer_jax.detokenize import IncrementalDetokenizer
 
 __all__ = [
     "EMBEDDED_PRESETS",
