@@ -114,7 +114,9 @@ class InferenceService:
         try:
             engine = self.runtime.serving_engine()
             token_ids, sampling, slo = self._inputs(req)
-            stream = engine.submit(token_ids, sampling, req_id=req.request_id or None, slo=slo)
+            stream = engine.submit(token_ids, sampling, req_id=req.request_id or None, slo=slo,
+                                   cache_salt=req.cache_salt
+                                   if req.HasField("cache_salt") else None)
         except Exception as e:
             context.abort(_status_of(e), str(e))
         req_id = stream.req_id
@@ -217,7 +219,8 @@ class InferenceService:
 def _completion(out: RequestOutput) -> Any:
     s = RequestSummary.from_request(out.request)
     usage = pb2.Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
-                      total_tokens=s.prompt_tokens + s.completion_tokens)
+                      total_tokens=s.prompt_tokens + s.completion_tokens,
+                      cached_prompt_tokens=s.cached_prompt_tokens)
     slo = pb2.SLOResult(ttft_met=bool(s.ttft_met), tbt_met=s.tbt_met is not False,
                         met=bool(s.ttft_met) and s.tbt_met is not False,
                         ttft_ms=s.slo.ttft_ms, tbt_ms=s.slo.tbt_ms,

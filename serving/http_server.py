@@ -273,7 +273,8 @@ class OpenAIFront:
             slo = make_slo(self.runtime.default_slo) if c is None else make_slo(
                 self.runtime.default_slo, c.ttft_ms, c.tbt_ms, c.priority_class)
             stream = engine.submit(token_ids, sampling, req_id=rid, slo=slo,
-                                   loop=asyncio.get_running_loop())
+                                   loop=asyncio.get_running_loop(),
+                                   cache_salt=body.cache_salt)
             await stream.wait_admitted_async()
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
             param = _http_param(e.field, body) if isinstance(e, FieldError) else None

@@ -69,6 +69,17 @@ class _SnapshotCollector(Collector):
         moved.add_metric([self.model_name, "to_host"], view.bytes_to_host)
         moved.add_metric([self.model_name, "to_device"], view.bytes_to_device)
         yield moved
+        # vLLM's prefix_cache_queries / prefix_cache_hits (prompt tokens looked up at
+        # admission, and found), per tier (the device tier only, so far)
+        for name, value, doc in (
+            ("prefix_cache_queries", view.prefix_cache_queries,
+             "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", view.prefix_cache_hits,
+             "Prompt tokens found in the prefix cache."),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
+            c.add_metric([self.model_name, "device"], value)
+            yield c
 
 
 class ServingMetrics:

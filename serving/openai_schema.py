@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from serving.requests import CHAT_ROLES, RequestSummary
-from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES
+from superinfer_jax.request import FIELD_RANGES, MAX_CACHE_SALT_CHARS, PRIORITY_CLASSES
 
 
 class _Strict(BaseModel):
@@ -145,6 +145,9 @@ class _Common(_Strict):
     frequency_penalty: float | None = Field(None, **_only(0, None))
     logit_bias: dict[str, float] | None = Field(None, **_only({}, None))
     slo_constraints: SLOConstraints | None = None
+    # vLLM's: requests share cached prefix pages only with the same salt (a tenant's
+    # secret; a shared cache is a timing side channel between tenants)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do: (field, why)."""
@@ -203,8 +206,10 @@ def openai_finish_reason(reason: str) -> str:
     return _OPENAI_FINISH.get(reason, "stop")
 
 
-def usage_json(s: RequestSummary) -> dict[str, int]:
-    return usage_counts(s.prompt_tokens, s.completion_tokens)
+def usage_json(s: RequestSummary) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens served from the prefix cache."""
+    return {**usage_counts(s.prompt_tokens, s.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
 
 
 def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -154,6 +154,7 @@ class RequestSummary:
     slo: SLO
     ttft_met: bool | None
     tbt_met: bool | None
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def slo_met(self) -> bool:
@@ -185,6 +186,7 @@ class RequestSummary:
             slo=req.slo,
             ttft_met=ttft_met,
             tbt_met=None if mean_tbt is None else mean_tbt * 1000 <= req.slo.tbt_ms,
+            cached_prompt_tokens=req.num_cached_tokens,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer_jax.engine import LLMEngine, RequestOutput
-from superinfer_jax.request import SLO, SamplingParams
+from superinfer_jax.request import SLO, SamplingParams, check_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class _Add:
     sampling: SamplingParams
     slo: SLO | None
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -156,8 +157,11 @@ class AsyncEngine:
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
                req_id: str | None = None, slo: SLO | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
-        """Queue a request; returns its stream at once (see ``stream.admitted``)."""
+               loop: asyncio.AbstractEventLoop | None = None,
+               cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream at once (see ``stream.admitted``).
+        ``cache_salt`` is checked here, so a bad one fails the caller, not the loop."""
+        check_cache_salt(cache_salt)
         arrival = time.perf_counter()
         req_id = req_id or uuid.uuid4().hex
         with self._cond:
@@ -170,7 +174,8 @@ class AsyncEngine:
                     f"admission queue is full ({self.max_queue_len} requests pending)")
             stream = RequestStream(req_id, loop)
             self._streams[req_id] = stream
-            self._commands.append(_Add(stream, list(prompt_token_ids), sampling, slo, arrival))
+            self._commands.append(_Add(stream, list(prompt_token_ids), sampling, slo, arrival,
+                                       cache_salt))
             self._cond.notify()
         return stream
 
@@ -253,7 +258,8 @@ class AsyncEngine:
                 raise QueueFullError(
                     f"admission queue is full ({self.max_queue_len} requests waiting)")
             self.engine.add_request(cmd.prompt_token_ids, cmd.sampling, req_id=stream.req_id,
-                                    slo=cmd.slo, arrival_time=cmd.arrival_time)
+                                    slo=cmd.slo, arrival_time=cmd.arrival_time,
+                                    cache_salt=cmd.cache_salt)
         except Exception as e:
             with self._cond:
                 self._streams.pop(stream.req_id, None)

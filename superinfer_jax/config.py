@@ -182,6 +182,9 @@ class EngineConfig:
     eager_shadowing: bool = knob(
         True, section="duplex_kv",
         help="copy full pages to host as they fill, so an eviction moves one page")
+    enable_prefix_caching: bool = knob(
+        True, section="engine",
+        help="share full KV pages between requests with the same prefix (and cache_salt)")
     async_scheduling: bool = knob(
         True, section="engine",
         help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")

@@ -56,6 +56,7 @@ from superinfer_jax.config import EngineConfig
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
 from superinfer_jax.intake import check_prompt, fit_sampling
 from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.model_api import ServableModel
 from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cache: re-export)
@@ -65,7 +66,7 @@ from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cac
 )
 from superinfer_jax.output_processor import OutputProcessor
 from superinfer_jax.profiler import profile_engine
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams, check_cache_salt
 from superinfer_jax.rotasched import make_scheduler
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats
@@ -116,6 +117,10 @@ class LLMEngine:
         self.output = OutputProcessor(self.model.tokenizer, self.model.eos_token_ids,
                                       config.max_model_len)
         self.requests: dict[str, Request] = {}
+        # What KV pages are a function of, besides the tokens (prefix caching's key).
+        self._model_identity = (f"{type(model).__module__}.{type(model).__qualname__}:"
+                                f"{model.vocab_size}:{model.kv_spec}:{model.dtype}:"
+                                f"{config.dtype}:{config.page_size}")
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._failed: list[RequestOutput] = []  # requests failed alone during this step
@@ -195,11 +200,15 @@ class LLMEngine:
         req_id: str | None = None,
         slo: SLO | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; bounds that need the model are checked here (``intake``)."""
+        """Queue a request; bounds that need the model are checked here (``intake``).
+        ``cache_salt``: requests share cached KV pages only with the same salt (and none
+        with a request of another salt): a tenant's secret keeps others from timing it."""
         vocab, max_len = self.model.vocab_size, self.config.max_model_len
         sampling = fit_sampling(sampling or SamplingParams(), vocab, self._seed_rng)
         prompt = check_prompt(prompt_token_ids, vocab, max_len)
+        check_cache_salt(cache_salt)
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
             raise ValueError(f"request_id {req_id!r} is already in flight")
@@ -209,7 +218,11 @@ class LLMEngine:
             sampling=sampling,
             slo=slo or self.config.default_slo,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
         )
+        if self.kv.prefix_cache is not None:  # the prompt's full pages, hashed at intake
+            req.cache_key = isolation_key(self._model_identity, cache_salt)
+            extend_block_hashes(req.block_hashes, prompt, (), self.kv.page_size, req.cache_key)
         self.requests[req_id] = req
         self.output.add(req)
         self.scheduler.add(req)
@@ -388,6 +401,10 @@ class LLMEngine:
             "device_pages_total": self.kv.allocator.num_usable,
             "device_pages_free": self.kv.num_free_pages,
         }
+        cache = self.kv.prefix_cache
+        if cache is not None:
+            out.update(prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
+                       prefix_cache_pages=self.kv.num_cached_pages)
         if self.duplex is not None:
             out.update(num_rotary=len(self.scheduler.rotary),
                        host_pages_total=self.num_host_pages,

@@ -196,6 +196,14 @@ class Request:
     num_emitted_chars: int = 0  # prefix of output_text already streamed
     running_since: float | None = None
     first_scheduled_time: float | None = None
+    # Prefix caching (``kv.prefix_cache``): the isolation key (model identity and
+    # ``cache_salt``; None: this request neither reads nor fills the cache), the hashes of
+    # its full pages so far (extended as pages fill), and the prompt tokens served from
+    # the cache at its first admission.
+    cache_salt: str | None = None
+    cache_key: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -247,3 +255,18 @@ class Request:
     def inter_token_gaps(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """``cache_salt``: None, or a non-empty string of at most 256 characters (it keys the
+    prefix cache: requests share cached pages only with the same salt)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise FieldError("cache_salt", f"cache_salt must be a string, got {cache_salt!r}")
+    if not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise FieldError("cache_salt", f"cache_salt must hold 1 to {MAX_CACHE_SALT_CHARS} "
+                         f"characters, got {len(cache_salt)}")

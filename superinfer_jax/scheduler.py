@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.prefix_cache import extend_block_hashes
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
@@ -109,6 +110,8 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         now = time.perf_counter() if now is None else now
         plan, budget = StepPlan(), StepBudget.full(self.config)
+        if self.kv.prefix_cache is not None:
+            self._register_full_pages()
         self._rotate_forced(plan, now)
         ranked, keep = None, None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
@@ -123,6 +126,28 @@ class Scheduler:
         if self.shadowing:
             self._plan_shadows(plan)
         return plan
+
+    def _register_full_pages(self) -> None:
+        """Prefix caching: the runners' pages that filled since the last step, and whose
+        KV a dispatched step writes, become findable by hash (the device runs steps in
+        order, so a later step reading them sees the KV)."""
+        kv, page_size = self.kv, self.kv.page_size
+        for req in self.running:
+            if req.cache_key is None:
+                continue
+            extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
+                                page_size, req.cache_key)
+            kv.register_full_pages(req.req_id, req.block_hashes, req.num_computed_tokens)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached pages holding the longest prefix of waiting ``req`` (no pages yet), at
+        most up to its last token: at least one token is computed, so the step that
+        admits it samples from real logits."""
+        if req.cache_key is None or self.kv.prefix_cache is None or req.num_computed_tokens:
+            return []
+        extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
+                            self.kv.page_size, req.cache_key)
+        return self.kv.match_prefix(req.block_hashes, (req.num_tokens - 1) // self.kv.page_size)
 
     def _rotate_forced(self, plan: StepPlan, now: float) -> None:
         for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
@@ -361,11 +386,24 @@ class Scheduler:
         tokens scheduled (0: not admitted)."""
         if req.num_inflight_tokens:
             return 0  # evicted while its last token was in flight: recompute once it lands
-        pending = req.num_pending_tokens
+        kv = self.kv
+        prefix = self._cached_prefix(req)
+        hit = len(prefix) * kv.page_size
+        pending = req.num_pending_tokens - hit
         n = self._next_chunk(pending, plan, budget)
-        if n == 0 or not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+        total = req.num_computed_tokens + hit + n
+        if n == 0 or not (kv.can_allocate_with_prefix(prefix, total) if prefix
+                          else kv.can_allocate(req.req_id, total)):
             return 0
-        self.kv.allocate_for(req.req_id, req.num_computed_tokens + n)
+        if prefix:
+            kv.take_prefix(req.req_id, prefix)
+            req.num_computed_tokens = hit
+        if kv.prefix_cache is not None and req.cache_key is not None:
+            kv.prefix_cache.queries += req.num_tokens
+            kv.prefix_cache.hits += hit
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = hit
+        kv.allocate_for(req.req_id, total)
         self.waiting.remove(req)
         self.running.append(req)
         req.set_status(RequestStatus.RUNNING, now)

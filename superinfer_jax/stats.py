@@ -34,6 +34,16 @@ class HostTierStats:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """The device tier's prefix cache: prompt tokens looked up at admissions and found
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``), and pages cached now."""
+
+    queries: int
+    hits: int
+    cached_pages: int
+
+
+@dataclass(frozen=True)
 class EngineStats(Mapping[str, float]):
     num_running: int = 0
     num_waiting: int = 0
@@ -41,6 +51,7 @@ class EngineStats(Mapping[str, float]):
     device_pages_free: int = 0
     host: HostTierStats | None = None  # None: no host tier
     num_requests_total: int | None = None  # admitted so far: the serving loop's count
+    prefix_cache: PrefixCacheStats | None = None  # None: prefix caching off
 
     # -- what the servers report --------------------------------------------------------
 
@@ -64,6 +75,14 @@ class EngineStats(Mapping[str, float]):
     def bytes_to_device(self) -> int:
         return 0 if self.host is None else self.host.transfer.bytes_in
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.hits
+
     def usage(self, tier: str) -> float:
         """Fraction of the tier's pages in use (0 when the tier does not exist)."""
         total, free = ((self.device_pages_total, self.device_pages_free) if tier == "device"
@@ -84,6 +103,10 @@ class EngineStats(Mapping[str, float]):
                        host_pages_free=self.host.pages_free,
                        **{_TRANSFER_PREFIX + k: v
                           for k, v in dataclasses.asdict(self.host.transfer).items()})
+        if self.prefix_cache is not None:
+            out.update(prefix_cache_queries=self.prefix_cache.queries,
+                       prefix_cache_hits=self.prefix_cache.hits,
+                       prefix_cache_pages=self.prefix_cache.cached_pages)
         if self.num_requests_total is not None:
             out["num_requests_total"] = self.num_requests_total
         return out
@@ -110,8 +133,17 @@ class EngineStats(Mapping[str, float]):
                                         for k in _TRANSFER_KEYS})
             host = HostTierStats(int(stats["num_rotary"]), int(stats["host_pages_total"]),
                                  int(stats["host_pages_free"]), transfer)
+        cache_keys = [k for k in _CACHE_KEYS if k in stats]
+        cache = None
+        if cache_keys:
+            missing = sorted(set(_CACHE_KEYS) - set(cache_keys))
+            if missing:
+                raise ValueError(f"engine stats: prefix cache keys missing: {missing}")
+            cache = PrefixCacheStats(int(stats["prefix_cache_queries"]),
+                                     int(stats["prefix_cache_hits"]),
+                                     int(stats["prefix_cache_pages"]))
         total = stats.get("num_requests_total")
-        return cls(num_running=int(stats.get("num_running", 0)),
+        return cls(prefix_cache=cache, num_running=int(stats.get("num_running", 0)),
                    num_waiting=int(stats.get("num_waiting", 0)),
                    device_pages_total=int(stats.get("device_pages_total", 0)),
                    device_pages_free=int(stats.get("device_pages_free", 0)),
@@ -128,5 +160,6 @@ class EngineStats(Mapping[str, float]):
 
 
 _HOST_KEYS = ("num_rotary", "host_pages_total", "host_pages_free", *_TRANSFER_KEYS)
+_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_pages")
 _ALL_KEYS = ("num_running", "num_waiting", "device_pages_total", "device_pages_free",
-             *_HOST_KEYS, "num_requests_total")
+             *_HOST_KEYS, *_CACHE_KEYS, "num_requests_total")

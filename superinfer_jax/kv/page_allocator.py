@@ -3,8 +3,13 @@
 Pure host code over ints; the scheduler sees pages only through this seam
 (``can_allocate``, ``allocate_for``, ``free``), never through arrays.
 
-Invariant: every page id in ``[1, num_pages)`` is either in the free list or in exactly
-one request's page table. Page 0 is the null page and is never handed out.
+Every page id in ``[1, num_pages)`` is in the free list, or cached (``prefix_cache``:
+registered under a block hash, no reference, reclaimable), or referenced by page tables:
+``refcount[p]`` is the number of tables that hold ``p``. Without prefix caching no page is
+ever cached or shared, so every page is free or in exactly one table. Page 0 is the null
+page and is never handed out. ``num_free_pages`` counts the free *and* the cached pages:
+a cached page is taken (evicted, least recently released first) when the free list is
+empty, so it is room like a free one.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.kv.prefix_cache import PrefixCache
 
 
 class PageAllocator:
@@ -41,16 +47,27 @@ class PageAllocator:
 
 
 class KVCacheManager:
-    """Page tables of the device tier, keyed by request id."""
+    """Page tables of the device tier, keyed by request id. ``prefix_caching``: full pages
+    are registered under their block hash and shared (``prefix_cache``)."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = False):
         self.allocator = PageAllocator(num_pages)
         self.page_size = page_size
         self.page_tables: dict[str, list[int]] = {}
+        self.refcount: list[int] = [0] * num_pages
+        self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_caching else None
+        self._num_registered: dict[str, int] = {}  # leading pages of a table registered
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages an allocation may take: free, plus cached ones with no reference."""
+        cache = self.prefix_cache
+        return self.allocator.num_free + (len(cache.evictable) if cache is not None else 0)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Registered pages no request references (findable until reclaimed)."""
+        return 0 if self.prefix_cache is None else len(self.prefix_cache.evictable)
 
     def pages_needed(self, req_id: str, num_tokens: int) -> int:
         """Extra pages ``req_id`` needs to hold ``num_tokens`` tokens in total."""
@@ -61,7 +78,7 @@ class KVCacheManager:
         # ``pages_needed`` inlined: the scheduler asks this for every row of every step,
         # and the clamp at 0 changes nothing since the free count is never negative.
         need = -(-num_tokens // self.page_size) - len(self.page_tables.get(req_id, ()))
-        return need <= len(self.allocator._free)
+        return need <= self.num_free_pages
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
         """Grow ``req_id``'s table to hold ``num_tokens``; returns the new pages.
@@ -71,17 +88,103 @@ class KVCacheManager:
         table = self.page_tables.get(req_id)
         if table is not None and -(-num_tokens // self.page_size) <= len(table):
             return []
-        new = self.allocator.allocate(self.pages_needed(req_id, num_tokens))
+        new = self._take(self.pages_needed(req_id, num_tokens))
         self.page_tables.setdefault(req_id, []).extend(new)
         return new
 
     def free(self, req_id: str) -> int:
+        """Drop ``req_id``'s references, tail first (cached pages stay findable)."""
         pages = self.page_tables.pop(req_id, [])
-        self.allocator.free(pages)
+        self._num_registered.pop(req_id, None)
+        self._release(pages)
         return len(pages)
 
     def page_table(self, req_id: str) -> list[int]:
         return self.page_tables.get(req_id, [])
 
     def num_used_pages(self) -> int:
-        return sum(len(t) for t in self.page_tables.values())
+        """Pages referenced by some request (a shared page counts once)."""
+        return self.allocator.num_usable - self.num_free_pages
+
+    # -- prefix caching ------------------------------------------------------------------
+
+    def match_prefix(self, hashes: list[bytes], max_pages: int) -> list[int]:
+        """Cached pages holding the longest prefix of ``hashes`` (none without caching)."""
+        if self.prefix_cache is None or max_pages <= 0:
+            return []
+        return self.prefix_cache.match(hashes, max_pages)
+
+    def can_allocate_with_prefix(self, prefix: list[int], num_tokens: int) -> bool:
+        """Whether a request with no pages can take ``prefix`` and grow to ``num_tokens``:
+        the cached pages of ``prefix`` stop being room once referenced."""
+        need = -(-num_tokens // self.page_size) - len(prefix)
+        taken = sum(self.refcount[p] == 0 for p in prefix)
+        return need <= self.num_free_pages - taken
+
+    def take_prefix(self, req_id: str, prefix: list[int]) -> None:
+        """Start ``req_id``'s table (it has none) with the shared pages ``prefix``."""
+        if self.page_tables.get(req_id):
+            raise RuntimeError(f"{req_id} already holds pages")
+        cache = self.prefix_cache
+        assert cache is not None or not prefix
+        for p in prefix:
+            if self.refcount[p] == 0:
+                assert cache is not None
+                cache.on_referenced(p)
+            self.refcount[p] += 1
+        self.page_tables[req_id] = list(prefix)
+        self._num_registered[req_id] = len(prefix)
+
+    def register_full_pages(self, req_id: str, hashes: list[bytes], num_computed: int) -> None:
+        """Register ``req_id``'s full pages whose hash is known and whose KV a dispatched
+        step writes (the first ``num_computed`` tokens): they become findable. Cheap when
+        nothing filled since the last call (every step, every runner)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        table = self.page_tables.get(req_id)
+        if table is None:
+            return
+        done = self._num_registered.get(req_id, 0)
+        upto = min(len(hashes), num_computed // self.page_size, len(table))
+        for i in range(done, upto):
+            cache.register(table[i], hashes[i])
+        if upto > done:
+            self._num_registered[req_id] = upto
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` pages with one reference each: free ones first, then cached ones (the
+        least recently released first; they are forgotten)."""
+        if n > self.num_free_pages:
+            raise MemoryError(f"asked for {n} pages, {self.num_free_pages} free")
+        k = min(n, self.allocator.num_free)
+        pages = self.allocator.allocate(k)
+        cache = self.prefix_cache
+        while len(pages) < n:
+            assert cache is not None
+            pages.append(self._evict(cache))
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def _evict(self, cache: PrefixCache) -> int:
+        """Reclaim one cached page (a hook: the two-tier manager drops what it keeps)."""
+        return cache.evict()
+
+    def _release(self, pages: list[int]) -> list[int]:
+        """Drop one reference to each of ``pages``, tail first; returns the pages that
+        lost their last one. Those go to the cache when registered, else to the free list
+        (in the order the allocator has always been given them)."""
+        refcount, cache = self.refcount, self.prefix_cache
+        unref: list[int] = []
+        for p in reversed(pages):
+            refcount[p] -= 1
+            if refcount[p] == 0:
+                unref.append(p)
+        if cache is None:
+            self.allocator._free.extend(unref)
+        else:
+            self.allocator._free.extend(p for p in unref if not cache.on_released(p))
+        return unref

@@ -63,8 +63,9 @@ class PageMoves:
 class TwoTierKVManager(KVCacheManager):
     """Device and host page tables of every request, and the host shadows."""
 
-    def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0):
-        super().__init__(num_pages, page_size)
+    def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0, *,
+                 prefix_caching: bool = False):
+        super().__init__(num_pages, page_size, prefix_caching=prefix_caching)
         self.num_host_pages = num_host_pages
         self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
@@ -123,7 +124,7 @@ class TwoTierKVManager(KVCacheManager):
 
     def can_rotate_in(self, req_id: str) -> bool:
         return (self.residency_of(req_id) == Residency.HOST
-                and self.rotation_cost_in(req_id) <= self.allocator.num_free)
+                and self.rotation_cost_in(req_id) <= self.num_free_pages)
 
     # -- device tier (base class), guarded -----------------------------------------------
 
@@ -134,12 +135,20 @@ class TwoTierKVManager(KVCacheManager):
         return super().allocate_for(req_id, num_tokens)
 
     def free(self, req_id: str) -> int:
-        """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure)."""
+        """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure).
+
+        A device page others still share keeps its shadow (its owner becomes one of
+        them); a page that loses its last reference loses its shadow (Part A of prefix
+        caching: cached device pages have no host copy)."""
         table = self.page_tables.get(req_id, [])
         shadowed = [d for d in table if d in self.shadows]
-        self._release_host([self.shadows.pop(d) for d in shadowed])
-        for d in shadowed:
+        last = [d for d in shadowed if self.refcount[d] == 1]
+        self._release_host([self.shadows.pop(d) for d in last])
+        for d in last:
             del self._shadow_owner[d]
+        for d in shadowed:
+            if self.refcount[d] > 1 and self._shadow_owner[d] == req_id:
+                self._shadow_owner[d] = next(r for r in self._holders(d) if r != req_id)
         self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
         self.residency.pop(req_id, None)
@@ -154,21 +163,25 @@ class TwoTierKVManager(KVCacheManager):
         if not self.can_rotate_out(req_id):
             raise RuntimeError(f"cannot rotate out {req_id}")
         short = self.rotation_cost_out(req_id) - len(self._host_free)
+        for d in self._reclaim(self.page_table(req_id), short):
+            self._release_host([self._drop_shadow(d)])
         table = self.page_tables.pop(req_id)
         self._num_clean.pop(req_id, None)
-        for d in self._reclaim(table, short):
-            self._release_host([self._drop_shadow(d)])
+        self._num_registered.pop(req_id, None)
         moves_dev, moves_host, host_table = [], [], []
         for d in table:
             h = self.shadows.pop(d, None)
-            if h is not None:
+            if h is not None:  # the host copy moves to req_id's host table
                 del self._shadow_owner[d]
+                if self.refcount[d] > 1:  # the others sharing d lose its shadow
+                    for r in self._holders(d):
+                        self._num_clean.pop(r, None)
             else:
                 h = self._host_free.pop()
                 moves_dev.append(d)
                 moves_host.append(h)
             host_table.append(h)
-        self.allocator.free(table)
+        self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
         self.residency[req_id] = Residency.ROTATING_OUT
@@ -187,7 +200,7 @@ class TwoTierKVManager(KVCacheManager):
         if not self.can_rotate_in(req_id):
             raise RuntimeError(f"cannot rotate in {req_id}")
         host_table = self.host_tables.pop(req_id)
-        device = self.allocator.allocate(len(host_table))
+        device = self._take(len(host_table))  # pages of its own, never shared ones
         self.page_tables[req_id] = device
         num_full = self._num_full.pop(req_id)
         self.shadows.update(zip(device[:num_full], host_table[:num_full], strict=True))
@@ -269,9 +282,18 @@ class TwoTierKVManager(KVCacheManager):
         return list(islice(self._reclaimable(keep=set(table)), short))
 
     def _drop_shadow(self, device_page: int) -> int:
-        """Forget one shadow (its owner's scan restarts at 0); returns its host page."""
+        """Forget one shadow (its owner's scan restarts at 0, and so does every other
+        request sharing the page); returns its host page."""
         self._num_clean.pop(self._shadow_owner.pop(device_page), None)
+        if self.refcount[device_page] > 1:
+            for r in self._holders(device_page):
+                self._num_clean.pop(r, None)
         return self.shadows.pop(device_page)
+
+    def _holders(self, device_page: int) -> list[str]:
+        """Requests whose page table holds ``device_page`` (a pass over every table: only
+        asked about shared pages, when their shadow changes hands)."""
+        return [r for r, t in self.page_tables.items() if device_page in t]
 
     def _release_host(self, pages: list[int]) -> None:
         self._host_free.extend(reversed(pages))
@@ -286,8 +308,29 @@ class TwoTierKVManager(KVCacheManager):
         """Raise AssertionError when the page bookkeeping is inconsistent."""
         dev_owned = [d for t in self.page_tables.values() for d in t]
         dev_free = list(self.allocator._free)
-        assert sorted(dev_owned + dev_free) == list(range(1, self.allocator.num_pages)), \
-            "device pages: some page is lost or owned twice"
+        counts: dict[int, int] = {}
+        for d in dev_owned:
+            counts[d] = counts.get(d, 0) + 1
+        for d in range(self.allocator.num_pages):
+            assert self.refcount[d] == counts.get(d, 0), f"refcount of page {d}"
+        for t in self.page_tables.values():
+            assert len(set(t)) == len(t), "a page twice in one table"
+        cache = self.prefix_cache
+        cached = [] if cache is None else list(cache.evictable)
+        if cache is None:
+            assert len(set(dev_owned)) == len(dev_owned), "a page shared without caching"
+        else:
+            assert set(cache.evictable) == {p for p in cache.page_hash
+                                            if self.refcount[p] == 0}, \
+                "cached pages are not exactly the registered pages without a reference"
+            for h, pages in cache.pages_of.items():
+                assert pages and all(cache.page_hash[p] == h for p in pages), "hash index"
+            assert sum(len(v) for v in cache.pages_of.values()) == len(cache.page_hash)
+            assert not set(cache.page_hash) & set(dev_free), "a registered page is free"
+        assert sorted(set(dev_owned) | set(dev_free) | set(cached)) == \
+            list(range(1, self.allocator.num_pages)) and \
+            len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
+            "device pages: some page is lost, or both free and owned"
         host_owned = list(self.shadows.values()) + [h for t in self.host_tables.values()
                                                     for h in t]
         assert sorted(host_owned + list(self._host_free)) == \

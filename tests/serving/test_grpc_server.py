@@ -187,3 +187,19 @@ def test_64_concurrent_streams(stub):
     assert all(tokens == usage == 16 for tokens, usage, _ in results)
     assert [rid for *_, rid in results] == [f"c{i}" for i in range(64)]
     wait_idle(stub)
+
+
+def test_cache_salt_and_cached_prompt_tokens(stub):
+    """A repeated prompt is served from the prefix cache (usage says how much); a salt
+    keeps a request out of others' pages; a bad salt is INVALID_ARGUMENT naming it."""
+    text = "Prefix caching test: " + "the quick brown fox jumps over the lazy dog " * 6
+    _, first = generate(stub, text=text, max_tokens=2, ignore_eos=True, cache_salt="grpc-a")
+    _, again = generate(stub, text=text, max_tokens=2, ignore_eos=True, cache_salt="grpc-a")
+    _, other = generate(stub, text=text, max_tokens=2, ignore_eos=True, cache_salt="grpc-b")
+    assert first.usage.cached_prompt_tokens == 0 and other.usage.cached_prompt_tokens == 0
+    assert 0 < again.usage.cached_prompt_tokens < again.usage.prompt_tokens
+    for bad in ("", "x" * 257):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, text="Hi", max_tokens=1, cache_salt=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("cache_salt")

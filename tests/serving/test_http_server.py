@@ -188,3 +188,19 @@ def _wait_aborts(http: httpx.Client, count: float) -> None:
     while _abort_count(http) < count:
         assert time.monotonic() < deadline, "the abandoned request was not aborted"
         time.sleep(0.05)
+
+
+def test_cache_salt_and_cached_tokens(client, http):
+    """vLLM's ``cache_salt``; OpenAI's ``usage.prompt_tokens_details.cached_tokens``."""
+    prompt = "HTTP prefix caching: " + "a stitch in time saves nine, " * 8
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2,
+                  extra_body={"ignore_eos": True, "cache_salt": "http-a"})
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    for bad in ("", "x" * 257, 5):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1,
+                                               "cache_salt": bad})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "cache_salt"

@@ -1,0 +1,131 @@
+"""Automatic prefix caching, device tier: content-addressed full pages.
+
+A page full of tokens gets a *block hash* chained from its parent page's hash, its own
+token ids and the request's isolation key (the model identity and the request's
+``cache_salt``): two pages with the same hash hold the KV of the same tokens after the
+same prefix, for the same model and tenant, so they are interchangeable. Hashes are
+blake2b over bytes (stable across processes, unlike ``hash``), computed incrementally:
+``extend_block_hashes`` hashes only the pages that filled since the last call.
+
+``PrefixCache`` is the device tier's bookkeeping, pure host ints (the page manager,
+``KVCacheManager``, composes it):
+
+- every device page held by a request has a reference count (the number of page tables
+  it is in); a full page whose KV is written is *registered* under its hash;
+- a registered page whose count drops to 0 stays cached and findable, in ``evictable``
+  (least recently released first); it is reclaimed only when the free list is empty and a
+  page is needed. A request releases its pages tail first (as vLLM V1 does), so within
+  one chain the child is always evicted before its parent: the set of registered hashes
+  stays *prefix-closed* (every registered page's parent hash is registered too), and
+  ``match`` never finds a chain with a hole;
+- the same hash may be registered for several pages (two requests that computed the same
+  prompt at once): each copy is cached and findable, so none is lost early;
+- a partial tail page is never registered, so never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+ROOT = b""  # parent "hash" of a request's first page (the isolation key is mixed in)
+DIGEST_SIZE = 16
+
+
+def isolation_key(model_identity: str, cache_salt: str | None) -> bytes:
+    """What two requests must share to share pages: the model and the salt."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    h.update(model_identity.encode())
+    h.update(b"\x00salt\x00" if cache_salt is not None else b"\x00nosalt\x00")
+    if cache_salt is not None:
+        h.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], key: bytes) -> bytes:
+    """The hash of one full page: parent page's hash, this page's token ids, the key."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, key=key[:64])
+    h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[bytes], prompt: Sequence[int], output: Sequence[int],
+                        page_size: int, key: bytes) -> None:
+    """Append the hashes of the full pages of ``prompt + output`` not hashed yet (only
+    the new ones: a decode step that fills no page costs one comparison)."""
+    known = len(prompt) + len(output)
+    n_prompt = len(prompt)
+    while (len(hashes) + 1) * page_size <= known:
+        start = len(hashes) * page_size
+        end = start + page_size
+        if end <= n_prompt:
+            tokens = list(prompt[start:end])
+        elif start >= n_prompt:
+            tokens = list(output[start - n_prompt:end - n_prompt])
+        else:
+            tokens = list(prompt[start:]) + list(output[:end - n_prompt])
+        hashes.append(block_hash(hashes[-1] if hashes else ROOT, tokens, key))
+
+
+class PrefixCache:
+    """Hashes of registered device pages and the LRU of cached, unreferenced ones.
+
+    Reference counts live in the page manager (``KVCacheManager.refcount``); this class
+    keeps what is findable. ``evictable`` holds registered pages with no reference,
+    oldest release first; ``queries`` / ``hits`` count prompt tokens looked up and found
+    at admissions (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``)."""
+
+    def __init__(self) -> None:
+        self.page_hash: dict[int, bytes] = {}  # registered page -> its hash
+        self.pages_of: dict[bytes, dict[int, None]] = {}  # hash -> registered pages
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0; LRU first
+        self.queries = 0
+        self.hits = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.page_hash)
+
+    def register(self, page: int, h: bytes) -> None:
+        """``page`` (referenced, full, its KV written or being written by a dispatched
+        step) holds the tokens hashed ``h``."""
+        if page in self.page_hash:
+            return
+        self.page_hash[page] = h
+        self.pages_of.setdefault(h, {})[page] = None
+
+    def match(self, hashes: Sequence[bytes], max_pages: int) -> list[int]:
+        """The longest chain of registered pages for ``hashes`` (at most ``max_pages``)."""
+        out: list[int] = []
+        for h in hashes[:max_pages]:
+            pages = self.pages_of.get(h)
+            if not pages:
+                break
+            out.append(next(iter(pages)))
+        return out
+
+    def on_referenced(self, page: int) -> None:
+        """A cached page got a reference again (a hit): it is no longer evictable."""
+        self.evictable.pop(page, None)
+
+    def on_released(self, page: int) -> bool:
+        """``page`` lost its last reference: cache it (True) if registered, else it goes
+        back to the free list (False)."""
+        if page in self.page_hash:
+            self.evictable[page] = None
+            return True
+        return False
+
+    def evict(self) -> int:
+        """Reclaim the least recently released cached page; it is forgotten."""
+        page, _ = self.evictable.popitem(last=False)
+        h = self.page_hash.pop(page)
+        pages = self.pages_of[h]
+        del pages[page]
+        if not pages:
+            del self.pages_of[h]
+        self.evictions += 1
+        return page

@@ -1,0 +1,278 @@
+"""Prefix caching on the page manager, no model: hand-checked cases, then invariants under
+random sequences of arrivals with shared prefixes, admissions (with hits), decode steps,
+finishes, aborts, recompute-preemptions, rotations, shadows and evictions (hypothesis).
+
+The machine keeps its own model of what each page holds (the hash of the tokens whose KV
+was written there) and of the LRU order of cached pages, and checks the manager against
+both after every step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from superinfer_jax.kv.prefix_cache import (
+    ROOT,
+    block_hash,
+    extend_block_hashes,
+    isolation_key,
+)
+from superinfer_jax.kv.two_tier import Residency, TwoTierKVManager
+
+PAGE = 4
+KEY = isolation_key("test-model", None)
+
+
+def hashes_of(tokens, key=KEY):
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, (), PAGE, key)
+    return out
+
+
+def test_block_hashes_are_chained_incremental_and_salted():
+    tokens = list(range(10))
+    h = hashes_of(tokens)
+    assert len(h) == 2  # the partial tail page has no hash
+    assert h[0] == block_hash(ROOT, tokens[:4], KEY)
+    assert h[1] == block_hash(h[0], tokens[4:8], KEY)
+    # incremental: prompt then output gives the same hashes as one sequence
+    inc: list[bytes] = []
+    extend_block_hashes(inc, tokens[:6], (), PAGE, KEY)
+    extend_block_hashes(inc, tokens[:6], tokens[6:], PAGE, KEY)
+    assert inc == h
+    # a different parent or a different salt gives different hashes
+    assert hashes_of([9] + tokens[1:])[1] != h[1]
+    assert hashes_of(tokens, isolation_key("test-model", "tenant-a"))[0] != h[0]
+    assert isolation_key("m", "a") != isolation_key("m", None)
+    assert isolation_key("m", "a") != isolation_key("other-model", "a")
+
+
+def test_shared_pages_are_refcounted_cached_and_evicted_tail_first():
+    kv = TwoTierKVManager(num_pages=9, page_size=PAGE, prefix_caching=True)
+    prompt = list(range(13))  # 3 full pages and one token
+    h = hashes_of(prompt)
+    kv.allocate_for("a", 13)
+    kv.register_full_pages("a", h, 13)
+    a = kv.page_table("a")
+    hit = kv.match_prefix(h, (13 - 1) // PAGE)
+    assert hit == a[:3]  # the tail page is never shared
+    assert kv.can_allocate_with_prefix(hit, 13)
+    kv.take_prefix("b", hit)
+    kv.allocate_for("b", 13)
+    assert kv.page_table("b")[:3] == a[:3] and kv.page_table("b")[3] != a[3]
+    assert [kv.refcount[p] for p in a] == [2, 2, 2, 1]
+    kv.check_invariants()
+    kv.free("a")
+    assert kv.num_cached_pages == 0 and kv.num_free_pages == 8 - 4
+    kv.free("b")  # tail first: the last full page is the first to go
+    assert list(kv.prefix_cache.evictable) == [a[2], a[1], a[0]]
+    assert kv.num_free_pages == 8  # cached pages are room
+    assert kv.match_prefix(h, 3) == a[:3]  # and still findable
+    kv.allocate_for("c", 4 * 6)  # 6 pages: 5 free ones, then the LRU cached one
+    assert a[2] in kv.page_table("c") and kv.match_prefix(h, 3) == a[:2]
+    kv.check_invariants()
+
+
+def test_rotating_out_a_sharer_keeps_the_shared_pages():
+    kv = TwoTierKVManager(num_pages=12, page_size=PAGE, num_host_pages=16,
+                          prefix_caching=True)
+    h = hashes_of(list(range(9)))
+    kv.allocate_for("a", 9)
+    kv.register_full_pages("a", h, 9)
+    assert [len(m) for m in kv.plan_shadows({"a": 9}, 8)] == [2]
+    kv.take_prefix("b", kv.match_prefix(h, 2))
+    kv.allocate_for("b", 9)
+    shared = kv.page_table("a")[:2]
+    moves = kv.rotate_out("a", 9)  # a's shadows move to its host table; b keeps the pages
+    assert moves.device_pages == (kv.page_table("b")[2],) or len(moves) == 1
+    assert kv.page_table("b")[:2] == shared and all(kv.refcount[p] == 1 for p in shared)
+    assert kv.dirty_pages("b") == kv.page_table("b")  # b's pages lost a's shadows
+    kv.finish_rotate_out("a")
+    kv.rotate_in("a")  # pages of its own
+    assert not set(kv.page_table("a")) & set(kv.page_table("b"))
+    kv.check_invariants()
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Requests share prefixes drawn from three stems; two salts."""
+
+    STEMS = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7], [5, 5, 5, 5, 5, 5, 5, 5])
+
+    def __init__(self):
+        super().__init__()
+        self.kv = TwoTierKVManager(num_pages=14, page_size=PAGE, num_host_pages=10,
+                                   prefix_caching=True)
+        self.cache = self.kv.prefix_cache
+        self.tokens: dict[str, list[int]] = {}
+        self.key: dict[str, bytes] = {}
+        self.hashes: dict[str, list[bytes]] = {}
+        self.computed: dict[str, int] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.parked: list[str] = []
+        self.n = 0
+        self.written: dict[int, bytes] = {}  # page -> hash of the tokens whose KV it holds
+        self.parent: dict[bytes, bytes] = {}  # hash -> its parent page's hash
+        self.lru: list[int] = []  # the model of ``evictable``: release order
+        self.hit_pages = 0
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _sync_taken(self, before: set[int]) -> None:
+        """Pages that left the cache for an allocation must be its oldest (LRU)."""
+        now = set(self.cache.evictable)
+        gone = [p for p in self.lru if p in before and p not in now]
+        assert gone == self.lru[:len(gone)], "cached pages reclaimed out of LRU order"
+        self.lru = [p for p in self.lru if p in now]
+
+    def _released(self, table: list[int]) -> None:
+        for p in reversed(table):
+            if self.kv.refcount[p] == 0 and p in self.cache.page_hash and p not in self.lru:
+                self.lru.append(p)
+
+    def _compute(self, r: str, upto: int) -> None:
+        """The device writes r's KV up to ``upto`` tokens; full pages get registered."""
+        table = self.kv.page_table(r)
+        hashes = self.hashes[r]
+        for i in range(self.computed[r] // PAGE, min(upto // PAGE, len(hashes))):
+            if table[i] in self.cache.page_hash:  # a shared page is never rewritten
+                assert self.written[table[i]] == hashes[i]
+            self.written[table[i]] = hashes[i]
+        self.computed[r] = upto
+        self.kv.register_full_pages(r, hashes, upto)
+
+    def _drop(self, r: str) -> None:
+        table = list(self.kv.page_table(r))
+        self.kv.free(r)
+        self._released(table)
+
+    # -- rules -----------------------------------------------------------------------
+
+    @rule(stem=st.integers(0, 2), cut=st.integers(1, 9), tail=st.lists(
+        st.integers(10, 12), max_size=6), salted=st.booleans())
+    def arrive(self, stem, cut, tail, salted):
+        r = f"r{self.n}"
+        self.n += 1
+        self.tokens[r] = self.STEMS[stem][:cut] + tail
+        self.key[r] = isolation_key("test-model", "s" if salted else None)
+        self.hashes[r] = []
+        extend_block_hashes(self.hashes[r], self.tokens[r], (), PAGE, self.key[r])
+        prev = ROOT
+        for h in self.hashes[r]:
+            self.parent[h] = prev
+            prev = h
+        self.computed[r] = 0
+        self.waiting.append(r)
+
+    @precondition(lambda self: self.waiting)
+    @rule(i=st.integers(0, 99))
+    def admit(self, i):
+        r = self.waiting[i % len(self.waiting)]
+        n = len(self.tokens[r])
+        prefix = self.kv.match_prefix(self.hashes[r], (n - 1) // PAGE)
+        for p, h in zip(prefix, self.hashes[r], strict=False):
+            assert self.written[p] == h, "a page found by hash holds other tokens"
+        if not self.kv.can_allocate_with_prefix(prefix, n):
+            return
+        before = set(self.cache.evictable)
+        self.kv.take_prefix(r, prefix)
+        self.lru = [p for p in self.lru if p not in prefix]
+        self.kv.allocate_for(r, n)
+        self._sync_taken(before)
+        self.computed[r] = len(prefix) * PAGE
+        self.hit_pages += len(prefix)
+        self._compute(r, n)
+        self.waiting.remove(r)
+        self.running.append(r)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 99), token=st.integers(10, 12))
+    def decode(self, i, token):
+        r = self.running[i % len(self.running)]
+        n = len(self.tokens[r]) + 1
+        if not self.kv.can_allocate(r, n):
+            return
+        before = set(self.cache.evictable)
+        self.kv.allocate_for(r, n)
+        self._sync_taken(before)
+        self.tokens[r].append(token)
+        hashes = self.hashes[r]
+        extend_block_hashes(hashes, self.tokens[r], (), PAGE, self.key[r])
+        for j, h in enumerate(hashes):
+            self.parent.setdefault(h, hashes[j - 1] if j else ROOT)
+        self._compute(r, n)
+
+    @precondition(lambda self: self.running or self.waiting or self.parked)
+    @rule(i=st.integers(0, 99))
+    def finish_or_abort(self, i):
+        everyone = self.running + self.waiting + self.parked
+        r = everyone[i % len(everyone)]
+        for group in (self.running, self.waiting, self.parked):
+            if r in group:
+                group.remove(r)
+        self._drop(r)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 99))
+    def preempt(self, i):
+        r = self.running.pop(i % len(self.running))
+        self._drop(r)  # references released: the pages stay cached, recompute hits
+        self.computed[r] = 0
+        self.waiting.insert(0, r)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 99))
+    def rotate_out(self, i):
+        r = self.running[i % len(self.running)]
+        if not self.kv.can_rotate_out(r):
+            return
+        table = list(self.kv.page_table(r))
+        self.kv.rotate_out(r, self.computed[r])
+        self._released(table)
+        self.kv.finish_rotate_out(r)
+        self.running.remove(r)
+        self.parked.append(r)
+
+    @precondition(lambda self: self.parked)
+    @rule(i=st.integers(0, 99))
+    def rotate_in(self, i):
+        r = self.parked[i % len(self.parked)]
+        if not self.kv.can_rotate_in(r):
+            return
+        before = set(self.cache.evictable)
+        moves = self.kv.rotate_in(r)
+        self._sync_taken(before)
+        for d, h in zip(moves.device_pages, self.hashes[r], strict=False):
+            self.written[d] = h  # the copies land
+        self.kv.finish_rotate_in(r)
+        assert self.kv.residency_of(r) == Residency.DEVICE
+        self.parked.remove(r)
+        self.running.append(r)
+        self.kv.register_full_pages(r, self.hashes[r], self.computed[r])
+
+    @precondition(lambda self: self.running)
+    @rule(budget=st.integers(0, 6))
+    def shadows(self, budget):
+        self.kv.plan_shadows({r: self.computed[r] for r in self.running}, budget)
+
+    # -- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self):
+        kv, cache = self.kv, self.cache
+        kv.check_invariants()  # refcounts = owners; cached = zero-ref registered; partition
+        assert list(cache.evictable) == self.lru, "cached pages out of LRU order"
+        for p, h in cache.page_hash.items():
+            assert self.written.get(p) == h, f"page {p} registered for tokens it lacks"
+            # prefix-closed: a child is never cached without its parent (tail evicted first)
+            assert self.parent[h] == ROOT or self.parent[h] in cache.pages_of
+        for r in self.running:
+            assert r not in self.waiting and kv.is_resident(r)
+        for r in self.waiting:
+            assert not kv.page_table(r)
+
+
+PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                                deadline=None)
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
