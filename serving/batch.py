@@ -72,7 +72,7 @@ def finished_keys(output: Path) -> set[str]:
     for line in data.decode("utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict):
             keys.add(_line_key(rec.get("id"), rec.get("line", 0)))
@@ -120,7 +120,7 @@ def _records(path: Path) -> Iterator[tuple[int, Any, str | None]]:
                 yield line_no, json.loads(raw.decode("utf-8")), None
             except UnicodeDecodeError:
                 yield line_no, None, "line is not valid UTF-8"
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # JSONDecodeError; int over 4300 digits
                 yield line_no, None, f"line is not valid JSON: {e}"
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,19 +234,11 @@ def _completion(out: RequestOutput) -> Any:
 class HealthService(health.HealthServicer):
     """grpcio's health servicer plus ``List``: every registered service's status."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._statuses: dict[str, int] = {"": health_pb2.HealthCheckResponse.SERVING}
-        self._statuses_lock = threading.Lock()
-
-    def set(self, service: str, status: int) -> None:
-        super().set(service, status)
-        with self._statuses_lock:
-            self._statuses[service] = status
-
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        with self._statuses_lock:
-            statuses = dict(self._statuses)
+        # grpcio's servicer keeps the statuses in _server_status under _lock (1.85); read
+        # them there, so List never disagrees with Check (graceful shutdown included).
+        with self._lock:
+            statuses = dict(self._server_status)
         return health_pb2.HealthListResponse(statuses={
             name: health_pb2.HealthCheckResponse(status=status)
             for name, status in statuses.items()})

@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
 MAX_JSON_DEPTH = 64  # no OpenAI body nests deeper; deeper is an attack on the parsers
 _RETRY_AFTER_S = {429: "1", 503: "5"}
+# Unknown field names are logged once each, up to this many (a client picks the names).
+_MAX_LOGGED_UNKNOWN = 256
+_LIST_INDEX = re.compile(r"\[\d+\]")
 
 
 class HTTPError(Exception):
@@ -103,7 +107,7 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
         raise HTTPError(400, f"request body is not valid UTF-8 (byte {e.start})") from e
     try:
         body = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer literal over 4300 digits
         raise HTTPError(400, f"request body is not valid JSON: {e}") from e
     except RecursionError as e:
         raise HTTPError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from e
@@ -139,6 +143,8 @@ def _check_string(value: str, path: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
+        # the path itself may hold the surrogate (an object key): escape it for the reply
+        path = path.encode("utf-8", "backslashreplace").decode("utf-8")
         raise HTTPError(400, f"{path}: string holds a lone UTF-16 surrogate "
                              f"(\\u{ord(value[e.start]):04x} at character {e.start}); send "
                              "valid Unicode", param=path) from e
@@ -234,9 +240,14 @@ class OpenAIFront:
         if self.runtime.config.server.strict_request_fields:
             raise HTTPError(400, f"{unknown[0]}: unknown field (server.strict_request_fields "
                                  "is on)", param=unknown[0])
-        for name in unknown:
-            if name not in self._logged_unknown:
-                self._logged_unknown.add(name)
+        for path in unknown:
+            name = _LIST_INDEX.sub("[]", path)  # messages[].audio: once, whatever the index
+            if name in self._logged_unknown or len(self._logged_unknown) > _MAX_LOGGED_UNKNOWN:
+                continue
+            self._logged_unknown.add(name)
+            if len(self._logged_unknown) > _MAX_LOGGED_UNKNOWN:
+                log.warning("more unknown request fields: no longer logging new names")
+            else:
                 log.warning("ignoring unknown request field %r (logged once)", name)
 
     def _token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:

@@ -27,7 +27,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from serving.requests import CHAT_ROLES, RequestSummary
-from superinfer_jax.request import FIELD_RANGES, MAX_CACHE_SALT_CHARS, PRIORITY_CLASSES
+from superinfer_jax.request import (
+    FIELD_RANGES,
+    MAX_CACHE_SALT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    PRIORITY_CLASSES,
+)
 
 
 class _Strict(BaseModel):
@@ -59,15 +66,15 @@ def _only(*values: Any) -> Any:
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields the schema does not know, recursively
-    (``stream_options.continuous_usage_stats``, ``messages.0.audio``)."""
+    """Paths of the fields the schema does not know, recursively, spelled as the body
+    spells them (``stream_options.continuous_usage_stats``, ``messages[0].audio``)."""
     found = [f"{prefix}{k}" for k in (model.model_extra or {})]
     for name in type(model).model_fields:
         value = getattr(model, name)
         items = enumerate(value) if isinstance(value, list) else [(None, value)]
         for i, item in items:
             if isinstance(item, BaseModel):
-                path = f"{prefix}{name}." if i is None else f"{prefix}{name}.{i}."
+                path = f"{prefix}{name}." if i is None else f"{prefix}{name}[{i}]."
                 found += unknown_fields(item, path)
     return found
 
@@ -132,9 +139,10 @@ class _Common(_Strict):
     top_p: float | None = _bounded("top_p")
     top_k: JsonInt | None = _bounded("top_k")
     seed: JsonInt | None = _bounded("seed")
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra={
+        "maxItems": MAX_STOP_STRINGS, "maxLength": MAX_STOP_CHARS})
     stop_token_ids: list[JsonInt] | None = Field(
-        None, json_schema_extra={"items": {"type": "integer",
+        None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer",
                                            **FIELD_RANGES["stop_token_ids"].json_schema()}})
     ignore_eos: bool = False
     stream: bool = False

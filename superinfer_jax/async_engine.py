@@ -232,18 +232,18 @@ class AsyncEngine:
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stop
-            outputs = [out for cmd in commands if (out := self._apply(cmd)) is not None]
-            if stopping:
-                outputs += self._abort_all()
-            elif self.engine.has_unfinished_requests():
-                try:
+            try:
+                outputs = [out for cmd in commands if (out := self._apply(cmd)) is not None]
+                if stopping:
+                    outputs += self._abort_all()
+                elif self.engine.has_unfinished_requests():
                     outputs += self.engine.step()
-                except Exception as e:  # the pool may be gone: fail everything, loudly
-                    log.exception("engine step failed; failing all requests")
-                    self._fail_all(e)
-                    return
-            self._route(outputs)
-            self._publish(outputs)
+                self._route(outputs)
+                self._publish(outputs)
+            except Exception as e:  # the pool or the bookkeeping may be gone: fail loudly
+                log.exception("engine loop failed; failing all requests")
+                self._fail_all(e)
+                return
             if stopping:
                 return
 

@@ -255,6 +255,9 @@ class ModelRunner:
                 query_lens[b] = n
                 context_lens[b] = start + n
                 table = page_table(req.req_id)
+                if len(table) * cfg.page_size < start + n:  # would read the null page
+                    raise RuntimeError(f"request {req.req_id!r} holds {len(table)} pages for "
+                                       f"{start + n} tokens")
                 page_tables[b, :len(table)] = table
                 sp = req.sampling
                 temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p

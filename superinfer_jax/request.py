@@ -39,6 +39,11 @@ PRIORITY_CLASSES = ("critical", "standard", "batch")
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**64 - 1  # seeds are unsigned 64-bit; the engine folds them into the sampler's 32
 _MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a unit mistake, not an SLO
+# Stop conditions are checked on the engine thread for every token of the request, so
+# their size is bounded like any other field (150k stop strings cost 24 ms per token).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class FieldError(ValueError):
@@ -68,11 +73,11 @@ class Range:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise FieldError(name, f"{name} must be an int, got {value!r}")
         elif (isinstance(value, bool) or not isinstance(value, int | float)
-              or not math.isfinite(value)):
-            raise FieldError(name, f"{name} must be a finite number, got {value!r}")
+              or not _finite(value)):
+            raise FieldError(name, f"{name} must be a finite number, got {_show(value)}")
         too_low = value <= self.low if self.low_open else value < self.low
         if too_low or value > self.high:
-            raise FieldError(name, f"{name} must be in {self.describe()}, got {value!r}")
+            raise FieldError(name, f"{name} must be in {self.describe()}, got {_show(value)}")
 
     def describe(self) -> str:
         return f"{'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}]"
@@ -80,6 +85,19 @@ class Range:
     def json_schema(self) -> dict[str, object]:
         low_key = "exclusiveMinimum" if self.low_open else "minimum"
         return {low_key: self.low, "maximum": self.high}
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short (a client chooses its size)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400)
+        return False
 
 
 def _num(x: float) -> str:
@@ -157,9 +175,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise FieldError("stop", f"stop holds {len(self.stop)} strings; at most "
+                                     f"{MAX_STOP_STRINGS}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise FieldError("stop", f"stop must hold non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+                raise FieldError("stop", f"stop must hold non-empty strings of at most "
+                                         f"{MAX_STOP_CHARS} characters, got {s!r:.60}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise FieldError("stop_token_ids", f"stop_token_ids holds "
+                             f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             FIELD_RANGES["stop_token_ids"].check("stop_token_ids", t)
         if not isinstance(self.ignore_eos, bool):

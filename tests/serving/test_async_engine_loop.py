@@ -33,7 +33,7 @@ class FakeEngine:
         self.released: list[str] = []
 
     def add_request(self, prompt_token_ids, sampling, req_id=None, slo=None,
-                    arrival_time=None) -> str:
+                    arrival_time=None, cache_salt=None) -> str:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         self.requests[req_id] = Request(req_id, list(prompt_token_ids), sampling)
@@ -214,3 +214,22 @@ def test_idle_loop_waits_instead_of_spinning(loop_engine):
     steps = fake.num_steps
     time.sleep(0.1)
     assert fake.num_steps == steps
+
+
+def test_a_failure_outside_step_fails_every_stream_loudly(loop_engine):
+    """Abort, routing or stats failing (not only ``step``) ends every stream with the
+    failure and marks the loop failed, so the server exits instead of hanging."""
+    engine, fake = loop_engine(step_s=0.01)
+
+    def broken_abort(req_id: str) -> bool:
+        raise RuntimeError("bookkeeping broken")
+
+    fake.abort_request = broken_abort
+    stream = engine.submit([1, 2], sp(1000), req_id="a")
+    stream.wait_admitted(5)
+    engine.abort("a")
+    with pytest.raises(EngineUnavailableError, match="bookkeeping broken"):
+        list(stream)
+    assert engine.failure is not None
+    with pytest.raises(EngineUnavailableError):
+        engine.submit([1], sp(1))

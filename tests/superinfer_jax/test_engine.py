@@ -161,6 +161,10 @@ def test_abort_frees_pages(model, prompts):
         ({"stop": ("",)}, "stop"),
         ({"max_tokens": "7"}, "max_tokens"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"temperature": 10**400}, "temperature"),  # overflows a float: still a FieldError
+        ({"stop": ("x",) * 65}, "stop"),
+        ({"stop": ("x" * 1025,)}, "stop"),
+        ({"stop_token_ids": tuple(range(1025))}, "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_names_field(kwargs, field):

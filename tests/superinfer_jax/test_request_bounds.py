@@ -113,3 +113,17 @@ def test_failing_detokenizer_ends_its_request_alone(engine):
     assert "TextInputSequence" in outs[bad][-1].error
     assert len(tokens(outs[good])) == 4 and outs[good][-1].error is None
     assert np.all([not o.error for o in outs[good]])
+
+
+def test_row_without_its_pages_fails_alone_instead_of_reading_the_null_page(engine):
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    good = engine.add_request([1, 2, 3], sp)
+    bad = engine.add_request([4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    real = engine.kv.page_table
+    engine.kv.page_table = lambda req_id: [] if req_id == bad else real(req_id)
+    try:
+        outs = run(engine)
+    finally:
+        engine.kv.page_table = real
+    assert "holds 0 pages" in outs[bad][-1].error
+    assert len(tokens(outs[good])) == 3 and outs[good][-1].error is None
