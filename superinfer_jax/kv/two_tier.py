@@ -20,8 +20,14 @@ pages at once: the rotation engine gathers them before the step that may reuse t
 dispatched (ordering is by JAX data dependencies, see ``duplexkv.rotation``). rotate_in
 reserves device pages at once; the pages are written when the copies arrive.
 
-Invariants (``check_invariants``, property-tested):
-- every device page in [1, num_pages) is free or in exactly one device page table;
+With prefix caching a full device page may be in several page tables (shared read-only,
+reference-counted); rotate_out then drops only this request's references (the others
+keep the page, and lose its shadow if this request takes the host copy with it), free
+keeps the shadow of a page others still hold, and rotate_in takes pages of its own.
+
+Invariants (``check_invariants``, property-tested here and in ``test_prefix_cache``):
+- every device page in [1, num_pages) is free, or cached (registered, no reference), or
+  in page tables, its reference count being how many (one at most without caching);
 - every host page in [1, num_host_pages] is free, or exactly one shadow, or in exactly
   one host page table;
 - shadows belong to device pages of DEVICE or ROTATING_IN requests (a page arriving from

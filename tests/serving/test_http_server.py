@@ -204,3 +204,7 @@ def test_cache_salt_and_cached_tokens(client, http):
                                                "cache_salt": bad})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "cache_salt"
+    samples = _samples(http.get("/metrics").text)
+    labels = (("model_name", MODEL), ("tier", "device"))
+    hits = samples[("prefix_cache_hits_total", *labels)]
+    assert 0 < hits <= samples[("prefix_cache_queries_total", *labels)]

@@ -143,6 +143,15 @@ def test_greedy_tokens_equal_tp1_with_rotations(tp_run, case, tp):
     assert all(len(t) >= 12 for t in runs[tp]["tokens"])
 
 
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_prefix_cache_hits_keep_greedy_tokens(tp_run, tp):
+    """llama8 repeats and extends prompts: hits on every TP degree, and the tokens equal
+    TP=1's with prefix caching off."""
+    runs = tp_run["llama8"]
+    assert runs[tp]["cached_tokens"] > 0 and runs["1"]["cached_tokens"] > 0
+    assert runs[tp]["tokens"] == runs["1-off"]["tokens"]
+
+
 def test_padding_and_replication_layouts(tp_run):
     for tp in ("2", "4"):
         assert tp_run["smollm2"][tp]["kv_heads"] == 4  # 3 padded to 4

@@ -121,7 +121,7 @@ def host_pages(engine) -> dict[str, Any]:
 
 def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
              max_tokens: int, every: int, max_num_seqs: int, backend: str,
-             chunk: int = 16) -> dict[str, Any]:
+             chunk: int = 16, prefix_reference: bool = False) -> dict[str, Any]:
     from superinfer_jax import LLMEngine
 
     out: dict[str, Any] = {}
@@ -140,6 +140,7 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
             "pages_in": engine.duplex.stats.pages_in,
             "kv_heads": engine.model.kv_spec.num_kv_heads,
             "host_pages": seen,
+            "cached_tokens": sum(r.num_cached_tokens for r in done),
         }
         if tp > 1:
             row["layout"] = engine.model.plan.describe()
@@ -151,6 +152,10 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
         row["seconds"] = round(time.perf_counter() - t0, 1)
         row["load_seconds"] = round(loaded, 1)
         out[str(tp)] = row
+        if tp == 1 and prefix_reference:  # the same run with prefix caching off
+            off = LLMEngine(model, config.replace(enable_prefix_caching=False))
+            out["1-off"] = {"tokens": [r.output_token_ids for r in
+                                       run_rotating(off, prompts, max_tokens, every, {})]}
         print(f"{name} tp={tp}: {row['seconds']} s (load {row['load_seconds']} s), "
               f"{row['rotations']} rotations",
               file=sys.stderr, flush=True)
@@ -211,9 +216,14 @@ def llama8_case(tps, backend: str) -> dict[str, Any]:
     def load(tp):
         return random_servable(cfg, seed=3, mesh=make_mesh(tp) if tp > 1 else None)
 
-    return run_case("llama8", load, _random_prompts(0, cfg.vocab_size, 4), tps,
-                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
-                    backend=backend)
+    # Two more requests that find cached pages (prefix caching is on by default): the
+    # second repeats the first (admitted while the first runs), the last extends another;
+    # "1-off" is TP=1 with prefix caching off.
+    prompts = _random_prompts(0, cfg.vocab_size, 4)
+    prompts = [prompts[0], *prompts, prompts[1] + [7, 8, 9]]
+    return run_case("llama8", load, prompts, tps, page_size=8, device_pages=10,
+                    max_tokens=12, every=3, max_num_seqs=4, backend=backend,
+                    prefix_reference=True)
 
 
 def replicated_case(tps, backend: str, workdir: Path) -> dict[str, Any]:
