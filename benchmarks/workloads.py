@@ -336,3 +336,119 @@ def _sharegpt_lengths(tokenizer, notes: list[str]) -> list[_Lengths]:
     notes.append(f"sharegpt: {report.describe()}; {len(reqs)} conversations with a "
                  f"prompt and a reply")
     return [_Lengths(r.prompt_len, r.output_len, 0.0, r.prompt) for r in reqs]
+
+
+# -- Mooncake traces as token ids: shareable prefix blocks ------------------------------
+
+MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake traces
+_ID_DIGITS = 4  # leading tokens of a block spell its hash id: distinct ids, distinct blocks
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """One Mooncake request as token ids. ``prompt`` is the blocks of ``hash_ids`` laid end
+    to end (the last one truncated to the scaled input length), so two requests share
+    exactly the prompt prefix their hash ids share."""
+
+    arrival_s: float  # (timestamp - first timestamp) * slowdown, in seconds
+    prompt: tuple[int, ...]
+    output_len: int
+    hash_ids: tuple[int, ...]
+    line: int  # 1-based line of the trace file
+
+
+def hash_block(hash_id: int, block_tokens: int, vocab_size: int, low_token: int = 1,
+               seed: int = 0) -> np.ndarray:
+    """The fixed token block of one hash id: ``block_tokens`` ids in [low_token, vocab).
+
+    The first ``min(4, block_tokens)`` tokens spell ``hash_id`` in base
+    ``vocab_size - low_token`` (so different ids below base**4 give different blocks,
+    not just very probably different ones); the rest are drawn by an RNG seeded with
+    (``seed``, ``hash_id``). Equal ids (and seeds) always give identical blocks."""
+    base = vocab_size - low_token
+    if base < 2 or low_token < 0 or block_tokens < 1 or hash_id < 0:
+        raise ValueError(f"need 0 <= low_token < vocab_size - 1, block_tokens >= 1 and a "
+                         f"hash id >= 0, got {low_token}, {vocab_size}, {block_tokens}, "
+                         f"{hash_id}")
+    out = np.random.default_rng([seed, hash_id]).integers(low_token, vocab_size,
+                                                           block_tokens)
+    x = hash_id
+    for i in range(min(_ID_DIGITS, block_tokens)):
+        out[i] = low_token + x % base
+        x //= base
+    return out
+
+
+def load_mooncake(name_or_path: str, block_tokens: int = 16, vocab_size: int = 256,
+                  low_token: int = 1, limit: int | None = None, slowdown: float = 1.0,
+                  max_prompt: int | None = None, max_output: int | None = None,
+                  seed: int = 0) -> list[BlockRequest]:
+    """A Mooncake trace (``mooncake_conv``, ``mooncake_synthetic`` or a path) as token ids,
+    scaled to a small machine.
+
+    Scaling: each 512-token hash block becomes ``block_tokens`` tokens (``hash_block``),
+    so lengths shrink by ``block_tokens / 512``: the input length becomes
+    ``ceil(input_length * block_tokens / 512)`` (every hash id keeps at least one token;
+    the last block is truncated to it), the output length
+    ``max(1, round(output_length * block_tokens / 512))``, clipped to ``max_output``.
+    ``max_prompt`` keeps a prompt's first tokens (and the hash ids they cover), which
+    keeps shared prefixes shared. Arrivals replay the timestamps (ms) times ``slowdown``
+    (2: twice as slow). A line without a well-formed ``hash_ids`` (a list of
+    ``ceil(input_length / 512)`` non-negative ints) is a ValueError naming the file and line.
+    """
+    if not slowdown > 0:
+        raise ValueError(f"slowdown must be > 0, got {slowdown}")
+    path = find_trace(name_or_path)
+    scale = block_tokens / MOONCAKE_BLOCK
+    blocks: dict[int, np.ndarray] = {}
+    out: list[BlockRequest] = []
+    t0: float | None = None
+    with open(path) as f:
+        for i, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            ts, n_in, n_out, ids = _mooncake_row(path, i, line)
+            t0 = ts if t0 is None else t0
+            n_tok = -(-n_in * block_tokens // MOONCAKE_BLOCK)
+            if max_prompt is not None:
+                n_tok = min(n_tok, max_prompt)
+            ids = ids[: -(-n_tok // block_tokens)]
+            for h in ids:
+                if h not in blocks:
+                    blocks[h] = hash_block(h, block_tokens, vocab_size, low_token, seed)
+            prompt = np.concatenate([blocks[h] for h in ids])[:n_tok]
+            o = max(1, round(n_out * scale))
+            out.append(BlockRequest((ts - t0) / 1000 * slowdown,
+                                    tuple(int(t) for t in prompt),
+                                    min(o, max_output) if max_output else o, tuple(ids), i))
+    if not out:
+        raise ValueError(f"trace {path!r} holds no requests")
+    return out
+
+
+def _mooncake_row(path: str, i: int, line: str) -> tuple[float, int, int, list[int]]:
+    where = f"trace {path!r} line {i}"
+    try:
+        r = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from e
+    if not isinstance(r, dict):
+        raise ValueError(f"{where}: expected an object, got {type(r).__name__}")
+    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if key not in r:
+            raise ValueError(f"{where}: missing {key!r}")
+    ts, n_in, n_out, ids = r["timestamp"], r["input_length"], r["output_length"], r["hash_ids"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts == ts:
+        raise ValueError(f"{where}: timestamp must be a number, got {ts!r}")
+    for key, v, low in (("input_length", n_in, 1), ("output_length", n_out, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{where}: {key} must be an int >= {low}, got {v!r}")
+    want = -(-n_in // MOONCAKE_BLOCK)
+    if not isinstance(ids, list) or len(ids) != want or any(
+            isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in ids):
+        raise ValueError(f"{where}: hash_ids must be a list of {want} non-negative ints "
+                         f"(one per {MOONCAKE_BLOCK}-token block of input_length {n_in}), "
+                         f"got {str(ids)[:80]}")
+    return float(ts), n_in, n_out, ids

@@ -168,3 +168,77 @@ def test_packaged_sharegpt_recovers_its_conversations():
     convs, report = sharegpt.load_conversations()
     assert report.truncated and report.num_records == 17671
     assert len(convs) == 17393  # with a prompt and a reply
+
+
+# -- Mooncake traces as token blocks ----------------------------------------------------
+
+def _mooncake_file(tmp_path, rows: list[str]) -> str:
+    path = tmp_path / "mini.jsonl"
+    path.write_text("".join(r + "\n" for r in rows))
+    return str(path)
+
+
+def test_mooncake_equal_ids_equal_blocks_different_ids_different(tmp_path):
+    from benchmarks.workloads import load_mooncake
+
+    path = _mooncake_file(tmp_path, [
+        '{"timestamp": 0, "input_length": 1024, "output_length": 512, "hash_ids": [0, 1]}',
+        '{"timestamp": 500, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]}',
+        '{"timestamp": 2000, "input_length": 700, "output_length": 3, "hash_ids": [3, 4]}',
+    ])
+    a, b, c = load_mooncake(path, block_tokens=8, vocab_size=64, low_token=2, slowdown=2.0)
+    assert len(a.prompt) == 16 and a.output_len == 8
+    assert len(b.prompt) == 18 and b.prompt[:16] == a.prompt  # ceil(1100 * 8 / 512) = 18
+    assert len(c.prompt) == 11  # last block truncated: ceil(700 * 8 / 512)
+    blocks = [a.prompt[:8], a.prompt[8:16], b.prompt[16:], c.prompt[:8], c.prompt[8:]]
+    full = blocks[:2] + blocks[3:4]
+    assert len(set(full)) == 3 and blocks[2] != blocks[3][:2]
+    assert all(2 <= t < 64 for r in (a, b, c) for t in r.prompt)
+    assert [r.arrival_s for r in (a, b, c)] == [0.0, 1.0, 4.0]  # slowdown 2
+    again = load_mooncake(path, block_tokens=8, vocab_size=64, low_token=2, slowdown=2.0)
+    assert again == [a, b, c]  # deterministic
+
+
+def test_hash_blocks_distinct_and_deterministic():
+    from benchmarks.workloads import hash_block
+
+    blocks = {tuple(hash_block(h, 16, 256)) for h in range(3000)}
+    assert len(blocks) == 3000
+    assert (hash_block(7, 16, 256) == hash_block(7, 16, 256)).all()
+    assert (hash_block(7, 16, 256, seed=1) != hash_block(7, 16, 256)).any()
+
+
+@pytest.mark.parametrize("bad, says", [
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1}', "missing 'hash_ids'"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
+     "hash_ids must be a list of 2"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, "x"]}',
+     "hash_ids must be"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": 5}',
+     "hash_ids must be"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, -2]}',
+     "hash_ids must be"),
+    ("not json", "not JSON"),
+])
+def test_mooncake_bad_line_named(tmp_path, bad, says):
+    from benchmarks.workloads import load_mooncake
+
+    path = _mooncake_file(tmp_path, [
+        '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}', bad])
+    with pytest.raises(ValueError, match="line 2") as e:
+        load_mooncake(path)
+    assert says in str(e.value) and "mini.jsonl" in str(e.value)
+
+
+def test_mooncake_real_traces_share_prefixes():
+    from benchmarks.workloads import load_mooncake
+
+    for name in ("mooncake_conv", "mooncake_synthetic"):
+        reqs = load_mooncake(name, block_tokens=16, limit=50, max_prompt=512)
+        assert all(len(r.prompt) <= 512 and len(r.hash_ids) == -(-len(r.prompt) // 16)
+                   for r in reqs)
+        first = {}
+        for r in reqs:  # equal hash id at the same position: equal tokens
+            for k, h in enumerate(r.hash_ids[:-1]):
+                assert first.setdefault(h, r.prompt[16 * k:16 * k + 16]) == \
+                    r.prompt[16 * k:16 * k + 16]
