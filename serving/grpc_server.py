@@ -35,7 +35,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving.protogen import stubs
-from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
+from serving.requests import (
+    RequestSummary,
+    encode_prompt,
+    make_sampling,
+    merge_slo,
+    slo_from_headers,
+)
 from serving.runtime import API_VERSION, Runtime, ServerState
 from serving.stats_view import numeric, read
 from superinfer_jax.async_engine import (
@@ -90,6 +96,17 @@ def _parse(cls: type[Message], data: bytes, context: grpc.ServicerContext) -> An
     return msg
 
 
+def _metadata_slo(context: grpc.ServicerContext) -> dict[str, float]:
+    """The SLO fields the call's metadata sets: the HTTP SLO headers' names (lowercase,
+    as gRPC metadata keys are), the same precedence; a bad value is a ``FieldError``
+    naming the key (INVALID_ARGUMENT)."""
+    metadata: dict[str, str] = {}
+    for key, value in context.invocation_metadata() or ():
+        if isinstance(value, str):
+            metadata.setdefault(key, value)
+    return slo_from_headers(metadata.get)
+
+
 def _status_of(e: BaseException) -> grpc.StatusCode:
     if isinstance(e, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
@@ -112,7 +129,7 @@ class InferenceService:
         req = _parse(pb2.GenerateRequest, data, context)
         try:
             engine = self.runtime.serving_engine()
-            token_ids, sampling, slo = self._inputs(req)
+            token_ids, sampling, slo = self._inputs(req, _metadata_slo(context))
             stream = engine.submit(token_ids, sampling, req_id=req.request_id or None, slo=slo,
                                    cache_salt=req.cache_salt
                                    if req.HasField("cache_salt") else None)
@@ -138,7 +155,8 @@ class InferenceService:
         if failed is not None:
             context.abort(grpc.StatusCode.INTERNAL, failed)
 
-    def _inputs(self, req: Any) -> tuple[list[int], Any, Any]:
+    def _inputs(self, req: Any, header_slo: dict[str, float] | None = None
+                ) -> tuple[list[int], Any, Any]:
         kind = req.WhichOneof("prompt")
         tokenizer = self.runtime.tokenizer
         if kind == "text":
@@ -163,8 +181,8 @@ class InferenceService:
         priority = req.slo.priority_class
         if priority != pb2.PRIORITY_CLASS_UNSPECIFIED and priority not in _PRIORITY:
             raise ValueError(f"slo.priority_class: unknown value {priority}")
-        slo = make_slo(
-            self.runtime.default_slo,
+        slo = merge_slo(
+            self.runtime.default_slo, header_slo or {},
             ttft_ms=req.slo.ttft_ms if req.slo.HasField("ttft_ms") else None,
             tbt_ms=req.slo.tbt_ms if req.slo.HasField("tbt_ms") else None,
             priority_class=_PRIORITY.get(priority),

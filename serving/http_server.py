@@ -52,7 +52,13 @@ from serving.openai_schema import (
     usage_chunk_json,
     usage_counts,
 )
-from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
+from serving.requests import (
+    RequestSummary,
+    encode_prompt,
+    make_sampling,
+    merge_slo,
+    slo_from_headers,
+)
 from serving.runtime import Runtime, ServerState
 from superinfer_jax.async_engine import EngineUnavailableError, QueueFullError, RequestStream
 from superinfer_jax.engine import RequestOutput
@@ -264,8 +270,11 @@ class OpenAIFront:
         return encode_prompt(tok, text=prompt)
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest,
-                      rid: str) -> tuple[RequestStream, int]:
-        """The admitted request's stream and its prompt length in tokens."""
+                      rid: str, header_slo: dict[str, float] | None = None
+                      ) -> tuple[RequestStream, int]:
+        """The admitted request's stream and its prompt length in tokens. ``header_slo``:
+        the SLO fields the request's headers set (the body's fields win)."""
+        header_slo = header_slo or {}
         try:
             engine = self.runtime.serving_engine()
             token_ids = self._token_ids(body)
@@ -281,8 +290,8 @@ class OpenAIFront:
                 top_k=body.top_k, seed=body.seed, stop=tuple(stop or ()),
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
             c = body.slo_constraints
-            slo = make_slo(self.runtime.default_slo) if c is None else make_slo(
-                self.runtime.default_slo, c.ttft_ms, c.tbt_ms, c.priority_class)
+            slo = merge_slo(self.runtime.default_slo, header_slo, *(
+                () if c is None else (c.ttft_ms, c.tbt_ms, c.priority_class)))
             stream = engine.submit(token_ids, sampling, req_id=rid, slo=slo,
                                    loop=asyncio.get_running_loop(),
                                    cache_salt=body.cache_salt)
@@ -296,9 +305,13 @@ class OpenAIFront:
 
     async def _generate(self, request: Request, cls: type) -> Response:
         body = await self._parse(request, cls)
+        try:
+            header_slo = slo_from_headers(request.headers.get)
+        except FieldError as e:
+            raise HTTPError(400, str(e), param=e.field) from e
         chat = cls is ChatCompletionRequest
         rid = ("chatcmpl-" if chat else "cmpl-") + _new_id()
-        stream, prompt_tokens = await self._submit(body, rid)
+        stream, prompt_tokens = await self._submit(body, rid, header_slo)
         if body.stream:
             opts = body.stream_options
             include_usage = bool(opts and opts.include_usage)
@@ -432,11 +445,27 @@ class OpenAIFront:
                     "max_model_len": info.max_model_len if info else None}
             return JSONResponse({"object": "list", "data": [card]})
 
+        def readiness() -> JSONResponse:
+            state = rt.state
+            ready = state is ServerState.SERVING
+            return JSONResponse({"status": state.name.lower()}, 200 if ready else 503,
+                                headers=None if ready else {"Retry-After": _RETRY_AFTER_S[503]})
+
         @app.get("/health")
         async def health() -> JSONResponse:
-            state = rt.state
-            return JSONResponse({"status": state.name.lower()},
-                                200 if state is ServerState.SERVING else 503)
+            """Readiness (kept for existing probes): 200 only while serving."""
+            return readiness()
+
+        @app.get("/health/ready")
+        async def health_ready() -> JSONResponse:
+            """Readiness probe: 200 while serving; 503 (Retry-After) in warm-up and drain."""
+            return readiness()
+
+        @app.get("/health/live")
+        async def health_live() -> JSONResponse:
+            """Liveness probe: 200 whenever the process answers HTTP, warm-up and drain
+            included (a restart would not help a server that is loading or draining)."""
+            return JSONResponse({"status": rt.state.name.lower()})
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -1,10 +1,17 @@
-"""Prometheus metrics, vLLM-style names under a ``superinfer:`` prefix.
+"""Prometheus metrics, vLLM-style names under a ``superinfer:`` prefix, plus the ``vllm:``
+gauges the inference gateway's endpoint picker scrapes (GIE's model-server protocol).
 
 Latency histograms and counters are fed by an engine-loop observer (``observe``): it runs
 on the engine thread right after each step, so token times are the engine's own, not the
 moment a front got round to sending them. Gauges (running, waiting, rotary, cache usage)
 and the bytes-moved counters come from the latest stats snapshot at scrape time, through
 a custom collector: they are the engine's numbers (``EngineStats``), read when asked for.
+
+The ``vllm:`` gauges mean what vLLM's mean: ``num_requests_waiting`` / ``running`` are the
+scheduler's queues, ``kv_cache_usage_perc`` is the device tier's used fraction (0..1) where
+cached pages no request references count as free (they are reclaimed on demand, as in
+vLLM), and ``cache_config_info`` is an info gauge (value 1) whose labels are the page size
+(``block_size``) and the device page count (``num_gpu_blocks``), once the engine exists.
 
 Each server owns its registry, so two servers in one process (tests) never collide.
 Preemptions and rotations are counted when their request finishes.
@@ -28,8 +35,10 @@ from prometheus_client.registry import Collector
 from serving.requests import RequestSummary
 from serving.stats_view import read
 from superinfer_jax.engine import RequestOutput
+from superinfer_jax.stats import EngineStats
 
 PREFIX = "superinfer:"
+VLLM_PREFIX = "vllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -45,10 +54,12 @@ class _SnapshotCollector(Collector):
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: dict[str, Any] = {}
+        self.block_size: int | None = None  # the page size, once the engine exists
 
     def collect(self) -> Iterator[Any]:
         view = read(self.stats)
         labels = ["model_name"]
+        yield from self._vllm(view, labels)
         for name, value, doc in (
             ("num_requests_running", view.num_running, "Requests decoding or prefilling."),
             ("num_requests_waiting", view.num_waiting, "Requests queued for admission."),
@@ -63,6 +74,23 @@ class _SnapshotCollector(Collector):
         for tier in ("device", "host"):
             usage.add_metric([self.model_name, tier], view.usage(tier))
         yield usage
+        for name, tier_values, doc in (
+            ("kv_pages_total", (("device", view.device_pages_total),
+                                ("host", view.host_pages_total)), "KV pages, per memory tier."),
+            ("kv_pages_used", (("device", view.device_pages_total - view.device_pages_free),
+                               ("host", view.host_pages_total - view.host_pages_free)),
+             "KV pages in use (device: cached unreferenced pages count as free)."),
+        ):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
+            for tier, value in tier_values:
+                g.add_metric([self.model_name, tier], value)
+            yield g
+        cached = GaugeMetricFamily(PREFIX + "prefix_cache_pages",
+                                   "Cached device pages no request references (reclaimable).",
+                                   labels=labels)
+        cached.add_metric([self.model_name],
+                          0 if view.prefix_cache is None else view.prefix_cache.cached_pages)
+        yield cached
         moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
                                     "KV bytes copied between tiers, by direction.",
                                     labels=[*labels, "direction"])
@@ -80,6 +108,27 @@ class _SnapshotCollector(Collector):
             c = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
             c.add_metric([self.model_name, "device"], value)
             yield c
+
+    def _vllm(self, view: EngineStats, labels: list[str]) -> Iterator[Any]:
+        """vLLM's names and units: what the gateway's endpoint picker reads."""
+        for name, value, doc in (
+            ("num_requests_running", view.num_running,
+             "Number of requests in model execution batches."),
+            ("num_requests_waiting", view.num_waiting,
+             "Number of requests waiting to be processed."),
+            ("kv_cache_usage_perc", view.usage("device"),
+             "KV-cache usage. 1 means 100 percent usage."),
+        ):
+            g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
+        if self.block_size is not None:
+            info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info",
+                                     "Information of the LLMEngine CacheConfig.",
+                                     labels=[*labels, "block_size", "num_gpu_blocks"])
+            info.add_metric([self.model_name, str(self.block_size),
+                             str(view.device_pages_total)], 1)
+            yield info
 
 
 class ServingMetrics:
@@ -118,6 +167,10 @@ class ServingMetrics:
         for kind in ("ttft", "tbt"):
             self.slo_attained.labels(model_name, kind)
             self.slo_violated.labels(model_name, kind)
+
+    def set_cache_config(self, block_size: int) -> None:
+        """The engine's page size (``vllm:cache_config_info``); set once it exists."""
+        self._snapshot.block_size = block_size
 
     def observe(self, outputs: list[RequestOutput], stats: dict[str, Any]) -> None:
         """Engine-loop observer: one call per step."""

@@ -7,12 +7,13 @@ an SLO means the same thing, and fails with the same message, whichever way it a
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from superinfer_jax.request import SLO, FieldError, Request, SamplingParams
+from superinfer_jax.request import FIELD_RANGES, SLO, FieldError, Request, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -128,6 +129,57 @@ def make_slo(default: SLO, ttft_ms: float | None = None, tbt_ms: float | None = 
         tbt_ms=default.tbt_ms if tbt_ms is None else tbt_ms,
         priority_class=default.priority_class if priority_class is None else priority_class,
     )
+
+
+# SLO headers, by field, highest precedence first: llm-d's endpoint picker forwards
+# ``x-llm-d-slo-*``; ``x-slo-*`` are the older names. ``tpot`` is our ``tbt_ms``.
+SLO_HEADERS: dict[str, tuple[str, ...]] = {
+    "ttft_ms": ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"),
+    "tbt_ms": ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms"),
+}
+_MAX_HEADER_SHOWN = 40
+
+
+def slo_from_headers(get: Callable[[str], str | None]) -> dict[str, float]:
+    """The SLO fields the headers set (``ttft_ms``, ``tbt_ms``), ``get`` reading one
+    header by its lowercase name. For each field the llm-d header wins over the older one.
+    A value that is not a finite number in the SLO field's range is a ``FieldError``
+    whose ``field`` is the header's name (even when the winning header is valid: a
+    client sending a malformed header should hear of it)."""
+    out: dict[str, float] = {}
+    for field, names in SLO_HEADERS.items():
+        for name in names:
+            raw = get(name)
+            if raw is None:
+                continue
+            value = _header_ms(name, raw, FIELD_RANGES[f"slo.{field}"])
+            out.setdefault(field, value)
+    return out
+
+
+def _header_ms(name: str, raw: str, bounds: Any) -> float:
+    text = raw.strip()
+    shown = repr(text if len(text) <= _MAX_HEADER_SHOWN else text[:_MAX_HEADER_SHOWN] + "...")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise FieldError(name, f"header {name} must be a finite number of milliseconds, "
+                               f"got {shown}")
+    try:
+        bounds.check(name, value)
+    except FieldError as e:
+        raise FieldError(name, f"header {e}") from None
+    return value
+
+
+def merge_slo(default: SLO, headers: dict[str, float], ttft_ms: float | None = None,
+              tbt_ms: float | None = None, priority_class: str | None = None) -> SLO:
+    """``make_slo`` with the headers' fields under the body's: field by field, the body
+    wins, then the header, then the server default."""
+    return make_slo(default, headers.get("ttft_ms") if ttft_ms is None else ttft_ms,
+                    headers.get("tbt_ms") if tbt_ms is None else tbt_ms, priority_class)
 
 
 @dataclass(frozen=True)

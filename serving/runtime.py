@@ -80,6 +80,7 @@ class Runtime:
             policy=str(getattr(cfg, "policy", "fcfs")),
         )
         self.engine = engine
+        self.metrics.set_cache_config(cfg.page_size)
         self._move(ServerState.SERVING)
 
     def set_draining(self) -> None:

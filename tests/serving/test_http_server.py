@@ -7,11 +7,12 @@ import contextlib
 import json
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 
-from tests.serving.serving_testlib import API_KEY, AUTH, pb2, wait_idle
+from tests.serving.serving_testlib import API_KEY, AUTH, pb2, server_stats, wait_idle
 
 MODEL = "tiny-llama"
 
@@ -208,3 +209,129 @@ def test_cache_salt_and_cached_tokens(client, http):
     labels = (("model_name", MODEL), ("tier", "device"))
     hits = samples[("prefix_cache_hits_total", *labels)]
     assert 0 < hits <= samples[("prefix_cache_queries_total", *labels)]
+
+
+def _vllm_samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
+    """``{name: (labels, value)}`` of the ``vllm:`` series (one series per name)."""
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.removeprefix("vllm:").partition("{")
+        pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
+        out[name] = ({k: v.strip('"') for k, v in pairs.items()}, float(value))
+    return out
+
+
+def test_vllm_gauges_track_engine_under_burst(http, stub):
+    """GIE's endpoint-picker gauges: same numbers as GetServerStats, under load and idle."""
+    info = stub.GetModelInfo(pb2.GetModelInfoRequest(), metadata=AUTH, timeout=5)
+    n = 20  # 16 sequences per step: 4 wait
+    calls = [stub.Generate(pb2.GenerateRequest(text=f"Burst {i}", max_tokens=240,
+                                               ignore_eos=True), metadata=AUTH, timeout=60)
+             for i in range(n)]
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # every request admitted and some tokens out
+            s = server_stats(stub)
+            if s.num_running + s.num_waiting == n and s.device_pages_free < s.device_pages_total:
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.02)
+        for _ in range(50):  # a scrape between two stats snapshots with the same queues
+            before = server_stats(stub)
+            text = http.get("/metrics").text
+            after = server_stats(stub)
+            if (before.num_running, before.num_waiting) == (after.num_running,
+                                                             after.num_waiting):
+                break
+        else:
+            pytest.fail("the queues never held still across a scrape")
+        v = _vllm_samples(text)
+        assert v["num_requests_running"] == ({"model_name": MODEL}, before.num_running)
+        assert v["num_requests_waiting"] == ({"model_name": MODEL}, before.num_waiting)
+        assert before.num_running > 0 and before.num_waiting > 0, before
+        assert before.num_running + before.num_waiting == n
+        used = [(s.device_pages_total - s.device_pages_free) / s.device_pages_total
+                for s in (before, after)]
+        labels, usage = v["kv_cache_usage_perc"]
+        assert labels == {"model_name": MODEL}
+        assert 0 < used[0] <= usage <= used[1] < 1, (used, usage)  # pages only grow here
+        assert v["cache_config_info"] == ({"model_name": MODEL, "block_size": str(info.page_size),
+                                           "num_gpu_blocks": str(before.device_pages_total)}, 1)
+        # the superinfer: gauges say the same
+        sup = _samples(text)
+        assert sup[("num_requests_running", ("model_name", MODEL))] == before.num_running
+        assert sup[("kv_pages_total", ("model_name", MODEL), ("tier", "device"))] == \
+            before.device_pages_total
+        assert sup[("kv_pages_total", ("model_name", MODEL), ("tier", "host"))] == \
+            before.host_pages_total
+        assert sup[("num_requests_rotary", ("model_name", MODEL))] >= 0
+    finally:
+        for call in calls:
+            call.cancel()
+    idle = wait_idle(stub)
+    v = _vllm_samples(http.get("/metrics").text)
+    assert v["num_requests_running"][1] == v["num_requests_waiting"][1] == 0
+    assert v["kv_cache_usage_perc"][1] == 0.0  # cached unreferenced pages count as free
+    sup = _samples(http.get("/metrics").text)
+    assert sup[("kv_pages_used", ("model_name", MODEL), ("tier", "device"))] == 0
+    assert sup[("prefix_cache_pages", ("model_name", MODEL))] == \
+        idle.engine_stats["prefix_cache_pages"]
+
+
+def _slo_of(http: httpx.Client, headers: dict[str, str], body_slo: dict | None = None) -> dict:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    if body_slo is not None:
+        body["slo_constraints"] = body_slo
+    r = http.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()["superinfer"]["slo"]
+
+
+def test_slo_headers_and_precedence(http):
+    llmd = {"x-llm-d-slo-ttft-ms": "1234", "x-llm-d-slo-tpot-ms": "56.5"}
+    older = {"x-slo-ttft-ms": "999", "x-slo-tpot-ms": "99"}
+    default = _slo_of(http, {})
+    slo = _slo_of(http, llmd)
+    assert (slo["ttft_ms"], slo["tbt_ms"]) == (1234, 56.5)
+    slo = _slo_of(http, older)
+    assert (slo["ttft_ms"], slo["tbt_ms"]) == (999, 99)
+    slo = _slo_of(http, {**older, **llmd})  # llm-d's names win
+    assert (slo["ttft_ms"], slo["tbt_ms"]) == (1234, 56.5)
+    slo = _slo_of(http, {"x-slo-tpot-ms": "77"})  # one field: the other is the default
+    assert (slo["ttft_ms"], slo["tbt_ms"]) == (default["ttft_ms"], 77)
+    slo = _slo_of(http, llmd, {"ttft_ms": 777})  # field by field, the body wins
+    assert (slo["ttft_ms"], slo["tbt_ms"]) == (777, 56.5)
+    slo = _slo_of(http, llmd, {"ttft_ms": 777, "tbt_ms": 11, "priority_class": "batch"})
+    assert (slo["ttft_ms"], slo["tbt_ms"], slo["priority_class"]) == (777, 11, "batch")
+    for name in ("x-llm-d-slo-ttft-ms", "x-slo-tpot-ms"):
+        for bad in ("abc", "nan", "inf", "-5", "0", "1e12", ""):
+            r = http.post("/v1/chat/completions", headers={name: bad}, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 1})
+            assert r.status_code == 400, (name, bad, r.text)
+            err = r.json()["error"]
+            assert err["param"] == name and name in err["message"], err
+    # a bad older header is refused even when the llm-d one would win
+    r = http.post("/v1/completions", headers={**llmd, "x-slo-ttft-ms": "soon"},
+                  json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-slo-ttft-ms"
+
+
+def test_slo_metadata_on_grpc(stub):
+    def slo_of(*metadata: tuple[str, str], **slo: float):
+        req = pb2.GenerateRequest(text="Hi", max_tokens=1, slo=pb2.SLO(**slo))
+        out = list(stub.Generate(req, metadata=AUTH + metadata, timeout=30))
+        return out[-1].completion.slo
+
+    slo = slo_of(("x-llm-d-slo-ttft-ms", "1234"), ("x-slo-ttft-ms", "9"),
+                 ("x-slo-tpot-ms", "44"))
+    assert (slo.ttft_ms, slo.tbt_ms) == (1234, 44)
+    slo = slo_of(("x-llm-d-slo-tpot-ms", "33"), ttft_ms=555)
+    assert (slo.ttft_ms, slo.tbt_ms) == (555, 33)
+    with pytest.raises(grpc.RpcError) as err:
+        slo_of(("x-llm-d-slo-tpot-ms", "fast"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "x-llm-d-slo-tpot-ms" in err.value.details()

@@ -39,10 +39,20 @@ def _long_stream(stub, results: dict, key: str, first: threading.Event, **kw) ->
         first.set()
 
 
+def _http_health(url: str) -> list[httpx.Response]:
+    """``/health/live``, ``/health/ready``, ``/health``; none while HTTP is not up yet."""
+    try:
+        return [httpx.get(f"{url}{path}", timeout=5)
+                for path in ("/health/live", "/health/ready", "/health")]
+    except httpx.ConnectError:
+        return []
+
+
 def test_warmup_health_then_sigterm_drains_in_flight(start_server):
     srv = start_server("--max-num-seqs", "16")
     statuses: list[int] = []
     warming_refusals: list[str] = []
+    http_warming: list[httpx.Response] = []
     with grpc.insecure_channel(srv.grpc_target, options=FAST_RECONNECT) as channel:
         stub = pb2_grpc.InferenceStub(channel)
         deadline = time.monotonic() + 180
@@ -56,9 +66,23 @@ def test_warmup_health_then_sigterm_drains_in_flight(start_server):
                     list(stub.Generate(pb2.GenerateRequest(text="hi"), timeout=5))
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
                 warming_refusals.append(err.value.details())
+            if status == NOT_SERVING and not http_warming:
+                seen = _http_health(srv.http_url)
+                if seen and all(r.json() == {"status": "warming_up"} for r in seen):
+                    http_warming.extend(seen)  # (not if SERVING came between the three)
             time.sleep(0.02)
         assert statuses == [NOT_SERVING, SERVING], srv.log()
+        for path in ("/health/live", "/health/ready", "/health"):
+            r = httpx.get(f"{srv.http_url}{path}", timeout=5)
+            assert r.status_code == 200 and r.json() == {"status": "serving"}, (path, r.text)
         assert "warming up" in warming_refusals[0]
+        # HTTP starts (after gRPC) before the model loads: live, not ready
+        assert http_warming, "HTTP was never seen warming up"
+        live, ready, old = http_warming
+        assert live.status_code == 200 and live.json() == {"status": "warming_up"}
+        assert ready.status_code == 503 and ready.headers["Retry-After"] == "5"
+        assert ready.json() == old.json() == {"status": "warming_up"}
+        assert old.status_code == 503
 
         results: dict = {}
         first = threading.Event()
@@ -86,6 +110,13 @@ def test_warmup_health_then_sigterm_drains_in_flight(start_server):
                        json={"model": "tiny-llama", "prompt": "late"}, timeout=5)
         assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
         assert r.headers["Retry-After"] == "5"
+        # draining: not ready (the gateway stops routing here), but alive (no restart)
+        ready = httpx.get(f"{srv.http_url}/health/ready", timeout=5)
+        assert ready.status_code == 503 and ready.headers["Retry-After"] == "5"
+        assert ready.json() == {"status": "draining"}
+        live = httpx.get(f"{srv.http_url}/health/live", timeout=5)
+        assert live.status_code == 200 and live.json() == {"status": "draining"}
+        assert httpx.get(f"{srv.http_url}/health", timeout=5).status_code == 503
         for t in threads:
             t.join(120)
     assert srv.terminate() == 0, srv.log()
