@@ -8,10 +8,12 @@ and the bytes-moved counters come from the latest stats snapshot at scrape time,
 a custom collector: they are the engine's numbers (``EngineStats``), read when asked for.
 
 The ``vllm:`` gauges mean what vLLM's mean: ``num_requests_waiting`` / ``running`` are the
-scheduler's queues, ``kv_cache_usage_perc`` is the device tier's used fraction (0..1) where
-cached pages no request references count as free (they are reclaimed on demand, as in
-vLLM), and ``cache_config_info`` is an info gauge (value 1) whose labels are the page size
-(``block_size``) and the device page count (``num_gpu_blocks``), once the engine exists.
+scheduler's queues; ``kv_cache_usage_perc`` is the device tier's used fraction (0..1),
+where cached pages no request references count as free (reclaimed on demand, as in vLLM);
+``gpu_cache_usage_perc`` is the same under its pre-v1 name, which GIE's model-server
+protocol still lists; ``cache_config_info`` is an info gauge (value 1) whose labels are
+the page size (``block_size``) and the device page count (``num_gpu_blocks``), once the
+engine exists.
 
 Each server owns its registry, so two servers in one process (tests) never collide.
 Preemptions and rotations are counted when their request finishes.
@@ -118,6 +120,9 @@ class _SnapshotCollector(Collector):
              "Number of requests waiting to be processed."),
             ("kv_cache_usage_perc", view.usage("device"),
              "KV-cache usage. 1 means 100 percent usage."),
+            # its name before vLLM v1 (GIE's model-server protocol still lists it)
+            ("gpu_cache_usage_perc", view.usage("device"),
+             "GPU KV-cache usage (vllm:kv_cache_usage_perc's former name)."),
         ):
             g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
             g.add_metric([self.model_name], value)
