@@ -1,0 +1,259 @@
+"""Prefix caching on multi-turn traffic: the engine's device-tier hit rate against an
+offline LRU reference and the Belady ceiling, and TTFT / throughput with caching on
+against off, on both Mooncake traces (issue 15), scaled to this machine, in one run.
+
+Scaling (``benchmarks.workloads.load_mooncake``): each 512-token hash block of the trace
+becomes ``--block-tokens`` token ids (default 8, so lengths shrink 64x), one KV page each
+(the engine's ``page_size`` is set to ``--block-tokens``); outputs shrink by the same
+factor; prompts are cut to ``--max-prompt`` tokens (their first blocks: shared prefixes
+stay shared). The first ``--requests`` requests of each trace run.
+
+Per trace, at a device capacity of ``--pages`` KV pages:
+
+- engine: the real ``LLMEngine`` (a tiny random Llama, greedy, EOS ignored), caching on,
+  every request submitted at the start in trace order (offline; ``--slowdown S`` replays
+  the trace's timestamps times S instead). Hit rate = prompt tokens served from the cache
+  (each request's ``num_cached_tokens`` at its first admission) / prompt tokens. The
+  engine's pool also holds the pages of running requests (their partial tail pages and
+  generated tokens), so at equal capacity it has less room for cached pages than the
+  reference.
+- LRU reference: ``lru_hits``, an ordered dict of ``--pages`` block keys (a block's key is
+  its hash-id prefix, as the engine's chained hashes), requests replayed one after another;
+  a request's hit is its longest cached prefix of full blocks, at most up to the block
+  before its last prompt token (the engine always computes the last token); then its full
+  blocks are touched tail first (the head stays most recent, as the engine frees tail
+  first). Written independently of ``superinfer_jax.kv``.
+- Belady: ``belady_hits``, the same replay with furthest-next-use eviction (ties: the
+  deeper block first), the ceiling.
+- host tier (device + host hit rate): not built yet (issue 15 part B), printed as n/a.
+- TTFT P50/P99 and output tokens/s with caching on and off (same engine config otherwise),
+  and on/off ratios; the modes run alternately ``--repeats`` times, the fastest run of
+  each counts (each caching-on run starts from an empty cache). Greedy tokens on and off
+  are compared (``same_tokens``).
+
+    python -m benchmarks.prefix_cache [--quick] [--out results/prefix_cache.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.offline_throughput import DEFAULT_CACHE
+from benchmarks.workloads import BlockRequest, load_mooncake
+
+TRACES = ("mooncake_conv", "mooncake_synthetic")
+HOST_NA = "n/a (host tier not built)"
+
+
+# -- reference cache simulations ---------------------------------------------------------
+
+def block_keys(hash_ids: Sequence[int], prompt_len: int, block_tokens: int
+               ) -> tuple[list[tuple[int, ...]], int]:
+    """A request's full blocks as cache keys (each block's hash-id prefix: a block is
+    only reusable after the same prefix) and how many of them a hit may cover (never the
+    block holding the last prompt token)."""
+    n_full = prompt_len // block_tokens
+    keys = [tuple(hash_ids[:k + 1]) for k in range(n_full)]
+    return keys, (prompt_len - 1) // block_tokens
+
+
+def lru_hits(requests: Sequence[tuple[list, int]], capacity: int) -> list[int]:
+    """Hit blocks per request with an LRU cache of ``capacity`` blocks (see module doc)."""
+    cache: OrderedDict = OrderedDict()
+    out = []
+    for keys, usable in requests:
+        hit = 0
+        while hit < usable and keys[hit] in cache:
+            hit += 1
+        out.append(hit)
+        for k in reversed(keys):  # tail first: the head ends most recently used
+            cache[k] = None
+            cache.move_to_end(k)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return out
+
+
+def belady_hits(requests: Sequence[tuple[list, int]], capacity: int) -> list[int]:
+    """Hit blocks per request with furthest-next-use eviction of ``capacity`` blocks
+    (a block never used again goes first; among equal next uses, the deeper block)."""
+    uses: dict = {}
+    for i, (keys, _) in enumerate(requests):
+        for k in keys:
+            uses.setdefault(k, []).append(i)
+    pos = dict.fromkeys(uses, 0)
+    never = len(requests)
+    cache: dict = {}  # key -> (next use, depth) it was last pushed with
+    heap: list = []
+    out = []
+    for i, (keys, usable) in enumerate(requests):
+        hit = 0
+        while hit < usable and keys[hit] in cache:
+            hit += 1
+        out.append(hit)
+        for depth, k in enumerate(keys):
+            p = pos[k]
+            while p < len(uses[k]) and uses[k][p] <= i:
+                p += 1
+            pos[k] = p
+            prio = (uses[k][p] if p < len(uses[k]) else never, depth)
+            cache[k] = prio
+            heapq.heappush(heap, ((-prio[0], -prio[1]), k))
+        while len(cache) > capacity:
+            (neg_next, neg_depth), k = heapq.heappop(heap)
+            if cache.get(k) == (-neg_next, -neg_depth):
+                del cache[k]
+    return out
+
+
+def hit_rate(hit_blocks: Sequence[int], prompt_lens: Sequence[int], block_tokens: int
+             ) -> float:
+    return block_tokens * sum(hit_blocks) / sum(prompt_lens)
+
+
+# -- the engine --------------------------------------------------------------------------
+
+def tiny_model(vocab_size: int, max_len: int):
+    from models.config import ModelConfig
+    from models.servable import random_servable
+
+    config = ModelConfig(name="tiny-prefix", vocab_size=vocab_size, hidden_size=64,
+                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, max_position_embeddings=max_len,
+                         eos_token_ids=(vocab_size - 1,))
+    return random_servable(config, seed=0)
+
+
+def run_engine(engine, reqs: list[BlockRequest]) -> dict:
+    """Submit ``reqs`` at their arrival offsets (all at once when offline), step until
+    done; per-request TTFT, cached tokens and output tokens."""
+    from superinfer_jax import SamplingParams
+
+    pending = list(reqs)
+    ids: list[str] = []
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            r = pending.pop(0)
+            sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+            ids.append(engine.add_request(list(r.prompt), sp,
+                                          arrival_time=start + r.arrival_s))
+        if engine.has_unfinished_requests():
+            engine.step()
+        elif pending:
+            time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
+    elapsed = time.perf_counter() - start
+    done = [engine.release(i) for i in ids]
+    ttft = np.array([r.ttft for r in done])
+    out_tokens = sum(len(r.output_token_ids) for r in done)
+    stats = engine.stats()
+    return {"elapsed_s": elapsed, "out_tok_s": out_tokens / elapsed,
+            "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+            "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
+            "cached_tokens": [r.num_cached_tokens for r in done],
+            "preemptions": sum(r.num_preemptions for r in done),
+            "tokens": [r.output_token_ids for r in done],
+            "stats": {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits")
+                      if k in stats}}
+
+
+def bench_trace(name: str, args, model) -> dict:
+    from superinfer_jax import EngineConfig, LLMEngine
+
+    reqs = load_mooncake(name, block_tokens=args.block_tokens, vocab_size=model.vocab_size,
+                         low_token=1, limit=args.requests, slowdown=args.slowdown or 1.0,
+                         max_prompt=args.max_prompt, max_output=args.max_output)
+    if not args.slowdown:  # offline: all at the start, in trace order
+        reqs = [BlockRequest(0.0, r.prompt, r.output_len, r.hash_ids, r.line) for r in reqs]
+    prompt_lens = [len(r.prompt) for r in reqs]
+    seq = [block_keys(r.hash_ids, len(r.prompt), args.block_tokens) for r in reqs]
+    lru = hit_rate(lru_hits(seq, args.pages), prompt_lens, args.block_tokens)
+    opt = hit_rate(belady_hits(seq, args.pages), prompt_lens, args.block_tokens)
+    unbounded = hit_rate(lru_hits(seq, 10**12), prompt_lens, args.block_tokens)
+
+    config = EngineConfig(page_size=args.block_tokens, num_device_pages=args.pages + 1,
+                          max_model_len=args.max_prompt + args.max_output,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256,
+                          max_prefill_chunk=256, max_prefill_rows=2, show_progress=False,
+                          compilation_cache_dir=args.compilation_cache or None)
+    engines = {mode: LLMEngine(model, config.replace(enable_prefix_caching=mode == "on"))
+               for mode in ("off", "on")}
+    runs: dict[str, dict] = {}
+    for _ in range(args.repeats):  # alternately; the best run of each counts (shared CPUs)
+        for mode, engine in engines.items():
+            if mode == "on":  # a repeat must not hit pages cached by the previous one
+                engine = engines[mode] = LLMEngine(model, engine.config)
+            run = run_engine(engine, reqs)
+            if mode not in runs or run["out_tok_s"] > runs[mode]["out_tok_s"]:
+                runs[mode] = run
+    on, off = runs["on"], runs["off"]
+    engine_rate = sum(on["cached_tokens"]) / sum(prompt_lens)
+    same = sum(a == b for a, b in zip(on["tokens"], off["tokens"], strict=True))
+    return {
+        "trace": name, "requests": len(reqs), "prompt_tokens": sum(prompt_lens),
+        "pages": args.pages,
+        "hit_engine": engine_rate, "hit_lru_ref": lru, "engine_vs_lru": engine_rate / lru
+        if lru else float("nan"), "hit_belady": opt, "hit_unbounded": unbounded,
+        "hit_dev+host": HOST_NA, "hit_dev+host_lru_ref": HOST_NA,
+        "ttft_p50_ms_off": off["ttft_p50_ms"], "ttft_p50_ms_on": on["ttft_p50_ms"],
+        "ttft_p50_on/off": on["ttft_p50_ms"] / off["ttft_p50_ms"],
+        "ttft_p99_ms_off": off["ttft_p99_ms"], "ttft_p99_ms_on": on["ttft_p99_ms"],
+        "ttft_p99_on/off": on["ttft_p99_ms"] / off["ttft_p99_ms"],
+        "tok_s_off": off["out_tok_s"], "tok_s_on": on["out_tok_s"],
+        "tok_s_on/off": on["out_tok_s"] / off["out_tok_s"],
+        "preempt_on": on["preemptions"], "preempt_off": off["preemptions"],
+        "same_tokens": f"{same}/{len(reqs)}",
+        "engine_counters_on": on["stats"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, "prefix_cache")
+    parser.add_argument("--requests", type=int, default=1000,
+                        help="first requests of each trace")
+    parser.add_argument("--block-tokens", type=int, default=8,
+                        help="tokens per 512-token trace block (and the KV page size)")
+    parser.add_argument("--pages", type=int, default=2048, help="device KV pages (capacity)")
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-output", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--slowdown", type=float, default=0.0,
+                        help="replay trace timestamps times this (0: offline, all at once)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each mode, alternately; the fastest counts")
+    parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_output, args.repeats = 200, 16, 1
+        args.pages = min(args.pages, 512)
+
+    model = tiny_model(512, args.max_prompt + args.max_output)
+    rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
+    cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
+            "hit_belady", "hit_unbounded", "hit_dev+host")
+    print_table([{c: r[c] for c in cols} for r in rows],
+                f"prefix cache hit rate (prompt tokens from cache / prompt tokens), "
+                f"block {args.block_tokens} tokens per 512, device {args.pages} pages")
+    cols = ("trace", "ttft_p50_ms_off", "ttft_p50_ms_on", "ttft_p50_on/off",
+            "ttft_p99_ms_off", "ttft_p99_ms_on", "ttft_p99_on/off", "tok_s_off", "tok_s_on",
+            "tok_s_on/off", "preempt_on", "preempt_off", "same_tokens")
+    print_table([{c: r[c] for c in cols} for r in rows],
+                "caching on against off, same engine config, "
+                + (f"trace timestamps x{args.slowdown}" if args.slowdown
+                   else "offline (all submitted at start, trace order)"))
+    write_json(args.out, {"args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
