@@ -46,7 +46,7 @@ def paged_attention(
     query_lens: jax.Array,  # [B]
     *,
     scale: float,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of each row's queries over its paged past plus its new tokens.
@@ -54,8 +54,16 @@ def paged_attention(
     Query column ``c`` of row ``b`` sits at position ``context_lens[b] - query_lens[b] + c``
     and sees keys at positions ``<=`` its own. Returns [B, C, H, D] in q's dtype; padded
     rows and columns hold finite garbage.
+
+    ``pages_per_block`` defaults to 4 pages for decode (one column) and 8 otherwise:
+    measured on CPU (SmolLM2-135M, batch 32, contexts 136-250), a decode block of 4
+    pages runs the layer's attention 1.3-1.9x faster than 8, because it gathers and
+    masks half as many padding keys past the context while the loop's per-block cost
+    stays small.
     """
     batch, cols, num_heads, head_dim = q.shape
+    if pages_per_block is None:
+        pages_per_block = 4 if cols == 1 else 8
     page_size, num_kv_heads = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // num_kv_heads
     num_pages_per_seq = page_tables.shape[1]
