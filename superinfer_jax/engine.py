@@ -43,12 +43,12 @@ The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -69,7 +69,7 @@ from superinfer_jax.profiler import profile_engine
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams, check_cache_salt
 from superinfer_jax.rotasched import make_scheduler
 from superinfer_jax.scheduler import StepPlan
-from superinfer_jax.stats import EngineStats
+from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
 
 log = logging.getLogger(__name__)
 
@@ -394,20 +394,15 @@ class LLMEngine:
         return None
 
     def stats(self) -> EngineStats:
-        """Typed counters (``superinfer_jax.stats``), also readable as a mapping."""
-        out: dict[str, Any] = {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "device_pages_total": self.kv.allocator.num_usable,
-            "device_pages_free": self.kv.num_free_pages,
-        }
+        """Typed counters (``superinfer_jax.stats``), also readable as a mapping: a
+        snapshot, so the copy counters are copied (DuplexKV keeps counting)."""
         cache = self.kv.prefix_cache
-        if cache is not None:
-            out.update(prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
-                       prefix_cache_pages=self.kv.num_cached_pages)
-        if self.duplex is not None:
-            out.update(num_rotary=len(self.scheduler.rotary),
-                       host_pages_total=self.num_host_pages,
-                       host_pages_free=self.kv.num_host_free_pages,
-                       **{f"transfer_{k}": v for k, v in self.duplex.stats.as_dict().items()})
-        return EngineStats.from_dict(out)
+        host = None if self.duplex is None else HostTierStats(
+            len(self.scheduler.rotary), self.num_host_pages, self.kv.num_host_free_pages,
+            dataclasses.replace(self.duplex.stats))
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            device_pages_total=self.kv.allocator.num_usable,
+            device_pages_free=self.kv.num_free_pages, host=host,
+            prefix_cache=None if cache is None else PrefixCacheStats(
+                cache.queries, cache.hits, self.kv.num_cached_pages))

@@ -1,10 +1,11 @@
 """The engine's stats, typed: what ``LLMEngine.stats()`` reports, field by field.
 
-``EngineStats.from_dict`` reads the flat dict the engine builds (and the serving loop's
-``num_requests_total`` beside it) and accepts exactly those keys: a key it does not know
-is an error, so an engine that renames a stat fails a test instead of reporting 0. An
-``EngineStats`` is also a read-only mapping of the same flat keys (``as_dict``), so code
-that indexes the dict (``stats["device_pages_free"]``) reads it unchanged.
+The engine builds an ``EngineStats`` directly. ``EngineStats.from_dict`` reads the flat
+form back (a serving loop's snapshot, with its ``num_requests_total`` beside it) and
+accepts exactly those keys: a key it does not know is an error, so a renamed stat fails a
+test instead of reporting 0. An ``EngineStats`` is also a read-only mapping of the same
+flat keys (``as_dict``, built once per snapshot), so code that indexes the dict
+(``stats["device_pages_free"]``) reads it unchanged.
 
 Without a host tier the engine reports no host or transfer keys: ``host`` is None and
 the host-tier properties read 0.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from superinfer_jax.duplexkv.stats import TransferStats
@@ -149,14 +151,19 @@ class EngineStats(Mapping[str, float]):
                    device_pages_free=int(stats.get("device_pages_free", 0)),
                    host=host, num_requests_total=None if total is None else int(total))
 
+    @cached_property
+    def _flat(self) -> dict[str, float]:
+        """``as_dict`` built once: the serving loop reads every key of every snapshot."""
+        return self.as_dict()
+
     def __getitem__(self, key: str) -> float:
-        return self.as_dict()[key]
+        return self._flat[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.as_dict())
+        return iter(self._flat)
 
     def __len__(self) -> int:
-        return len(self.as_dict())
+        return len(self._flat)
 
 
 _HOST_KEYS = ("num_rotary", "host_pages_total", "host_pages_free", *_TRANSFER_KEYS)
