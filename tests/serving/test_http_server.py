@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.serving_testlib import API_KEY, AUTH, pb2, server_stats, wait_idle
 
@@ -123,18 +125,19 @@ def test_models_health_and_metrics(client, http):
     assert not any(key[0].endswith("_created") for key in samples)
 
 
+def _series(text: str, prefix: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name without ``prefix``, labels, value) of each ``prefix`` sample, parsed by
+    prometheus-client's own exposition parser."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                yield sample.name.removeprefix(prefix), sample.labels, sample.value
+
+
 def _samples(text: str) -> dict[tuple, float]:
     """``{(name, *sorted (label, value) pairs): value}``, names without ``superinfer:``."""
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("superinfer:"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        name, _, labels = series.removeprefix("superinfer:").partition("{")
-        pairs = [tuple(p.split("=", 1)) for p in labels.rstrip("}").split(",") if p]
-        key = (name, *sorted((k, v.strip('"')) for k, v in pairs))
-        out[key] = float(value)
-    return out
+    return {(name, *sorted(labels.items())): value
+            for name, labels, value in _series(text, "superinfer:")}
 
 
 @contextlib.contextmanager
@@ -213,15 +216,7 @@ def test_cache_salt_and_cached_tokens(client, http):
 
 def _vllm_samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
     """``{name: (labels, value)}`` of the ``vllm:`` series (one series per name)."""
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        name, _, labels = series.removeprefix("vllm:").partition("{")
-        pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if p)
-        out[name] = ({k: v.strip('"') for k, v in pairs.items()}, float(value))
-    return out
+    return {name: (labels, value) for name, labels, value in _series(text, "vllm:")}
 
 
 def test_vllm_gauges_track_engine_under_burst(http, stub):
