@@ -127,30 +127,50 @@ def _check_json_values(body: dict[str, Any]) -> None:
     """Refuse what valid JSON can hold but no consumer should get: nesting deeper than
     ``MAX_JSON_DEPTH`` and strings with a lone UTF-16 surrogate (``"\ud800"`` decodes to
     a str that cannot be encoded, which the tokenizer rejects). Iterative, so a deep body
-    cannot exhaust the stack here either."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    cannot exhaust the stack here either; numbers are skipped and a value's path (a
+    linked trail of keys) is spelled out only for the error, so a long token-id prompt
+    costs one type check per id."""
+    stack: list[tuple[dict[str, Any] | list[Any], _Trail, int]] = [(body, None, 0)]
     while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
+        value, trail, depth = stack.pop()
+        if depth >= MAX_JSON_DEPTH and value:  # its items sit deeper than allowed
+            path = _path((trail, next(iter(value)) if isinstance(value, dict) else 0))
             raise HTTPError(400, f"{path}: nests deeper than {MAX_JSON_DEPTH} levels",
                             param=path)
-        if isinstance(value, str):
-            _check_string(value, path or "body")
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                key_path = f"{path}.{key}" if path else key
-                _check_string(key, key_path)
-                stack.append((item, key_path, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_string(key, (trail, key))
+            if isinstance(item, str):
+                _check_string(item, (trail, key))
+            elif isinstance(item, (dict, list)):
+                stack.append((item, (trail, key), depth + 1))
 
 
-def _check_string(value: str, path: str) -> None:
+# A JSON value's place: (parent's trail, key or list index), None at the top.
+_Trail = tuple[Any, str | int] | None
+
+
+def _path(trail: _Trail) -> str:
+    """``messages[0].content`` for the trail of that value ("body" for the top)."""
+    parts: list[str | int] = []
+    while trail is not None:
+        trail, key = trail
+        parts.append(key)
+    path = ""
+    for key in reversed(parts):
+        path += f"[{key}]" if isinstance(key, int) else (f".{key}" if path else key)
+    return path or "body"
+
+
+def _check_string(value: str, trail: _Trail) -> None:
+    if value.isascii():  # no surrogate possible: the common case, at C speed
+        return
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
         # the path itself may hold the surrogate (an object key): escape it for the reply
-        path = path.encode("utf-8", "backslashreplace").decode("utf-8")
+        path = _path(trail).encode("utf-8", "backslashreplace").decode("utf-8")
         raise HTTPError(400, f"{path}: string holds a lone UTF-16 surrogate "
                              f"(\\u{ord(value[e.start]):04x} at character {e.start}); send "
                              "valid Unicode", param=path) from e
