@@ -364,8 +364,7 @@ class LLMEngine:
         log.error("request %s failed: %s: %s", req.req_id, type(error).__name__, error,
                   exc_info=error)
         if not req.status.is_finished:
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-        self.output.remove(req.req_id)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)  # its detokenizer goes too
         message = f"request failed in the engine: {type(error).__name__}: {error}"
         self._failed.append(RequestOutput(req.req_id, [], "", True, "abort", req, message))
 
