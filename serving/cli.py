@@ -26,7 +26,7 @@ ENGINE_FLAGS = {
     "--compilation-cache": "hardware.compilation_cache_dir", "--policy": "engine.policy",
     "--max-num-seqs": "engine.max_num_seqs",
     "--max-num-batched-tokens": "engine.max_num_batched_tokens",
-    "--prefix-caching": "engine.enable_prefix_caching",  # --no-prefix-caching turns it off
+    "--prefix-caching": "prefix_caching.enabled",  # --no-prefix-caching turns it off
 }
 SERVER_FLAGS = {
     "--host": "server.host", "--grpc-port": "server.grpc_port",

@@ -126,6 +126,8 @@ SECTION_HELP = {
     "default_slo": "the SLO of a request that sends none",
     "rotasched": "RotaSched's parameters (engine.policy: rotasched)",
     "duplex_kv": "the host tier: rotated KV pages in pinned host memory, and their copies",
+    "prefix_caching": "automatic prefix caching: full KV pages shared by hash, on the "
+                      "device and (with a host tier) in host memory",
     "server": "the gRPC and OpenAI HTTP fronts",
 }
 SECTIONS = tuple(SECTION_HELP)  # in the file's order
@@ -187,6 +189,7 @@ RENAMED: dict[str, str] = {
     "rotasched.tbt_slo_target_ms": "default_slo.tbt_ms",
     "rotasched.proactive_eviction_threshold": "rotasched.high_water_mark",
     "hardware.hbm_memory_fraction": "hardware.device_memory_fraction",
+    "engine.enable_prefix_caching": "prefix_caching.enabled",
     "hardware.cpu_memory_buffer_gb": "duplex_kv.host_memory_gb",
     "server.warmup": "engine.warmup",
 }

@@ -16,6 +16,7 @@ from superinfer_jax.request import PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+HOST_CACHE_EVICTIONS = ("lru", "fifo")
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -183,8 +184,17 @@ class EngineConfig:
         True, section="duplex_kv",
         help="copy full pages to host as they fill, so an eviction moves one page")
     enable_prefix_caching: bool = knob(
-        True, section="engine",
-        help="share full KV pages between requests with the same prefix (and cache_salt)")
+        True, section="prefix_caching", name="enabled",
+        help="share full KV pages between requests with the same prefix (and cache_salt); "
+             "with a host tier, pages evicted from the device stay findable on the host")
+    host_cache_eviction: str = knob(
+        "lru", choices=HOST_CACHE_EVICTIONS, section="prefix_caching", name="host_eviction",
+        help="which cache-only host page goes first: lru (least recently used) | fifo "
+             "(oldest stored; a hit does not renew it)")
+    host_cache_max_pages: int | None = knob(
+        None, ge=0, section="prefix_caching", name="host_max_pages", example=8192,
+        help="most host pages holding cache-only copies (default: any host page no "
+             "request needs); 0 keeps the host tier for rotation only")
     async_scheduling: bool = knob(
         True, section="engine",
         help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
