@@ -15,13 +15,20 @@ from superinfer_jax.sim.cost import (
     RooflineCost,
     latency_model_of,
 )
-from superinfer_jax.sim.simulator import RequestSpec, SimRequest, SimResult, Simulator
+from superinfer_jax.sim.simulator import (
+    HashIdTokens,
+    RequestSpec,
+    SimRequest,
+    SimResult,
+    Simulator,
+)
 
 __all__ = [
     "CalibratedCost",
     "CallShape",
     "ConstantCost",
     "CostModel",
+    "HashIdTokens",
     "HostOverhead",
     "RequestSpec",
     "RooflineCost",

@@ -26,6 +26,15 @@ same direction (the engine waits on all of the request's host pages).
 Requests are ``SimRequest``: a ``Request`` whose prompt is a ``range`` and whose token
 times are a compact ``array``, so 100,000 requests fit in memory; the policies read them
 exactly like engine requests.
+
+Prefix caching: a ``RequestSpec`` with ``hash_ids`` (one id per block of ``block_tokens``
+prompt tokens, as in the Mooncake traces: equal ids, identical blocks) gets a synthetic
+prompt (``HashIdTokens``) whose tokens spell its block ids, so the engine's own block
+hashing (``extend_block_hashes``, called by the scheduler) gives two requests equal page
+hashes exactly over the pages their common leading ids cover, and the scheduler's
+admission takes cached prefixes as in the engine. A spec without ``hash_ids`` has no
+content (``cache_key`` None): it never hits and never fills the cache. Output tokens are
+not known, so output pages are never shared.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import overload
 
 from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.prefix_cache import isolation_key
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.output_processor import at_length_limit
@@ -48,21 +59,77 @@ from superinfer_jax.sim.cost import CallShape, CostModel
 
 OUT, IN = 0, 1  # copy directions: device -> host, host -> device
 _SAMPLING = SamplingParams(max_tokens=1, ignore_eos=True)  # unused by policies; shared
+HASH_BLOCK_TOKENS = 512  # prompt tokens per hash id in the Mooncake traces
+_MAX_TOKEN = 2**63 - 1  # block hashing packs token ids as int64
 
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One simulated request: when it arrives, its lengths, its SLO."""
+    """One simulated request: when it arrives, its lengths, its SLO and, for prefix
+    caching, its prompt content as ``hash_ids``: one id per ``block_tokens`` prompt
+    tokens (``ceil(prompt_len / block_tokens)`` ids, the last block possibly partial).
+    Two specs share exactly the prompt prefix their leading ids share. Without
+    ``hash_ids`` the request has no content and never uses the cache."""
 
     arrival_s: float
     prompt_len: int
     output_len: int
     slo: SLO = field(default_factory=SLO)
+    hash_ids: tuple[int, ...] | None = None
+    block_tokens: int = HASH_BLOCK_TOKENS
+
+
+class HashIdTokens(Sequence[int]):
+    """The synthetic prompt of a spec with ``hash_ids``, computed on demand (a Mooncake
+    prompt averages 12k tokens: storing them for 12,000 requests would take gigabytes).
+
+    Token ``t`` is ``hash_ids[t // B] * B + t % B`` (``B`` = ``block_tokens``): distinct
+    (id, offset) pairs give distinct tokens, so a page's tokens are equal in two prompts
+    exactly when the ids of the blocks it covers are, and the chained page hashes are
+    equal exactly over the common leading ids. Slices (how ``extend_block_hashes`` reads
+    a page) are built a block at a time from ``range``."""
+
+    __slots__ = ("hash_ids", "block_tokens", "length")
+
+    def __init__(self, hash_ids: tuple[int, ...], block_tokens: int, length: int):
+        self.hash_ids, self.block_tokens, self.length = hash_ids, block_tokens, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        b, ids = self.block_tokens, self.hash_ids
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.length)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            out: list[int] = []
+            while start < stop:
+                blk = start // b
+                end = min(stop, (blk + 1) * b)
+                base = (ids[blk] - blk) * b  # token t of block blk: ids[blk] * b + t - blk * b
+                out.extend(range(base + start, base + end))
+                start = end
+            return out
+        i = index + self.length if index < 0 else index
+        if not 0 <= i < self.length:
+            raise IndexError(f"token {index} of a {self.length}-token prompt")
+        return (ids[i // b] - i // b) * b + i
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self[:])
 
 
 class SimRequest(Request):
-    """A ``Request`` without token ids: ``num_tokens`` is a plain counter and token times
-    are an ``array('d')`` (8 bytes a token). Equality is identity, which is what the
+    """A ``Request`` without stored token ids (its prompt is a ``range``, or
+    ``HashIdTokens`` when the spec has content): ``num_tokens`` is a plain counter and
+    token times are an ``array('d')`` (8 bytes a token). Equality is identity, which is what the
     scheduler's list membership tests mean (request ids are unique)."""
 
     num_tokens = 0  # shadows Request.num_tokens (a property): an instance counter here
@@ -70,7 +137,9 @@ class SimRequest(Request):
     __hash__ = object.__hash__
 
     def __init__(self, req_id: str, spec: RequestSpec):
-        super().__init__(req_id, range(spec.prompt_len),  # type: ignore[arg-type]
+        prompt: Sequence[int] = range(spec.prompt_len) if spec.hash_ids is None else \
+            HashIdTokens(spec.hash_ids, spec.block_tokens, spec.prompt_len)
+        super().__init__(req_id, prompt,  # type: ignore[arg-type]
                          _SAMPLING, slo=spec.slo,
                          arrival_time=spec.arrival_s)
         self.token_times = array("d")  # type: ignore[assignment]
@@ -126,6 +195,14 @@ class SimResult:
     num_host_pages: int
     cost_name: str
     policy: str
+    # Prefix caching (on when the config enables it and some spec has hash_ids). The
+    # cache's own counters, over every admission (a preempted request is looked up again):
+    # prompt tokens looked up, and found on the device / on the host. Per request, the
+    # tokens served at the first admission are ``SimRequest.num_cached_tokens``.
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_device_hits: int = 0
+    prefix_cache_host_hits: int = 0
 
 
 class Simulator:
@@ -165,7 +242,23 @@ def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:
         if s.prompt_len >= config.max_model_len:
             raise ValueError(f"request {i}: prompt has {s.prompt_len} tokens; max_model_len "
                              f"is {config.max_model_len} (the engine rejects it)")
+        if s.hash_ids is not None:
+            _check_hash_ids(i, s)
         last = s.arrival_s
+
+
+def _check_hash_ids(i: int, s: RequestSpec) -> None:
+    """Ids that cover the prompt exactly and keep every synthetic token an int64."""
+    b = s.block_tokens
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"request {i}: block_tokens must be an int >= 1, got {b!r}")
+    want = -(-s.prompt_len // b)
+    if len(s.hash_ids or ()) != want:
+        raise ValueError(f"request {i}: {s.prompt_len} prompt tokens need {want} hash ids "
+                         f"(one per {b}-token block), got {len(s.hash_ids or ())}")
+    if s.hash_ids and (min(s.hash_ids) < 0 or max(s.hash_ids) > _MAX_TOKEN // b - 1):
+        raise ValueError(f"request {i}: hash ids must be in [0, {_MAX_TOKEN // b - 1}], "
+                         f"got {min(s.hash_ids)}..{max(s.hash_ids)}")
 
 
 class _Run:
@@ -175,7 +268,16 @@ class _Run:
                  progress: Callable[[int], None] | None):
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
-        self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages)
+        # The cache exists only when some request has content: without any, nothing could
+        # hit, and the run stays the page manager's cache-free path exactly (no per-step
+        # scan of the runners for pages to register).
+        self.prefix_caching = cfg.enable_prefix_caching and any(
+            s.hash_ids is not None for s in specs)
+        self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages,
+                                   prefix_caching=self.prefix_caching)
+        # One model per run: the isolation key is the cost model's name (no cache_salt).
+        self.cache_key = isolation_key(f"sim:{sim.cost.name}", None) \
+            if self.prefix_caching else None
         # Shadows matter only to a later rotate-out, and plain FCFS never rotates: unless
         # copies cost the host time (a CPU, where they share the cores with the model),
         # skipping them changes no timeline (the link has no other traffic) and saves
@@ -232,6 +334,8 @@ class _Run:
 
     def _add(self, spec: RequestSpec, index: int) -> None:
         req = SimRequest(str(index), spec)
+        if spec.hash_ids is not None:
+            req.cache_key = self.cache_key  # hashed lazily by the scheduler's admission
         self.requests[req.req_id] = req
         self.order.append(req)
         self.sched.add(req)
@@ -274,6 +378,7 @@ class _Run:
             if at_length_limit(req.num_tokens - req.num_output, req.num_output,
                                req.output_len, max_len):
                 self.sched.remove(req)
+                req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
                 req.set_status(RequestStatus.FINISHED_LENGTH, now)
                 self.last_token = max(self.last_token, now)
                 if self.progress is not None:
@@ -324,8 +429,21 @@ class _Run:
                 self.kv.finish_rotate_in(req_id)
                 self.sched.on_rotated_in(req, t)
 
+    def _prefix_counters(self) -> tuple[int, int, int]:
+        """(prompt tokens looked up, found on the device, found on the host), summed over
+        every admission by the cache's own counters.
+
+        Hook for the host tier: it keeps the device tier's ``queries`` / ``hits`` and
+        counts host hits itself; read its counter here once it lands (0 until then: every
+        hit is a device hit)."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return 0, 0, 0
+        return cache.queries, cache.hits, 0
+
     def _result(self, wall0: float) -> SimResult:
         first = self.specs[0].arrival_s if self.specs else 0.0
+        queries, device_hits, host_hits = self._prefix_counters()
         return SimResult(
             requests=self.order, duration_s=max(0.0, self.last_token - first),
             wall_s=time.perf_counter() - wall0, num_steps=self.num_steps,
@@ -334,4 +452,6 @@ class _Run:
             shadow_pages=self.shadow_pages, link_busy_s=(self.link.busy_s[0], self.link.busy_s[1]),
             num_device_pages=self.sim.num_device_pages,
             num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
-            policy=self.cfg.policy)
+            policy=self.cfg.policy, prefix_caching=self.prefix_caching,
+            prefix_cache_queries=queries, prefix_cache_device_hits=device_hits,
+            prefix_cache_host_hits=host_hits)

@@ -9,6 +9,13 @@ TTFT = first token - arrival; ITL = every gap between consecutive tokens; TPOT =
 first) / (tokens - 1) per request; E2E = last token - arrival. A request meets its TTFT
 SLO when TTFT <= ttft_ms; TBT attainment is the share of all gaps within their request's
 tbt_ms; goodput counts requests per second meeting both.
+
+Prefix caching (only for a run that had the cache, so a run without content summarizes
+exactly as before): ``prefix_hit_rate`` is prompt tokens served from the cache at each
+request's first admission over all prompt tokens (``Request.num_cached_tokens``, what the
+engine reports as cached tokens in usage); ``prefix_device_hit_rate`` and
+``prefix_host_hit_rate`` split the cache's own counters (hits over lookups, every
+admission, re-admissions after preemption included) by the tier the pages came from.
 """
 
 from __future__ import annotations
@@ -79,7 +86,24 @@ def summarize(result: SimResult) -> dict[str, Any]:
                            ("e2el", last - arrival)):
         out.update(_dist(prefix, values))
     out.update(_counters(result))
+    if result.prefix_caching:
+        out.update(_prefix(result))
     return out
+
+
+def _prefix(result: SimResult) -> dict[str, Any]:
+    cached = sum(r.num_cached_tokens for r in result.requests)
+    prompt = sum(len(r.prompt_token_ids) for r in result.requests)
+    queries = result.prefix_cache_queries
+    return {
+        "prefix_cached_tokens": cached,
+        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": result.prefix_cache_device_hits + result.prefix_cache_host_hits,
+        "prefix_device_hit_rate": result.prefix_cache_device_hits / queries if queries
+        else 0.0,
+        "prefix_host_hit_rate": result.prefix_cache_host_hits / queries if queries else 0.0,
+    }
 
 
 def _counters(result: SimResult) -> dict[str, Any]:
