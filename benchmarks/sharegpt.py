@@ -230,3 +230,29 @@ def default_tokenizer() -> tuple[TokenizerLike, str]:
     reader = gguf.GGUFReader(path, "r")
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     return Tokenizer.from_gguf_fields(fields), "smollm2-135m"
+
+
+def conversation_turns(rec: Any) -> list[tuple[str, str]]:
+    """A conversation's (user message, recorded reply) pairs, in order, for multi-turn
+    replay.
+
+    The ``_split`` file cuts long conversations into parts, so a part may open with the
+    assistant (the answer to a question in the previous part) or a system/other message:
+    messages before the first ``human`` one are skipped. Then human/gpt pairs are taken
+    while they alternate; the conversation ends at the first break (two messages of one
+    side in a row, another role, an empty or non-string text), since what follows is no
+    longer a reply to the history before it."""
+    conv = rec.get("conversations") if isinstance(rec, dict) else None
+    if not isinstance(conv, list):
+        return []
+    msgs = [m for m in conv if isinstance(m, dict)]
+    start = next((i for i, m in enumerate(msgs) if m.get("from") == "human"), len(msgs))
+    out: list[tuple[str, str]] = []
+    for i in range(start, len(msgs) - 1, 2):
+        user, reply = msgs[i], msgs[i + 1]
+        u, r = user.get("value"), reply.get("value")
+        if user.get("from") != "human" or reply.get("from") != "gpt" \
+                or not isinstance(u, str) or not isinstance(r, str) or not u or not r:
+            break
+        out.append((u, r))
+    return out
