@@ -4,7 +4,9 @@ Each sends one request and records, on the client's clock (``time.perf_counter``
 it was sent and when every chunk carrying output arrived, as ``vllm bench serve`` does:
 TTFT is the first such chunk, each later chunk adds one inter-token latency (ITL). The
 server's own token count (gRPC ``Completion.usage``, HTTP ``stream_options.include_usage``)
-gives the output length; without it, chunks are counted.
+gives the output length; without it, chunks are counted. Prompt tokens served from the
+server's prefix cache come from gRPC ``Usage.cached_prompt_tokens`` or OpenAI
+``usage.prompt_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # chunks with output
     output_tokens: int | None = None  # the server's count, when it reports one
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server served from its prefix cache
     num_rotations: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -117,6 +120,8 @@ class GrpcBackend:
             msg.text = req.prompt
         else:
             msg.token_ids.ids.extend(prompt_ids or [])
+        if req.cache_salt is not None:
+            msg.cache_salt = req.cache_salt
         rec.send_time = time.perf_counter()
         try:
             async for resp in self.stub.Generate(msg, metadata=self.metadata,
@@ -140,6 +145,7 @@ class GrpcBackend:
 def _completion(c: Any, rec: RequestRecord) -> None:
     rec.output_tokens = c.usage.completion_tokens
     rec.prompt_tokens = c.usage.prompt_tokens
+    rec.cached_tokens = c.usage.cached_prompt_tokens
     rec.num_rotations, rec.num_preemptions = c.num_rotations, c.num_preemptions
     rec.finish_reason = {1: "stop", 2: "length", 3: "abort"}.get(c.finish_reason)
     if rec.finish_reason == "abort":
@@ -182,13 +188,16 @@ class OpenAIBackend:
         return {"model": self.model, "max_model_len": cards[0].get("max_model_len")}
 
     def _payload(self, req: WorkloadRequest, prompt_ids: list[int] | None) -> dict[str, Any]:
-        return {
+        body = {
             "model": self.model, "prompt": req.prompt if req.prompt is not None else prompt_ids,
             "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True},
             "slo_constraints": {"ttft_ms": req.ttft_ms, "tbt_ms": req.tbt_ms,
                                 "priority_class": req.priority_class},
         }
+        if req.cache_salt is not None:
+            body["cache_salt"] = req.cache_salt
+        return body
 
     async def send(self, req: WorkloadRequest, prompt_ids: list[int] | None,
                    rec: RequestRecord) -> None:
@@ -228,6 +237,9 @@ class OpenAIBackend:
         if usage:
             rec.output_tokens = usage.get("completion_tokens")
             rec.prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = details["cached_tokens"]
         extra = obj.get("superinfer") or {}
         rec.num_rotations = extra.get("num_rotations", rec.num_rotations)
         rec.num_preemptions = extra.get("num_preemptions", rec.num_preemptions)

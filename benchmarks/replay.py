@@ -24,6 +24,7 @@ class TimedRequest:
     ttft_ms: float
     tbt_ms: float
     priority_class: str = "standard"
+    cache_salt: str | None = None  # prefix-cache isolation (a fresh one: a cold cache)
 
 
 def build_requests(trace: list[TraceRequest], arrivals: np.ndarray, vocab_size: int,
@@ -47,7 +48,7 @@ def replay(engine, requests: list[TimedRequest], progress=None) -> tuple[list[Ti
             ids.append(engine.add_request(
                 r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                 slo=SLO(r.ttft_ms, r.tbt_ms, r.priority_class),
-                arrival_time=start + r.arrival_s))
+                arrival_time=start + r.arrival_s, cache_salt=r.cache_salt))
             i += 1
         if engine.has_unfinished_requests():
             for out in engine.step():
