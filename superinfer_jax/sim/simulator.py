@@ -278,13 +278,17 @@ class _Run:
         # One model per run: the isolation key is the cost model's name (no cache_salt).
         self.cache_key = isolation_key(f"sim:{sim.cost.name}", None) \
             if self.prefix_caching else None
-        # Shadows matter only to a later rotate-out, and plain FCFS never rotates: unless
+        # Shadows matter to a later rotate-out, and plain FCFS never rotates: unless
         # copies cost the host time (a CPU, where they share the cores with the model),
         # skipping them changes no timeline (the link has no other traffic) and saves
-        # the simulator the per-step scan of every running request's pages.
+        # the simulator the per-step scan of every running request's pages. With prefix
+        # caching and a host tier they also matter to FCFS: a cached device page that has
+        # a shadow stays findable on the host once evicted (the engine always shadows).
         copies_cost_host = sim.cost.host_s(1, 1) > sim.cost.host_s(1, 0)
+        host_caching = self.prefix_caching and sim.num_host_pages > 0
         self.sched = make_scheduler(cfg, self.kv, sim.latency, page_bytes=sim.cost.page_bytes,
-                                    shadowing=cfg.policy != "fcfs" or copies_cost_host)
+                                    shadowing=cfg.policy != "fcfs" or copies_cost_host
+                                    or host_caching)
         self.sim = sim
         self.link = Link(sim.cost)
         self.requests: dict[str, SimRequest] = {}
