@@ -14,6 +14,14 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
     superinfer simulate --model smollm2-135m --dataset azure_conv --rates 1,2 \
         --latency-profile profile.json --num-device-pages 48 --num-host-pages 512 \
         --engine max_model_len=320 --engine max_num_seqs=16    # this machine, calibrated
+    superinfer simulate --preset paper-llama8b-mooncake-conv \
+        --hardware gh200-144g,h200-pcie --policies fcfs,rotasched  # prefix caching on/off
+
+A Mooncake trace (``mooncake_conv``, ``mooncake_synthetic``, or a JSONL file with
+``hash_ids``) replays its own timestamps scaled to each rate, with its hash ids as prompt
+content (``benchmarks.sim_mooncake``), so prefix caching has something to share: each
+run is simulated with caching on and off (``--prefix-caching``), and the rows report the
+hit rate (prompt tokens served from the cache) beside SLO attainment.
 
 Writes JSON (every summary) and a PNG (attainment against rate, one column per hardware).
 """
@@ -27,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import print_table, write_json
+from benchmarks.sim_mooncake import BlockTrace, is_block_trace, load_block_trace
 from benchmarks.workloads import WorkloadSpec, build_workload, parse_slo_mix
 
 ROW_KEYS = {  # table column -> summary key
@@ -35,6 +44,7 @@ ROW_KEYS = {  # table column -> summary key
     "out_tok_s": "output_throughput", "rotations": "num_rotations",
     "recomputed": "recomputed_tokens", "sim_s": "sim_wall_s",
 }
+CACHING = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
                    help="price prefill at the engine's padded buckets (default: ragged)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-caching", choices=sorted(CACHING),
+                   help="simulate with prefix caching on, off, or both (a row each); "
+                   "default: both on a trace with hash ids, else the engine's setting")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="override an EngineConfig field (repeatable), e.g. max_num_seqs=256")
     c = p.add_argument_group("this machine (hardware this-machine)")
@@ -101,6 +114,9 @@ def _preset(args: argparse.Namespace):
         changes["tbt_ms"] = args.tbt_ms
     if args.duration_s is not None:
         changes["duration_s"] = args.duration_s
+        changes["num_requests"] = None
+    if args.num_requests is not None:
+        changes["num_requests"] = args.num_requests
     if args.pad is not None:
         changes["pad"] = args.pad
     if args.engine:
@@ -113,6 +129,9 @@ def _preset(args: argparse.Namespace):
         changes["rates"] = tuple(rates[i] for i in sorted({0, len(rates) // 2,
                                                            len(rates) - 1}))
         changes["duration_s"] = min(30.0, changes.get("duration_s", preset.duration_s))
+        if args.num_requests is None and preset.num_requests is not None \
+                and args.duration_s is None:  # a preset's fixed count: its first 300
+            changes["num_requests"] = min(300, preset.num_requests)
     return replace(preset, **changes)
 
 
@@ -181,8 +200,8 @@ def workload_spec(preset, rate: float, args: argparse.Namespace) -> WorkloadSpec
     return WorkloadSpec(
         dataset=preset.dataset, rate=rate, arrival="poisson" if args.burstiness == 1.0
         else "gamma", burstiness=args.burstiness,
-        num_requests=args.num_requests or 1,
-        duration_s=None if args.num_requests else preset.duration_s,
+        num_requests=preset.num_requests or 1,
+        duration_s=None if preset.num_requests else preset.duration_s,
         max_prompt=min(preset.max_prompt, preset.engine.max_model_len - 1),
         max_total=preset.max_total, slo_mix=mix, seed=args.seed)
 
@@ -200,6 +219,37 @@ def to_specs(workload) -> list:
     return out
 
 
+def block_trace(preset, rate: float, args: argparse.Namespace) -> BlockTrace:
+    """The Mooncake replay of one rate: the preset's first ``num_requests`` (or those
+    within ``duration_s``), timestamps scaled to ``rate``."""
+    from benchmarks.workloads import SLOClass
+
+    mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
+        (SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)
+    return BlockTrace(
+        dataset=preset.dataset, rate=rate, num_requests=preset.num_requests,
+        duration_s=None if preset.num_requests else preset.duration_s,
+        max_prompt=min(preset.max_prompt, preset.engine.max_model_len - 1), slo_mix=mix,
+        seed=args.seed)
+
+
+def _workloads(preset, args: argparse.Namespace, notes: list[str]) -> dict[float, list]:
+    if not is_block_trace(preset.dataset):
+        return {rate: to_specs(build_workload(workload_spec(preset, rate, args),
+                                              report=notes)) for rate in preset.rates}
+    from superinfer_jax.sim.stats import prefix_hit_ceiling
+
+    out = {}
+    for rate in preset.rates:
+        specs, more = load_block_trace(block_trace(preset, rate, args))
+        notes.extend(more)
+        ceiling = prefix_hit_ceiling(specs, preset.engine.page_size)
+        notes.append(f"{preset.dataset} at {rate:g} req/s: an unbounded prefix cache could "
+                     f"serve {ceiling:.1%} of the prompt tokens")
+        out[rate] = specs
+    return out
+
+
 def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
@@ -207,23 +257,31 @@ def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    workloads = {rate: to_specs(build_workload(workload_spec(preset, rate, args),
-                                               report=notes)) for rate in preset.rates}
+    workloads = _workloads(preset, args, notes)
     for note in dict.fromkeys(notes):
         print(note)
-    runs = [(hw, rate, pol) for hw in preset.hardware for rate in preset.rates
-            for pol in preset.policies]
+    content = is_block_trace(preset.dataset)
+    cachings = CACHING[args.prefix_caching or ("both" if content else "on" if
+                                               preset.engine.enable_prefix_caching else "off")]
+    runs = [(hw, rate, pol, c) for hw in preset.hardware for rate in preset.rates
+            for pol in preset.policies for c in cachings]
     bar = tqdm(runs, desc="simulating", disable=args.no_progress)
-    for hw, rate, policy in bar:
+    for hw, rate, policy, caching in bar:
         bar.set_postfix_str(f"{hw} {policy} @ {rate:g}/s")
-        sim = preset.simulator(hw, policy, transfer_mode=args.transfer_mode)
+        run_preset = replace(preset, engine=preset.engine.replace(
+            enable_prefix_caching=caching))
+        sim = run_preset.simulator(hw, policy, transfer_mode=args.transfer_mode)
         specs = workloads[rate]
         with tqdm(total=len(specs), desc=f"{policy}@{rate:g}", leave=False,
                   disable=args.no_progress) as reqbar:
             result = sim.run(specs, progress=reqbar.update)
         s = summarize(result)
         row = {"hardware": hw, "policy": policy, "rate": rate, "requests": len(specs)}
+        if content:
+            row["cache"] = "on" if caching else "off"
         row.update({col: s[key] for col, key in ROW_KEYS.items()})
+        if content:  # prompt tokens served from the cache (0 with caching off)
+            row["hit_rate"] = s.get("prefix_hit_rate", 0.0)
         rows.append({**row, "summary": s})
     return rows
 
@@ -281,10 +339,11 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     for j, hw in enumerate(hws):
         for i, (key, label) in enumerate(keys):
             ax = axes[i][j]
-            for policy in dict.fromkeys(r["policy"] for r in rows):
+            for label in dict.fromkeys(_label(r) for r in rows):
                 pts = [(r["rate"], r[key]) for r in rows
-                       if r["hardware"] == hw and r["policy"] == policy]
-                ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+                       if r["hardware"] == hw and _label(r) == label]
+                ax.plot(*zip(*pts, strict=True), marker="o", label=label,
+                        linestyle="--" if label.endswith("no cache") else "-")
             ax.set_title(f"{hw}: {label}", fontsize=9)
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylim(0, 1.05)
@@ -296,6 +355,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['policy']}, no cache" if row.get("cache") == "off" else row["policy"]
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ What differs, and why:
 - The paper's LMSYS-Chat-1M runs need that dataset, which cannot be fetched here; the
   Azure 2023 conversation trace stands in (much longer prompts: mean 1155 tokens, so
   its rates are lower and chosen around the knee the simulator finds, not the paper's).
+- Mooncake (prefix caching, issue 15): the conversation trace replays its own timestamps
+  scaled to each rate (it records 3.4 req/s) with its 512-token hash ids as prompt
+  content, at recorded lengths (mean 12k tokens), so the context is Llama-3.1-8B's
+  (same shapes as Llama-3-8B) cut at 32k: the 7% of prompts beyond keep their first
+  32767 tokens. Every rate simulates the same first 3000 requests (hit rates grow with
+  the window replayed: an unbounded cache could serve 33% of their prompt tokens). The
+  hardware pairs put the same HBM behind a superchip link and behind PCIe: gh200-144g
+  against h200-pcie, gh200-96g against h100-nvl-pcie.
 - Prefill is priced ragged (``pad=False``), as in vLLM: this engine pads a prefill call
   to ``[row bucket, chunk bucket]`` (up to 4 x 2048 tokens here), which on these models
   costs more than the policies differ; ``--pad`` prices the engine's buckets as they are.
@@ -63,6 +71,7 @@ class SimPreset:
     dataset: str  # a workload dataset (benchmarks.workloads)
     rates: tuple[float, ...]  # requests per second
     duration_s: float = 120.0  # arrivals are generated for this long
+    num_requests: int | None = None  # instead of duration_s: this many requests
     hardware: tuple[str, ...] = ("gh200-96g", "h200-pcie")
     policies: tuple[str, ...] = POLICIES  # registered names or module:Class paths
     ttft_ms: float = 5000.0
@@ -88,6 +97,8 @@ class SimPreset:
             resolve_policy(p)  # a registered name or module:Class, else a ValueError
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
 
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
                   pad: bool | None = None) -> Simulator:
@@ -118,6 +129,12 @@ PRESETS: dict[str, SimPreset] = {p.name: p for p in (
               "(stand-in for LMSYS)", "qwen2.5-32b", "azure_conv", (1, 2, 3, 4, 5, 6)),
     SimPreset("paper-llama8b-azure-conv", "Llama-3-8B, Azure 2023 conversation lengths "
               "(stand-in for LMSYS)", "llama-3-8b", "azure_conv", (5, 10, 15, 20, 25, 30)),
+    SimPreset("paper-llama8b-mooncake-conv", "Llama-3(.1)-8B, Mooncake conversation trace "
+              "with its prefix hash ids (prefix caching), 32k context",
+              "llama-3-8b", "mooncake_conv", (0.5, 1, 1.5, 2, 2.5, 3), num_requests=3000,
+              hardware=("gh200-144g", "h200-pcie", "gh200-96g", "h100-nvl-pcie"),
+              max_prompt=32767, max_total=32768,
+              engine=paper_engine_config().replace(max_model_len=32768)),
 )}
 
 

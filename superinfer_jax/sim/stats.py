@@ -20,11 +20,12 @@ admission, re-admissions after preemption included) by the tier the pages came f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from superinfer_jax.sim.simulator import SimResult
+from superinfer_jax.sim.simulator import RequestSpec, SimResult
 
 
 def _dist(prefix: str, values: np.ndarray) -> dict[str, float]:
@@ -119,3 +120,35 @@ def _counters(result: SimResult) -> dict[str, Any]:
         "num_host_pages": result.num_host_pages,
         "sim_wall_s": result.wall_s,
     }
+
+
+def prefix_hit_ceiling(specs: Sequence[RequestSpec], page_size: int) -> float:
+    """The hit rate of an unbounded cache that every earlier request filled in time: per
+    request, the full pages an earlier prompt shares with it (by common leading hash ids,
+    within that prompt's length), at most up to its last token, over all prompt tokens.
+    A run's ``prefix_hit_rate`` stays at or under it; the gap is what eviction, timing
+    (a prefix still being computed is not findable yet) and tiers cost."""
+    children: dict[tuple[int, int], int] = {}  # (node, hash id) -> node; node 0: root
+    covered: list[int] = [0]  # node -> most tokens an earlier prompt had through it
+    hits = total = 0
+    for s in specs:
+        total += s.prompt_len
+        if s.hash_ids is None:
+            continue
+        b, node, best = s.block_tokens, 0, 0
+        for h in s.hash_ids:
+            child = children.get((node, h))
+            if child is None:
+                break
+            node = child
+            best = max(best, covered[node])
+        hits += min(best // page_size, (s.prompt_len - 1) // page_size) * page_size
+        node = 0
+        for depth, h in enumerate(s.hash_ids, start=1):
+            child = children.get((node, h))
+            if child is None:
+                child = children[(node, h)] = len(covered)
+                covered.append(0)
+            node = child
+            covered[node] = max(covered[node], min(depth * b, s.prompt_len))
+    return hits / total if total else 0.0
