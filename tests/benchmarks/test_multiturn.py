@@ -275,6 +275,8 @@ class FakeEngine:
     """Just enough of LLMEngine: one token (id 7) per request per 2 ms step, and a prefix
     "cache" of every prompt + output it finished (longest common prefix)."""
 
+    model = SimpleNamespace(tokenizer=CharTokenizer(), vocab_size=1000)
+
     def __init__(self) -> None:
         self.live: dict[str, SimpleNamespace] = {}
         self.done: dict[str, SimpleNamespace] = {}
@@ -396,6 +398,24 @@ def test_cli_multiturn_run_against_a_scripted_server(fake_grpc, tmp_path, monkey
     res = row["result"]
     assert res["output_lens"] == [2, 2, 2, 2] and res["turn_index"] == [0, 1, 0, 1]
     assert res["cached_tokens"] == [0, 0, 0, 0]  # the fake server caches nothing
+
+
+def test_bench_in_process_runs_the_conversations_on_the_engine(tmp_path):
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps(RECORDS))
+    args = bench_args("--in-process", "fake", "--dataset", "sharegpt_multiturn",
+                      "--sharegpt-path", str(data), "--max-message-tokens", "3",
+                      "--think-time-s", "0", "--history", "generated")
+    engine = FakeEngine()
+    (row,) = serve_bench.run_rates(args, [float("inf")], "fcfs", None, engine=engine)
+    assert (row["policy"], row["convs"], row["turns"], row["failed"]) == ("fcfs", 4, 14, 0)
+    assert len(engine.added) == 14 and len({salt for *_, salt in engine.added}) == 1
+    # generated history: turn k's prompt carries the engine's k answers of 3 tokens (id
+    # 7, which no character maps to), not the recorded replies
+    turns = [len(conversation_turns(r)) for r in RECORDS if len(conversation_turns(r)) > 1]
+    assert sum(p.count(7) for _, _, p, _ in engine.added) == 3 * sum(
+        k for n in turns for k in range(n))
+    assert row["cached_tok"] == row["result"]["cached_prompt_tokens"] > 0
 
 
 def test_policy_sweep_multiturn_flags():
