@@ -216,7 +216,7 @@ def multiturn_spec(args: argparse.Namespace, rate: float) -> MultiTurnSpec:
         seed=args.seed, path=args.sharegpt_path)
 
 
-def check_multiturn_args(args: argparse.Namespace) -> None:
+def check_workload_args(args: argparse.Namespace) -> None:
     """Flags that do not apply to the chosen workload are errors, not silently ignored."""
     if args.mooncake_block_tokens is not None:
         from benchmarks.workloads import find_trace
@@ -555,7 +555,7 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     parse_goodput(args.goodput)
-    check_multiturn_args(args)
+    check_workload_args(args)
     if args.quick:
         rates, args.num_requests, args.duration_s = rates[:1], min(args.num_requests, 20), None
         args.num_conversations = min(args.num_conversations, 8)
