@@ -87,11 +87,13 @@ class _SnapshotCollector(Collector):
             for tier, value in tier_values:
                 g.add_metric([self.model_name, tier], value)
             yield g
+        cache = view.prefix_cache
         cached = GaugeMetricFamily(PREFIX + "prefix_cache_pages",
-                                   "Cached device pages no request references (reclaimable).",
-                                   labels=labels)
-        cached.add_metric([self.model_name],
-                          0 if view.prefix_cache is None else view.prefix_cache.cached_pages)
+                                   "Cached pages no request references (reclaimable), per "
+                                   "tier.", labels=[*labels, "tier"])
+        cached.add_metric([self.model_name, "device"], 0 if cache is None else cache.cached_pages)
+        cached.add_metric([self.model_name, "host"],
+                          0 if cache is None else cache.host_cached_pages)
         yield cached
         moved = CounterMetricFamily(PREFIX + "kv_bytes_moved",
                                     "KV bytes copied between tiers, by direction.",
@@ -99,16 +101,19 @@ class _SnapshotCollector(Collector):
         moved.add_metric([self.model_name, "to_host"], view.bytes_to_host)
         moved.add_metric([self.model_name, "to_device"], view.bytes_to_device)
         yield moved
-        # vLLM's prefix_cache_queries / prefix_cache_hits (prompt tokens looked up at
-        # admission, and found), per tier (the device tier only, so far)
-        for name, value, doc in (
+        # prompt tokens looked up at admission, and found, per tier: the host tier is
+        # asked for what the device did not have
+        for name, device, host, doc in (
             ("prefix_cache_queries", view.prefix_cache_queries,
-             "Prompt tokens looked up in the prefix cache."),
+             0 if cache is None else cache.host_queries,
+             "Prompt tokens looked up in the prefix cache, per tier."),
             ("prefix_cache_hits", view.prefix_cache_hits,
-             "Prompt tokens found in the prefix cache."),
+             0 if cache is None else cache.host_hits,
+             "Prompt tokens found in the prefix cache, per tier."),
         ):
             c = CounterMetricFamily(PREFIX + name, doc, labels=[*labels, "tier"])
-            c.add_metric([self.model_name, "device"], value)
+            c.add_metric([self.model_name, "device"], device)
+            c.add_metric([self.model_name, "host"], host)
             yield c
 
     def _vllm(self, view: EngineStats, labels: list[str]) -> Iterator[Any]:
@@ -127,6 +132,23 @@ class _SnapshotCollector(Collector):
             g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
             g.add_metric([self.model_name], value)
             yield g
+        cache = view.prefix_cache
+        if cache is not None:  # vLLM's counters: the device tier, then its KV connector's
+            for name, value, doc in (
+                ("prefix_cache_queries", cache.queries,
+                 "Prefix cache queries, in terms of number of queried tokens."),
+                ("prefix_cache_hits", cache.hits,
+                 "Prefix cache hits, in terms of number of cached tokens."),
+                ("external_prefix_cache_queries", cache.host_queries,
+                 "External prefix cache queries from KV connector cross-instance cache "
+                 "sharing, in terms of number of queried tokens (here: the host tier)."),
+                ("external_prefix_cache_hits", cache.host_hits,
+                 "External prefix cache hits from KV connector cross-instance cache "
+                 "sharing, in terms of number of cached tokens (here: the host tier)."),
+            ):
+                c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
+                c.add_metric([self.model_name], value)
+                yield c
         if self.block_size is not None:
             info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig.",

@@ -397,11 +397,13 @@ class LLMEngine:
         snapshot, so the copy counters are copied (DuplexKV keeps counting)."""
         cache = self.kv.prefix_cache
         host = None if self.duplex is None else HostTierStats(
-            len(self.scheduler.rotary), self.num_host_pages, self.kv.num_host_free_pages,
+            len(self.scheduler.rotary), self.num_host_pages, self.kv.num_host_unused_pages,
             dataclasses.replace(self.duplex.stats))
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             device_pages_total=self.kv.allocator.num_usable,
             device_pages_free=self.kv.num_free_pages, host=host,
             prefix_cache=None if cache is None else PrefixCacheStats(
-                cache.queries, cache.hits, self.kv.num_cached_pages))
+                cache.queries, cache.hits, self.kv.num_cached_pages,
+                0 if self.kv.host_cache is None else self.kv.host_cache.hits,
+                self.kv.num_host_cached_pages))

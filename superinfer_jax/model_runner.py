@@ -77,8 +77,8 @@ class ModelRunner:
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
         # The pages' bookkeeping (host only): the scheduler plans with it, DuplexKV copies
         # the pages it names.
-        self.kv = TwoTierKVManager(self.num_device_pages, config.page_size, self.num_host_pages,
-                                   prefix_caching=config.enable_prefix_caching)
+        self.kv = TwoTierKVManager.for_config(config, self.num_device_pages,
+                                              self.num_host_pages)
         self.kv_pool = self._new_pool()
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:

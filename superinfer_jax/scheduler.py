@@ -42,12 +42,21 @@ from superinfer_jax.kv.prefix_cache import extend_block_hashes
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import Request, RequestStatus
-from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget, StepPlan, next_chunk
+from superinfer_jax.step_plan import (
+    HOST,
+    NO_HIT,
+    RECOMPUTE,
+    PrefixHit,
+    StepBudget,
+    StepPlan,
+    next_chunk,
+)
 
 if TYPE_CHECKING:
     from superinfer_jax.rotasched.policy import Policy
 
-__all__ = ["HOST", "RECOMPUTE", "Scheduler", "StepBudget", "StepPlan", "next_chunk"]
+__all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Scheduler", "StepBudget", "StepPlan",
+           "next_chunk"]
 
 
 class Scheduler:
@@ -71,6 +80,10 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
+        # Prefix hits looked up by this step's ranking and selection (a lookup per
+        # waiting request per step, not one per question); admission looks up again, as
+        # evictions earlier in the step may have reclaimed pages since.
+        self._hits: dict[str, PrefixHit] = {}
 
     def set_latency_model(self, model: LatencyModel | None) -> None:
         """The latency model, once known (profiling needs the compiled engine)."""
@@ -110,6 +123,7 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         now = time.perf_counter() if now is None else now
         plan, budget = StepPlan(), StepBudget.full(self.config)
+        self._hits.clear()
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
         self._rotate_forced(plan, now)
@@ -139,15 +153,29 @@ class Scheduler:
                                 page_size, req.cache_key)
             kv.register_full_pages(req.req_id, req.block_hashes, req.num_computed_tokens)
 
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Cached pages holding the longest prefix of waiting ``req`` (no pages yet), at
-        most up to its last token: at least one token is computed, so the step that
-        admits it samples from real logits."""
-        if req.cache_key is None or self.kv.prefix_cache is None or req.num_computed_tokens:
-            return []
+    def prefix_hit(self, req: Request) -> PrefixHit:
+        """The longest cached prefix of waiting ``req`` (no pages yet): shared device pages,
+        then cache-only host pages, at most up to its last token (at least one token is
+        computed, so the step that admits it samples from real logits). Looked up once
+        per step for the ranking and the selection (policies price hits with it)."""
+        if req.cache_key is None or self.kv.prefix_cache is None or req.num_computed_tokens \
+                or req.status != RequestStatus.WAITING:
+            return NO_HIT
+        hit = self._hits.get(req.req_id)
+        if hit is None:
+            hit = self._hits[req.req_id] = self._lookup_prefix(req)
+        return hit
+
+    def _lookup_prefix(self, req: Request) -> PrefixHit:
+        kv, page_size = self.kv, self.kv.page_size
+        assert req.cache_key is not None
         extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
-                            self.kv.page_size, req.cache_key)
-        return self.kv.match_prefix(req.block_hashes, (req.num_tokens - 1) // self.kv.page_size)
+                            page_size, req.cache_key)
+        max_pages = (req.num_tokens - 1) // page_size
+        device = kv.match_prefix(req.block_hashes, max_pages)
+        host = kv.match_host_prefix(req.block_hashes, len(device), max_pages) \
+            if isinstance(kv, TwoTierKVManager) else []
+        return PrefixHit(tuple(device), tuple(host)) if device or host else NO_HIT
 
     def _rotate_forced(self, plan: StepPlan, now: float) -> None:
         for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
@@ -156,18 +184,38 @@ class Scheduler:
 
     def _select(self, ranked: list[Request], budget: StepBudget) -> set[str]:
         """From the head: who fits in the device pool (what runners hold plus what is
-        free), the seats and the inbound transfer budget."""
-        capacity = self.kv.num_free_pages + sum(len(self.kv.page_table(r.req_id))
-                                                for r in self.running)
+        free, cached pages included: reclaiming one costs nothing, so it goes before any
+        runner), the seats and the inbound transfer budget.
+
+        With prefix caching a device page may be in several tables, and a waiting request
+        may take cached pages: a shared page counts once, for the first kept request that
+        holds it, and a waiting request's host hit needs its pages moved in."""
+        kv = self.kv
+        shared = kv.prefix_cache is not None
+        held = [kv.page_table(r.req_id) for r in self.running]
+        if shared:
+            capacity = kv.num_free_pages + len({p for t in held for p in t})
+        else:
+            capacity = kv.num_free_pages + sum(len(t) for t in held)
         transfer = budget.pages_in
         used, seats = 0, self.config.max_num_seqs - self._num_rotating_in()
         keep: set[str] = set()
+        counted: set[int] = set()  # device pages already counted for a kept request
         for req in ranked:
             need = self._pages_to_run(req)
             moving = self._host_pages(req)
+            pages: tuple[int, ...] | list[int] = ()
+            if shared:
+                if req.status == RequestStatus.RUNNING:
+                    pages = kv.page_table(req.req_id)
+                elif req.status == RequestStatus.WAITING:
+                    hit = self.prefix_hit(req)
+                    pages, moving = hit.device, min(len(hit.host), transfer)
+                need -= sum(p in counted for p in pages)
             if len(keep) >= seats or used + need > capacity or moving > transfer:
                 continue
             keep.add(req.req_id)
+            counted.update(pages)
             used += need
             transfer -= moving
         return keep
@@ -281,9 +329,14 @@ class Scheduler:
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages ``req`` holds after its next step, with the longest chunk a step
-        can give it (the budget is not known yet when the selection asks)."""
-        chunk = next_chunk(req.num_pending_tokens, self.config.max_prefill_chunk)
-        return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
+        can give it (the budget is not known yet when the selection asks); a waiting
+        request's prefix hit is computed already."""
+        computed, pending = req.num_computed_tokens, req.num_pending_tokens
+        if req.status == RequestStatus.WAITING:
+            hit = self.prefix_hit(req).num_pages * self.kv.page_size
+            computed, pending = computed + hit, pending - hit
+        chunk = next_chunk(pending, self.config.max_prefill_chunk)
+        return -(-(computed + chunk) // self.kv.page_size)
 
     def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
         """Longest chunk one more prefill row may take this step (0: no more rows). The
@@ -381,28 +434,31 @@ class Scheduler:
         req.set_status(RequestStatus.ROTATING_IN, now)
 
     def _admit_one(self, req: Request, plan: StepPlan, budget: StepBudget,
-                   now: float) -> int:
-        """Admit waiting ``req`` for its first chunk if rows and pages allow; returns the
-        tokens scheduled (0: not admitted)."""
+                   now: float) -> bool:
+        """Admit waiting ``req`` if rows and pages allow: with its first chunk, or, when
+        its prefix continues in the host cache, with those pages rotated in (within the
+        step's inbound transfer budget; the rest is prefilled once they landed). Returns
+        whether it was admitted."""
         if req.num_inflight_tokens:
-            return 0  # evicted while its last token was in flight: recompute once it lands
+            return False  # evicted while its last token was in flight: recompute once it lands
         kv = self.kv
-        prefix = self._cached_prefix(req)
-        hit = len(prefix) * kv.page_size
-        pending = req.num_pending_tokens - hit
+        hit = self._lookup_prefix(req) if req.cache_key is not None \
+            and kv.prefix_cache is not None and not req.num_computed_tokens else NO_HIT
+        host = hit.host[:max(0, budget.pages_in)]
+        if host:
+            return self._admit_from_host(req, hit.device, host, plan, budget, now)
+        prefix = list(hit.device)
+        hit_tokens = len(prefix) * kv.page_size
+        pending = req.num_pending_tokens - hit_tokens
         n = self._next_chunk(pending, plan, budget)
-        total = req.num_computed_tokens + hit + n
+        total = req.num_computed_tokens + hit_tokens + n
         if n == 0 or not (kv.can_allocate_with_prefix(prefix, total) if prefix
                           else kv.can_allocate(req.req_id, total)):
-            return 0
+            return False
         if prefix:
             kv.take_prefix(req.req_id, prefix)
-            req.num_computed_tokens = hit
-        if kv.prefix_cache is not None and req.cache_key is not None:
-            kv.prefix_cache.queries += req.num_tokens
-            kv.prefix_cache.hits += hit
-            if req.first_scheduled_time is None:
-                req.num_cached_tokens = hit
+            req.num_computed_tokens = hit_tokens
+        self._count_hit(req, hit_tokens, hit_tokens)
         kv.allocate_for(req.req_id, total)
         self.waiting.remove(req)
         self.running.append(req)
@@ -411,7 +467,43 @@ class Scheduler:
             req.first_scheduled_time = now
         self._add_row(plan, req.req_id, n, pending == 1)
         budget.tokens -= n
-        return n
+        return True
+
+    def _admit_from_host(self, req: Request, device: tuple[int, ...], host: tuple[int, ...],
+                         plan: StepPlan, budget: StepBudget, now: float) -> bool:
+        """Admit ``req`` by a host-tier hit: it takes the device pages of its prefix and
+        rotates the host pages in (ROTATING_IN, a seat held); once they land it runs
+        like a request whose prefix was found on the device. Its first chunk's pages are
+        reserved when it runs (as for any runner)."""
+        kv = self.kv
+        assert isinstance(kv, TwoTierKVManager)
+        hit_tokens = (len(device) + len(host)) * kv.page_size
+        total = hit_tokens + next_chunk(req.num_pending_tokens - hit_tokens,
+                                        self.config.max_prefill_chunk)
+        if not kv.can_allocate_with_prefix(list(device), total):
+            return False
+        plan.moves_in.append(kv.take_host_prefix(req.req_id, list(device), list(host), total))
+        plan.host_hits.append(req.req_id)
+        budget.pages_in -= len(host)
+        req.num_computed_tokens = hit_tokens
+        self._count_hit(req, len(device) * kv.page_size, hit_tokens)
+        self.waiting.remove(req)
+        self.rotary.append(req)
+        req.set_status(RequestStatus.ROTATING_IN, now)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        return True
+
+    def _count_hit(self, req: Request, device_tokens: int, hit_tokens: int) -> None:
+        """vLLM's prefix-cache counters (device tier; the host tier counts its own) and the
+        request's cached tokens, at its first admission."""
+        cache = self.kv.prefix_cache
+        if cache is None or req.cache_key is None:
+            return
+        cache.queries += req.num_tokens
+        cache.hits += device_tokens
+        if req.first_scheduled_time is None:
+            req.num_cached_tokens = hit_tokens
 
     def _requeue_for_recompute(self, req: Request, now: float) -> None:
         req.num_recomputed_tokens += req.num_computed_tokens

@@ -37,12 +37,22 @@ class HostTierStats:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """The device tier's prefix cache: prompt tokens looked up at admissions and found
-    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``), and pages cached now."""
+    """The prefix cache: prompt tokens looked up at admissions (``queries``) and found on
+    the device (``hits``: vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``) or, past
+    the device's hit, in the host tier (``host_hits``); pages cached now in each tier
+    (referenced by no request, reclaimable)."""
 
     queries: int
     hits: int
     cached_pages: int
+    host_hits: int = 0
+    host_cached_pages: int = 0
+
+    @property
+    def host_queries(self) -> int:
+        """Tokens looked up in the host tier: those the device tier did not have (vLLM's
+        ``external_prefix_cache_queries``, for its KV connector)."""
+        return self.queries - self.hits
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,9 @@ class EngineStats(Mapping[str, float]):
         if self.prefix_cache is not None:
             out.update(prefix_cache_queries=self.prefix_cache.queries,
                        prefix_cache_hits=self.prefix_cache.hits,
-                       prefix_cache_pages=self.prefix_cache.cached_pages)
+                       prefix_cache_pages=self.prefix_cache.cached_pages,
+                       prefix_cache_host_hits=self.prefix_cache.host_hits,
+                       prefix_cache_host_pages=self.prefix_cache.host_cached_pages)
         if self.num_requests_total is not None:
             out["num_requests_total"] = self.num_requests_total
         return out
@@ -143,7 +155,9 @@ class EngineStats(Mapping[str, float]):
                 raise ValueError(f"engine stats: prefix cache keys missing: {missing}")
             cache = PrefixCacheStats(int(stats["prefix_cache_queries"]),
                                      int(stats["prefix_cache_hits"]),
-                                     int(stats["prefix_cache_pages"]))
+                                     int(stats["prefix_cache_pages"]),
+                                     int(stats["prefix_cache_host_hits"]),
+                                     int(stats["prefix_cache_host_pages"]))
         total = stats.get("num_requests_total")
         return cls(prefix_cache=cache, num_running=int(stats.get("num_running", 0)),
                    num_waiting=int(stats.get("num_waiting", 0)),
@@ -167,6 +181,7 @@ class EngineStats(Mapping[str, float]):
 
 
 _HOST_KEYS = ("num_rotary", "host_pages_total", "host_pages_free", *_TRANSFER_KEYS)
-_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_pages")
+_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_pages",
+               "prefix_cache_host_hits", "prefix_cache_host_pages")
 _ALL_KEYS = ("num_running", "num_waiting", "device_pages_total", "device_pages_free",
              *_HOST_KEYS, *_CACHE_KEYS, "num_requests_total")

@@ -50,6 +50,7 @@ class StepPlan:
     rotate_in: list[str] = field(default_factory=list)  # req_ids brought back
     moves_out: list[PageMoves] = field(default_factory=list)  # device -> host page copies
     moves_in: list[PageMoves] = field(default_factory=list)  # host -> device page copies
+    host_hits: list[str] = field(default_factory=list)  # admitted by a host-tier prefix hit
     shadows: list[PageMoves] = field(default_factory=list)  # eager shadows, device -> host
     budget: StepBudget | None = None  # tokens and slots granted, before the rows spent them
 
@@ -60,6 +61,22 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached prefix of a waiting request: shared device pages, then the cache-only
+    host pages that follow them (rotated in before the rest is prefilled)."""
+
+    device: tuple[int, ...] = ()
+    host: tuple[int, ...] = ()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device) + len(self.host)
+
+
+NO_HIT = PrefixHit()
 
 
 def next_chunk(pending: int, limit: int) -> int:

@@ -225,7 +225,9 @@ class DuplexKV:
             return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_in]
         self.stats.pages_in += len(arrays)
         self.stats.bytes_in += len(arrays) * self.layout.page_bytes
-        self.stats.rotations_in += len(moves_in)
+        hits = sum(m.prefix_hit for m in moves_in)
+        self.stats.rotations_in += len(moves_in) - hits
+        self.stats.prefix_hits_in += hits
         batch = CopyBatch("in", t0)
         start = 0
         for m in moves_in:

@@ -22,6 +22,7 @@ class TransferStats:
     shadow_pages: int = 0  # of pages_out: eager copies of full pages
     rotations_out: int = 0
     rotations_in: int = 0
+    prefix_hits_in: int = 0  # host-tier prefix hits brought in (their pages are in pages_in)
     failures: int = 0  # copies that failed: the request fell back to recomputation
     time_out_s: float = 0.0
     time_in_s: float = 0.0

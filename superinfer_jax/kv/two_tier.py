@@ -44,7 +44,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.host_cache import HostCache
 from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.prefix_cache import PrefixCache
 
 
 class Residency(enum.IntEnum):
@@ -61,6 +64,7 @@ class PageMoves:
     req_id: str
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
+    prefix_hit: bool = False  # a waiting request's host-tier prefix hit, not a rotation
 
     def __len__(self) -> int:
         return len(self.device_pages)
@@ -70,9 +74,16 @@ class TwoTierKVManager(KVCacheManager):
     """Device and host page tables of every request, and the host shadows."""
 
     def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0, *,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, host_cache_eviction: str = "lru",
+                 host_cache_max_pages: int | None = None):
         super().__init__(num_pages, page_size, prefix_caching=prefix_caching)
         self.num_host_pages = num_host_pages
+        # Host tier of the prefix cache: with caching, a host tier, and room for it.
+        self.host_cache: HostCache | None = None
+        self.host_cache_max_pages = num_host_pages if host_cache_max_pages is None \
+            else min(host_cache_max_pages, num_host_pages)
+        if prefix_caching and self.host_cache_max_pages > 0:
+            self.host_cache = HostCache(host_cache_eviction)
         self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
         self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
@@ -85,13 +96,39 @@ class TwoTierKVManager(KVCacheManager):
         # shadow finds its request in ``_shadow_owner`` (device page -> req_id of every
         # shadow) and forgets that promise.
         self._num_clean: dict[str, int] = {}
-        self._shadow_owner: dict[int, str] = {}
+        # None: the shadow of a cached device page (registered, no reference). It stays,
+        # so that when the device evicts the page, the page stays findable on the host.
+        self._shadow_owner: dict[int, str | None] = {}
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, num_pages: int, num_host_pages: int
+                   ) -> TwoTierKVManager:
+        """The manager a config asks for (the engine's and the simulator's)."""
+        return cls(num_pages, config.page_size, num_host_pages,
+                   prefix_caching=config.enable_prefix_caching,
+                   host_cache_eviction=config.host_cache_eviction,
+                   host_cache_max_pages=config.host_cache_max_pages)
 
     # -- queries -------------------------------------------------------------------------
 
     @property
     def num_host_free_pages(self) -> int:
-        return len(self._host_free)
+        """Host pages a rotation or shadow may take: free, plus cache-only ones."""
+        cache = self.host_cache
+        return len(self._host_free) + (len(cache) if cache is not None else 0)
+
+    @property
+    def num_host_cached_pages(self) -> int:
+        """Host pages no request needs that hold cached KV: cache-only pages (findable by
+        hash) and the shadows of cached device pages. Reclaimable, so free in the
+        reports, as the device tier's cached pages are."""
+        cache_only = 0 if self.host_cache is None else len(self.host_cache)
+        return cache_only + sum(owner is None for owner in self._shadow_owner.values())
+
+    @property
+    def num_host_unused_pages(self) -> int:
+        """Host pages in use by no request: free or cached (what reports call free)."""
+        return len(self._host_free) + self.num_host_cached_pages
 
     def residency_of(self, req_id: str) -> Residency:
         return self.residency.get(req_id, Residency.DEVICE)
@@ -125,7 +162,7 @@ class TwoTierKVManager(KVCacheManager):
         table = self.page_table(req_id)
         if not self.is_resident(req_id) or not table:
             return False
-        short = self.rotation_cost_out(req_id) - len(self._host_free)
+        short = self.rotation_cost_out(req_id) - self.num_host_free_pages
         return short <= 0 or len(self._reclaim(table, short)) == short
 
     def can_rotate_in(self, req_id: str) -> bool:
@@ -144,14 +181,21 @@ class TwoTierKVManager(KVCacheManager):
         """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure).
 
         A device page others still share keeps its shadow (its owner becomes one of
-        them); a page that loses its last reference loses its shadow (Part A of prefix
-        caching: cached device pages have no host copy)."""
+        them). A page that loses its last reference keeps its shadow, owned by nobody,
+        when it stays cached on the device (registered) and the host tier caches too:
+        evicted from the device later, it stays findable on the host. Otherwise its
+        shadow is freed."""
         table = self.page_tables.get(req_id, [])
         shadowed = [d for d in table if d in self.shadows]
         last = [d for d in shadowed if self.refcount[d] == 1]
-        self._release_host([self.shadows.pop(d) for d in last])
+        registered = self.prefix_cache.page_hash if self.prefix_cache is not None else {}
+        keep = self.host_cache is not None
         for d in last:
-            del self._shadow_owner[d]
+            if keep and d in registered:
+                self._shadow_owner[d] = None
+            else:
+                del self._shadow_owner[d]
+                self._release_host([self.shadows.pop(d)])
         for d in shadowed:
             if self.refcount[d] > 1 and self._shadow_owner[d] == req_id:
                 self._shadow_owner[d] = next(r for r in self._holders(d) if r != req_id)
@@ -168,7 +212,7 @@ class TwoTierKVManager(KVCacheManager):
         issue (dirty pages only) before any later step is dispatched."""
         if not self.can_rotate_out(req_id):
             raise RuntimeError(f"cannot rotate out {req_id}")
-        short = self.rotation_cost_out(req_id) - len(self._host_free)
+        short = self._free_host_cache(self.rotation_cost_out(req_id))
         for d in self._reclaim(self.page_table(req_id), short):
             self._release_host([self._drop_shadow(d)])
         table = self.page_tables.pop(req_id)
@@ -227,14 +271,16 @@ class TwoTierKVManager(KVCacheManager):
         """Host copies for full, unshadowed pages of resident requests (eager shadowing).
 
         ``num_computed``: req_id -> tokens whose KV is in the pool the copy will read.
-        Uses free host pages only; it never reclaims (a shadow is an optimisation).
+        Uses free host pages, then cache-only ones (the newest content replaces the
+        coldest); it never drops another request's shadow (a shadow is an optimisation).
         This runs every step over every running request, so a request whose full pages
         are all shadowed costs a dict look-up, not a pass over its page table."""
         out: list[PageMoves] = []
-        shadows, host_free, clean = self.shadows, self._host_free, self._num_clean
+        shadows, clean = self.shadows, self._num_clean
         page_size = self.page_size
         for req_id, n in num_computed.items():
-            if max_pages <= 0 or not host_free:
+            room = self.num_host_free_pages
+            if max_pages <= 0 or not room:
                 break
             start = clean.get(req_id, 0)
             if start >= n // page_size:
@@ -246,12 +292,13 @@ class TwoTierKVManager(KVCacheManager):
             if start >= num_full:
                 continue
             dirty = [i for i in range(start, num_full) if table[i] not in shadows]
-            take = min(len(dirty), max_pages, len(host_free))
+            take = min(len(dirty), max_pages, room)
             clean[req_id] = dirty[take] if take < len(dirty) else num_full
             if not take:
                 continue
             dev = [table[i] for i in dirty[:take]]
-            host = [host_free.pop() for _ in dev]
+            self._free_host_cache(take)
+            host = [self._host_free.pop() for _ in dev]
             shadows.update(zip(dev, host, strict=True))
             self._shadow_owner.update(dict.fromkeys(dev, req_id))
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
@@ -259,11 +306,65 @@ class TwoTierKVManager(KVCacheManager):
         return out
 
     def drop_shadows(self, host_pages: list[int]) -> None:
-        """Forget shadows whose copy failed; their device pages become dirty again."""
+        """Forget shadows whose copy failed; their device pages become dirty again. A
+        failed copy that reached the host cache (its device page was evicted since) is
+        forgotten there too: a hit must never read it."""
         gone = set(host_pages)
         for d, h in list(self.shadows.items()):
             if h in gone:
                 self._release_host([self._drop_shadow(d)])
+        cache = self.host_cache
+        if cache is not None:
+            for h in gone:
+                if h in cache.hash_of:
+                    cache.discard(h)
+                    self._release_host([h])
+
+    # -- prefix caching, both tiers -----------------------------------------------------
+
+    def take_prefix(self, req_id: str, prefix: list[int]) -> None:
+        """Device hit: as the base class; a cached page's shadow gets ``req_id`` as owner."""
+        super().take_prefix(req_id, prefix)
+        owner = self._shadow_owner
+        for p in prefix:
+            if p in owner and owner[p] is None:
+                owner[p] = req_id
+
+    def match_host_prefix(self, hashes: list[bytes], start: int, max_pages: int) -> list[int]:
+        """Cache-only host pages holding ``hashes[start:max_pages]``'s longest prefix: the
+        continuation of a device hit of ``start`` pages (none without a host cache)."""
+        cache = self.host_cache
+        if cache is None or start >= max_pages or not cache.page_of:
+            return []
+        return cache.match(hashes[start:max_pages])
+
+    def take_host_prefix(self, req_id: str, prefix: list[int], host_pages: list[int],
+                         num_tokens: int) -> PageMoves:
+        """Host hit: start ``req_id``'s table with the device pages ``prefix`` (shared),
+        fresh device pages for ``host_pages`` (cache-only host copies of the pages that
+        follow) and for the rest of ``num_tokens`` (its first chunk: reserved now, so it
+        can run once the copies land), and return the copies that bring the hit in.
+        ``req_id`` is ROTATING_IN until they land (``finish_rotate_in``); the host pages
+        become the new pages' shadows (so they are never reclaimed while a copy reads
+        them). The new pages are registered once they landed and ``req_id`` runs
+        (``register_full_pages``)."""
+        cache = self.host_cache
+        assert cache is not None and host_pages
+        num_tokens = max(num_tokens, (len(prefix) + len(host_pages)) * self.page_size)
+        if not self.can_allocate_with_prefix(prefix, num_tokens):
+            raise RuntimeError(f"no device room for {req_id}'s host hit")
+        self.take_prefix(req_id, prefix)
+        for h in host_pages:  # out of the cache first: the allocation below may insert
+            cache.take(h)     # evicted device pages' shadows and evict others
+        new = self._take(self.pages_needed(req_id, num_tokens))
+        self.page_tables[req_id].extend(new)
+        device = new[:len(host_pages)]
+        self.shadows.update(zip(device, host_pages, strict=True))
+        self._shadow_owner.update(dict.fromkeys(device, req_id))
+        self.host_tables[req_id] = []  # no tail page to free on arrival
+        self.residency[req_id] = Residency.ROTATING_IN
+        cache.hits += len(host_pages) * self.page_size
+        return PageMoves(req_id, tuple(device), tuple(host_pages), prefix_hit=True)
 
     def take_freed_host_pages(self) -> list[int]:
         """Host pages freed since the last call: their arrays can be dropped."""
@@ -273,12 +374,44 @@ class TwoTierKVManager(KVCacheManager):
     # -- internals -----------------------------------------------------------------------
 
     def _reclaimable(self, keep: set[int]) -> Iterator[int]:
-        """Device pages whose shadow may be dropped for room, oldest first: shadows of
-        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use).
-        Lazy: callers take only the few they are short of."""
+        """Device pages whose shadow may be dropped for room: first the shadows of cached
+        device pages (owned by nobody; the device copy stays findable), then those of
+        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use),
+        oldest first. Lazy: callers take only the few they are short of."""
+        owner = self._shadow_owner
+        yield from (d for d in self.shadows if owner[d] is None)
         arriving = {d for r, state in self.residency.items()
                     if state == Residency.ROTATING_IN for d in self.page_tables[r]}
-        return (d for d in self.shadows if d not in keep and d not in arriving)
+        yield from (d for d in self.shadows
+                    if owner[d] is not None and d not in keep and d not in arriving)
+
+    def _free_host_cache(self, need: int) -> int:
+        """Evict cache-only host pages until ``need`` host pages are free (they go first,
+        before any shadow); returns how many are still missing."""
+        cache, free = self.host_cache, self._host_free
+        while len(free) < need and cache:
+            self._release_host([cache.evict()])
+        return need - len(free)
+
+    def _evict(self, cache: PrefixCache) -> int:
+        """The device reclaims a cached page: its shadow, if any, becomes a cache-only host
+        page under the same hash (the host tier's cap respected, the coldest going
+        first); without a host cache the shadow is freed."""
+        page = next(iter(cache.evictable))
+        h = cache.page_hash[page]
+        cache.evict()
+        host = self.shadows.pop(page, None)
+        if host is None:
+            return page
+        del self._shadow_owner[page]
+        hc = self.host_cache
+        if hc is not None and h not in hc:
+            while len(hc) >= self.host_cache_max_pages:
+                self._release_host([hc.evict()])
+            hc.insert(host, h)
+        else:
+            self._release_host([host])
+        return page
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """The first ``short`` pages of ``_reclaimable`` outside ``table`` (fewer when there
@@ -290,7 +423,9 @@ class TwoTierKVManager(KVCacheManager):
     def _drop_shadow(self, device_page: int) -> int:
         """Forget one shadow (its owner's scan restarts at 0, and so does every other
         request sharing the page); returns its host page."""
-        self._num_clean.pop(self._shadow_owner.pop(device_page), None)
+        owner = self._shadow_owner.pop(device_page)
+        if owner is not None:
+            self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
             for r in self._holders(device_page):
                 self._num_clean.pop(r, None)
@@ -337,14 +472,23 @@ class TwoTierKVManager(KVCacheManager):
             list(range(1, self.allocator.num_pages)) and \
             len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
             "device pages: some page is lost, or both free and owned"
+        host_cached = [] if self.host_cache is None else list(self.host_cache.hash_of)
         host_owned = list(self.shadows.values()) + [h for t in self.host_tables.values()
                                                     for h in t]
-        assert sorted(host_owned + list(self._host_free)) == \
+        assert sorted(host_owned + list(self._host_free) + host_cached) == \
             list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
-        assert set(self.shadows) <= set(dev_owned), "a shadow of a free device page"
+        if self.host_cache is not None:
+            self.host_cache.check_invariants()
+            assert len(self.host_cache) <= self.host_cache_max_pages, "host cache over its cap"
+        assert set(self.shadows) <= set(dev_owned) | set(cached), \
+            "a shadow of a free device page"
         assert self._shadow_owner.keys() == self.shadows.keys(), "shadow owners out of step"
         for d, r in self._shadow_owner.items():
-            assert d in self.page_tables.get(r, ()), f"shadow of {d} owned by {r}, not its table"
+            if r is None:
+                assert d in cached, f"unowned shadow of {d}, not a cached page"
+            else:
+                assert d in self.page_tables.get(r, ()), \
+                    f"shadow of {d} owned by {r}, not its table"
         for r, k in self._num_clean.items():
             assert all(d in self.shadows for d in self.page_tables[r][:k]), f"{r} clean prefix"
         for req_id, state in self.residency.items():

@@ -12,7 +12,9 @@ implementation difference:
 - ``rotasched``: with no memory contention, exactly ``fcfs``. Contended (device pages
   above the high-water mark, or requests parked on the host), every request is ranked by
   virtual lag (or by predicted slack), requests are kept or brought onto the device from
-  the head while they fit in the device pool and the step's transfer budget, running
+  the head while they fit in the device pool and the step's transfer budget (a waiting
+  request's prefix hit needs only the pages past it, and its host-tier part a transfer;
+  slack mode prices both), running
   requests are rotated out from the tail before an allocation fails, and the step's
   tokens are sized to the decoders' tightest TBT SLO.
 """
@@ -136,7 +138,13 @@ class RotaSchedPolicy(SwapPolicy):
             raise RuntimeError("rotasched.mode 'slack' needs a latency model; warm up the "
                                "engine or give rotasched.latency_profile")
         if not req.token_times:
-            work = lm.prefill_s(req.num_pending_tokens, req.num_computed_tokens)
+            # a prefix hit: its device pages cost nothing, its host pages a transfer
+            hit = s.prefix_hit(req)
+            cached = hit.num_pages * s.kv.page_size
+            work = lm.prefill_s(req.num_pending_tokens - cached,
+                                req.num_computed_tokens + cached)
+            if hit.host:
+                work += lm.transfer_s(len(hit.host) * s.page_bytes)
             return req.arrival_time + req.slo.ttft_s - now - work
         work = lm.decode_s(max(1, len(s.running)), req.num_tokens)
         if req.status != RequestStatus.RUNNING:

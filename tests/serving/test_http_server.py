@@ -273,8 +273,17 @@ def test_vllm_gauges_track_engine_under_burst(http, stub):
     assert v["kv_cache_usage_perc"][1] == 0.0  # cached unreferenced pages count as free
     sup = _samples(http.get("/metrics").text)
     assert sup[("kv_pages_used", ("model_name", MODEL), ("tier", "device"))] == 0
-    assert sup[("prefix_cache_pages", ("model_name", MODEL))] == \
+    assert sup[("prefix_cache_pages", ("model_name", MODEL), ("tier", "device"))] == \
         idle.engine_stats["prefix_cache_pages"]
+    assert sup[("prefix_cache_pages", ("model_name", MODEL), ("tier", "host"))] == \
+        idle.engine_stats["prefix_cache_host_pages"]
+    # vLLM's counters: the device tier, and the host tier as its "external" cache
+    queries, hits = v["prefix_cache_queries_total"][1], v["prefix_cache_hits_total"][1]
+    assert queries == idle.engine_stats["prefix_cache_queries"] > 0
+    assert hits == idle.engine_stats["prefix_cache_hits"] <= queries
+    assert v["external_prefix_cache_queries_total"][1] == queries - hits
+    assert v["external_prefix_cache_hits_total"][1] == \
+        idle.engine_stats["prefix_cache_host_hits"]
 
 
 def _slo_of(http: httpx.Client, headers: dict[str, str], body_slo: dict | None = None) -> dict:

@@ -59,7 +59,11 @@ def test_tiny_model_rotation_keeps_greedy_tokens(tiny):
     assert sum(r.num_rotations for r in done) >= 4
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in done)
     stats = engine.stats()
-    assert stats["transfer_rotations_in"] == stats["transfer_rotations_out"] >= 4
+    # a request forced out while its final token is in flight finishes parked
+    assert 4 <= stats["transfer_rotations_in"] <= stats["transfer_rotations_out"] \
+        == sum(r.num_rotations for r in done)
+    # the reference run left the prompts' pages cached: some come back from the host tier
+    assert stats["transfer_prefix_hits_in"] > 0 and stats["prefix_cache_host_hits"] > 0
     assert stats["transfer_shadow_pages"] > 0
     assert stats["device_pages_free"] == 11 and stats["host_pages_free"] == 64
 
@@ -137,8 +141,10 @@ def test_abort_in_every_rotation_state_frees_both_tiers(tiny, few_prompts):
             break
     assert not engine.has_unfinished_requests() and RequestStatus.ROTATING_OUT in seen
     engine.step()  # drops the host arrays of freed pages
-    assert engine.kv.num_free_pages == 11 and engine.kv.num_host_free_pages == 16
-    assert engine.duplex.num_in_flight == 0 and engine.duplex.host.num_stored == 0
+    # every page is free or cached; the host keeps arrays only for cached copies
+    assert engine.kv.num_free_pages == 11 and engine.kv.num_host_unused_pages == 16
+    assert engine.duplex.num_in_flight == 0
+    assert engine.duplex.host.num_stored == engine.kv.num_host_cached_pages
 
 def test_smollm2_rotation_keeps_greedy_tokens(smollm2):
     """The real model: 6 requests, a pool that holds about two of them, rotations every

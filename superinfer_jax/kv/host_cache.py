@@ -1,0 +1,123 @@
+"""Automatic prefix caching, host tier: cache-only host pages, findable by block hash.
+
+The second level behind the device tier (``prefix_cache.PrefixCache``). A host page
+enters it when the device evicts a cached page (registered, no reference) that has a
+host shadow: the shadow already holds a byte-exact copy of the page's KV (DuplexKV's
+eager shadows copy every full page of a running request), so the page stays findable
+without a copy. A hit takes the page out of this cache: it becomes the shadow of the
+device page it is rotated into, and comes back here when that device page is evicted.
+
+Who owns a host page (``two_tier.TwoTierKVManager``): a parked request's host table and
+the shadow of a referenced device page are owned and never reclaimed for the cache;
+pages here are owned by nobody, and are the first reclaimed when the host tier needs
+room (before any running request's shadow is dropped).
+
+Eviction order (``policy``):
+
+- ``lru`` (default): the page that entered this cache longest ago goes first; a hit
+  renews the page (it leaves, and re-enters when its device copy is evicted);
+- ``fifo``: the hash stored here first goes first, and a hit does not renew it (a hash
+  re-entering keeps its first position while this cache still remembers it).
+
+Pure host ints. The order is a heap of ``(seq, host page)`` with lazy deletion: taking
+a page out for a hit is a dict pop, and eviction skips entries no longer current.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from superinfer_jax.config import HOST_CACHE_EVICTIONS
+
+
+class HostCache:
+    """Hashes of cache-only host pages and their eviction order. ``hits`` / ``queries``
+    count prompt tokens found here at admissions (after the device tier's hits)."""
+
+    def __init__(self, policy: str = "lru"):
+        if policy not in HOST_CACHE_EVICTIONS:
+            raise ValueError(f"host_cache_eviction must be one of {HOST_CACHE_EVICTIONS}, "
+                             f"got {policy!r}")
+        self.policy = policy
+        self.hash_of: dict[int, bytes] = {}  # host page -> hash
+        self.page_of: dict[bytes, int] = {}  # hash -> host page (one copy per hash)
+        self._heap: list[tuple[int, int]] = []  # (seq, host page), lazily deleted
+        self._seq_of: dict[int, int] = {}  # host page -> seq of its live heap entry
+        self._first_seq: dict[bytes, int] = {}  # fifo: when a hash was first stored
+        self._clock = 0
+        self.hits = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.hash_of)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.page_of
+
+    def insert(self, host_page: int, h: bytes) -> bool:
+        """Keep ``host_page`` (holding the KV hashed ``h``) findable. False when the hash
+        is here already (the caller frees the page: one copy is enough)."""
+        if h in self.page_of:
+            return False
+        self.hash_of[host_page] = h
+        self.page_of[h] = host_page
+        self._clock += 1
+        seq = self._clock
+        if self.policy == "fifo":
+            seq = self._first_seq.setdefault(h, seq)
+        self._seq_of[host_page] = seq
+        heapq.heappush(self._heap, (seq, host_page))
+        return True
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Host pages holding the longest prefix of ``hashes`` found here."""
+        out: list[int] = []
+        page_of = self.page_of
+        for h in hashes:
+            page = page_of.get(h)
+            if page is None:
+                break
+            out.append(page)
+        return out
+
+    def take(self, host_page: int) -> bytes:
+        """Remove ``host_page`` for a hit (it becomes an owned shadow); returns its hash."""
+        h = self.hash_of.pop(host_page)
+        del self.page_of[h]
+        del self._seq_of[host_page]
+        return h
+
+    def evict(self) -> int:
+        """Forget the page that goes first (see ``policy``); returns its host page."""
+        heap, seq_of = self._heap, self._seq_of
+        while True:
+            seq, page = heapq.heappop(heap)
+            if seq_of.get(page) == seq:
+                break
+        h = self.take(page)
+        self._first_seq.pop(h, None)
+        self.evictions += 1
+        self._compact()
+        return page
+
+    def discard(self, host_page: int) -> None:
+        """Forget ``host_page`` if it is here (its copy failed: never serve it)."""
+        if host_page in self.hash_of:
+            self._first_seq.pop(self.take(host_page), None)
+
+    def _compact(self) -> None:
+        """Bound the lazy heap and fifo's memory of hashes to a few times the live size."""
+        live = len(self._seq_of)
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [(s, p) for p, s in self._seq_of.items()]
+            heapq.heapify(self._heap)
+        if len(self._first_seq) > 4 * live + 1024:  # hashes out on hits, never back
+            self._first_seq = {h: s for h, s in self._first_seq.items() if h in self.page_of}
+
+    def check_invariants(self) -> None:
+        assert len(self.page_of) == len(self.hash_of) == len(self._seq_of)
+        for page, h in self.hash_of.items():
+            assert self.page_of[h] == page, "host cache index"
+        live = {(s, p) for p, s in self._seq_of.items()}
+        assert live <= set(self._heap), "a live host cache page missing from the order"
