@@ -1,10 +1,14 @@
 """Prefix caching on the page manager, no model: hand-checked cases, then invariants under
-random sequences of arrivals with shared prefixes, admissions (with hits), decode steps,
-finishes, aborts, recompute-preemptions, rotations, shadows and evictions (hypothesis).
+random sequences of arrivals with shared prefixes, admissions (with hits in either
+tier), decode steps, finishes, aborts, recompute-preemptions, rotations, shadows and
+evictions (hypothesis).
 
-The machine keeps its own model of what each page holds (the hash of the tokens whose KV
-was written there) and of the LRU order of cached pages, and checks the manager against
-both after every step."""
+The machine keeps its own model of what each page holds and checks the manager against
+it after every step: which tokens' KV each device page was written with, the bytes each
+page holds (every computation writes a fresh blob; copies carry blobs between tiers, so a
+page found by hash must hold byte-exactly the blob written when that page was first
+computed), the LRU order of cached device pages and the eviction order of the host
+cache."""
 
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ from superinfer_jax.kv.prefix_cache import (
     extend_block_hashes,
     isolation_key,
 )
-from superinfer_jax.kv.two_tier import Residency, TwoTierKVManager
+from superinfer_jax.kv.two_tier import PageMoves, Residency, TwoTierKVManager
 
 PAGE = 4
+NUM_PAGES = 14
 KEY = isolation_key("test-model", None)
 
 
@@ -101,8 +106,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.kv = TwoTierKVManager(num_pages=14, page_size=PAGE, num_host_pages=10,
-                                   prefix_caching=True)
+        # the host cache may hold 6 of the 10 host pages: its cap is reached too
+        self.kv = TwoTierKVManager(num_pages=NUM_PAGES, page_size=PAGE, num_host_pages=10,
+                                   prefix_caching=True, host_cache_max_pages=6)
         self.cache = self.kv.prefix_cache
         self.tokens: dict[str, list[int]] = {}
         self.key: dict[str, bytes] = {}
@@ -116,6 +122,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.parent: dict[bytes, bytes] = {}  # hash -> its parent page's hash
         self.lru: list[int] = []  # the model of ``evictable``: release order
         self.hit_pages = 0
+        self.host_hit_pages = 0
+        # Bytes: ("d" | "h", page) -> blob id; a blob is immutable, written once by one
+        # computation of one page (``blob_hash``: the tokens it is the KV of).
+        self.blob: dict[tuple[str, int], int] = {}
+        self.blob_hash: dict[int, bytes] = {}
+        self.host_order: list[int] = []  # host cache pages, oldest entry first (lru)
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -131,6 +143,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if self.kv.refcount[p] == 0 and p in self.cache.page_hash and p not in self.lru:
                 self.lru.append(p)
 
+    def _copy(self, moves: PageMoves, inbound: bool) -> None:
+        """DuplexKV copies whole pages: the blob moves, byte for byte."""
+        for d, h in zip(moves.device_pages, moves.host_pages, strict=True):
+            src, dst = (("h", h), ("d", d)) if inbound else (("d", d), ("h", h))
+            if src in self.blob:
+                self.blob[dst] = self.blob[src]
+            else:  # a partial tail page: its bytes are not modelled
+                self.blob.pop(dst, None)
+
+    def _host_sync(self, taken: tuple[int, ...] = ()) -> None:
+        """Host cache pages that left other than by a hit (``taken``) are the oldest."""
+        cache = self.kv.host_cache
+        now = list(cache.hash_of)
+        before = [p for p in self.host_order if p not in taken]
+        gone = [p for p in before if p not in cache.hash_of]
+        assert gone == before[:len(gone)], "host cache evicted out of order"
+        self.host_order = now
+
     def _compute(self, r: str, upto: int) -> None:
         """The device writes r's KV up to ``upto`` tokens; full pages get registered."""
         table = self.kv.page_table(r)
@@ -139,6 +169,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if table[i] in self.cache.page_hash:  # a shared page is never rewritten
                 assert self.written[table[i]] == hashes[i]
             self.written[table[i]] = hashes[i]
+            blob = len(self.blob_hash)  # a fresh computation: fresh bytes
+            self.blob_hash[blob] = hashes[i]
+            self.blob[("d", table[i])] = blob
         self.computed[r] = upto
         self.kv.register_full_pages(r, hashes, upto)
 
@@ -165,14 +198,38 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.computed[r] = 0
         self.waiting.append(r)
 
+    @precondition(lambda self: self.tokens)
+    @rule(i=st.integers(0, 99), more=st.lists(st.integers(10, 12), max_size=5))
+    def arrive_again(self, i, more):
+        """The next turn of an earlier conversation: its tokens so far, and more."""
+        old = sorted(self.tokens)[i % len(self.tokens)]
+        r = f"r{self.n}"
+        self.n += 1
+        self.tokens[r] = self.tokens[old] + more
+        self.key[r] = self.key[old]
+        self.hashes[r] = []
+        extend_block_hashes(self.hashes[r], self.tokens[r], (), PAGE, self.key[r])
+        for j, h in enumerate(self.hashes[r]):
+            self.parent.setdefault(h, self.hashes[r][j - 1] if j else ROOT)
+        self.computed[r] = 0
+        self.waiting.append(r)
+
     @precondition(lambda self: self.waiting)
     @rule(i=st.integers(0, 99))
     def admit(self, i):
         r = self.waiting[i % len(self.waiting)]
         n = len(self.tokens[r])
-        prefix = self.kv.match_prefix(self.hashes[r], (n - 1) // PAGE)
-        for p, h in zip(prefix, self.hashes[r], strict=False):
+        hashes = self.hashes[r]
+        prefix = self.kv.match_prefix(hashes, (n - 1) // PAGE)
+        for p, h in zip(prefix, hashes, strict=False):
             assert self.written[p] == h, "a page found by hash holds other tokens"
+            assert self.blob_hash[self.blob[("d", p)]] == h, "found page's bytes"
+        host = self.kv.match_host_prefix(hashes, len(prefix), (n - 1) // PAGE)
+        for p, h in zip(host, hashes[len(prefix):], strict=False):
+            assert self.blob_hash[self.blob[("h", p)]] == h, "host page's bytes"
+        if host:
+            self._admit_from_host(r, prefix, host, n)
+            return
         if not self.kv.can_allocate_with_prefix(prefix, n):
             return
         before = set(self.cache.evictable)
@@ -182,6 +239,33 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._sync_taken(before)
         self.computed[r] = len(prefix) * PAGE
         self.hit_pages += len(prefix)
+        self._compute(r, n)
+        self.waiting.remove(r)
+        self.running.append(r)
+
+    def _admit_from_host(self, r: str, prefix: list[int], host: list[int], n: int) -> None:
+        """A host hit: device pages for the host part (and the rest of the prompt) now,
+        the copies land, then the rest is computed."""
+        if not self.kv.can_allocate_with_prefix(prefix, n):
+            return
+        before = set(self.cache.evictable)
+        blobs = [self.blob[("h", h)] for h in host]
+        moves = self.kv.take_host_prefix(r, prefix, host, n)
+        assert moves.prefix_hit and list(moves.host_pages) == host
+        self.lru = [p for p in self.lru if p not in prefix]
+        self._sync_taken(before)
+        self._host_sync(taken=tuple(host))
+        assert self.kv.residency_of(r) == Residency.ROTATING_IN
+        self._copy(moves, inbound=True)
+        assert [self.blob[("d", d)] for d in moves.device_pages] == blobs  # byte-exact
+        self.kv.finish_rotate_in(r)
+        hit = len(prefix) + len(host)
+        for d, h in zip(self.kv.page_table(r)[:hit], self.hashes[r], strict=False):
+            self.written[d] = h  # the KV of its tokens, copied from the first computation
+        self.computed[r] = hit * PAGE
+        self.hit_pages += len(prefix)
+        self.host_hit_pages += len(host)
+        self.kv.register_full_pages(r, self.hashes[r], self.computed[r])
         self._compute(r, n)
         self.waiting.remove(r)
         self.running.append(r)
@@ -204,14 +288,32 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._compute(r, n)
 
     @precondition(lambda self: self.running or self.waiting or self.parked)
-    @rule(i=st.integers(0, 99))
-    def finish_or_abort(self, i):
+    @rule(i=st.integers(0, 99), shadowed=st.booleans())
+    def finish_or_abort(self, i, shadowed):
         everyone = self.running + self.waiting + self.parked
         r = everyone[i % len(everyone)]
+        if shadowed and r in self.running:  # eager shadows had time to copy its pages
+            for moves in self.kv.plan_shadows({r: self.computed[r]}, 99):
+                self._copy(moves, inbound=False)
         for group in (self.running, self.waiting, self.parked):
             if r in group:
                 group.remove(r)
         self._drop(r)
+
+    @rule(pages=st.integers(1, 16) | st.just(99))
+    def flood(self, pages):
+        """Traffic of another tenant takes cached device pages (and gives them back
+        uncached): the device evicts, least recently released first, and shadows of the
+        evicted pages become cache-only host pages."""
+        n = min(pages, self.kv.num_free_pages)
+        if not n:
+            return
+        before = set(self.cache.evictable)
+        self.kv.allocate_for("flood", n * PAGE)
+        self._sync_taken(before)
+        for p in self.kv.page_table("flood"):
+            self.blob.pop(("d", p), None)  # overwritten by the other tenant
+        self.kv.free("flood")  # never registered: back to the free list
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 99))
@@ -228,8 +330,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not self.kv.can_rotate_out(r):
             return
         table = list(self.kv.page_table(r))
-        self.kv.rotate_out(r, self.computed[r])
+        self._copy(self.kv.rotate_out(r, self.computed[r]), inbound=False)
         self._released(table)
+        self._host_sync()
         self.kv.finish_rotate_out(r)
         self.running.remove(r)
         self.parked.append(r)
@@ -243,6 +346,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         before = set(self.cache.evictable)
         moves = self.kv.rotate_in(r)
         self._sync_taken(before)
+        self._host_sync()
+        self._copy(moves, inbound=True)
         for d, h in zip(moves.device_pages, self.hashes[r], strict=False):
             self.written[d] = h  # the copies land
         self.kv.finish_rotate_in(r)
@@ -254,13 +359,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(budget=st.integers(0, 6))
     def shadows(self, budget):
-        self.kv.plan_shadows({r: self.computed[r] for r in self.running}, budget)
+        for moves in self.kv.plan_shadows({r: self.computed[r] for r in self.running},
+                                          budget):
+            self._copy(moves, inbound=False)
+        self._host_sync()
 
     # -- invariants ------------------------------------------------------------------
 
     @invariant()
     def consistent(self):
         kv, cache = self.kv, self.cache
+        self._host_sync()
         kv.check_invariants()  # refcounts = owners; cached = zero-ref registered; partition
         assert list(cache.evictable) == self.lru, "cached pages out of LRU order"
         for p, h in cache.page_hash.items():
@@ -271,8 +380,59 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert r not in self.waiting and kv.is_resident(r)
         for r in self.waiting:
             assert not kv.page_table(r)
+        # bytes: a shadow is a byte-exact copy of its full device page; a cache-only host
+        # page holds the KV of the tokens it is findable by; a parked request's host
+        # pages hold its full pages' KV
+        for d, h in kv.shadows.items():
+            assert self.blob[("h", h)] == self.blob[("d", d)], f"shadow {h} of {d}"
+        for h, digest in kv.host_cache.hash_of.items():
+            assert self.blob_hash[self.blob[("h", h)]] == digest, f"host cache page {h}"
+            assert kv.host_cache.page_of[digest] == h
+        for r in self.parked:
+            full = self.computed[r] // PAGE
+            for h, digest in zip(kv.host_table(r)[:full], self.hashes[r], strict=False):
+                assert self.blob_hash[self.blob[("h", h)]] == digest, f"{r}'s host page {h}"
+        for p in set(cache.page_hash):
+            assert self.blob_hash[self.blob[("d", p)]] == cache.page_hash[p]
 
 
-PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+PrefixCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50,
                                                 deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+def test_host_cache_lru_renews_on_hit_fifo_does_not():
+    from superinfer_jax.kv.host_cache import HostCache
+
+    for policy, first_out in (("lru", 2), ("fifo", 1)):
+        c = HostCache(policy)
+        assert c.insert(1, b"a") and c.insert(2, b"b") and c.insert(3, b"c")
+        assert not c.insert(4, b"a")  # one copy per hash
+        assert c.match([b"a", b"b", b"x", b"c"]) == [1, 2]
+        assert c.take(1) == b"a"  # a hit: page 1 becomes a shadow ...
+        assert c.insert(1, b"a")  # ... and comes back when its device copy is evicted
+        assert c.evict() == first_out, policy  # lru: "a" was renewed; fifo: it was first
+        c.check_invariants()
+        assert len(c) == 2 and c.evictions == 1
+
+
+def test_device_eviction_moves_the_shadow_to_the_host_cache():
+    kv = TwoTierKVManager(num_pages=5, page_size=PAGE, num_host_pages=8, prefix_caching=True)
+    h = hashes_of(list(range(9)))  # two full pages and one token
+    kv.allocate_for("a", 9)
+    kv.register_full_pages("a", h, 9)
+    (moves,) = kv.plan_shadows({"a": 9}, 8)
+    kv.free("a")  # the full pages stay cached on the device, their shadows with them
+    assert kv.num_cached_pages == 2 and kv.num_host_cached_pages == 2
+    kv.allocate_for("b", 4 * 4)  # every device page: both cached ones are evicted
+    assert kv.match_prefix(h, 2) == [] and kv.host_cache is not None
+    assert kv.match_host_prefix(h, 0, 2) == list(moves.host_pages)  # findable on the host
+    kv.free("b")
+    hit = kv.take_host_prefix("c", [], list(moves.host_pages), 9)
+    assert hit.prefix_hit and len(kv.page_table("c")) == 3  # two copied in, one to compute
+    assert kv.residency_of("c") == Residency.ROTATING_IN and not kv.host_cache
+    kv.check_invariants()
+    kv.finish_rotate_in("c")
+    kv.register_full_pages("c", h, 8)
+    assert kv.match_prefix(h, 2) == kv.page_table("c")[:2]
+    kv.check_invariants()
