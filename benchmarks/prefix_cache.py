@@ -25,11 +25,18 @@ Per trace, at a device capacity of ``--pages`` KV pages:
   first). Written independently of ``superinfer_jax.kv``.
 - Belady: ``belady_hits``, the same replay with furthest-next-use eviction (ties: the
   deeper block first), the ceiling.
-- host tier (device + host hit rate): not built yet (issue 15 part B), printed as n/a.
-- TTFT P50/P99 and output tokens/s with caching on and off (same engine config otherwise),
-  and on/off ratios; the modes run alternately ``--repeats`` times, the fastest run of
-  each counts (each caching-on run starts from an empty cache). Greedy tokens on and off
-  are compared (``same_tokens``).
+- host tier: the same engine with ``--host-factor`` (default 4) times the device pages
+  in a host tier (DuplexKV's pinned host memory on a GPU; host memory on CPU), same
+  device capacity: hit rate split by tier (``hit_dev+host`` = device hits + host hits),
+  once per host eviction policy (``--host-evictions``, lru first). Its references, by
+  the same ordered-dict replay: ``hit_dev+host_lru_incl`` (an inclusive two-level LRU:
+  the host holds a copy of every device block, so the union is one LRU of the host's
+  capacity; the engine is close to this, as the eager shadows of device pages take host
+  pages) and ``hit_dev+host_lru_excl`` (exclusive: device plus host capacity).
+- TTFT P50/P99 and output tokens/s with caching off, on (device tier) and on with the
+  host tier (same engine config otherwise), and ratios against off; the modes run
+  alternately ``--repeats`` times, the fastest run of each counts (each caching-on run
+  starts from an empty cache). Greedy tokens against off are compared (``same_tokens``).
 
     python -m benchmarks.prefix_cache [--quick] [--out results/prefix_cache.json]
 """
@@ -49,7 +56,6 @@ from benchmarks.offline_throughput import DEFAULT_CACHE
 from benchmarks.workloads import BlockRequest, load_mooncake
 
 TRACES = ("mooncake_conv", "mooncake_synthetic")
-HOST_NA = "n/a (host tier not built)"
 
 
 # -- reference cache simulations ---------------------------------------------------------
@@ -155,14 +161,15 @@ def run_engine(engine, reqs: list[BlockRequest]) -> dict:
     ttft = np.array([r.ttft for r in done])
     out_tokens = sum(len(r.output_token_ids) for r in done)
     stats = engine.stats()
+    keys = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits",
+            "transfer_prefix_hits_in", "transfer_pages_in", "transfer_shadow_pages")
     return {"elapsed_s": elapsed, "out_tok_s": out_tokens / elapsed,
             "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
             "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
             "cached_tokens": [r.num_cached_tokens for r in done],
             "preemptions": sum(r.num_preemptions for r in done),
             "tokens": [r.output_token_ids for r in done],
-            "stats": {k: stats[k] for k in ("prefix_cache_queries", "prefix_cache_hits")
-                      if k in stats}}
+            "stats": {k: stats[k] for k in keys if k in stats}}
 
 
 def bench_trace(name: str, args, model) -> dict:
@@ -179,40 +186,65 @@ def bench_trace(name: str, args, model) -> dict:
     opt = hit_rate(belady_hits(seq, args.pages), prompt_lens, args.block_tokens)
     unbounded = hit_rate(lru_hits(seq, 10**12), prompt_lens, args.block_tokens)
 
+    host_pages = args.host_factor * args.pages
+    incl = hit_rate(lru_hits(seq, host_pages), prompt_lens, args.block_tokens)
+    excl = hit_rate(lru_hits(seq, args.pages + host_pages), prompt_lens, args.block_tokens)
+
     config = EngineConfig(page_size=args.block_tokens, num_device_pages=args.pages + 1,
                           max_model_len=args.max_prompt + args.max_output,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256,
                           max_prefill_chunk=256, max_prefill_rows=2, show_progress=False,
                           compilation_cache_dir=args.compilation_cache or None)
+    evictions = [e for e in args.host_evictions.split(",") if e]
+    modes = {"off": config.replace(enable_prefix_caching=False), "on": config}
+    for e in evictions:
+        modes[f"host-{e}"] = config.replace(num_host_pages=host_pages, host_cache_eviction=e)
+    timed = ("off", "on", f"host-{evictions[0]}") if evictions else ("off", "on")
     runs: dict[str, dict] = {}
-    for _ in range(args.repeats):  # alternately; the best run of each counts (shared CPUs)
-        for mode in ("off", "on"):
-            # A fresh engine for every run of both modes: a repeat must not hit pages the
+    for rep in range(args.repeats):  # alternately; the best run of each counts (shared CPUs)
+        for mode, cfg in modes.items():
+            if rep and mode not in timed:
+                continue  # hit rates do not depend on timing much: one run of the others
+            # A fresh engine for every run of every mode: a repeat must not hit pages the
             # previous one cached, and a reused engine against a fresh one is not a fair
             # pair (the first comparison did that and showed caching 1.18x slower).
-            engine = LLMEngine(model, config.replace(enable_prefix_caching=mode == "on"))
-            run = run_engine(engine, reqs)
+            run = run_engine(LLMEngine(model, cfg), reqs)
             if mode not in runs or run["out_tok_s"] > runs[mode]["out_tok_s"]:
                 runs[mode] = run
-    on, off = runs["on"], runs["off"]
-    engine_rate = sum(on["cached_tokens"]) / sum(prompt_lens)
-    same = sum(a == b for a, b in zip(on["tokens"], off["tokens"], strict=True))
-    return {
-        "trace": name, "requests": len(reqs), "prompt_tokens": sum(prompt_lens),
-        "pages": args.pages,
-        "hit_engine": engine_rate, "hit_lru_ref": lru, "engine_vs_lru": engine_rate / lru
-        if lru else float("nan"), "hit_belady": opt, "hit_unbounded": unbounded,
-        "hit_dev+host": HOST_NA, "hit_dev+host_lru_ref": HOST_NA,
-        "ttft_p50_ms_off": off["ttft_p50_ms"], "ttft_p50_ms_on": on["ttft_p50_ms"],
-        "ttft_p50_on/off": on["ttft_p50_ms"] / off["ttft_p50_ms"],
-        "ttft_p99_ms_off": off["ttft_p99_ms"], "ttft_p99_ms_on": on["ttft_p99_ms"],
-        "ttft_p99_on/off": on["ttft_p99_ms"] / off["ttft_p99_ms"],
-        "tok_s_off": off["out_tok_s"], "tok_s_on": on["out_tok_s"],
-        "tok_s_on/off": on["out_tok_s"] / off["out_tok_s"],
-        "preempt_on": on["preemptions"], "preempt_off": off["preemptions"],
-        "same_tokens": f"{same}/{len(reqs)}",
-        "engine_counters_on": on["stats"],
+    off = runs["off"]
+    prompt_total = sum(prompt_lens)
+    row = {
+        "trace": name, "requests": len(reqs), "prompt_tokens": prompt_total,
+        "pages": args.pages, "host_pages": host_pages,
+        "hit_lru_ref": lru, "hit_belady": opt, "hit_unbounded": unbounded,
+        "hit_dev+host_lru_incl": incl, "hit_dev+host_lru_excl": excl,
+        "ttft_p50_ms_off": off["ttft_p50_ms"], "ttft_p99_ms_off": off["ttft_p99_ms"],
+        "tok_s_off": off["out_tok_s"], "modes": {},
     }
+    for mode, run in runs.items():
+        stats = run["stats"]
+        same = sum(a == b for a, b in zip(run["tokens"], off["tokens"], strict=True))
+        row["modes"][mode] = {
+            "hit_rate": sum(run["cached_tokens"]) / prompt_total,
+            "hit_device": stats.get("prefix_cache_hits", 0) / prompt_total,
+            "hit_host": stats.get("prefix_cache_host_hits", 0) / prompt_total,
+            "ttft_p50_ms": run["ttft_p50_ms"], "ttft_p99_ms": run["ttft_p99_ms"],
+            "ttft_p50_vs_off": run["ttft_p50_ms"] / off["ttft_p50_ms"],
+            "ttft_p99_vs_off": run["ttft_p99_ms"] / off["ttft_p99_ms"],
+            "tok_s": run["out_tok_s"], "tok_s_vs_off": run["out_tok_s"] / off["out_tok_s"],
+            "preemptions": run["preemptions"], "same_tokens": f"{same}/{len(reqs)}",
+            "counters": stats,
+        }
+    on = row["modes"]["on"]
+    row["hit_engine"] = on["hit_rate"]
+    row["engine_vs_lru"] = on["hit_rate"] / lru if lru else float("nan")
+    if evictions:
+        host = row["modes"][f"host-{evictions[0]}"]
+        row["hit_dev+host"] = host["hit_rate"]
+        row["host_vs_device_only"] = host["hit_rate"] / on["hit_rate"] \
+            if on["hit_rate"] else float("nan")
+        row["dev+host_vs_incl_ref"] = host["hit_rate"] / incl if incl else float("nan")
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,8 +264,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each mode, alternately; the fastest counts")
     parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--host-factor", type=int, default=4,
+                        help="host tier pages per device page (0: no host tier runs)")
+    parser.add_argument("--host-evictions", default="lru,fifo",
+                        help="host cache eviction policies to run (the first is timed)")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
+    if args.host_factor <= 0:
+        args.host_evictions = ""
     if args.quick:
         args.requests, args.max_output, args.repeats = 200, 16, 1
         args.pages = min(args.pages, 512)
@@ -241,15 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     model = tiny_model(512, args.max_prompt + args.max_output)
     rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
     cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
-            "hit_belady", "hit_unbounded", "hit_dev+host")
-    print_table([{c: r[c] for c in cols} for r in rows],
+            "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
+            "hit_dev+host_lru_incl", "hit_dev+host_lru_excl", "host_vs_device_only")
+    print_table([{c: r.get(c, "") for c in cols} for r in rows],
                 f"prefix cache hit rate (prompt tokens from cache / prompt tokens), "
-                f"block {args.block_tokens} tokens per 512, device {args.pages} pages")
-    cols = ("trace", "ttft_p50_ms_off", "ttft_p50_ms_on", "ttft_p50_on/off",
-            "ttft_p99_ms_off", "ttft_p99_ms_on", "ttft_p99_on/off", "tok_s_off", "tok_s_on",
-            "tok_s_on/off", "preempt_on", "preempt_off", "same_tokens")
-    print_table([{c: r[c] for c in cols} for r in rows],
-                "caching on against off, same engine config, "
+                f"block {args.block_tokens} tokens per 512, device {args.pages} pages, "
+                f"host {args.host_factor}x")
+    cols = ("hit_rate", "hit_device", "hit_host", "ttft_p50_ms", "ttft_p50_vs_off",
+            "ttft_p99_ms", "ttft_p99_vs_off", "tok_s", "tok_s_vs_off", "preemptions",
+            "same_tokens")
+    print_table([{"trace": r["trace"], "mode": mode, **{c: m[c] for c in cols}}
+                 for r in rows for mode, m in r["modes"].items()],
+                "each mode against caching off, same engine config, "
                 + (f"trace timestamps x{args.slowdown}" if args.slowdown
                    else "offline (all submitted at start, trace order)"))
     write_json(args.out, {"args": vars(args), "rows": rows})
