@@ -33,6 +33,7 @@ from the cache (``cached_tok``, ``hit_rate``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -263,6 +264,7 @@ def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
 
     steps0, host0 = engine.num_model_steps, engine.total_host_time_s
     salt = f"sweep-{desc}-{time.time_ns()}"
+    cache0 = _cache_counters(engine)
     with tqdm(total=sum(c.num_turns for c in convs), desc=desc, leave=False) as bar:
         t0 = time.perf_counter()
         runs, duration = replay_conversations(engine, convs, history, salt, bar.update)
@@ -270,19 +272,40 @@ def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
             "wall_s": time.perf_counter() - t0,
             "steps": engine.num_model_steps - steps0,
             "host_s": engine.total_host_time_s - host0,
+            "cache": _cache_delta(engine, cache0),
             "cached": [r.cached_tokens for r in runs], "conversations": len(convs)}
 
 
 def run_once(engine, requests, desc: str) -> dict:
-    """One replay: its timelines, wall time, model steps and host time."""
+    """One replay: its timelines, wall time, model steps and host time. Under a fresh
+    cache salt: every seed replays the same prompts at every rate on the same engines,
+    and pages cached by an earlier run must not serve a later one."""
     steps0, host0 = engine.num_model_steps, engine.total_host_time_s
+    salt = f"sweep-{desc}-{time.time_ns()}"
+    requests = [dataclasses.replace(r, cache_salt=salt) for r in requests]
+    cache0 = _cache_counters(engine)
     with tqdm(total=len(requests), desc=desc, leave=False) as bar:
         t0 = time.perf_counter()
         timelines, duration = replay(engine, requests, bar)
     return {"timelines": timelines, "duration": duration,
             "wall_s": time.perf_counter() - t0,
             "steps": engine.num_model_steps - steps0,
-            "host_s": engine.total_host_time_s - host0}
+            "host_s": engine.total_host_time_s - host0,
+            "cache": _cache_delta(engine, cache0)}
+
+
+_CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits")
+
+
+def _cache_counters(engine) -> dict[str, float]:
+    stats = engine.stats()
+    return {k: stats.get(k, 0) for k in _CACHE_KEYS}
+
+
+def _cache_delta(engine, before: dict[str, float]) -> dict[str, float]:
+    """Prefix-cache tokens looked up and found per tier during one run."""
+    after = _cache_counters(engine)
+    return {k: after[k] - before[k] for k in _CACHE_KEYS}
 
 
 def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
@@ -290,6 +313,10 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
     timelines = [t for r in results for t in r["timelines"]]
     s = summarize(timelines, sum(r["duration"] for r in results))
     steps = sum(r["steps"] for r in results)
+    queried = sum(r.get("cache", {}).get("prefix_cache_queries", 0) for r in results)
+    tiers = {f"hit_{tier}": sum(r.get("cache", {}).get(key, 0) for r in results) / queried
+             if queried else 0.0
+             for tier, key in (("dev", "prefix_cache_hits"), ("host", "prefix_cache_host_hits"))}
     return {"policy": policy, "rate": rate,
             "ttft_att": s["ttft_attainment"], "tbt_att": s["tbt_attainment"],
             "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
@@ -298,7 +325,7 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
             "recomputed": s["recomputed_tokens"],
             "host_ms_step": 1000 * sum(r["host_s"] for r in results) / max(1, steps),
             "wall_s": sum(r["wall_s"] for r in results), "summary": s,
-            **multiturn_columns(results)}
+            **tiers, **multiturn_columns(results)}
 
 
 def multiturn_columns(results: list[dict]) -> dict:
