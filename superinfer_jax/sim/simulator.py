@@ -203,6 +203,7 @@ class SimResult:
     prefix_cache_queries: int = 0
     prefix_cache_device_hits: int = 0
     prefix_cache_host_hits: int = 0
+    prefix_hit_pages_in: int = 0  # of pages_in: host-tier hits copied in (not rotations)
 
 
 class Simulator:
@@ -274,7 +275,9 @@ class _Run:
         self.prefix_caching = cfg.enable_prefix_caching and any(
             s.hash_ids is not None for s in specs)
         self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages,
-                                   prefix_caching=self.prefix_caching)
+                                   prefix_caching=self.prefix_caching,
+                                   host_cache_eviction=cfg.host_cache_eviction,
+                                   host_cache_max_pages=cfg.host_cache_max_pages)
         # One model per run: the isolation key is the cost model's name (no cache_salt).
         self.cache_key = isolation_key(f"sim:{sim.cost.name}", None) \
             if self.prefix_caching else None
@@ -296,6 +299,7 @@ class _Run:
         self.copies: list[tuple[float, int, int, str]] = []  # heap (done, seq, dir, req_id)
         self.seq = 0
         self.num_steps = self.num_prefill = self.num_decode = self.shadow_pages = 0
+        self.hit_pages_in = 0  # host -> device copies of host-tier prefix hits
         self.last_token = 0.0
 
     # -- the loop ------------------------------------------------------------------------
@@ -408,6 +412,8 @@ class _Run:
             done = self.link.issue(IN, in_pages, t, other_active=out_pages > 0)
             for m in plan.moves_in:
                 self._push(done, IN, m.req_id)
+                if m.prefix_hit:  # lands like a rotate-in: the request runs from there
+                    self.hit_pages_in += len(m)
         return out_pages + in_pages
 
     def _push(self, done: float, direction: int, req_id: str) -> None:
@@ -435,15 +441,12 @@ class _Run:
 
     def _prefix_counters(self) -> tuple[int, int, int]:
         """(prompt tokens looked up, found on the device, found on the host), summed over
-        every admission by the cache's own counters.
-
-        Hook for the host tier: it keeps the device tier's ``queries`` / ``hits`` and
-        counts host hits itself; read its counter here once it lands (0 until then: every
-        hit is a device hit)."""
-        cache = self.kv.prefix_cache
+        every admission by the caches' own counters (the device tier counts lookups and
+        its hits; the host tier the tokens it served after the device's hit)."""
+        cache, host = self.kv.prefix_cache, self.kv.host_cache
         if cache is None:
             return 0, 0, 0
-        return cache.queries, cache.hits, 0
+        return cache.queries, cache.hits, 0 if host is None else host.hits
 
     def _result(self, wall0: float) -> SimResult:
         first = self.specs[0].arrival_s if self.specs else 0.0
@@ -458,4 +461,4 @@ class _Run:
             num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
             policy=self.cfg.policy, prefix_caching=self.prefix_caching,
             prefix_cache_queries=queries, prefix_cache_device_hits=device_hits,
-            prefix_cache_host_hits=host_hits)
+            prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in)

@@ -104,6 +104,7 @@ def _prefix(result: SimResult) -> dict[str, Any]:
         "prefix_device_hit_rate": result.prefix_cache_device_hits / queries if queries
         else 0.0,
         "prefix_host_hit_rate": result.prefix_cache_host_hits / queries if queries else 0.0,
+        "prefix_hit_pages_in": result.prefix_hit_pages_in,
     }
 
 

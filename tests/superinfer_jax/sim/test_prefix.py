@@ -152,3 +152,26 @@ def test_a_tight_pool_evicts_cached_pages_and_still_finishes(policy):
 def test_bad_hash_ids_are_refused(spec, message):
     with pytest.raises(ValueError, match=message):
         run([spec])
+
+
+def test_pages_evicted_from_the_device_are_hit_on_the_host():
+    """A's pages, pushed off the device by a flood of unrelated prompts, stay findable on
+    the host (their eager shadows): B, sharing A's first two blocks, is admitted by a
+    host hit whose pages are copied in over the link before it prefills the rest."""
+    a = RequestSpec(0.0, 24, 3, hash_ids=(0, 1, 2), block_tokens=8)
+    flood = [RequestSpec(0.1, 24, 3, hash_ids=(10 + i, 20 + i, 30 + i), block_tokens=8)
+             for i in range(4)]
+    b = RequestSpec(1.0, 24, 3, hash_ids=(0, 1, 5), block_tokens=8)
+    sim = Simulator(config(enable_prefix_caching=True, eager_shadowing=True),
+                    ConstantCost(0.010, 0.005, 0.001), 24, 64)
+    result = sim.run([a, *flood, b])
+    assert all(len(r.token_times) == 3 for r in result.requests)
+    assert result.requests[-1].num_cached_tokens == 16
+    assert result.prefix_cache_host_hits == 16 and result.prefix_hit_pages_in == 4
+    s = summarize(result)
+    assert s["prefix_host_hit_rate"] == pytest.approx(16 / (6 * 24))
+    assert s["prefix_device_hit_rate"] == 0  # the flood shares nothing
+    without_host = Simulator(config(enable_prefix_caching=True, eager_shadowing=True,
+                                    host_cache_max_pages=0),
+                             ConstantCost(0.010, 0.005, 0.001), 24, 64).run([a, *flood, b])
+    assert without_host.requests[-1].num_cached_tokens == 0
