@@ -280,8 +280,10 @@ def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
         if content:
             row["cache"] = "on" if caching else "off"
         row.update({col: s[key] for col, key in ROW_KEYS.items()})
-        if content:  # prompt tokens served from the cache (0 with caching off)
+        if content:  # prompt tokens served from the cache (0 with caching off), and the
+            # share of looked-up tokens the host tier served (after the device's hit)
             row["hit_rate"] = s.get("prefix_hit_rate", 0.0)
+            row["host_hit"] = s.get("prefix_host_hit_rate", 0.0)
         rows.append({**row, "summary": s})
     return rows
 

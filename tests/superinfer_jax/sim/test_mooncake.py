@@ -87,6 +87,7 @@ def test_simulate_reports_hit_rates_with_caching_on_and_off(trace, tmp_path):
     for r in rows:
         assert r["summary"]["completed"] == len(TRACE)
         assert (r["hit_rate"] > 0.3) == (r["cache"] == "on") and 0 <= r["slo_att"] <= 1
+        assert 0 <= r["host_hit"] <= r["hit_rate"] + 1e-9
     one = tmp_path / "one.json"
     assert cli_main(["simulate", "--model", "llama-3-8b", "--dataset", str(trace),
                      "--hardware", "gh200-96g", "--rates", "1", "--policies", "fcfs",
