@@ -1,7 +1,8 @@
 """Tensor parallelism: head layouts by hand here, and on 4 virtual CPU devices in a
 subprocess (``tp_check``): TP=2 and TP=4 give TP=1's greedy tokens with rotations
-running, host pages are split per device in pinned host memory, and the compiled step
-holds the Megatron collectives and nothing that moves the KV pool."""
+running and with prefix-cache hits in either tier, host pages are split per device in
+pinned host memory, and the compiled step holds the Megatron collectives and nothing
+that moves the KV pool."""
 
 from __future__ import annotations
 
@@ -150,6 +151,21 @@ def test_prefix_cache_hits_keep_greedy_tokens(tp_run, tp):
     runs = tp_run["llama8"]
     assert runs[tp]["cached_tokens"] > 0 and runs["1"]["cached_tokens"] > 0
     assert runs[tp]["tokens"] == runs["1-off"]["tokens"]
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_host_tier_prefix_hits_keep_greedy_tokens(tp_run, tp):
+    """llama8's second wave, once traffic made the device reclaim every cached page of the
+    first: a repeated prompt, a second turn and a shared prefix find their pages in the
+    host tier (split over the devices like the pool) and get TP=1's tokens, which are
+    caching off's."""
+    runs = tp_run["llama8"]
+    for run in (runs["1"], runs[tp], runs["1-off"]):
+        assert run["wave2_device_pages_before"] == 0  # every hit below is a host hit
+        assert all(len(t) == 12 for t in run["wave2_tokens"])
+    assert runs[tp]["wave2_tokens"] == runs["1"]["wave2_tokens"] == runs["1-off"]["wave2_tokens"]
+    for run in (runs["1"], runs[tp]):
+        assert run["wave2_host_hits"] > 0 and run["wave2_prefix_hits_in"] > 0
 
 
 def test_padding_and_replication_layouts(tp_run):

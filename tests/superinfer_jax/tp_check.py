@@ -6,6 +6,8 @@ fixed when JAX starts, so ``test_tensor_parallel`` runs this module in a subproc
 
 - per model and tensor-parallel size: the greedy tokens of the same batch with the same
   forced rotations, the number of rotations, the head layout, and where host pages live;
+  for llama8 also a second wave that finds the first wave's pages in the host tier of the
+  prefix cache (its tokens, host hits, and the same waves with caching off);
 - for each sharded engine: the collectives in its compiled decode step and in the page
   mover's gather and scatter, with their shapes, and the pool's shape per device.
 
@@ -81,6 +83,37 @@ def run_rotating(engine, prompts: list[list[int]], max_tokens: int, every: int,
     return [engine.release(i) for i in ids]
 
 
+def run_second_wave(engine, first: list, wave, max_tokens: int, every: int
+                    ) -> dict[str, Any]:
+    """After the first wave (``first``, its finished requests): ``wave(first)`` gives
+    traffic, run alone one after another until the device has reclaimed every cached page
+    of the first wave (their shadows stay findable in the host tier), and the second
+    wave's prompts, run with the same forced rotations. Returns its tokens, the first
+    wave's pages still on the device before it (0), and, with prefix caching, its hits."""
+    from superinfer_jax import SamplingParams
+
+    traffic, prompts = wave(first)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    for p in traffic:
+        rid = engine.add_request(p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.release(rid)
+    kv = engine.kv
+    out: dict[str, Any] = {"wave2_device_pages_before": sum(
+        len(kv.match_prefix(r.block_hashes, len(r.block_hashes))) for r in first)}
+    before = engine.stats()
+    done = run_rotating(engine, prompts, max_tokens, every, {})
+    after = engine.stats()
+    out["wave2_tokens"] = [r.output_token_ids for r in done]
+    if kv.prefix_cache is not None:
+        out["wave2_host_hits"] = after["prefix_cache_host_hits"] - before["prefix_cache_host_hits"]
+        out["wave2_prefix_hits_in"] = (after["transfer_prefix_hits_in"]
+                                       - before["transfer_prefix_hits_in"])
+        out["wave2_cached_tokens"] = sum(r.num_cached_tokens for r in done)
+    return out
+
+
 def step_hlo(engine) -> str:
     """Compiled HLO of the engine's widest decode step (compiled already by the run)."""
     from superinfer_jax.sampling import SamplingInputs
@@ -121,7 +154,8 @@ def host_pages(engine) -> dict[str, Any]:
 
 def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
              max_tokens: int, every: int, max_num_seqs: int, backend: str,
-             chunk: int = 16, prefix_reference: bool = False) -> dict[str, Any]:
+             chunk: int = 16, prefix_reference: bool = False,
+             second_wave=None) -> dict[str, Any]:
     from superinfer_jax import LLMEngine
 
     out: dict[str, Any] = {}
@@ -149,13 +183,18 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
             row["step_collectives"] = collectives(step_hlo(engine))
             row["mover_collectives"] = collectives(mover_hlo(engine))
             row["num_layers"] = engine.model.kv_spec.num_layers
+        if second_wave is not None:
+            row.update(run_second_wave(engine, done, second_wave, max_tokens, every))
         row["seconds"] = round(time.perf_counter() - t0, 1)
         row["load_seconds"] = round(loaded, 1)
         out[str(tp)] = row
-        if tp == 1 and prefix_reference:  # the same run with prefix caching off
+        if tp == 1 and prefix_reference:  # the same runs with prefix caching off
             off = LLMEngine(model, config.replace(enable_prefix_caching=False))
-            out["1-off"] = {"tokens": [r.output_token_ids for r in
-                                       run_rotating(off, prompts, max_tokens, every, {})]}
+            first = run_rotating(off, prompts, max_tokens, every, {})
+            out["1-off"] = {"tokens": [r.output_token_ids for r in first]}
+            if second_wave is not None:
+                out["1-off"].update(run_second_wave(off, first, second_wave, max_tokens,
+                                                    every))
         print(f"{name} tp={tp}: {row['seconds']} s (load {row['load_seconds']} s), "
               f"{row['rotations']} rotations",
               file=sys.stderr, flush=True)
@@ -208,6 +247,8 @@ def smollm2_case(tps, backend: str) -> dict[str, Any]:
 
 
 def llama8_case(tps, backend: str) -> dict[str, Any]:
+    import numpy as np
+
     from models.servable import random_servable
     from superinfer_jax.parallel import make_mesh
 
@@ -221,9 +262,21 @@ def llama8_case(tps, backend: str) -> dict[str, Any]:
     # "1-off" is TP=1 with prefix caching off.
     prompts = _random_prompts(0, cfg.vocab_size, 4)
     prompts = [prompts[0], *prompts, prompts[1] + [7, 8, 9]]
+
+    def second_wave(first: list) -> tuple[list[list[int]], list[list[int]]]:
+        # Traffic: three prompts of 6 full pages (the pool has 9), each decoding 4 tokens
+        # so that all 6 are registered and cached: 21 pages taken, at most 3 of them free
+        # tails given back, so the device reclaims at least 9 cached pages, oldest first:
+        # every page of the first wave. Then a repeated prompt, a second turn (prompt,
+        # answer, new message) and a shared prefix find them in the host tier.
+        rng = np.random.default_rng(11)
+        traffic = [rng.integers(0, cfg.vocab_size, 48).tolist() for _ in range(3)]
+        return traffic, [prompts[0], prompts[3] + first[3].output_token_ids + [5, 6],
+                         prompts[2]]
+
     return run_case("llama8", load, prompts, tps, page_size=8, device_pages=10,
                     max_tokens=12, every=3, max_num_seqs=4, backend=backend,
-                    prefix_reference=True)
+                    prefix_reference=True, second_wave=second_wave)
 
 
 def replicated_case(tps, backend: str, workdir: Path) -> dict[str, Any]:
