@@ -38,6 +38,14 @@ Per trace, at a device capacity of ``--pages`` KV pages:
   alternately ``--repeats`` times, the fastest run of each counts (each caching-on run
   starts from an empty cache). Greedy tokens against off are compared (``same_tokens``).
 
+Multi-turn (``--multiturn``, on by default; the issue's TTFT goal): SmolLM2, the embedded
+default model, serving ShareGPT conversations replayed turn by turn in closed loop
+(``benchmarks.multiturn``: turn k+1's prompt is turn k's prompt, its recorded reply and
+the next message, sent after turn k's answer plus a think time), with caching off, on
+(device tier) and on with the host tier, at the same device capacity
+(``--mt-device-pages``). TTFT P50/P99 of all turns and of later turns (those that can
+hit), output tokens/s, hit rate per tier.
+
     python -m benchmarks.prefix_cache [--quick] [--out results/prefix_cache.json]
 """
 
@@ -247,6 +255,74 @@ def bench_trace(name: str, args, model) -> dict:
     return row
 
 
+def bench_multiturn(args) -> dict:
+    """SmolLM2 on ShareGPT conversations: caching off, on, on with the host tier."""
+    from benchmarks.multiturn import replay_conversations
+    from benchmarks.sharegpt import load_conversations
+    from benchmarks.workloads import MultiTurnSpec, build_conversations
+    from models import load_model
+    from superinfer_jax import EngineConfig, LLMEngine
+
+    model = load_model("smollm2-135m")
+    records, _ = load_conversations()
+    spec = MultiTurnSpec(num_conversations=args.mt_conversations, rate=args.mt_rate,
+                         think_time_s=args.mt_think_s, max_prompt=args.mt_max_prompt,
+                         max_total=args.mt_max_prompt + args.mt_max_message,
+                         max_message_tokens=args.mt_max_message, seed=args.seed)
+    convs = build_conversations(records, model.tokenizer, spec)
+    config = EngineConfig(page_size=16, max_model_len=args.mt_max_prompt + args.mt_max_message,
+                          num_device_pages=args.mt_device_pages + 1, max_num_seqs=8,
+                          max_num_batched_tokens=256, max_prefill_chunk=256,
+                          compilation_cache_dir=args.compilation_cache or None)
+    host = args.host_factor * args.mt_device_pages
+    modes = {"off": config.replace(enable_prefix_caching=False), "on": config}
+    if host:
+        modes["host"] = config.replace(num_host_pages=host)
+    engines = {m: LLMEngine(model, cfg) for m, cfg in modes.items()}  # warm-up once each
+    best: dict[str, dict] = {}
+    for rep in range(args.repeats):
+        for mode, engine in engines.items():
+            before = engine.stats()
+            turns, duration = replay_conversations(engine, convs,
+                                                   cache_salt=f"mt-{mode}-{rep}")
+            after = engine.stats()
+            ok = [t for t in turns if t.timeline.ok and t.timeline.token_times]
+            ttft = np.array([t.timeline.ttft for t in ok])
+            later = np.array([t.timeline.ttft for t in ok if t.turn > 0])
+            out_tokens = sum(len(t.timeline.token_times) for t in ok)
+            prompt = sum(t.timeline.prompt_len for t in ok)
+
+            def delta(key: str, a=after, b=before) -> float:
+                return float(a.get(key, 0) - b.get(key, 0))
+
+            run = {"turns": len(turns), "ok": len(ok), "duration_s": duration,
+                   "out_tok_s": out_tokens / duration,
+                   "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+                   "ttft_p99_ms": 1000 * float(np.percentile(ttft, 99)),
+                   "later_ttft_p50_ms": 1000 * float(np.percentile(later, 50))
+                   if len(later) else float("nan"),
+                   "hit_rate": sum(t.cached_tokens or 0 for t in ok) / prompt,
+                   "hit_device": delta("prefix_cache_hits") / prompt,
+                   "hit_host": delta("prefix_cache_host_hits") / prompt,
+                   "tokens": [t.output_ids for t in turns]}
+            if mode not in best or run["out_tok_s"] > best[mode]["out_tok_s"]:
+                best[mode] = run
+    off = best["off"]
+    tokens = {mode: run.pop("tokens") for mode, run in best.items()}
+    rows = []
+    for mode, run in best.items():
+        same = sum(a == b for a, b in zip(tokens[mode], tokens["off"], strict=True))
+        rows.append({"mode": mode, **run,
+                     "ttft_p50_vs_off": run["ttft_p50_ms"] / off["ttft_p50_ms"],
+                     "ttft_p99_vs_off": run["ttft_p99_ms"] / off["ttft_p99_ms"],
+                     "later_ttft_p50_vs_off": run["later_ttft_p50_ms"]
+                     / off["later_ttft_p50_ms"],
+                     "tok_s_vs_off": run["out_tok_s"] / off["out_tok_s"],
+                     "same_tokens": f"{same}/{run['turns']}"})
+    return {"conversations": len(convs), "turns": sum(c.num_turns for c in convs),
+            "device_pages": args.mt_device_pages, "host_pages": host, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,6 +344,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="host tier pages per device page (0: no host tier runs)")
     parser.add_argument("--host-evictions", default="lru,fifo",
                         help="host cache eviction policies to run (the first is timed)")
+    parser.add_argument("--multiturn", action=argparse.BooleanOptionalAction, default=True,
+                        help="the SmolLM2 multi-turn TTFT comparison")
+    parser.add_argument("--mt-conversations", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="conversation sample")
+    parser.add_argument("--mt-rate", type=float, default=0.5, help="conversations/s")
+    parser.add_argument("--mt-think-s", type=float, default=1.0)
+    parser.add_argument("--mt-max-prompt", type=int, default=768)
+    parser.add_argument("--mt-max-message", type=int, default=64)
+    parser.add_argument("--mt-device-pages", type=int, default=160,
+                        help="SmolLM2 device pages of 16 tokens")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
     args = parser.parse_args(argv)
     if args.host_factor <= 0:
@@ -275,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.requests, args.max_output, args.repeats = 200, 16, 1
         args.pages = min(args.pages, 512)
+        args.mt_conversations, args.mt_max_prompt = 4, 384
 
     model = tiny_model(512, args.max_prompt + args.max_output)
     rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
@@ -293,7 +380,18 @@ def main(argv: list[str] | None = None) -> None:
                 "each mode against caching off, same engine config, "
                 + (f"trace timestamps x{args.slowdown}" if args.slowdown
                    else "offline (all submitted at start, trace order)"))
-    write_json(args.out, {"args": vars(args), "rows": rows})
+    multiturn = None
+    if args.multiturn:
+        multiturn = bench_multiturn(args)
+        cols = ("mode", "turns", "ok", "ttft_p50_ms", "ttft_p50_vs_off", "ttft_p99_ms",
+                "ttft_p99_vs_off", "later_ttft_p50_ms", "later_ttft_p50_vs_off", "out_tok_s",
+                "tok_s_vs_off", "hit_rate", "hit_device", "hit_host", "same_tokens")
+        print_table([{c: r[c] for c in cols} for r in multiturn["rows"]],
+                    f"SmolLM2 multi-turn (ShareGPT, {multiturn['conversations']} "
+                    f"conversations, {multiturn['turns']} turns, {args.mt_rate}/s, think "
+                    f"{args.mt_think_s} s): device {args.mt_device_pages} pages, host "
+                    f"{multiturn['host_pages']}")
+    write_json(args.out, {"args": vars(args), "rows": rows, "multiturn": multiturn})
 
 
 if __name__ == "__main__":
