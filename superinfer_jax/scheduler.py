@@ -192,27 +192,42 @@ class Scheduler:
         holds it, and a waiting request's host hit needs its pages moved in."""
         kv = self.kv
         shared = kv.prefix_cache is not None
-        held = [kv.page_table(r.req_id) for r in self.running]
-        if shared:
-            capacity = kv.num_free_pages + len({p for t in held for p in t})
-        else:
-            capacity = kv.num_free_pages + sum(len(t) for t in held)
+        capacity = kv.num_free_pages
+        runners_shared: dict[str, list[int]] = {}
+        for r in self.running:
+            table = kv.page_table(r.req_id)
+            capacity += len(table)
+            if shared:  # sharing is by prefix: a table's shared pages lead it
+                runners_shared[r.req_id] = lead = self._leading_shared(table)
+        if runners_shared:  # a page two runners share is one page of the pool
+            lead_pages = [p for lead in runners_shared.values() for p in lead]
+            capacity -= len(lead_pages) - len(set(lead_pages))
         transfer = budget.pages_in
         used, seats = 0, self.config.max_num_seqs - self._num_rotating_in()
         keep: set[str] = set()
-        counted: set[int] = set()  # device pages already counted for a kept request
+        counted: set[int] = set()  # shared device pages already counted for a kept request
+        holders: dict[int, list[str]] | None = None  # runners' pages, built on first need
         for req in ranked:
+            if len(keep) >= seats:
+                break  # nobody else can be kept: no more look-ups
             need = self._pages_to_run(req)
             moving = self._host_pages(req)
             pages: tuple[int, ...] | list[int] = ()
             if shared:
                 if req.status == RequestStatus.RUNNING:
-                    pages = kv.page_table(req.req_id)
+                    pages = runners_shared.get(req.req_id, ())
+                    need -= sum(p in counted for p in pages)
                 elif req.status == RequestStatus.WAITING:
                     hit = self.prefix_hit(req)
                     pages, moving = hit.device, min(len(hit.host), transfer)
-                need -= sum(p in counted for p in pages)
-            if len(keep) >= seats or used + need > capacity or moving > transfer:
+                    for p in pages:  # a page a kept runner holds is counted already
+                        if p in counted:
+                            need -= 1
+                        elif kv.refcount[p] > 0:
+                            if holders is None:
+                                holders = self._runner_pages()
+                            need -= any(r in keep for r in holders.get(p, ()))
+            if used + need > capacity or moving > transfer:
                 continue
             keep.add(req.req_id)
             counted.update(pages)
@@ -326,6 +341,27 @@ class Scheduler:
         if pending == 1:
             return 1  # most rows: no prefill cap to work out
         return next_chunk(pending, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
+
+    def _runner_pages(self) -> dict[int, list[str]]:
+        """Device page -> the runners holding it (a pass over their tables: only asked
+        when a waiting request's hit lands on pages somebody holds)."""
+        out: dict[int, list[str]] = {}
+        for r in self.running:
+            for p in self.kv.page_table(r.req_id):
+                out.setdefault(p, []).append(r.req_id)
+        return out
+
+    def _leading_shared(self, table: list[int]) -> list[int]:
+        """The leading pages of ``table`` that another table holds too: only a prefix of a
+        table is ever shared (hits take prefixes), so the scan stops at the first page of
+        its own."""
+        refcount = self.kv.refcount
+        n = 0
+        for p in table:
+            if refcount[p] <= 1:
+                break
+            n += 1
+        return table[:n]
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages ``req`` holds after its next step, with the longest chunk a step

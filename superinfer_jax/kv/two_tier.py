@@ -190,12 +190,14 @@ class TwoTierKVManager(KVCacheManager):
         last = [d for d in shadowed if self.refcount[d] == 1]
         registered = self.prefix_cache.page_hash if self.prefix_cache is not None else {}
         keep = self.host_cache is not None
+        dropped = []
         for d in last:
             if keep and d in registered:
                 self._shadow_owner[d] = None
             else:
                 del self._shadow_owner[d]
-                self._release_host([self.shadows.pop(d)])
+                dropped.append(self.shadows.pop(d))
+        self._release_host(dropped)  # one batch: the free list's order as it has been
         for d in shadowed:
             if self.refcount[d] > 1 and self._shadow_owner[d] == req_id:
                 self._shadow_owner[d] = next(r for r in self._holders(d) if r != req_id)
