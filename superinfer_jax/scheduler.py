@@ -198,7 +198,7 @@ class Scheduler:
             table = kv.page_table(r.req_id)
             capacity += len(table)
             if shared:  # sharing is by prefix: a table's shared pages lead it
-                runners_shared[r.req_id] = lead = self._leading_shared(table)
+                runners_shared[r.req_id] = self._leading_shared(table)
         if runners_shared:  # a page two runners share is one page of the pool
             lead_pages = [p for lead in runners_shared.values() for p in lead]
             capacity -= len(lead_pages) - len(set(lead_pages))
