@@ -4,7 +4,10 @@ shared-prefix and multi-turn prompts (the second turn's prompt is the first turn
 its answer and a new message), under forced rotation and a device pool small enough to
 reclaim cached pages and recompute, with async scheduling and without. Then isolation by
 ``cache_salt`` (on page ids), a page found by hash holding byte-exactly the KV written
-when it was first computed, the one-token cap, and SmolLM2."""
+when it was first computed, the one-token cap, and SmolLM2.
+
+The host tier (``kv.host_cache``): pages the device evicted are found there and copied
+back in (a waiting request admitted ROTATING_IN), with the same tokens as caching off."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import pytest
 
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
+from superinfer_jax.kv.two_tier import PageMoves
 from superinfer_jax.request import FieldError
+from superinfer_jax.step_plan import StepPlan
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -64,8 +69,8 @@ def test_greedy_tokens_equal_with_caching_on(tiny, workload, async_scheduling, r
     first, ref_first, second, ref_second = workload
     engine = LLMEngine(tiny, SMALL.replace(async_scheduling=async_scheduling,
                                            num_device_pages=pages, num_host_pages=64))
-    done = drain(engine, [engine.add_request(p, SP) for p in first], rotate_every)
-    assert [r.output_token_ids for r in done] == ref_first
+    done1 = drain(engine, [engine.add_request(p, SP) for p in first], rotate_every)
+    assert [r.output_token_ids for r in done1] == ref_first
     done = drain(engine, [engine.add_request(p, SP) for p in second], rotate_every)
     assert [r.output_token_ids for r in done] == ref_second
     stats = engine.stats()
@@ -75,6 +80,90 @@ def test_greedy_tokens_equal_with_caching_on(tiny, workload, async_scheduling, r
     assert done[3].num_cached_tokens >= 24  # the second turn finds the first turn's pages
     if rotate_every:
         assert sum(r.num_rotations for r in done) > 0
+    assert engine.kv.num_free_pages == engine.kv.allocator.num_usable  # nothing leaked
+    # Which tier served: each admission counts its hit in one tier (a request preempted
+    # and admitted again counts again), and a host hit is a copy brought in.
+    cached = sum(r.num_cached_tokens for r in done1 + done)
+    host = stats["prefix_cache_host_hits"]
+    assert stats["prefix_cache_hits"] + host >= cached and host % SMALL.page_size == 0
+    assert (host > 0) == (stats["transfer_prefix_hits_in"] > 0)
+    if pages == 40:  # the device never reclaims a cached page: every hit is a device hit
+        assert engine.kv.prefix_cache.evictions == 0 and not engine.kv.host_cache
+        assert host == stats["transfer_prefix_hits_in"] == 0
+        assert stats["prefix_cache_hits"] == cached  # and no request was admitted twice
+
+
+def record_plans(engine: LLMEngine) -> list[StepPlan]:
+    """Every plan the engine's scheduler makes from now on (admissions by a host hit, their
+    page copies)."""
+    plans: list[StepPlan] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(now=None):
+        plans.append(schedule(now))
+        return plans[-1]
+
+    engine.scheduler.schedule = recording
+    return plans
+
+
+def host_hit_moves(plans: list[StepPlan]) -> dict[str, PageMoves]:
+    """req_id -> the copies that brought its host-tier hit in (its last, if several)."""
+    return {m.req_id: m for p in plans for m in p.moves_in if m.prefix_hit}
+
+
+def unrelated(seed: int, n: int, length: int = 30) -> list[list[int]]:
+    """Prompts that share no page with the workload: traffic that makes the device reclaim
+    cached pages (their shadows stay findable in the host tier)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 250, length).tolist() for _ in range(n)]
+
+
+def pages_on_device(engine: LLMEngine, req) -> int:
+    return len(engine.kv.match_prefix(req.block_hashes, len(req.block_hashes)))
+
+
+def pages_on_host(engine: LLMEngine, req) -> int:
+    return len(engine.kv.match_host_prefix(req.block_hashes, 0, len(req.block_hashes)))
+
+
+@pytest.mark.parametrize("async_scheduling,rotate_every", [
+    (True, 0), (False, 0), (True, 3), (False, 4)])
+def test_greedy_tokens_equal_with_host_tier_hits(tiny, workload, async_scheduling,
+                                                 rotate_every):
+    """The first wave's pages leave the device (other traffic reclaims them) and stay in
+    the host tier; the second wave (repeated prompts, a shared stem, the second turn) finds
+    them there, is admitted ROTATING_IN while they are copied in, and generates the tokens
+    it generates alone with caching off."""
+    first, ref_first, second, ref_second = workload
+    engine = LLMEngine(tiny, SMALL.replace(async_scheduling=async_scheduling,
+                                           num_device_pages=16, num_host_pages=64))
+    done1 = drain(engine, [engine.add_request(p, SP) for p in first], rotate_every)
+    assert [r.output_token_ids for r in done1] == ref_first
+    drain(engine, [engine.add_request(p, SP) for p in unrelated(5, 3)], rotate_every)
+    # precondition: the first wave's pages left the device, and the host tier kept some
+    assert sum(pages_on_device(engine, r) for r in done1) == 0
+    assert sum(pages_on_host(engine, r) for r in done1) >= 3
+    before = engine.stats()
+    plans = record_plans(engine)
+    ids = [engine.add_request(p, SP) for p in second]
+    done = drain(engine, ids, rotate_every)
+    assert [r.output_token_ids for r in done] == ref_second
+    stats = engine.stats()
+    host_hits = stats["prefix_cache_host_hits"] - before["prefix_cache_host_hits"]
+    admitted = stats["transfer_prefix_hits_in"] - before["transfer_prefix_hits_in"]
+    assert host_hits > 0 and admitted > 0
+    moves = host_hit_moves(plans)
+    assert len(moves) <= admitted and set(moves) <= set(ids)  # only this wave's requests
+    assert sum(len(m) for m in moves.values()) * SMALL.page_size <= host_hits
+    for rid, m in moves.items():  # a hit at its (only) admission is in its cached tokens
+        req = done[ids.index(rid)]
+        if not req.num_preemptions:  # else it counts the first admission's hit
+            assert req.num_cached_tokens >= len(m) * SMALL.page_size
+    assert engine.duplex.stats.failures == 0
+    if rotate_every:
+        assert sum(r.num_rotations for r in done) > 0
+    engine.kv.check_invariants()
     assert engine.kv.num_free_pages == engine.kv.allocator.num_usable  # nothing leaked
 
 
@@ -120,17 +209,56 @@ def test_one_token_is_always_computed(tiny):
     assert again.output_token_ids == first.output_token_ids
 
 
-def test_smollm2_greedy_tokens_equal_with_caching(smollm2):
-    # the shapes of the SmolLM2 rotation test, so the persistent XLA cache serves both
+@pytest.fixture(scope="module")
+def smollm2_engines(smollm2):
+    """SmolLM2 engines with caching off and on, with the shapes of the SmolLM2 rotation
+    test (the persistent XLA cache serves both); built once, they compile once."""
     cfg = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
+    return (LLMEngine(smollm2, cfg.replace(enable_prefix_caching=False)),
+            LLMEngine(smollm2, cfg))
+
+
+def smollm2_question(tok, question: str) -> list[int]:
+    return tok.encode("You are a helpful assistant. Answer every question in one short "
+                      "sentence, and never more. Question: ") + tok.encode(question)
+
+
+def test_smollm2_greedy_tokens_equal_with_caching(smollm2, smollm2_engines):
+    off, on = smollm2_engines
     tok = smollm2.tokenizer
-    system = tok.encode("You are a helpful assistant. Answer every question in one short "
-                        "sentence, and never more. Question: ")
-    prompts = [system + tok.encode(q) for q in ("What is the capital of France?",
-                                                "What is the capital of Italy?")]
-    off = LLMEngine(smollm2, cfg.replace(enable_prefix_caching=False))
+    prompts = [smollm2_question(tok, q) for q in ("What is the capital of France?",
+                                                  "What is the capital of Italy?")]
     ref = [alone(off, p) for p in prompts]
-    on = LLMEngine(smollm2, cfg)
     got = [drain(on, [on.add_request(p, SP)])[0] for p in prompts]
     assert [r.output_token_ids for r in got] == ref
     assert got[1].num_cached_tokens >= 16
+
+
+def test_smollm2_greedy_tokens_equal_with_a_host_tier_hit(smollm2, smollm2_engines):
+    """The second turn of a conversation whose first turn's pages the device reclaimed
+    (two prefill-only requests fill the 7-page pool): both full pages come back from the
+    host tier, and the tokens are those of caching off."""
+    off, on = smollm2_engines
+    tok = smollm2.tokenizer
+    prompt = smollm2_question(tok, "What is the capital of Spain?")  # 28 tokens
+    first = drain(on, [on.add_request(prompt, SP)])[0]
+    story = tok.encode("Once upon a time there was a little robot who lived in a big city "
+                       "full of lights and noise, and every day it walked to the old "
+                       "library at the end of the street to read about the sea, the "
+                       "mountains and the stars, dreaming of the journeys it would make")
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    for filler in (story[:56], story[1:57]):  # 4 pages each
+        drain(on, [on.add_request(filler, one)])
+    turn2 = prompt + first.output_token_ids + tok.encode(" And of Portugal?")
+    assert len(turn2) > 32 and len(turn2) + SP.max_tokens <= on.config.max_model_len
+    assert pages_on_device(on, first) == 0 and pages_on_host(on, first) == 2
+    plans = record_plans(on)
+    before = on.stats()
+    second = drain(on, [on.add_request(turn2, SP)])[0]
+    stats = on.stats()
+    assert second.output_token_ids == alone(off, turn2)
+    assert first.output_token_ids == alone(off, prompt)
+    assert list(host_hit_moves(plans)) == [second.req_id]
+    assert second.num_cached_tokens == 32  # both pages of the first turn's prompt
+    assert stats["prefix_cache_host_hits"] - before["prefix_cache_host_hits"] == 32
+    assert stats["transfer_prefix_hits_in"] - before["transfer_prefix_hits_in"] == 1
