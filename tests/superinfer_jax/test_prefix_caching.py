@@ -7,7 +7,10 @@ reclaim cached pages and recompute, with async scheduling and without. Then isol
 when it was first computed, the one-token cap, and SmolLM2.
 
 The host tier (``kv.host_cache``): pages the device evicted are found there and copied
-back in (a waiting request admitted ROTATING_IN), with the same tokens as caching off."""
+back in (a waiting request admitted ROTATING_IN), with the same tokens as caching off, in
+both tiers' isolation, holding byte-exactly the KV first computed (and, within a bound
+derived from the computation, what a fresh prefill in another chunking computes); a hit
+that goes between lookup and admission, or whose copy fails, falls back to prefill."""
 
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.kv.two_tier import PageMoves
-from superinfer_jax.request import FieldError
+from superinfer_jax.request import FieldError, RequestStatus
 from superinfer_jax.step_plan import StepPlan
+from tests.numerics import assert_close, f32_tolerance, max_abs_diff
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -196,6 +200,209 @@ def test_salts_isolate_and_found_pages_hold_their_kv(tiny):
     assert e.value.field == "cache_salt"
     with pytest.raises(FieldError):
         engine.add_request(prompt, sp, cache_salt="s" * 257)
+
+
+def kv_bound(reference: np.ndarray, context_len: int) -> np.ndarray:
+    """Per (layer, K|V) bound on the KV of pages ``[page, layer, K|V, ...]`` computed two
+    ways (tests/numerics): float32 with an absolute bound ``f32_tolerance``, where
+
+    - the scale is the largest compared value of that layer's K (or V): a projection's
+      rounding error scales with its terms, and a relative error upstream reaches K and
+      V unchanged in size (a linear map multiplies value and error alike; RMSNorm
+      rescales both);
+    - the longest reduction on the way is the FFN's down projection, the hidden size
+      (projections, RMSNorm), the head dim (scores) or the context (attention's weighted
+      sum), whichever is longest;
+    - layer ``l``'s K and V come out of ``l`` decoder blocks and one projection, so
+      ``depth = l + 1``: layer 0 depends on the token and its position only; every layer
+      after it also on attention over the other tokens, whose summation order the
+      chunking changes (other keys per call, other partial softmax sums)."""
+    n = max(TINY.hidden_size, TINY.intermediate_size, TINY.head_dim, context_len)
+    layers = reference.shape[1]
+    return np.array([[f32_tolerance(reference[:, layer, kv], n, depth=layer + 1)
+                      for kv in range(2)] for layer in range(layers)])
+
+
+def test_host_tier_pages_hold_their_kv(tiny):
+    """A page found in the host tier and copied into a fresh device page holds byte-exactly
+    the KV written when it was first computed (the device page it was computed in has been
+    reused since, so only the copy can bring it back), and, within a bound derived from
+    the computation, the KV a fresh prefill of the same tokens in other chunks computes."""
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64))
+    assert engine.kv_pool.dtype == np.float32  # the bound below is float32's
+    prompt = list(range(100, 125))  # three full pages and one token
+    rid = engine.add_request(prompt, SP)
+    req = engine.requests[rid]
+    while req.num_computed_tokens < 24:
+        engine.step()
+    pages = list(engine.kv.page_table(rid)[:3])
+    written = np.asarray(engine.kv_pool[np.array(pages)]).copy()  # as first computed
+    (first,) = drain(engine, [rid])
+    drain(engine, [engine.add_request(p, SP) for p in unrelated(7, 3)])
+    assert pages_on_device(engine, first) == 0 and pages_on_host(engine, first) >= 3
+    for i, page in enumerate(pages):  # the device pages it was computed in were reused
+        assert np.asarray(engine.kv_pool[page]).tobytes() != written[i].tobytes()
+    plans = record_plans(engine)
+    again = engine.add_request(prompt + [1, 2], SP)
+    req = engine.requests[again]
+    engine.step()
+    assert req.status == RequestStatus.ROTATING_IN  # admitted by the host hit
+    while req.status != RequestStatus.RUNNING:
+        engine.step()
+    (moves,) = host_hit_moves(plans).values()
+    table = engine.kv.page_table(again)
+    assert list(moves.device_pages) == table[:3] and req.num_cached_tokens == 24
+    landed = np.asarray(engine.kv_pool[np.array(table[:3])])
+    assert landed.tobytes() == written.tobytes()  # byte-exact: the KV of its tokens
+    drain(engine, [again])
+
+    # A fresh computation: caching off, chunks of 8 instead of 16 (16 + 9 above).
+    off = LLMEngine(tiny, SMALL.replace(num_device_pages=16, enable_prefix_caching=False,
+                                        max_prefill_chunk=8))
+    rid = off.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    req = off.requests[rid]
+    while req.num_computed_tokens < 24:
+        off.step()
+    fresh = np.asarray(off.kv_pool[np.array(off.kv.page_table(rid)[:3])]).copy()
+    drain(off, [rid])
+    bound = kv_bound(fresh, len(prompt))
+    for layer, kv in np.ndindex(bound.shape):
+        assert_close(landed[:, layer, kv], fresh[:, layer, kv], bound[layer, kv],
+                     f"layer {layer} {'KV'[kv]}")
+        # the bound tells pages apart: the KV of the neighbouring tokens is far outside it
+        assert max_abs_diff(landed[1:, layer, kv], fresh[:-1, layer, kv]) > bound[layer, kv]
+
+
+def reclaim_device_cache(engine: LLMEngine) -> None:
+    """What another admission does to the cache when it takes every page the device has
+    room for (free ones, then cached ones, least recently released first) and leaves:
+    the device forgets every cached page, and a page with a shadow stays findable in the
+    host tier (within its cap, the coldest going first)."""
+    kv = engine.kv
+    kv.allocate_for("squatter", kv.num_free_pages * kv.page_size)
+    assert kv.num_cached_pages == 0
+    kv.free("squatter")
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("contended", [False, True])
+@pytest.mark.parametrize("host_cap,hit_pages,host_pages", [
+    (0, 0, 0),  # no host cache: the hit is gone, the prompt is prefilled
+    (1, 1, 1),  # the host tier keeps the first page only: one page hit, the rest prefilled
+    (None, 3, 3),  # the host tier keeps them all: the same hit, from the other tier
+])
+def test_prefix_evicted_between_lookup_and_admission(tiny, workload, monkeypatch, contended,
+                                                     host_cap, hit_pages, host_pages):
+    """A waiting request's hit (three device pages) is looked up, then goes before its
+    admission: admission looks again, takes what is left (in either tier), prefills the
+    rest, reports that smaller hit, and generates the tokens of caching off.
+
+    Uncontended (FCFS), the lookup is ``prefix_hit`` as the ranking calls it, before the
+    step. Contended (rotasched, contention forced), it is the step's own: the ranking and
+    the selection look the hit up and keep it for the step, and the pages go after the
+    selection, before admission, within the same step."""
+    first, ref_first, *_ = workload
+    prompt, ref = first[0], ref_first[0]  # 25 tokens: three full pages can be found
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64,
+                                           host_cache_max_pages=host_cap,
+                                           policy="rotasched" if contended else "fcfs"))
+    drain(engine, [engine.add_request(prompt, SP)])
+    rid = engine.add_request(prompt, SP)
+    req = engine.requests[rid]
+    sched = engine.scheduler
+    hit = sched.prefix_hit(req)
+    assert len(hit.device) == 3 and not hit.host  # what the ranking and selection see
+    if contended:
+        monkeypatch.setattr(sched.policy, "contended", lambda s: True)
+        run_rows, reclaimed = sched._run_rows, []
+
+        def run_rows_then_reclaim(*args, **kwargs):  # after the selection, before admission
+            run_rows(*args, **kwargs)
+            if not reclaimed:
+                assert sched._hits[rid] == hit  # the step's ranking looked it up
+                reclaim_device_cache(engine)
+                reclaimed.append(True)
+
+        monkeypatch.setattr(sched, "_run_rows", run_rows_then_reclaim)
+    else:
+        reclaim_device_cache(engine)  # ... then another admission takes the pages
+    plans = record_plans(engine)
+    before = engine.stats()
+    (done,) = drain(engine, [rid])
+    assert not contended or reclaimed
+    assert done.output_token_ids == ref
+    assert done.num_cached_tokens == hit_pages * SMALL.page_size
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == before["prefix_cache_hits"]  # nothing on device
+    host_hits = stats["prefix_cache_host_hits"] - before["prefix_cache_host_hits"]
+    assert host_hits == host_pages * SMALL.page_size
+    moves = host_hit_moves(plans)
+    assert [len(m) for m in moves.values()] == ([host_pages] if host_pages else [])
+    assert done.num_preemptions == 0 and engine.duplex.stats.failures == 0
+
+
+def test_failed_host_hit_copy_falls_back_to_prefill(tiny, workload, monkeypatch):
+    """The host->device copy of a host hit fails once: the request drops the pages it was
+    given and is prefilled from scratch, with the tokens of caching off; the pages it
+    computes then serve a later device hit with the same tokens."""
+    first, ref_first, *_ = workload
+    prompt, ref = first[0], ref_first[0]
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64))
+    drain(engine, [engine.add_request(prompt, SP)])
+    reclaim_device_cache(engine)
+    calls = {"n": 0}
+    real = engine.duplex._copy_in
+
+    def fail_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected host->device copy failure")
+        return real(*args)
+
+    monkeypatch.setattr(engine.duplex, "_copy_in", fail_once)
+    plans = record_plans(engine)
+    (done,) = drain(engine, [engine.add_request(prompt, SP)])
+    assert done.output_token_ids == ref
+    assert len(host_hit_moves(plans)) == 1 and calls["n"] == 1  # admitted by the host hit
+    assert engine.duplex.stats.failures == 1 and done.num_preemptions == 1
+    assert done.num_recomputed_tokens == 24  # the hit it expected, prefilled instead
+    stats = engine.stats()
+    assert stats["transfer_prefix_hits_in"] == 0  # the copy never went out
+    # the failed hit's host pages were dropped, not served later; the prefill's pages are
+    (again,) = drain(engine, [engine.add_request(prompt, SP)])
+    assert again.output_token_ids == ref and again.num_cached_tokens == 24
+    assert engine.stats()["prefix_cache_host_hits"] == stats["prefix_cache_host_hits"]
+
+
+def test_salts_isolate_the_host_tier(tiny, workload):
+    """Pages of one salt (or of none) in the host tier are found only by requests of the
+    same salt: another salt gets no hit at all, and each tenant's hit copies in exactly
+    the host pages its own pages became."""
+    first, ref_first, *_ = workload
+    prompt, ref = first[0], ref_first[0]
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64))
+    x = drain(engine, [engine.add_request(prompt, SP, cache_salt="tenant-x")])[0]
+    n = drain(engine, [engine.add_request(prompt, SP)])[0]
+    assert x.num_cached_tokens == n.num_cached_tokens == 0
+    reclaim_device_cache(engine)
+    x_host = engine.kv.match_host_prefix(x.block_hashes, 0, 3)
+    n_host = engine.kv.match_host_prefix(n.block_hashes, 0, 3)
+    assert len(x_host) == len(n_host) == 3 and not set(x_host) & set(n_host)
+    plans = record_plans(engine)
+    before = engine.stats()
+    y = drain(engine, [engine.add_request(prompt, SP, cache_salt="tenant-y")])[0]
+    assert y.num_cached_tokens == 0 and not host_hit_moves(plans)
+    assert engine.stats()["prefix_cache_host_hits"] == before["prefix_cache_host_hits"]
+    assert engine.kv.match_host_prefix(x.block_hashes, 0, 3) == x_host  # untouched
+    assert engine.kv.match_host_prefix(n.block_hashes, 0, 3) == n_host
+    z, m = drain(engine, [engine.add_request(prompt, SP, cache_salt="tenant-x"),
+                          engine.add_request(prompt, SP)])
+    moves = host_hit_moves(plans)
+    assert set(moves) == {z.req_id, m.req_id}
+    assert list(moves[z.req_id].host_pages) == x_host
+    assert list(moves[m.req_id].host_pages) == n_host
+    assert z.num_cached_tokens == m.num_cached_tokens == 24
+    assert [r.output_token_ids for r in (x, n, y, z, m)] == [ref] * 5
 
 
 def test_one_token_is_always_computed(tiny):
