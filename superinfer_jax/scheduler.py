@@ -206,7 +206,7 @@ class Scheduler:
         used, seats = 0, self.config.max_num_seqs - self._num_rotating_in()
         keep: set[str] = set()
         counted: set[int] = set()  # shared device pages already counted for a kept request
-        holders: dict[int, list[str]] | None = None  # runners' pages, built on first need
+        kept_tables: list[list[int]] = []  # of the kept runners
         for req in ranked:
             if len(keep) >= seats:
                 break  # nobody else can be kept: no more look-ups
@@ -220,17 +220,17 @@ class Scheduler:
                 elif req.status == RequestStatus.WAITING:
                     hit = self.prefix_hit(req)
                     pages, moving = hit.device, min(len(hit.host), transfer)
-                    for p in pages:  # a page a kept runner holds is counted already
-                        if p in counted:
-                            need -= 1
-                        elif kv.refcount[p] > 0:
-                            if holders is None:
-                                holders = self._runner_pages()
-                            need -= any(r in keep for r in holders.get(p, ()))
+                    # pages a kept runner holds are counted already: a runner holds a
+                    # prefix of the hit, at the same positions of its table
+                    held = max((_common_prefix(t, pages) for t in kept_tables), default=0) \
+                        if pages and kv.refcount[pages[0]] > 0 else 0
+                    need -= held + sum(p in counted for p in pages[held:])
             if used + need > capacity or moving > transfer:
                 continue
             keep.add(req.req_id)
             counted.update(pages)
+            if shared and req.status == RequestStatus.RUNNING:
+                kept_tables.append(kv.page_table(req.req_id))
             used += need
             transfer -= moving
         return keep
@@ -341,15 +341,6 @@ class Scheduler:
         if pending == 1:
             return 1  # most rows: no prefill cap to work out
         return next_chunk(pending, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
-
-    def _runner_pages(self) -> dict[int, list[str]]:
-        """Device page -> the runners holding it (a pass over their tables: only asked
-        when a waiting request's hit lands on pages somebody holds)."""
-        out: dict[int, list[str]] = {}
-        for r in self.running:
-            for p in self.kv.page_table(r.req_id):
-                out.setdefault(p, []).append(r.req_id)
-        return out
 
     def _leading_shared(self, table: list[int]) -> list[int]:
         """The leading pages of ``table`` that another table holds too: only a prefix of a
@@ -564,3 +555,12 @@ class Scheduler:
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)
 
+
+def _common_prefix(table: list[int], pages: tuple[int, ...]) -> int:
+    """How many leading pages ``table`` and ``pages`` have in common."""
+    n = 0
+    for a, b in zip(table, pages, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
