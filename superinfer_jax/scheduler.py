@@ -84,6 +84,9 @@ class Scheduler:
         # waiting request per step, not one per question); admission looks up again, as
         # evictions earlier in the step may have reclaimed pages since.
         self._hits: dict[str, PrefixHit] = {}
+        # Host-tier hits in flight: req_id -> (host tokens, counted as the request's
+        # cached tokens). A failed copy takes them back: those tokens are prefilled.
+        self._host_hits_in_flight: dict[str, tuple[int, bool]] = {}
 
     def set_latency_model(self, model: LatencyModel | None) -> None:
         """The latency model, once known (profiling needs the compiled engine)."""
@@ -105,6 +108,7 @@ class Scheduler:
         elif req in self.rotary:
             self.rotary.remove(req)
         self.force_rotate_out.discard(req.req_id)
+        self._host_hits_in_flight.pop(req.req_id, None)
         self.kv.free(req.req_id)
 
     def candidates(self) -> list[Request]:
@@ -513,7 +517,9 @@ class Scheduler:
         plan.host_hits.append(req.req_id)
         budget.pages_in -= len(host)
         req.num_computed_tokens = hit_tokens
+        first = req.first_scheduled_time is None
         self._count_hit(req, len(device) * kv.page_size, hit_tokens)
+        self._host_hits_in_flight[req.req_id] = (len(host) * kv.page_size, first)
         self.waiting.remove(req)
         self.rotary.append(req)
         req.set_status(RequestStatus.ROTATING_IN, now)
@@ -545,12 +551,20 @@ class Scheduler:
         req.set_status(RequestStatus.ROTARY, now)
 
     def on_rotated_in(self, req: Request, now: float) -> None:
+        self._host_hits_in_flight.pop(req.req_id, None)
         self.rotary.remove(req)
         self.running.append(req)
         req.set_status(RequestStatus.RUNNING, now)
 
     def on_rotation_failed(self, req: Request, now: float) -> None:
-        """A copy failed: drop both tiers' pages and recompute, never serve wrong KV."""
+        """A copy failed: drop both tiers' pages and recompute, never serve wrong KV. A
+        host-tier hit that never landed is not reported as one."""
+        host_tokens, first = self._host_hits_in_flight.pop(req.req_id, (0, False))
+        if host_tokens:
+            if first:
+                req.num_cached_tokens -= host_tokens
+            assert isinstance(self.kv, TwoTierKVManager) and self.kv.host_cache is not None
+            self.kv.host_cache.hits -= host_tokens
         self.rotary.remove(req)
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)

@@ -368,6 +368,8 @@ def test_failed_host_hit_copy_falls_back_to_prefill(tiny, workload, monkeypatch)
     assert done.num_recomputed_tokens == 24  # the hit it expected, prefilled instead
     stats = engine.stats()
     assert stats["transfer_prefix_hits_in"] == 0  # the copy never went out
+    # and it is not reported as a hit: usage, and the host tier's counter
+    assert done.num_cached_tokens == 0 and stats["prefix_cache_host_hits"] == 0
     # the failed hit's host pages were dropped, not served later; the prefill's pages are
     (again,) = drain(engine, [engine.add_request(prompt, SP)])
     assert again.output_token_ids == ref and again.num_cached_tokens == 24
