@@ -177,9 +177,14 @@ class Scheduler:
                             page_size, req.cache_key)
         max_pages = (req.num_tokens - 1) // page_size
         device = kv.match_prefix(req.block_hashes, max_pages)
-        host = kv.match_host_prefix(req.block_hashes, len(device), max_pages) \
-            if isinstance(kv, TwoTierKVManager) else []
-        return PrefixHit(tuple(device), tuple(host)) if device or host else NO_HIT
+        if not isinstance(kv, TwoTierKVManager):
+            return PrefixHit(tuple(device)) if device else NO_HIT
+        host = kv.match_host_prefix(req.block_hashes, len(device), max_pages)
+        arriving = not host and len(device) < max_pages and bool(kv.arriving) \
+            and req.block_hashes[len(device)] in kv.arriving
+        if device or host or arriving:
+            return PrefixHit(tuple(device), tuple(host), arriving)
+        return NO_HIT
 
     def _rotate_forced(self, plan: StepPlan, now: float) -> None:
         for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
@@ -475,6 +480,8 @@ class Scheduler:
         kv = self.kv
         hit = self._lookup_prefix(req) if req.cache_key is not None \
             and kv.prefix_cache is not None and not req.num_computed_tokens else NO_HIT
+        if hit.arriving:
+            return False  # its prefix lands within a step or two: then it is a device hit
         host = hit.host[:max(0, budget.pages_in)]
         if host:
             return self._admit_from_host(req, hit.device, host, plan, budget, now)

@@ -70,6 +70,9 @@ class PrefixHit:
 
     device: tuple[int, ...] = ()
     host: tuple[int, ...] = ()
+    # the prefix continues in pages another request's host hit is bringing in: waiting a
+    # step or two for them beats prefilling them again
+    arriving: bool = False
 
     @property
     def num_pages(self) -> int:

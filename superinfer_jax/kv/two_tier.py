@@ -84,6 +84,10 @@ class TwoTierKVManager(KVCacheManager):
             else min(host_cache_max_pages, num_host_pages)
         if prefix_caching and self.host_cache_max_pages > 0:
             self.host_cache = HostCache(host_cache_eviction)
+        # Hashes of host-tier hits on their way in (hash -> req_id): the pages become
+        # findable on the device once they land; until then a request needing them waits.
+        self.arriving: dict[bytes, str] = {}
+        self._arriving_of: dict[str, list[bytes]] = {}
         self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
         self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
@@ -203,6 +207,7 @@ class TwoTierKVManager(KVCacheManager):
                 self._shadow_owner[d] = next(r for r in self._holders(d) if r != req_id)
         self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
+        self._forget_arriving(req_id)
         self.residency.pop(req_id, None)
         self._num_full.pop(req_id, None)
         return super().free(req_id)
@@ -266,6 +271,12 @@ class TwoTierKVManager(KVCacheManager):
         self._expect(req_id, Residency.ROTATING_IN)
         self._release_host(self.host_tables.pop(req_id))
         del self.residency[req_id]  # back to the default, DEVICE
+        self._forget_arriving(req_id)
+
+    def _forget_arriving(self, req_id: str) -> None:
+        for h in self._arriving_of.pop(req_id, ()):
+            if self.arriving.get(h) == req_id:
+                del self.arriving[h]
 
     # -- shadows -------------------------------------------------------------------------
 
@@ -356,8 +367,10 @@ class TwoTierKVManager(KVCacheManager):
         if not self.can_allocate_with_prefix(prefix, num_tokens):
             raise RuntimeError(f"no device room for {req_id}'s host hit")
         self.take_prefix(req_id, prefix)
-        for h in host_pages:  # out of the cache first: the allocation below may insert
-            cache.take(h)     # evicted device pages' shadows and evict others
+        hashes = [cache.take(h) for h in host_pages]  # out of the cache first: the
+        # allocation below may insert evicted device pages' shadows and evict others
+        self._arriving_of[req_id] = hashes
+        self.arriving.update(dict.fromkeys(hashes, req_id))
         new = self._take(self.pages_needed(req_id, num_tokens))
         self.page_tables[req_id].extend(new)
         device = new[:len(host_pages)]
@@ -499,3 +512,6 @@ class TwoTierKVManager(KVCacheManager):
             assert (req_id in self.host_tables) == (state != Residency.DEVICE), req_id
             assert (req_id in self._num_full) == parked, f"{req_id} parked bookkeeping"
         assert set(self.host_tables) <= set(self.residency), "host table of a DEVICE request"
+        for h, r in self.arriving.items():
+            assert self.residency_of(r) == Residency.ROTATING_IN, f"{r} arrived, still listed"
+            assert h in self._arriving_of[r]

@@ -376,6 +376,23 @@ def test_failed_host_hit_copy_falls_back_to_prefill(tiny, workload, monkeypatch)
     assert engine.stats()["prefix_cache_host_hits"] == stats["prefix_cache_host_hits"]
 
 
+def test_a_prefix_on_its_way_in_is_waited_for(tiny, workload):
+    """Two requests need the same host-tier prefix in one step: the first rotates it in,
+    the second waits for it to land and takes it as a device hit, instead of prefilling
+    it again (or finding nothing: the host pages became the first one's shadows)."""
+    first, ref_first, *_ = workload
+    prompt, ref = first[0], ref_first[0]
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64))
+    drain(engine, [engine.add_request(prompt, SP)])
+    reclaim_device_cache(engine)
+    plans = record_plans(engine)
+    a, b = drain(engine, [engine.add_request(prompt, SP) for _ in range(2)])
+    assert a.output_token_ids == b.output_token_ids == ref
+    assert list(host_hit_moves(plans)) == [a.req_id]  # one copy in, for the first
+    assert a.num_cached_tokens == b.num_cached_tokens == 24  # the second: device hit
+    assert not engine.kv.arriving
+
+
 def test_salts_isolate_the_host_tier(tiny, workload):
     """Pages of one salt (or of none) in the host tier are found only by requests of the
     same salt: another salt gets no hit at all, and each tenant's hit copies in exactly
