@@ -17,7 +17,9 @@ Per trace, at a device capacity of ``--pages`` KV pages:
   engine's pool also holds the pages of running requests (their partial tail pages and
   generated tokens), so at equal capacity it has less room for cached pages than the
   reference.
-- LRU reference: ``lru_hits``, an ordered dict of ``--pages`` block keys (a block's key is
+- LRU reference: ``lru_hits``, an ordered dict of ``--pages`` block keys (and, as
+  ``hit_lru_ref_less_running``, of ``--pages`` less the most the running requests can
+  hold: ``--max-num-seqs`` x the pages of ``--max-prompt + --max-output`` tokens) (a block's key is
   its hash-id prefix, as the engine's chained hashes), requests replayed one after another;
   a request's hit is its longest cached prefix of full blocks, at most up to the block
   before its last prompt token (the engine always computes the last token); then its full
@@ -191,6 +193,11 @@ def bench_trace(name: str, args, model) -> dict:
     prompt_lens = [len(r.prompt) for r in reqs]
     seq = [block_keys(r.hash_ids, len(r.prompt), args.block_tokens) for r in reqs]
     lru = hit_rate(lru_hits(seq, args.pages), prompt_lens, args.block_tokens)
+    # the engine's pool also holds the running requests' pages: at most max_num_seqs of
+    # them, each up to max_prompt + max_output tokens, are not cache
+    running = args.max_num_seqs * -(-(args.max_prompt + args.max_output) // args.block_tokens)
+    lru_less_running = hit_rate(lru_hits(seq, max(0, args.pages - running)), prompt_lens,
+                                args.block_tokens)
     opt = hit_rate(belady_hits(seq, args.pages), prompt_lens, args.block_tokens)
     unbounded = hit_rate(lru_hits(seq, 10**12), prompt_lens, args.block_tokens)
 
@@ -224,7 +231,8 @@ def bench_trace(name: str, args, model) -> dict:
     row = {
         "trace": name, "requests": len(reqs), "prompt_tokens": prompt_total,
         "pages": args.pages, "host_pages": host_pages,
-        "hit_lru_ref": lru, "hit_belady": opt, "hit_unbounded": unbounded,
+        "hit_lru_ref": lru, "hit_lru_ref_less_running": lru_less_running,
+        "hit_belady": opt, "hit_unbounded": unbounded,
         "hit_dev+host_lru_incl": incl, "hit_dev+host_lru_excl": excl,
         "ttft_p50_ms_off": off["ttft_p50_ms"], "ttft_p99_ms_off": off["ttft_p99_ms"],
         "tok_s_off": off["out_tok_s"], "modes": {},
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     model = tiny_model(512, args.max_prompt + args.max_output)
     rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
     cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
-            "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
+            "hit_lru_ref_less_running", "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
             "hit_dev+host_lru_incl", "hit_dev+host_lru_excl", "host_vs_device_only")
     print_table([{c: r.get(c, "") for c in cols} for r in rows],
                 f"prefix cache hit rate (prompt tokens from cache / prompt tokens), "
