@@ -19,7 +19,9 @@ Per trace, at a device capacity of ``--pages`` KV pages:
   reference.
 - LRU reference: ``lru_hits``, an ordered dict of ``--pages`` block keys (and, as
   ``hit_lru_ref_less_running``, of ``--pages`` less the most the running requests can
-  hold: ``--max-num-seqs`` x the pages of ``--max-prompt + --max-output`` tokens) (a block's key is
+  hold: ``--max-num-seqs`` x the pages of ``--max-prompt + --max-output`` tokens; and,
+  as ``hit_lru_ref_with_outputs``, caching each request's generated full blocks too,
+  never reused here, as the engine does: ``with_output_blocks``) (a block's key is
   its hash-id prefix, as the engine's chained hashes), requests replayed one after another;
   a request's hit is its longest cached prefix of full blocks, at most up to the block
   before its last prompt token (the engine always computes the last token); then its full
@@ -94,6 +96,20 @@ def lru_hits(requests: Sequence[tuple[list, int]], capacity: int) -> list[int]:
             cache.move_to_end(k)
         while len(cache) > capacity:
             cache.popitem(last=False)
+    return out
+
+
+def with_output_blocks(requests: Sequence[tuple[list, int]], totals: Sequence[int],
+                       block_tokens: int) -> list[tuple[list, int]]:
+    """The requests with the full blocks of their generated tokens as keys too, each
+    unique (``("out", request, j)``: generated tokens are never reused in these traces),
+    after the prompt's: the engine caches every full page, prompt or generated, so at
+    equal capacity they take room from prompt blocks there as well. ``totals``: prompt
+    plus output tokens of each request."""
+    out = []
+    for n, ((keys, usable), total) in enumerate(zip(requests, totals, strict=True)):
+        extra = total // block_tokens - len(keys)
+        out.append((keys + [("out", n, j) for j in range(max(0, extra))], usable))
     return out
 
 
@@ -193,6 +209,9 @@ def bench_trace(name: str, args, model) -> dict:
     prompt_lens = [len(r.prompt) for r in reqs]
     seq = [block_keys(r.hash_ids, len(r.prompt), args.block_tokens) for r in reqs]
     lru = hit_rate(lru_hits(seq, args.pages), prompt_lens, args.block_tokens)
+    with_out = with_output_blocks(seq, [len(r.prompt) + r.output_len for r in reqs],
+                                  args.block_tokens)
+    lru_out = hit_rate(lru_hits(with_out, args.pages), prompt_lens, args.block_tokens)
     # the engine's pool also holds the running requests' pages: at most max_num_seqs of
     # them, each up to max_prompt + max_output tokens, are not cache
     running = args.max_num_seqs * -(-(args.max_prompt + args.max_output) // args.block_tokens)
@@ -232,6 +251,7 @@ def bench_trace(name: str, args, model) -> dict:
         "trace": name, "requests": len(reqs), "prompt_tokens": prompt_total,
         "pages": args.pages, "host_pages": host_pages,
         "hit_lru_ref": lru, "hit_lru_ref_less_running": lru_less_running,
+        "hit_lru_ref_with_outputs": lru_out,
         "hit_belady": opt, "hit_unbounded": unbounded,
         "hit_dev+host_lru_incl": incl, "hit_dev+host_lru_excl": excl,
         "ttft_p50_ms_off": off["ttft_p50_ms"], "ttft_p99_ms_off": off["ttft_p99_ms"],
@@ -254,6 +274,7 @@ def bench_trace(name: str, args, model) -> dict:
     on = row["modes"]["on"]
     row["hit_engine"] = on["hit_rate"]
     row["engine_vs_lru"] = on["hit_rate"] / lru if lru else float("nan")
+    row["engine_vs_lru_with_outputs"] = on["hit_rate"] / lru_out if lru_out else float("nan")
     if evictions:
         host = row["modes"][f"host-{evictions[0]}"]
         row["hit_dev+host"] = host["hit_rate"]
@@ -374,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     model = tiny_model(512, args.max_prompt + args.max_output)
     rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
     cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
+            "hit_lru_ref_with_outputs", "engine_vs_lru_with_outputs",
             "hit_lru_ref_less_running", "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
             "hit_dev+host_lru_incl", "hit_dev+host_lru_excl", "host_vs_device_only")
     print_table([{c: r.get(c, "") for c in cols} for r in rows],

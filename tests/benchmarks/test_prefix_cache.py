@@ -39,3 +39,19 @@ def test_block_keys_and_rate():
     assert block_keys([7, 8], prompt_len=16, block_tokens=8)[1] == 1  # last token computed
     assert hit_rate([1, 2], [16, 16], 8) == 0.75
 
+
+
+def test_output_blocks_take_room_but_never_hit():
+    from benchmarks.prefix_cache import with_output_blocks
+
+    s = seq("ab", "ab")
+    out = with_output_blocks(s, [2 * 8 + 9, 2 * 8 + 9], 8)  # one full block of output each
+    assert out[0][0][2] == ("out", 0, 0) and out[1][0][2] == ("out", 1, 0)
+    assert [len(k) for k, _ in out] == [3, 3] and [u for _, u in out] == [2, 2]
+    # the request's own output block is touched first (tail first), so it goes first
+    assert lru_hits(out, 2) == [0, 2]
+    # but it outlives older requests' blocks: with capacity 4, 'cd' and its output push
+    # out 'ab' of the first request, which prompt blocks alone would have kept
+    s = seq("ab", "cd", "ab")
+    out = with_output_blocks(s, [25, 25, 25], 8)
+    assert lru_hits(s, 4) == [0, 0, 2] and lru_hits(out, 4) == [0, 0, 1]
