@@ -48,6 +48,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ import numpy as np
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
 from superinfer_jax.intake import check_prompt, fit_sampling
+from superinfer_jax.kv.events import KVEvent, KVEventLog
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
 from superinfer_jax.latency import LatencyModel
@@ -127,6 +129,8 @@ class LLMEngine:
         self.last_stats = StepStats()
         self.warmup_times_s: dict[str, float] = {}
         self.num_model_steps = 0  # steps that ran the model
+        self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
+        self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
         self.total_host_time_s = 0.0  # host work of those steps before the first block
         if config.warmup:
             self.warmup()
@@ -246,6 +250,26 @@ class LLMEngine:
         back to recomputation without room on the host). Policies rotate on their own."""
         self.scheduler.force_rotate_out.add(req_id)
 
+    # -- KV events ---------------------------------------------------------------------
+
+    def set_kv_event_sink(self, sink: Callable[[float, list[KVEvent]], None] | None
+                          ) -> None:
+        """Report KV-cache events (``superinfer_jax.kv.events``: blocks stored on and
+        removed from the device and host tiers of the prefix cache): at the end of each
+        step that changed the caches, ``sink(wall-clock time, events)`` is called on the
+        engine's thread, so it should only hand them on (``serving.kv_events`` queues
+        them for its publisher thread). None turns them off. Set it before requests
+        arrive: pages cached earlier are not reported. Without prefix caching nothing is
+        ever cached, so no event comes."""
+        self._kv_event_sink = sink
+        self._kv_events = None if sink is None else KVEventLog(self.config.page_size)
+        self.kv.set_kv_events(self._kv_events)
+
+    def _flush_kv_events(self) -> None:
+        log, sink = self._kv_events, self._kv_event_sink
+        if log is not None and sink is not None and log.events:
+            sink(time.time(), log.take())
+
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -276,6 +300,8 @@ class LLMEngine:
             done = launched
         outputs = self._collect(done) if done is not None else []
         outputs += self._failed
+        if self._kv_events is not None:
+            self._flush_kv_events()
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
         return outputs

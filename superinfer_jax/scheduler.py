@@ -155,7 +155,8 @@ class Scheduler:
                 continue
             extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
                                 page_size, req.cache_key)
-            kv.register_full_pages(req.req_id, req.block_hashes, req.num_computed_tokens)
+            kv.register_full_pages(req.req_id, req.block_hashes, req.num_computed_tokens,
+                                   req.prompt_token_ids, req.output_token_ids)
 
     def prefix_hit(self, req: Request) -> PrefixHit:
         """The longest cached prefix of waiting ``req`` (no pages yet): shared device pages,

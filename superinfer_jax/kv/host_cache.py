@@ -19,6 +19,9 @@ Eviction order (``policy``):
 - ``fifo``: the hash stored here first goes first, and a hit does not renew it (a hash
   re-entering keeps its first position while this cache still remembers it).
 
+With ``events`` set (a ``kv.events.KVEventLog``), every insert and every page leaving
+(evicted, discarded, taken for a hit) is reported there as KV events (medium ``CPU``).
+
 Pure host ints. The order is a heap of ``(seq, host page)`` with lazy deletion: taking
 a page out for a hit is a dict pop, and eviction skips entries no longer current.
 """
@@ -29,6 +32,7 @@ import heapq
 from collections.abc import Sequence
 
 from superinfer_jax.config import HOST_CACHE_EVICTIONS
+from superinfer_jax.kv.events import MEDIUM_HOST, KVEventLog
 
 
 class HostCache:
@@ -48,6 +52,7 @@ class HostCache:
         self._clock = 0
         self.hits = 0
         self.evictions = 0
+        self.events: KVEventLog | None = None  # KV events: set by the engine when asked
 
     def __len__(self) -> int:
         return len(self.hash_of)
@@ -68,6 +73,8 @@ class HostCache:
             seq = self._first_seq.setdefault(h, seq)
         self._seq_of[host_page] = seq
         heapq.heappush(self._heap, (seq, host_page))
+        if self.events is not None:
+            self.events.stored(MEDIUM_HOST, h)
         return True
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
@@ -86,6 +93,8 @@ class HostCache:
         h = self.hash_of.pop(host_page)
         del self.page_of[h]
         del self._seq_of[host_page]
+        if self.events is not None:
+            self.events.removed(MEDIUM_HOST, h)
         return h
 
     def evict(self) -> int:

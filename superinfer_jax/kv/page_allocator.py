@@ -15,9 +15,11 @@ empty, so it is room like a free one.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
+from superinfer_jax.kv.events import KVEventLog
 from superinfer_jax.kv.layout import NULL_PAGE
-from superinfer_jax.kv.prefix_cache import PrefixCache
+from superinfer_jax.kv.prefix_cache import PrefixCache, page_tokens
 
 
 class PageAllocator:
@@ -135,10 +137,18 @@ class KVCacheManager:
         self.page_tables[req_id] = list(prefix)
         self._num_registered[req_id] = len(prefix)
 
-    def register_full_pages(self, req_id: str, hashes: list[bytes], num_computed: int) -> None:
+    def set_kv_events(self, log: KVEventLog | None) -> None:
+        """Report KV events to ``log`` from now on (None: stop). Attached after pages
+        were cached, the log misses them: the engine attaches it before any request."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.events = log
+
+    def register_full_pages(self, req_id: str, hashes: list[bytes], num_computed: int,
+                            prompt: Sequence[int] = (), output: Sequence[int] = ()) -> None:
         """Register ``req_id``'s full pages whose hash is known and whose KV a dispatched
         step writes (the first ``num_computed`` tokens): they become findable. Cheap when
-        nothing filled since the last call (every step, every runner)."""
+        nothing filled since the last call (every step, every runner). ``prompt`` and
+        ``output`` (the request's tokens) describe the pages to KV events, when on."""
         cache = self.prefix_cache
         if cache is None:
             return
@@ -147,8 +157,14 @@ class KVCacheManager:
             return
         done = self._num_registered.get(req_id, 0)
         upto = min(len(hashes), num_computed // self.page_size, len(table))
-        for i in range(done, upto):
-            cache.register(table[i], hashes[i])
+        if cache.events is None:
+            for i in range(done, upto):
+                cache.register(table[i], hashes[i])
+        else:
+            for i in range(done, upto):
+                cache.register(table[i], hashes[i], hashes[i - 1] if i else None,
+                               page_tokens(prompt, output, i, self.page_size)
+                               if hashes[i] not in cache.pages_of else None)
         if upto > done:
             self._num_registered[req_id] = upto
 

@@ -21,6 +21,9 @@ blake2b over bytes (stable across processes, unlike ``hash``), computed incremen
 - the same hash may be registered for several pages (two requests that computed the same
   prompt at once): each copy is cached and findable, so none is lost early;
 - a partial tail page is never registered, so never shared.
+
+With ``events`` set (a ``kv.events.KVEventLog``), a hash's first registered page and
+the eviction of its last one are reported there (KV events, ``kv.events``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from superinfer_jax.kv.events import MEDIUM_DEVICE, KVEventLog
 
 ROOT = b""  # parent "hash" of a request's first page (the isolation key is mixed in)
 DIGEST_SIZE = 16
@@ -52,21 +57,26 @@ def block_hash(parent: bytes, tokens: Sequence[int], key: bytes) -> bytes:
     return h.digest()
 
 
+def page_tokens(prompt: Sequence[int], output: Sequence[int], index: int,
+                page_size: int) -> list[int]:
+    """The token ids of full page ``index`` of ``prompt + output``."""
+    start = index * page_size
+    end = start + page_size
+    n_prompt = len(prompt)
+    if end <= n_prompt:
+        return list(prompt[start:end])
+    if start >= n_prompt:
+        return list(output[start - n_prompt:end - n_prompt])
+    return list(prompt[start:]) + list(output[:end - n_prompt])
+
+
 def extend_block_hashes(hashes: list[bytes], prompt: Sequence[int], output: Sequence[int],
                         page_size: int, key: bytes) -> None:
     """Append the hashes of the full pages of ``prompt + output`` not hashed yet (only
     the new ones: a decode step that fills no page costs one comparison)."""
     known = len(prompt) + len(output)
-    n_prompt = len(prompt)
     while (len(hashes) + 1) * page_size <= known:
-        start = len(hashes) * page_size
-        end = start + page_size
-        if end <= n_prompt:
-            tokens = list(prompt[start:end])
-        elif start >= n_prompt:
-            tokens = list(output[start - n_prompt:end - n_prompt])
-        else:
-            tokens = list(prompt[start:]) + list(output[:end - n_prompt])
+        tokens = page_tokens(prompt, output, len(hashes), page_size)
         hashes.append(block_hash(hashes[-1] if hashes else ROOT, tokens, key))
 
 
@@ -85,17 +95,25 @@ class PrefixCache:
         self.queries = 0
         self.hits = 0
         self.evictions = 0
+        self.events: KVEventLog | None = None  # KV events: set by the engine when asked
 
     def __len__(self) -> int:
         return len(self.page_hash)
 
-    def register(self, page: int, h: bytes) -> None:
+    def register(self, page: int, h: bytes, parent: bytes | None = None,
+                 token_ids: Sequence[int] | None = None) -> None:
         """``page`` (referenced, full, its KV written or being written by a dispatched
-        step) holds the tokens hashed ``h``."""
+        step) holds the tokens hashed ``h``. ``parent`` (the previous page's hash, None
+        for a first page) and ``token_ids`` describe it to KV events."""
         if page in self.page_hash:
             return
         self.page_hash[page] = h
-        self.pages_of.setdefault(h, {})[page] = None
+        pages = self.pages_of.get(h)
+        if pages is None:
+            pages = self.pages_of[h] = {}
+            if self.events is not None:
+                self.events.stored(MEDIUM_DEVICE, h, parent, token_ids)
+        pages[page] = None
 
     def match(self, hashes: Sequence[bytes], max_pages: int) -> list[int]:
         """The longest chain of registered pages for ``hashes`` (at most ``max_pages``)."""
@@ -127,5 +145,7 @@ class PrefixCache:
         del pages[page]
         if not pages:
             del self.pages_of[h]
+            if self.events is not None:
+                self.events.removed(MEDIUM_DEVICE, h)
         self.evictions += 1
         return page

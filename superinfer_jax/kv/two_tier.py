@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.events import KVEventLog
 from superinfer_jax.kv.host_cache import HostCache
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import PrefixCache
@@ -112,6 +113,12 @@ class TwoTierKVManager(KVCacheManager):
                    prefix_caching=config.enable_prefix_caching,
                    host_cache_eviction=config.host_cache_eviction,
                    host_cache_max_pages=config.host_cache_max_pages)
+
+    def set_kv_events(self, log: KVEventLog | None) -> None:
+        """Both tiers report KV events to ``log`` (see ``KVCacheManager.set_kv_events``)."""
+        super().set_kv_events(log)
+        if self.host_cache is not None:
+            self.host_cache.events = log
 
     # -- queries -------------------------------------------------------------------------
 

@@ -1,0 +1,205 @@
+"""KV events (``superinfer_jax.kv.events``, ``serving.kv_events``): vLLM's wire format,
+and a real ZMQ subscriber that rebuilds the engine's set of cached blocks, per medium,
+from the events alone, equal to the engine's own view after every step of a workload
+that stores, reuses (device and host hits) and evicts (device to host, and out of the
+host tier); and the replay socket serving the same stream again."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from models.servable import random_servable
+from serving.kv_events import (
+    END_SEQ,
+    ZmqKVEventPublisher,
+    decode_batch,
+    encode_batch,
+    wire_hash,
+)
+from superinfer_jax import LLMEngine, SamplingParams
+from superinfer_jax.kv.events import (
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+)
+from superinfer_jax.kv.prefix_cache import page_tokens
+from tests.superinfer_jax.engine_testlib import SMALL, TINY
+
+H1, H2, H3 = (bytes([i]) * 16 for i in (1, 2, 3))
+
+
+def test_encoding_is_vllms_array_like_tagged_structs():
+    events = [BlockStored([H1, H2], None, list(range(16)), 8, MEDIUM_DEVICE),
+              BlockRemoved([H3], MEDIUM_HOST), AllBlocksCleared()]
+    payload = encode_batch(1234.5, events)
+    ts, raw = msgpack.unpackb(payload, raw=False)
+    assert ts == 1234.5
+    assert raw[0] == ["BlockStored", [wire_hash(H1), wire_hash(H2)], None, list(range(16)),
+                      8, None, "GPU", None]
+    assert raw[1] == ["BlockRemoved", [wire_hash(H3)], "CPU"]
+    assert raw[2] == ["AllBlocksCleared"]
+    assert wire_hash(H1) == 0x0101010101010101 and wire_hash(b"\xff" * 16) == 2**64 - 1
+    _, decoded = decode_batch(payload)
+    assert decoded[0] == {"type": "BlockStored", "block_hashes": [wire_hash(H1), wire_hash(H2)],
+                          "parent_block_hash": None, "token_ids": list(range(16)),
+                          "block_size": 8, "lora_id": None, "medium": "GPU",
+                          "lora_name": None}
+    assert decoded[1] == {"type": "BlockRemoved", "block_hashes": [wire_hash(H3)],
+                          "medium": "CPU"}
+    assert decoded[2] == {"type": "AllBlocksCleared"}
+
+
+def test_log_merges_chains_and_describes_host_stores():
+    log = KVEventLog(block_size=2)
+    log.stored(MEDIUM_DEVICE, H1, None, [1, 2])
+    log.stored(MEDIUM_DEVICE, H2, H1, [3, 4])  # the chain continues: one event
+    log.removed(MEDIUM_DEVICE, H2)
+    log.stored(MEDIUM_HOST, H2)  # the host tier knows only the hash
+    ev = log.take()
+    assert ev == [BlockStored([H1, H2], None, [1, 2, 3, 4], 2, "GPU"),
+                  BlockRemoved([H2], "GPU"), BlockStored([H2], H1, [3, 4], 2, "CPU")]
+    assert log.present(MEDIUM_DEVICE) == {H1} and log.present(MEDIUM_HOST) == {H2}
+    log.removed(MEDIUM_HOST, H2)
+    log.take()
+    assert H2 not in log._info and H1 in log._info  # only what is cached is remembered
+
+
+class Subscriber:
+    """What a consumer such as llm-d's indexer does: a SUB socket, per-medium sets."""
+
+    def __init__(self, ctx: zmq.Context, topic: bytes):
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.topic = topic
+        self.sets: dict[str, set[int]] = {"GPU": set(), "CPU": set()}
+        self.blocks: dict[int, tuple[int | None, list[int]]] = {}  # hash -> parent, tokens
+        self.seqs: list[int] = []
+        self.kinds: dict[str, int] = {}
+
+    def apply(self, payload: bytes) -> None:
+        ts, events = decode_batch(payload)
+        assert abs(ts - time.time()) < 60
+        for e in events:
+            self.kinds[e["type"]] = self.kinds.get(e["type"], 0) + 1
+            if e["type"] == "AllBlocksCleared":
+                for s in self.sets.values():
+                    s.clear()
+            elif e["type"] == "BlockStored":
+                hashes, parent, size = e["block_hashes"], e["parent_block_hash"], e["block_size"]
+                assert size == SMALL.page_size and e["lora_id"] is None
+                assert len(e["token_ids"]) == size * len(hashes)
+                for i, h in enumerate(hashes):
+                    assert h not in self.sets[e["medium"]], "stored twice without removal"
+                    self.sets[e["medium"]].add(h)
+                    self.blocks[h] = (parent if i == 0 else hashes[i - 1],
+                                      e["token_ids"][i * size:(i + 1) * size])
+            else:
+                for h in e["block_hashes"]:
+                    self.sets[e["medium"]].remove(h)  # KeyError: removed, never stored
+
+    def drain(self, timeout_ms: int = 20) -> int:
+        n = 0
+        while self.sock.poll(timeout_ms):
+            topic, seq, payload = self.sock.recv_multipart()
+            assert topic == self.topic and len(seq) == 8
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.apply(payload)
+            n += 1
+        return n
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_servable(TINY, seed=1)
+
+
+def engine_view(engine: LLMEngine) -> dict[str, set[int]]:
+    kv = engine.kv
+    return {"GPU": {wire_hash(h) for h in kv.prefix_cache.page_hash.values()},
+            "CPU": {wire_hash(h) for h in kv.host_cache.page_of}}
+
+
+def test_subscriber_rebuilds_the_cached_blocks(tiny):
+    ctx = zmq.Context.instance()
+    sub = Subscriber(ctx, b"kv@pod-0@tiny")
+    pub = ZmqKVEventPublisher(sub.endpoint, "kv@pod-0@tiny",
+                              replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        # the slow joiner: until the subscription reached the publisher, PUB drops
+        deadline = time.monotonic() + 10
+        while not sub.drain(50):
+            assert time.monotonic() < deadline, "subscriber never connected"
+            pub.publish(time.time(), [AllBlocksCleared()])
+        engine = LLMEngine(tiny, SMALL.replace(num_device_pages=16, num_host_pages=64,
+                                               host_cache_max_pages=10))
+        engine.set_kv_event_sink(pub.publish)
+        rng = np.random.default_rng(5)
+        stems = [rng.integers(0, 250, 24).tolist() for _ in range(3)]
+        sp = SamplingParams(max_tokens=10, ignore_eos=True)
+        done = []
+        steps = 0
+        for wave in range(4):
+            ids = [engine.add_request(stems[(wave + k) % 3] + rng.integers(0, 250, 4).tolist(),
+                                      sp) for k in range(3)]
+            ids.append(engine.add_request(rng.integers(0, 250, 30).tolist(), sp))
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+                assert pub.flush()
+                sub.drain(5)
+                assert sub.sets == engine_view(engine), f"wave {wave} step {steps}"
+            done += [engine.release(i) for i in ids]
+        stats = engine.stats()
+        kv = engine.kv
+        # the workload did what it should: hits in both tiers, evictions from both
+        assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_host_hits"] > 0
+        assert kv.prefix_cache.evictions > 0 and kv.host_cache.evictions > 0
+        assert sub.kinds["BlockStored"] > 0 and sub.kinds["BlockRemoved"] > 0
+        assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
+        assert pub.dropped == 0
+        # token_ids and parents describe each page as the engine hashed it
+        checked = 0
+        for req in done:
+            for i, h in enumerate(req.block_hashes):
+                got = sub.blocks.get(wire_hash(h))
+                if got is None:
+                    continue
+                parent = None if i == 0 else wire_hash(req.block_hashes[i - 1])
+                assert got == (parent, page_tokens(req.prompt_token_ids,
+                                                   req.output_token_ids, i, SMALL.page_size))
+                checked += 1
+        assert checked >= 10
+
+        # replay: a late consumer asks for everything from seq 0 and rebuilds the same
+        replay_at = pub._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+        late = Subscriber(ctx, b"")
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay_at)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert dealer.poll(5000), "no replay"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+            late.apply(payload)
+        assert seqs == list(range(pub.next_seq))
+        assert late.sets == engine_view(engine)
+        dealer.close()
+        late.sock.close()
+    finally:
+        pub.close()
+        sub.sock.close()
