@@ -148,7 +148,7 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
         stems = [rng.integers(0, 250, 24).tolist() for _ in range(3)]
         sp = SamplingParams(max_tokens=10, ignore_eos=True)
         done = []
-        steps = 0
+        steps = duplicates = 0
         for wave in range(4):
             ids = [engine.add_request(stems[(wave + k) % 3] + rng.integers(0, 250, 4).tolist(),
                                       sp) for k in range(3)]
@@ -156,6 +156,12 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
             while engine.has_unfinished_requests():
                 engine.step()
                 steps += 1
+                running = [r.req_id for r in engine.scheduler.running]
+                if steps % 3 == 0 and len(running) > 1:  # rotations: a rotated-in
+                    engine.force_rotate_out(running[steps % len(running)])  # request's
+                    # fresh pages are registered again while the old copies are cached
+                dup = sum(len(p) > 1 for p in engine.kv.prefix_cache.pages_of.values())
+                duplicates = max(duplicates, dup)
                 assert pub.flush()
                 sub.drain(5)
                 assert sub.sets == engine_view(engine), f"wave {wave} step {steps}"
@@ -165,6 +171,7 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
         # the workload did what it should: hits in both tiers, evictions from both
         assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_host_hits"] > 0
         assert kv.prefix_cache.evictions > 0 and kv.host_cache.evictions > 0
+        assert duplicates > 0  # some hash was on several device pages at once
         assert sub.kinds["BlockStored"] > 0 and sub.kinds["BlockRemoved"] > 0
         assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
         assert pub.dropped == 0
