@@ -35,6 +35,8 @@ SERVER_FLAGS = {
     "--tls-cert": "server.tls_cert", "--tls-key": "server.tls_key",
     "--max-queue-len": "server.max_queue_len", "--drain-grace-s": "server.drain_grace_s",
     "--warmup": "engine.warmup",
+    "--kv-events-endpoint": "server.kv_events_endpoint",
+    "--kv-events-topic": "server.kv_events_topic",
 }
 # ``generate`` runs one request: no other request to rotate for, so no host tier and
 # vLLM's policy unless the file or a flag says otherwise; one row, chunks sized to the

@@ -98,6 +98,17 @@ class ServerSection:
     # once, as vLLM does; clients send vendor extensions). gRPC always refuses them.
     strict_request_fields: bool = knob(
         False, help="HTTP: 400 on unknown body fields (default: ignore, log once)")
+    # KV events for llm-d's precise prefix-aware routing (serving.kv_events): off unless an
+    # endpoint is set.
+    kv_events_endpoint: str | None = knob(
+        None, example="tcp://*:5557",
+        help="publish KV-cache events (vLLM's format, msgpack over ZMQ PUB): bind with * "
+             "or ipc://, else connect")
+    kv_events_topic: str = knob(
+        "", help="ZMQ topic of the KV events (llm-d's indexer reads kv@<pod-id>@<model>)")
+    kv_events_replay_endpoint: str | None = knob(
+        None, example="tcp://*:5558",
+        help="ZMQ ROUTER (bound) serving missed KV event batches again")
 
     def __post_init__(self) -> None:
         validate(self, prefix="server.")
@@ -112,6 +123,14 @@ class ServerSection:
                 raise ConfigError(f"server.{name}", f"no such file {path!r}")
         if self.api_key == "":
             raise ConfigError("server.api_key", "must not be empty (omit it to disable auth)")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("server.kv_events_replay_endpoint",
+                              "needs server.kv_events_endpoint (the events to replay)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and "://" not in value:
+                raise ConfigError(f"server.{name}", f"must be a ZMQ endpoint such as "
+                                                    f"tcp://*:5557, got {value!r}")
         if not (self.enable_grpc or self.enable_http):
             raise ConfigError("server.enable_grpc",
                               "is false and so is server.enable_http: nothing to serve")

@@ -63,7 +63,7 @@ def _stop_fronts(fronts: list[Any]) -> None:
         front.stop()
 
 
-def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]:
+def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any, Any]:
     from models import load_model
     from superinfer_jax.async_engine import AsyncEngine
     from superinfer_jax.engine import LLMEngine
@@ -75,11 +75,31 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any]
                        tensor_parallel_size=engine_config.tensor_parallel_size)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     engine = LLMEngine(model, engine_config)
+    kv_events = _start_kv_events(config, engine)
     loop = AsyncEngine(engine, config.server.max_queue_len,
                        observers=[runtime.metrics.observe])
     log.info("ready in %.1f s: %s device pages of %d tokens", time.perf_counter() - t0,
              engine.stats().get("device_pages_total"), engine_config.page_size)
-    return loop, model
+    return loop, model, kv_events
+
+
+def _start_kv_events(config: DeploymentConfig, engine: Any) -> Any:
+    """KV events (``serving.kv_events``) when ``server.kv_events_endpoint`` is set: the
+    publisher (closed after the drain), else None."""
+    server = config.server
+    if server.kv_events_endpoint is None:
+        return None
+    from serving.kv_events import ZmqKVEventPublisher
+
+    if not engine.config.enable_prefix_caching:
+        log.warning("server.kv_events_endpoint is set but prefix caching is off: no page "
+                    "is ever cached, so no KV event will be published")
+    publisher = ZmqKVEventPublisher(server.kv_events_endpoint, server.kv_events_topic,
+                                    replay_endpoint=server.kv_events_replay_endpoint)
+    engine.set_kv_event_sink(publisher.publish)
+    log.info("publishing KV events on %s (topic %r)", server.kv_events_endpoint,
+             server.kv_events_topic)
+    return publisher
 
 
 def serve(config: DeploymentConfig) -> int:
@@ -88,11 +108,11 @@ def serve(config: DeploymentConfig) -> int:
     runtime = Runtime(config)
     stop = threading.Event()
     fronts = _start_fronts(runtime)
-    engine = None
+    engine = kv_events = None
     code = 0
     try:
         _install_signals(stop, runtime)
-        engine, model = _build_engine(config, runtime)
+        engine, model, kv_events = _build_engine(config, runtime)
         runtime.set_serving(engine, model)
         log.info("serving %s", runtime.served_name)
         while not stop.wait(0.5):
@@ -112,5 +132,7 @@ def serve(config: DeploymentConfig) -> int:
             log.info("drained" if clean else "grace period over: aborted the rest")
         runtime.set_stopped()
         _stop_fronts(fronts)
+        if kv_events is not None:
+            kv_events.close()
     log.info("bye")
     return code

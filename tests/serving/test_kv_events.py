@@ -127,7 +127,7 @@ def tiny():
 def engine_view(engine: LLMEngine) -> dict[str, set[int]]:
     kv = engine.kv
     return {"GPU": {wire_hash(h) for h in kv.prefix_cache.page_hash.values()},
-            "CPU": {wire_hash(h) for h in kv.host_cache.page_of}}
+            "CPU": {wire_hash(h) for h in (kv.host_cache.page_of if kv.host_cache else ())}}
 
 
 def test_subscriber_rebuilds_the_cached_blocks(tiny):
@@ -207,6 +207,40 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
         assert late.sets == engine_view(engine)
         dealer.close()
         late.sock.close()
+    finally:
+        pub.close()
+        sub.sock.close()
+
+
+def test_server_config_starts_the_publisher(tiny):
+    """``server.kv_events_endpoint`` / ``kv_events_topic`` (off by default) wire a
+    publisher to the engine; a bad endpoint or a replay without events is refused."""
+    from serving.deploy_config import DeploymentConfig
+    from serving.server import _start_kv_events
+    from superinfer_jax.config_schema import ConfigError
+
+    assert DeploymentConfig.from_dict(None).server.kv_events_endpoint is None
+    with pytest.raises(ConfigError, match="server.kv_events_endpoint"):
+        DeploymentConfig.from_dict({"server": {"kv_events_endpoint": "localhost:5557"}})
+    with pytest.raises(ConfigError, match="server.kv_events_replay_endpoint"):
+        DeploymentConfig.from_dict({"server": {"kv_events_replay_endpoint": "tcp://*:5558"}})
+    sub = Subscriber(zmq.Context.instance(), b"kv@")  # llm-d's filter: a topic prefix
+    sub.topic = b"kv@pod-1@tiny"
+    config = DeploymentConfig.from_dict({"server": {"kv_events_endpoint": sub.endpoint,
+                                                    "kv_events_topic": "kv@pod-1@tiny"}})
+    engine = LLMEngine(tiny, SMALL)
+    pub = _start_kv_events(config, engine)
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.drain(50):
+            assert time.monotonic() < deadline, "subscriber never connected"
+            pub.publish(time.time(), [AllBlocksCleared()])
+        engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert pub.flush()
+        sub.drain(50)
+        assert sub.sets == engine_view(engine) and len(sub.sets["GPU"]) >= 3
     finally:
         pub.close()
         sub.sock.close()
