@@ -27,9 +27,12 @@ Wire format (vLLM's ``vllm.distributed.kv_events``: ``ZmqEventPublisher`` and th
   sequence's first page.
 
 Block hashes on the wire: vLLM's ``ExternalBlockHash`` is an int or bytes. We send an
-unsigned 64-bit int: the first 8 bytes, big-endian, of our 16-byte page hash. Every
-llm-d indexer version decodes that (the first ones read only ``uint64``; later ones take
-either), and 64 bits keep a collision between two cached pages of one pod negligible.
+unsigned 64-bit int: the first 8 bytes, big-endian, of our 16-byte page hash. The llm-d
+indexer versions we read all decode a ``uint64`` (the first ones only that, later ones
+an int or bytes), and 64 bits keep a collision between two cached pages of one pod
+negligible. The event arrays follow current vLLM (``medium`` and ``lora_name`` after
+``lora_id``); the earliest indexer versions declared only the first five fields of
+``BlockStored`` and the first of ``BlockRemoved``, as vLLM then sent.
 The hashes are ours (``superinfer_jax.kv.prefix_cache.block_hash``: blake2b, chained
 from the parent page's hash, keyed by the model identity and the request's
 ``cache_salt``), not vLLM's: an indexer that computes hashes from a prompt's tokens
