@@ -130,6 +130,11 @@ class Scheduler:
         self._hits.clear()
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
+        spilling = self.shadowing and isinstance(self.kv, TwoTierKVManager) \
+            and self.kv.host_cache is not None
+        if spilling:  # cached pages the device reclaims this step go to the host tier
+            assert isinstance(self.kv, TwoTierKVManager)
+            self.kv.spill_budget = self.config.transfer_budget_pages
         self._rotate_forced(plan, now)
         ranked, keep = None, None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
@@ -336,12 +341,18 @@ class Scheduler:
 
     def _plan_shadows(self, plan: StepPlan) -> None:
         """Host copies of the runners' full, unshadowed pages, within what the plan's
-        rotate-outs left of the outbound transfer budget: DuplexKV issues them as given."""
-        assert isinstance(self.kv, TwoTierKVManager)
-        moving = sum(len(m) for m in plan.moves_out)
+        rotate-outs and spills left of the outbound transfer budget: DuplexKV issues them
+        as given. First the spills: cached device pages without a host copy that this
+        step's allocations reclaimed, so that they stay findable in the host tier (their
+        copies read the pool before the step that reuses the pages writes it)."""
+        kv = self.kv
+        assert isinstance(kv, TwoTierKVManager)
+        spills = kv.take_spills()  # evicted cached pages, copied before their reuse
+        kv.spill_budget = 0
+        moving = sum(len(m) for m in plan.moves_out) + (len(spills) if spills else 0)
         room = max(0, self.config.transfer_budget_pages - moving)
         computed = {r.req_id: r.num_computed_tokens for r in self.running}
-        plan.shadows = self.kv.plan_shadows(computed, room)
+        plan.shadows = ([spills] if spills else []) + kv.plan_shadows(computed, room)
 
     # -- rows and pages ---------------------------------------------------------------
 

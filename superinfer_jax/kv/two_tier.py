@@ -89,6 +89,12 @@ class TwoTierKVManager(KVCacheManager):
         # findable on the device once they land; until then a request needing them waits.
         self.arriving: dict[bytes, str] = {}
         self._arriving_of: dict[str, list[bytes]] = {}
+        # Spill on eviction: a cached device page without a shadow, reclaimed by the
+        # device, is copied to a host page first (up to ``spill_budget`` pages; the
+        # scheduler sets it each step and issues ``take_spills``). Until then the host page
+        # belongs to the copy (in ``_spills``): not findable, not reclaimable.
+        self.spill_budget = 0
+        self._spills: list[tuple[int, int, bytes]] = []  # (device page, host page, hash)
         self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
         self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
@@ -325,6 +331,24 @@ class TwoTierKVManager(KVCacheManager):
             max_pages -= take
         return out
 
+    def take_spills(self) -> PageMoves | None:
+        """The copies of pages spilled to the host tier since the last call, to issue with
+        the eager shadows (before the step that reuses their device pages); their host
+        pages become findable cache-only pages now (the host tier's cap respected)."""
+        if not self._spills:
+            return None
+        spills, self._spills = self._spills, []
+        hc = self.host_cache
+        assert hc is not None
+        for _, host, h in spills:
+            if h in hc:  # spilled twice in one step (two device copies): keep one
+                self._release_host([host])
+                continue
+            while len(hc) >= self.host_cache_max_pages:
+                self._release_host([hc.evict()])
+            hc.insert(host, h)
+        return PageMoves("", tuple(d for d, _, _ in spills), tuple(h for _, h, _ in spills))
+
     def drop_shadows(self, host_pages: list[int]) -> None:
         """Forget shadows whose copy failed; their device pages become dirty again. A
         failed copy that reached the host cache (its device page was evicted since) is
@@ -423,10 +447,14 @@ class TwoTierKVManager(KVCacheManager):
         h = cache.page_hash[page]
         cache.evict()
         host = self.shadows.pop(page, None)
+        hc = self.host_cache
         if host is None:
+            if hc is not None and self.spill_budget > 0 and h not in hc \
+                    and self._free_host_cache(1) <= 0:
+                self.spill_budget -= 1
+                self._spills.append((page, self._host_free.pop(), h))
             return page
         del self._shadow_owner[page]
-        hc = self.host_cache
         if hc is not None and h not in hc:
             while len(hc) >= self.host_cache_max_pages:
                 self._release_host([hc.evict()])
@@ -496,7 +524,7 @@ class TwoTierKVManager(KVCacheManager):
             "device pages: some page is lost, or both free and owned"
         host_cached = [] if self.host_cache is None else list(self.host_cache.hash_of)
         host_owned = list(self.shadows.values()) + [h for t in self.host_tables.values()
-                                                    for h in t]
+                                                    for h in t] + [h for _, h, _ in self._spills]
         assert sorted(host_owned + list(self._host_free) + host_cached) == \
             list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
         if self.host_cache is not None:

@@ -300,8 +300,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 group.remove(r)
         self._drop(r)
 
-    @rule(pages=st.integers(1, 16) | st.just(99))
-    def flood(self, pages):
+    @rule(pages=st.integers(1, 16) | st.just(99), spill=st.sampled_from([0, 0, 2, 99]))
+    def flood(self, pages, spill):
         """Traffic of another tenant takes cached device pages (and gives them back
         uncached): the device evicts, least recently released first, and shadows of the
         evicted pages become cache-only host pages."""
@@ -309,8 +309,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not n:
             return
         before = set(self.cache.evictable)
+        old = {p: self.blob.get(("d", p)) for p in before}  # what a spill copy reads
+        self.kv.spill_budget = spill
         self.kv.allocate_for("flood", n * PAGE)
+        self.kv.spill_budget = 0
         self._sync_taken(before)
+        spills = self.kv.take_spills()  # issued before the step that overwrites them
+        if spills is not None:
+            assert len(spills) <= spill and not spills.prefix_hit
+            for d, h in zip(spills.device_pages, spills.host_pages, strict=True):
+                assert d in before and old[d] is not None, "spilled a page it did not cache"
+                self.blob[("h", h)] = old[d]
         for p in self.kv.page_table("flood"):
             self.blob.pop(("d", p), None)  # overwritten by the other tenant
         self.kv.free("flood")  # never registered: back to the free list
@@ -435,4 +444,24 @@ def test_device_eviction_moves_the_shadow_to_the_host_cache():
     kv.finish_rotate_in("c")
     kv.register_full_pages("c", h, 8)
     assert kv.match_prefix(h, 2) == kv.page_table("c")[:2]
+    kv.check_invariants()
+
+
+def test_evicted_cached_page_without_shadow_spills_to_the_host():
+    kv = TwoTierKVManager(num_pages=5, page_size=PAGE, num_host_pages=8, prefix_caching=True)
+    h = hashes_of(list(range(9)))
+    kv.allocate_for("a", 9)
+    kv.register_full_pages("a", h, 9)
+    kv.free("a")  # cached on the device, no shadow (eager shadows never ran)
+    kv.spill_budget = 1
+    kv.allocate_for("b", 4 * 4)  # reclaims both cached pages; one may spill
+    assert kv.spill_budget == 0 and kv.match_host_prefix(h, 0, 2) == []  # not yet findable
+    kv.check_invariants()
+    spills = kv.take_spills()
+    assert spills is not None and len(spills) == 1 and spills.req_id == ""
+    # LRU: the tail page went first, so the spilled one is the second: a hit needs the first
+    assert kv.host_cache.hash_of[spills.host_pages[0]] == h[1]
+    assert kv.match_host_prefix(h, 0, 2) == [] and kv.match_host_prefix(h, 1, 2) == [
+        spills.host_pages[0]]
+    assert kv.take_spills() is None
     kv.check_invariants()
