@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
 
     from models import load_model
-    from superinfer_jax import LLMEngine
 
     model = load_model(args.model)
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -131,11 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         pick = np.random.default_rng(seed).choice(len(full_trace), args.num_requests,
                                                   replace=False)
         traces[seed] = [full_trace[i] for i in pick]
-    base = engine_config(args)
-    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
     median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
-    ttft_ms, tbt_ms, ttft0, step0 = slos(args, next(iter(engines.values())), median_prompt,
-                                         model.vocab_size)
+    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         runs: dict[str, list] = {p: [] for p in engines}
@@ -162,6 +158,17 @@ def engine_config(args: argparse.Namespace):
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
         enable_prefix_caching=True,
     )
+
+
+def engines_and_slos(args: argparse.Namespace, model, median_prompt: int
+                     ) -> tuple[dict, tuple[float, float, float, float]]:
+    """One engine per policy on ``engine_config`` (only the policy differs), and the SLOs
+    measured on the first of them (``slos``)."""
+    from superinfer_jax import LLMEngine
+
+    base = engine_config(args)
+    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
+    return engines, slos(args, next(iter(engines.values())), median_prompt, model.vocab_size)
 
 
 def slos(args: argparse.Namespace, engine, median_prompt: int, vocab: int
@@ -228,17 +235,13 @@ def sweep_multiturn(args: argparse.Namespace, model, seeds: list[int]) -> None:
     trace sweep, plus conversations, turns and prefix-cache hits."""
     from benchmarks.sharegpt import load_conversations
     from benchmarks.workloads import build_conversations
-    from superinfer_jax import LLMEngine
 
     records, parse = load_conversations(args.sharegpt_path)
     notes = [f"sharegpt: {parse.describe()}"]
-    base = engine_config(args)
-    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
     first = build_conversations(records, model.tokenizer, multiturn_spec(args, 1.0, seeds[0]))
     median_prompt = int(np.median([c.prompt_len(k) for c in first
                                    for k in range(c.num_turns)]))
-    ttft_ms, tbt_ms, ttft0, step0 = slos(args, next(iter(engines.values())), median_prompt,
-                                         model.vocab_size)
+    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         runs: dict[str, list] = {p: [] for p in engines}
