@@ -88,6 +88,10 @@ class ModelRunner:
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
         self.inflight: InflightStep | None = None  # dispatched, tokens not read yet
+        # The step takes the weights as a flat list: jit flattens its arguments on every
+        # call, and flattening the nnx.State (273 leaves for SmolLM2) costs 0.26 ms more
+        # per call than a list (0.32 against 0.06 ms on this CPU), twice a step.
+        self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
         self._step_fn = self._jit_step()
 
     # -- setup -------------------------------------------------------------------------
@@ -173,8 +177,9 @@ class ModelRunner:
             )
         return pages
 
-    def _step(self, params, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
+    def _step(self, param_leaves, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
               feedback: TokenFeedback):
+        params = jax.tree.unflatten(self._params_treedef, param_leaves)
         inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
         logits, kv_pool = self.model.forward(
             params, kv_pool, inputs, attention_backend=self.backend
@@ -296,7 +301,7 @@ class ModelRunner:
         """Run the jitted step on the pool (donated); returns the padded sampled tokens."""
         if feedback is None:
             feedback = TokenFeedback.none(inputs.tokens.shape[0], self.no_tokens)
-        sampled, self.kv_pool = self._step_fn(self.model.params, self.kv_pool, inputs,
+        sampled, self.kv_pool = self._step_fn(self.step_params, self.kv_pool, inputs,
                                               sampling, feedback)
         return sampled
 
