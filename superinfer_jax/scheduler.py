@@ -130,11 +130,10 @@ class Scheduler:
         self._hits.clear()
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
-        spilling = self.shadowing and isinstance(self.kv, TwoTierKVManager) \
-            and self.kv.host_cache is not None
-        if spilling:  # cached pages the device reclaims this step go to the host tier
-            assert isinstance(self.kv, TwoTierKVManager)
-            self.kv.spill_budget = self.config.transfer_budget_pages
+        kv = self.kv
+        if self.shadowing and isinstance(kv, TwoTierKVManager) and kv.host_cache is not None:
+            kv.spill_budget = self.config.transfer_budget_pages  # reclaimed cached pages
+            # go to the host tier this step (``_plan_shadows`` issues the copies)
         self._rotate_forced(plan, now)
         ranked, keep = None, None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
@@ -168,13 +167,17 @@ class Scheduler:
         then cache-only host pages, at most up to its last token (at least one token is
         computed, so the step that admits it samples from real logits). Looked up once
         per step for the ranking and the selection (policies price hits with it)."""
-        if req.cache_key is None or self.kv.prefix_cache is None or req.num_computed_tokens \
-                or req.status != RequestStatus.WAITING:
+        if req.status != RequestStatus.WAITING or not self._may_hit(req):
             return NO_HIT
         hit = self._hits.get(req.req_id)
         if hit is None:
             hit = self._hits[req.req_id] = self._lookup_prefix(req)
         return hit
+
+    def _may_hit(self, req: Request) -> bool:
+        """Whether ``req`` can take a cached prefix: it uses the cache, and has no pages."""
+        return req.cache_key is not None and self.kv.prefix_cache is not None \
+            and not req.num_computed_tokens
 
     def _lookup_prefix(self, req: Request) -> PrefixHit:
         kv, page_size = self.kv, self.kv.page_size
@@ -490,8 +493,7 @@ class Scheduler:
         if req.num_inflight_tokens:
             return False  # evicted while its last token was in flight: recompute once it lands
         kv = self.kv
-        hit = self._lookup_prefix(req) if req.cache_key is not None \
-            and kv.prefix_cache is not None and not req.num_computed_tokens else NO_HIT
+        hit = self._lookup_prefix(req) if self._may_hit(req) else NO_HIT
         if hit.arriving:
             return False  # its prefix lands within a step or two: then it is a device hit
         host = hit.host[:max(0, budget.pages_in)]
@@ -524,7 +526,7 @@ class Scheduler:
         """Admit ``req`` by a host-tier hit: it takes the device pages of its prefix and
         rotates the host pages in (ROTATING_IN, a seat held); once they land it runs
         like a request whose prefix was found on the device. Its first chunk's pages are
-        reserved when it runs (as for any runner)."""
+        reserved now, with the hit's, so that it can run as soon as they land."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)
         hit_tokens = (len(device) + len(host)) * kv.page_size

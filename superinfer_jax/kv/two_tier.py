@@ -338,15 +338,8 @@ class TwoTierKVManager(KVCacheManager):
         if not self._spills:
             return None
         spills, self._spills = self._spills, []
-        hc = self.host_cache
-        assert hc is not None
-        for _, host, h in spills:
-            if h in hc:  # spilled twice in one step (two device copies): keep one
-                self._release_host([host])
-                continue
-            while len(hc) >= self.host_cache_max_pages:
-                self._release_host([hc.evict()])
-            hc.insert(host, h)
+        for _, host, h in spills:  # a hash spilled twice (two device copies): one is kept
+            self._cache_on_host(host, h)
         return PageMoves("", tuple(d for d, _, _ in spills), tuple(h for _, h, _ in spills))
 
     def drop_shadows(self, host_pages: list[int]) -> None:
@@ -455,13 +448,20 @@ class TwoTierKVManager(KVCacheManager):
                 self._spills.append((page, self._host_free.pop(), h))
             return page
         del self._shadow_owner[page]
-        if hc is not None and h not in hc:
-            while len(hc) >= self.host_cache_max_pages:
-                self._release_host([hc.evict()])
-            hc.insert(host, h)
-        else:
-            self._release_host([host])
+        self._cache_on_host(host, h)
         return page
+
+    def _cache_on_host(self, host: int, h: bytes) -> None:
+        """``host`` (holding the KV hashed ``h``) becomes a cache-only page, the coldest
+        going first at the cap; freed instead without a host cache, or when ``h`` is
+        cached on the host already (one copy is enough)."""
+        hc = self.host_cache
+        if hc is None or h in hc:
+            self._release_host([host])
+            return
+        while len(hc) >= self.host_cache_max_pages:
+            self._release_host([hc.evict()])
+        hc.insert(host, h)
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """The first ``short`` pages of ``_reclaimable`` outside ``table`` (fewer when there
