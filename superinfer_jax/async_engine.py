@@ -124,6 +124,7 @@ class _Add:
     slo: SLO | None
     arrival_time: float
     cache_salt: str | None = None
+    fork_of: str | None = None
 
 
 @dataclass
@@ -158,9 +159,11 @@ class AsyncEngine:
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
                req_id: str | None = None, slo: SLO | None = None,
                loop: asyncio.AbstractEventLoop | None = None,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, fork_of: str | None = None) -> RequestStream:
         """Queue a request; returns its stream at once (see ``stream.admitted``).
-        ``cache_salt`` is checked here, so a bad one fails the caller, not the loop."""
+        ``cache_salt`` is checked here, so a bad one fails the caller, not the loop.
+        ``fork_of``: the id of a request submitted earlier with the same prompt (``n >
+        1``): this one waits for its prompt's pages and shares them."""
         check_cache_salt(cache_salt)
         arrival = time.perf_counter()
         req_id = req_id or uuid.uuid4().hex
@@ -175,7 +178,7 @@ class AsyncEngine:
             stream = RequestStream(req_id, loop)
             self._streams[req_id] = stream
             self._commands.append(_Add(stream, list(prompt_token_ids), sampling, slo, arrival,
-                                       cache_salt))
+                                       cache_salt, fork_of))
             self._cond.notify()
         return stream
 
@@ -259,7 +262,7 @@ class AsyncEngine:
                     f"admission queue is full ({self.max_queue_len} requests waiting)")
             self.engine.add_request(cmd.prompt_token_ids, cmd.sampling, req_id=stream.req_id,
                                     slo=cmd.slo, arrival_time=cmd.arrival_time,
-                                    cache_salt=cmd.cache_salt)
+                                    cache_salt=cmd.cache_salt, fork_of=cmd.fork_of)
         except Exception as e:
             with self._cond:
                 self._streams.pop(stream.req_id, None)

@@ -68,7 +68,14 @@ from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cac
 )
 from superinfer_jax.output_processor import OutputProcessor
 from superinfer_jax.profiler import profile_engine
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams, check_cache_salt
+from superinfer_jax.request import (
+    SLO,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprobs,
+    check_cache_salt,
+)
 from superinfer_jax.rotasched import make_scheduler
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
@@ -89,6 +96,10 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     error: str | None = None
+    # When the sampling asks for logprobs: one per new token; the prompt's once, on the
+    # request's first output (position 0 is None).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -205,10 +216,15 @@ class LLMEngine:
         slo: SLO | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        fork_of: str | None = None,
     ) -> str:
         """Queue a request; bounds that need the model are checked here (``intake``).
         ``cache_salt``: requests share cached KV pages only with the same salt (and none
-        with a request of another salt): a tenant's secret keeps others from timing it."""
+        with a request of another salt): a tenant's secret keeps others from timing it.
+        ``fork_of``: a request in flight with the same prompt (``n > 1``); this one is
+        held back until that one's prompt is in the pool, then takes its full pages from
+        the prefix cache, so the prompt is prefilled once (without prefix caching it is
+        simply prefilled again)."""
         vocab, max_len = self.model.vocab_size, self.config.max_model_len
         sampling = fit_sampling(sampling or SamplingParams(), vocab, self._seed_rng)
         prompt = check_prompt(prompt_token_ids, vocab, max_len)

@@ -10,6 +10,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.IntEnum):
@@ -44,6 +45,12 @@ _MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a unit mistake, not an S
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Logprobs: the top alternatives per token are computed on the device for a fixed k
+# (OpenAI's limit for ``top_logprobs``); a request asks for at most that many.
+MAX_LOGPROBS = 20
+# ``logit_bias`` entries per request (OpenAI documents no cap; the device step takes a
+# fixed-width sparse row, so the cap is the width).
+MAX_LOGIT_BIAS = 300
 
 
 class FieldError(ValueError):
@@ -113,6 +120,13 @@ FIELD_RANGES: dict[str, Range] = {
     "top_k": Range(-1, INT32_MAX, integer=True),
     "seed": Range(0, SEED_MAX, integer=True),
     "stop_token_ids": Range(0, INT32_MAX, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 10.0, low_open=True),
+    "logit_bias": Range(-100.0, 100.0),
+    "min_tokens": Range(0, INT32_MAX, integer=True),
     "slo.ttft_ms": Range(0.0, _MAX_SLO_MS, low_open=True),
     "slo.tbt_ms": Range(0.0, _MAX_SLO_MS, low_open=True),
 }
@@ -163,10 +177,33 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logprobs of each output token and its top-``logprobs`` alternatives (None: none);
+    # ``prompt_logprobs`` the same for every prompt position (evaluation harnesses score
+    # with them). Raw model distribution, before temperature and penalties (vLLM's
+    # default ``raw_logprobs``).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # OpenAI's penalties over the output so far, vLLM's repetition penalty over prompt
+    # and output (CTRL's: divide positive logits, multiply negative ones).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
+    # A grammar the output must follow (``superinfer_jax.structured``); None: free text.
+    structured: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "temperature", "top_k", "top_p"):
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens"):
             FIELD_RANGES[name].check(name, getattr(self, name))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                FIELD_RANGES[name].check(name, getattr(self, name))
+        self._check_logit_bias()
+        if self.min_tokens > self.max_tokens:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed "
+                                           f"max_tokens ({self.max_tokens})")
         if self.seed is not None:
             FIELD_RANGES["seed"].check("seed", self.seed)
         if self.top_k == -1:
@@ -190,9 +227,43 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise FieldError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        items = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        if len(items) > MAX_LOGIT_BIAS:
+            raise FieldError("logit_bias", f"logit_bias holds {len(items)} entries; at most "
+                                           f"{MAX_LOGIT_BIAS}")
+        clean = []
+        for item in items:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise FieldError("logit_bias", f"logit_bias entries are (token id, bias) "
+                                               f"pairs, got {_show(item)}")
+            token, value = item
+            FIELD_RANGES["stop_token_ids"].check("logit_bias", token)  # an id, >= 0
+            FIELD_RANGES["logit_bias"].check("logit_bias", value)
+            clean.append((int(token), float(value)))
+        object.__setattr__(self, "logit_bias", tuple(clean))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the step needs this request's token history (penalties)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities: the token there (sampled, or the prompt's) and
+    the ``top`` alternatives, most likely first, as many as the request asked for."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -229,6 +300,14 @@ class Request:
     cache_key: bytes | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Logprobs (when the sampling asks): one per output token, and one per prompt
+    # position (None at position 0: nothing predicts the first token).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # ``n > 1``: a sibling that waits until ``fork_of`` has its prompt in the pool, then
+    # takes those pages from the prefix cache (prefill once, fork).
+    fork_of: Request | None = None
+    grammar: Any = None  # the structured-output matcher, when the sampling has one
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
