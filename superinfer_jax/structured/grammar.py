@@ -20,6 +20,7 @@ for unconstrained rows of a batch (``allocate_bitmask`` starts there).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -231,12 +232,24 @@ def _default_executor() -> llguidance.LLExecutor:
         return _executor
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray,
-                  rows: Sequence[int] | None = None) -> None:
-    """Fill ``out[rows[k]]`` with ``matchers[k]``'s mask (``rows`` defaults to 0..n-1),
-    on llguidance's thread pool with the GIL released; other rows are left as they are
-    (``allocate_bitmask`` makes them allow everything). ``out`` is a C-contiguous int32
-    ``[batch, words]`` array."""
+                  rows: Sequence[int] | None = None, *, parallel: bool | None = None) -> None:
+    """Fill ``out[rows[k]]`` with ``matchers[k]``'s mask (``rows`` defaults to 0..n-1);
+    other rows are left as they are (``allocate_bitmask`` makes them allow everything).
+    ``out`` is a C-contiguous int32 ``[batch, words]`` array.
+
+    ``parallel``: on llguidance's thread pool, in one call with the GIL released, or one
+    matcher after another. The pool was 2x slower than the loop at batch 32 on a 2-CPU
+    host (benchmarks/grammar_mask.py: thread hand-off against ~10 us of work per matcher),
+    so by default it is used only with 4 or more usable CPUs.
+    """
     if not matchers:
         return
     words = matchers[0].words
@@ -254,5 +267,12 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray,
         if not 0 <= r < out.shape[0]:
             raise ValueError(f"row {r} outside the bitmask's {out.shape[0]} rows")
         pairs.append((m._m, int(r)))
-    _default_executor().unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4,
-                                                out.shape[0])
+    if parallel is None:
+        parallel = _usable_cpus() >= 4
+    if parallel:
+        _default_executor().unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4,
+                                                    out.shape[0])
+        return
+    nbytes = words * 4
+    for m_, r in pairs:
+        m_.unsafe_compute_mask_ptr(out[r].ctypes.data, nbytes)

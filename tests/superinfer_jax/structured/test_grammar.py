@@ -280,7 +280,8 @@ def test_matchers_of_one_grammar_are_independent(compiler, vocab):
     feed(fresh, vocab.tokenizer.encode("beta").ids, vocab.size)
 
 
-def test_fill_bitmasks_matches_single_fills_on_the_given_rows(compiler, vocab):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_fill_bitmasks_matches_single_fills_on_the_given_rows(compiler, vocab, parallel):
     specs = [StructuredOutputSpec("json", json.dumps(PERSON)),
              StructuredOutputSpec("regex", REGEXES[1]),
              StructuredOutputSpec("json_object")]
@@ -289,7 +290,7 @@ def test_fill_bitmasks_matches_single_fills_on_the_given_rows(compiler, vocab):
     feed(matchers[1], vocab.tokenizer.encode("ab").ids, vocab.size)
     batch = allocate_bitmask(5, vocab.size)
     rows = [4, 0, 2]
-    fill_bitmasks(matchers, batch, rows)
+    fill_bitmasks(matchers, batch, rows, parallel=parallel)
     for m, r in zip(matchers, rows, strict=True):
         single = np.zeros(compiler.words, np.int32)
         m.fill_bitmask(single)
