@@ -403,3 +403,17 @@ def test_valid_specs_are_hashable_and_equal_by_value():
     assert a == StructuredOutputSpec("choice", ("a", "b"))
     assert len({a, StructuredOutputSpec("choice", ("a", "b"))}) == 1
     assert StructuredOutputSpec("json", "true").value == "true"
+
+
+def test_every_eos_id_may_end_and_special_tokens_stay_out_of_text(vocab):
+    comp = GrammarCompiler(vocab.tokenizer, vocab.size, (EOS, 0))  # two end tokens
+    m = comp.compile(StructuredOutputSpec("json", '{"type": "string"}')).matcher()
+    feed(m, vocab.tokenizer.encode('"ab').ids, vocab.size)
+    row = np.zeros(comp.words, np.int32)
+    m.fill_bitmask(row)
+    allowed = set(allowed_ids(row, vocab.size).tolist())
+    assert len(allowed) > 40_000 and not allowed & set(range(17))  # 0-16: control tokens
+    feed(m, vocab.tokenizer.encode('c"').ids, vocab.size)
+    m.fill_bitmask(row)
+    assert m.is_terminated() and allowed_ids(row, vocab.size).tolist() == [0, EOS]
+    assert m.accept_token(0) and m.error is None
