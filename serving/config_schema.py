@@ -94,6 +94,8 @@ class ServerSection:
     max_request_bytes: int = knob(
         1 << 20, ge=1024,
         help="larger request bodies are refused (413 / RESOURCE_EXHAUSTED)")
+    max_n: int = knob(16, ge=1, le=256,
+                      help="HTTP: most choices (n) per request; above is a 400 naming n")
     # HTTP: refuse unknown body fields with a 400 (default: ignore them and log each name
     # once, as vLLM does; clients send vendor extensions). gRPC always refuses them.
     strict_request_fields: bool = knob(

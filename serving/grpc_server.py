@@ -22,6 +22,7 @@ however the client went away.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from serving.requests import (
     make_sampling,
     merge_slo,
     slo_from_headers,
+    structured_spec,
 )
 from serving.runtime import API_VERSION, Runtime, ServerState
 from serving.stats_view import numeric, read
@@ -50,6 +52,7 @@ from superinfer_jax.async_engine import (
     QueueFullError,
 )
 from superinfer_jax.engine import RequestOutput
+from superinfer_jax.request import FieldError
 
 pb2, pb2_grpc = stubs()
 log = logging.getLogger(__name__)
@@ -134,24 +137,30 @@ class InferenceService:
                                    cache_salt=req.cache_salt
                                    if req.HasField("cache_salt") else None)
         except Exception as e:
-            context.abort(_status_of(e), str(e))
+            context.abort(_status_of(e), _message(e, req))
         req_id = stream.req_id
         context.add_callback(lambda: engine.abort(req_id))
         failed: str | None = None
+        first = True
         try:
             stream.wait_admitted()
             for out in stream:
                 if out.error is not None:
                     failed = out.error
                     break
-                if out.new_token_ids or out.new_text:
-                    yield pb2.GenerateResponse(request_id=req_id, chunk=pb2.Chunk(
-                        token_ids=out.new_token_ids, text=out.new_text))
+                if out.new_token_ids or out.new_text or (first and out.prompt_logprobs):
+                    chunk = pb2.Chunk(token_ids=out.new_token_ids, text=out.new_text,
+                                      logprobs=_logprobs(out.logprobs or ()))
+                    if first and out.prompt_logprobs:
+                        chunk.prompt_logprobs.extend(_logprobs(
+                            [e for e in out.prompt_logprobs if e is not None]))
+                    first = False
+                    yield pb2.GenerateResponse(request_id=req_id, chunk=chunk)
                 if out.finished:
                     yield pb2.GenerateResponse(request_id=req_id,
                                                completion=_completion(out))
         except Exception as e:
-            context.abort(_status_of(e), str(e))
+            context.abort(_status_of(e), _message(e, req))
         if failed is not None:
             context.abort(grpc.StatusCode.INTERNAL, failed)
 
@@ -169,14 +178,21 @@ class InferenceService:
         else:
             raise ValueError("a prompt is required: set text, token_ids or messages")
         s = req.sampling
+
+        def opt(msg: Any, name: str) -> Any:
+            return getattr(msg, name) if msg.HasField(name) else None
+
         sampling = make_sampling(
-            max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
-            temperature=s.temperature if s.HasField("temperature") else None,
-            top_p=s.top_p if s.HasField("top_p") else None,
-            top_k=s.top_k if s.HasField("top_k") else None,
-            seed=req.seed if req.HasField("seed") else None,
+            max_tokens=opt(req, "max_tokens"), temperature=opt(s, "temperature"),
+            top_p=opt(s, "top_p"), top_k=opt(s, "top_k"), seed=opt(req, "seed"),
             stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
+            ignore_eos=req.ignore_eos, presence_penalty=opt(s, "presence_penalty"),
+            frequency_penalty=opt(s, "frequency_penalty"),
+            repetition_penalty=opt(s, "repetition_penalty"),
+            logit_bias=tuple(sorted(s.logit_bias.items())) or None,
+            min_tokens=opt(req, "min_tokens"), logprobs=opt(req, "logprobs"),
+            prompt_logprobs=opt(req, "prompt_logprobs"),
+            structured=_structured(req.structured) if req.HasField("structured") else None,
         )
         priority = req.slo.priority_class
         if priority != pb2.PRIORITY_CLASS_UNSPECIFIED and priority not in _PRIORITY:
@@ -231,6 +247,53 @@ class InferenceService:
             "GetModelInfo": unary(self.get_model_info, pb2.ModelInfo),
             "GetServerStats": unary(self.get_server_stats, pb2.ServerStats),
         })
+
+
+_STRUCTURED_KINDS = {"json_schema": "json", "json_object": "json_object", "regex": "regex",
+                     "choice": "choice", "grammar": "grammar"}
+
+
+def _structured(msg: Any) -> Any:
+    """The engine's output constraint for a ``StructuredOutput`` message."""
+    which = msg.WhichOneof("kind")
+    field = f"structured.{which}"
+    if which is None:
+        raise FieldError("structured", "structured: set one kind (json_schema, json_object, "
+                                       "regex, choice, grammar)")
+    value: Any = getattr(msg, which)
+    if which == "json_schema":
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise FieldError(field, f"{field}: not valid JSON: {e}") from e
+        if not isinstance(value, dict | bool):
+            raise FieldError(field, f"{field}: a JSON schema is an object")
+    elif which == "json_object":
+        if not value:
+            raise FieldError(field, f"{field}: set it true, or leave structured unset")
+        value = None
+    elif which == "choice":
+        value = list(value.choices)
+        if not value:
+            raise FieldError(field, f"{field}: give at least one choice")
+    return structured_spec(_STRUCTURED_KINDS[which], value, field)
+
+
+def _message(e: BaseException, req: Any) -> str:
+    """The error's message, naming the field as this proto spells it: the engine names a
+    grammar error ``structured_outputs.<kind>``, this proto ``structured.<kind>``."""
+    text = str(e)
+    if isinstance(e, FieldError) and e.field.startswith("structured_outputs") and \
+            req.HasField("structured"):
+        field = f"structured.{req.structured.WhichOneof('kind')}"
+        return text if text.startswith(field) else f"{field}: {text}"
+    return text
+
+
+def _logprobs(entries: Any) -> list[Any]:
+    return [pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
+                             top=[pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries]
 
 
 def _completion(out: RequestOutput) -> Any:

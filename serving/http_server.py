@@ -22,28 +22,36 @@ never with a silent cut.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from serving.metrics import CONTENT_TYPE
 from serving.openai_schema import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
+    ChoiceResult,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_json,
     chunk_json,
     completion_json,
@@ -51,20 +59,29 @@ from serving.openai_schema import (
     unknown_fields,
     usage_chunk_json,
     usage_counts,
+    usage_json,
 )
 from serving.requests import (
     RequestSummary,
+    choice_seed,
     encode_prompt,
     make_sampling,
     merge_slo,
+    render_chat,
     slo_from_headers,
+    structured_spec,
 )
 from serving.runtime import Runtime, ServerState
 from superinfer_jax.async_engine import EngineUnavailableError, QueueFullError, RequestStream
 from superinfer_jax.engine import RequestOutput
-from superinfer_jax.request import FieldError
+from superinfer_jax.request import FIELD_RANGES, FieldError
+from superinfer_jax.request import Request as EngineRequest
 
 log = logging.getLogger(__name__)
+try:
+    _VERSION = importlib.metadata.version("superinfer-jax")
+except importlib.metadata.PackageNotFoundError:
+    _VERSION = "unknown"
 _DISCONNECT_POLL_S = 0.25
 MAX_JSON_DEPTH = 64  # no OpenAI body nests deeper; deeper is an attack on the parsers
 _RETRY_AFTER_S = {429: "1", 503: "5"}
@@ -215,6 +232,14 @@ def _http_param(field: str, body: CompletionRequest | ChatCompletionRequest) -> 
         return "max_completion_tokens"
     if field == "prompt" and chat:
         return "messages"
+    if field in ("logprobs", "prompt_logprobs"):
+        return "top_logprobs" if chat and body.top_logprobs is not None else "logprobs"
+    if field.startswith(("structured_outputs", "structured")):
+        try:
+            used = body.structured()
+        except FieldError:
+            used = None
+        return field if used is None else used[0]
     for engine_prefix, http_prefix in _HTTP_FIELD_PREFIXES:
         if field.startswith(engine_prefix):
             return http_prefix + field[len(engine_prefix):]
@@ -225,6 +250,8 @@ class OpenAIFront:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self._logged_unknown: set[str] = set()
+        self._token_texts: TokenTexts | None = None
+        self._token_texts_of: Any = None
         self.app = self._build_app()
 
     # -- request -> engine -------------------------------------------------------------
@@ -258,7 +285,30 @@ class OpenAIFront:
                             code="model_not_found")
         return parsed
 
-    def _check_unknown(self, parsed: CompletionRequest | ChatCompletionRequest) -> None:
+    async def _parse_tool(self, request: Request, cls: type) -> Any:
+        """A tokenizer route's body: the API key, the parse, ``model`` if given."""
+        self._check_auth(request)
+        body = await read_body(request, self.runtime.config.server.max_request_bytes)
+        try:
+            parsed = cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from e
+        self._check_unknown(parsed)
+        if parsed.model is not None and parsed.model != self.runtime.served_name:
+            raise HTTPError(404, f"model {parsed.model!r} does not exist; this server serves "
+                                 f"{self.runtime.served_name!r}", param="model",
+                            code="model_not_found")
+        return parsed
+
+    def _tokenizer(self) -> Any:
+        """The served model's tokenizer: 503 while warming up, 400 if it has none."""
+        if self.runtime.model_info is None:
+            raise HTTPError(503, "server is warming up: retry shortly")
+        if self.runtime.tokenizer is None:
+            raise HTTPError(400, "this model has no tokenizer")
+        return self.runtime.tokenizer
+
+    def _check_unknown(self, parsed: BaseModel) -> None:
         """Unknown fields: a 400 in strict mode, else ignored and logged once per name."""
         unknown = unknown_fields(parsed)
         if not unknown:
@@ -276,50 +326,118 @@ class OpenAIFront:
             else:
                 log.warning("ignoring unknown request field %r (logged once)", name)
 
-    def _token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def _prompts(self, body: CompletionRequest | ChatCompletionRequest
+                 ) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids, and its text when the client sent text."""
         tok = self.runtime.tokenizer
         if isinstance(body, ChatCompletionRequest):
-            return encode_prompt(tok, messages=[m.to_template() for m in body.messages])
+            return [(encode_prompt(tok, messages=[m.to_template() for m in body.messages]),
+                     None)]
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise FieldError("prompt", "prompt: only one prompt per request is supported")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            return encode_prompt(tok, token_ids=prompt)
-        return encode_prompt(tok, text=prompt)
+        if isinstance(prompt, str):
+            return [(encode_prompt(tok, text=prompt), prompt)]
+        if not prompt or not isinstance(prompt[0], str | list):  # one token-id list
+            return [(encode_prompt(tok, token_ids=prompt), None)]
+        if len(prompt) > MAX_PROMPTS:
+            raise FieldError("prompt", f"prompt holds {len(prompt)} prompts; at most "
+                                       f"{MAX_PROMPTS} per request")
+        return [(encode_prompt(tok, text=p), p) if isinstance(p, str)
+                else (encode_prompt(tok, token_ids=p), None) for p in prompt]
+
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                  max_model_len: int) -> tuple[dict[str, Any], bool]:
+        """The sampling fields every choice shares (the seed is per choice), and whether
+        this is prompt scoring only (completions, ``echo`` with ``max_tokens: 0``: one
+        token is sampled, as the step always does, and not returned)."""
+        max_tokens = body.max_tokens
+        score_only = False
+        if isinstance(body, ChatCompletionRequest):
+            if body.max_completion_tokens is not None:
+                max_tokens = body.max_completion_tokens
+            if max_tokens is None:  # chat's OpenAI default: until the context is full
+                max_tokens = max(1, max_model_len - prompt_len)
+            if body.top_logprobs is not None:
+                FIELD_RANGES["logprobs"].check("top_logprobs", body.top_logprobs)
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            prompt_logprobs = None
+        else:
+            if max_tokens == 0 and body.echo:
+                score_only, max_tokens = True, 1
+            logprobs = body.logprobs
+            prompt_logprobs = body.logprobs if body.echo else None
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        structured = body.structured()
+        return {
+            "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "top_k": body.top_k, "stop": tuple(stop or ()),
+            "stop_token_ids": tuple(body.stop_token_ids or ()), "ignore_eos": body.ignore_eos,
+            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+            "logit_bias": body.logit_bias_pairs() or None,
+            "structured": None if structured is None else structured_spec(
+                structured[1], structured[2], structured[0]),
+        }, score_only
 
     async def _submit(self, body: CompletionRequest | ChatCompletionRequest,
                       rid: str, header_slo: dict[str, float] | None = None
-                      ) -> tuple[RequestStream, int]:
-        """The admitted request's stream and its prompt length in tokens. ``header_slo``:
-        the SLO fields the request's headers set (the body's fields win)."""
+                      ) -> list[_Choice]:
+        """Every choice, admitted: ``n`` per prompt, choice ``index`` = prompt * n + j (as
+        OpenAI numbers them). A prompt's first choice is submitted as is and the other
+        n-1 as its forks (they share its prompt pages); choice j's seed is seed + j.
+        ``header_slo``: the SLO fields the request's headers set (the body's win)."""
         header_slo = header_slo or {}
+        choices: list[_Choice] = []
+        engine = None
         try:
             engine = self.runtime.serving_engine()
-            token_ids = self._token_ids(body)
-            max_tokens = body.max_tokens
-            if isinstance(body, ChatCompletionRequest):
-                if body.max_completion_tokens is not None:
-                    max_tokens = body.max_completion_tokens
-                if max_tokens is None:  # chat's OpenAI default: until the context is full
-                    max_tokens = max(1, engine.engine.config.max_model_len - len(token_ids))
-            stop = [body.stop] if isinstance(body.stop, str) else body.stop
-            sampling = make_sampling(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k, seed=body.seed, stop=tuple(stop or ()),
-                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+            max_n = self.runtime.config.server.max_n
+            if not 1 <= body.n <= max_n:
+                raise FieldError("n", f"n must be in [1, {max_n}], got {body.n}")
+            prompts = self._prompts(body)
             c = body.slo_constraints
             slo = merge_slo(self.runtime.default_slo, header_slo, *(
                 () if c is None else (c.ttft_ms, c.tbt_ms, c.priority_class)))
-            stream = engine.submit(token_ids, sampling, req_id=rid, slo=slo,
-                                   loop=asyncio.get_running_loop(),
-                                   cache_salt=body.cache_salt)
-            await stream.wait_admitted_async()
+            echo = isinstance(body, CompletionRequest) and body.echo
+            total = len(prompts) * body.n
+            loop = asyncio.get_running_loop()
+            for p, (token_ids, text) in enumerate(prompts):
+                fields, score_only = self._sampling(body, len(token_ids),
+                                                    engine.engine.config.max_model_len)
+                first: str | None = None
+                for j in range(body.n):
+                    index = p * body.n + j
+                    sampling = make_sampling(**fields, seed=choice_seed(body.seed, j))
+                    req_id = rid if total == 1 else f"{rid}-{index}"
+                    stream = engine.submit(token_ids, sampling, req_id=req_id, slo=slo,
+                                           loop=loop, cache_salt=body.cache_salt,
+                                           fork_of=first)
+                    first = first or req_id
+                    prompt_text = None
+                    if echo:
+                        prompt_text = text if text is not None else self._decode(token_ids)
+                    choices.append(_Choice(index, stream, token_ids, prompt_text,
+                                           sampling.logprobs, score_only, j == 0))
+            for choice in choices:
+                await choice.stream.wait_admitted_async()
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
+            for choice in choices:
+                self._abort(choice.stream.req_id)
             param = _http_param(e.field, body) if isinstance(e, FieldError) else None
             raise HTTPError(_status_of(e), str(e), param=param) from e
-        return stream, len(token_ids)
+        return choices
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """An echoed token-id prompt's text: special tokens kept (as its logprobs'
+        tokens are, so ``text_offset`` points into this text)."""
+        tok = self.runtime.tokenizer
+        if tok is None:
+            return ""
+        try:
+            return str(tok.decode(token_ids, skip_special_tokens=False))
+        except TypeError:  # a tokenizer without the keyword
+            return str(tok.decode(token_ids))
 
     # -- responses ---------------------------------------------------------------------
 
@@ -331,92 +449,131 @@ class OpenAIFront:
             raise HTTPError(400, str(e), param=e.field) from e
         chat = cls is ChatCompletionRequest
         rid = ("chatcmpl-" if chat else "cmpl-") + _new_id()
-        stream, prompt_tokens = await self._submit(body, rid, header_slo)
+        choices = await self._submit(body, rid, header_slo)
+        texts = self._texts()
         if body.stream:
             opts = body.stream_options
             include_usage = bool(opts and opts.include_usage)
             continuous = bool(opts and opts.continuous_usage_stats)
-            usage = (lambda n: usage_counts(prompt_tokens, n)) if continuous else None
-            return StreamingResponse(self._sse(stream, rid, chat, include_usage, usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._sse(choices, rid, chat, include_usage, continuous, texts),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            last = await self._collect(request, stream)
+            finals = await self._collect(request, choices)
         except EngineUnavailableError as e:  # the engine went down mid-request
             raise HTTPError(503, str(e)) from e
-        if last.error is not None:
-            raise HTTPError(500, last.error, code="engine_error")
-        s = RequestSummary.from_request(last.request)
+        for out in finals:
+            if out.error is not None:
+                for c in choices:
+                    self._abort(c.stream.req_id)
+                raise HTTPError(500, out.error, code="engine_error")
+        results = [_result(c, out.request, chat, texts)
+                   for c, out in zip(choices, finals, strict=True)]
         make = chat_json if chat else completion_json
-        return JSONResponse(make(rid, self.runtime.served_name, s))
+        return JSONResponse(make(rid, self.runtime.served_name, results,
+                                 _usage(choices, [r.summary for r in results])))
 
-    async def _collect(self, request: Request, stream: RequestStream) -> RequestOutput:
-        """The final output; aborts the request if the client goes away first."""
-        async def last() -> RequestOutput:
-            final = None
-            async for out in stream:
-                final = out
-            return final
+    def _texts(self) -> TokenTexts:
+        tok = self.runtime.tokenizer
+        if self._token_texts is None or self._token_texts_of is not tok:
+            self._token_texts, self._token_texts_of = TokenTexts(tok), tok
+        return self._token_texts
+
+    async def _collect(self, request: Request, choices: list[_Choice]) -> list[RequestOutput]:
+        """Every choice's final output; aborts them all if the client goes away first."""
+        async def last() -> list[RequestOutput]:
+            final: dict[int, RequestOutput] = {}
+            async for c, out in _merge(choices):
+                final[c.index] = out
+            return [final[c.index] for c in choices]
 
         task = asyncio.ensure_future(last())
         try:
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
                 if not done and await request.is_disconnected():
-                    self._abort(stream.req_id)
+                    for c in choices:
+                        self._abort(c.stream.req_id)
                     break
             return await task
         finally:
             if not task.done():
-                self._abort(stream.req_id)
+                for c in choices:
+                    self._abort(c.stream.req_id)
                 task.cancel()
 
-    async def _sse(self, stream: RequestStream, rid: str, chat: bool, include_usage: bool,
-                   running_usage: Callable[[int], dict[str, int]] | None
-                   ) -> AsyncIterator[str]:
-        """The SSE body. ``running_usage`` (vLLM's ``continuous_usage_stats``) puts the
-        usage so far in every chunk; ``include_usage`` adds OpenAI's final usage chunk.
-        A failure after the stream started ends it with an ``error`` event."""
+    async def _sse(self, choices: list[_Choice], rid: str, chat: bool, include_usage: bool,
+                   continuous: bool, texts: TokenTexts) -> AsyncIterator[str]:
+        """The SSE body: the choices' chunks interleaved as their tokens come, each naming
+        its ``index``. ``continuous`` (vLLM's ``continuous_usage_stats``) puts the
+        choice's usage so far in every chunk; ``include_usage`` adds OpenAI's final usage
+        chunk (every choice). A failure after the stream started ends it with an
+        ``error`` event (and aborts the other choices)."""
         model = self.runtime.served_name
-        with_usage = include_usage or running_usage is not None
-        finished = False
+        with_usage = include_usage or continuous
+        done: set[int] = set()
+        summaries: dict[int, RequestSummary] = {}
 
-        def usage(out: RequestOutput | None) -> dict[str, int] | None:
-            if running_usage is None:
+        def usage(c: _Choice, out: RequestOutput | None) -> dict[str, int] | None:
+            if not continuous:
                 return None
-            return running_usage(len(out.request.output_token_ids) if out else 0)
+            n = 0 if out is None or c.score_only else len(out.request.output_token_ids)
+            return usage_counts(len(c.prompt_ids), n)
 
+        def chunk(c: _Choice, text: str | None, out: RequestOutput | None,
+                  **kw: Any) -> dict[str, Any]:
+            return chunk_json(rid, model, chat, text, with_usage_field=with_usage,
+                              usage=usage(c, out), index=c.index, **kw)
+
+        merged = _merge(choices)
         try:
             if chat:
-                yield _sse(chunk_json(rid, model, chat, "", first=True,
-                                      with_usage_field=with_usage, usage=usage(None)))
-            async for out in stream:
+                for c in choices:
+                    yield _sse(chunk(c, "", None, first=True))
+            async for c, out in merged:
                 if out.error is not None:
-                    finished = True
+                    done.update(x.index for x in choices)
+                    for other in choices:
+                        self._abort(other.stream.req_id)
                     yield _sse(error_json(500, out.error, code="engine_error"))
                     break
-                if out.new_text:
-                    yield _sse(chunk_json(rid, model, chat, out.new_text,
-                                          with_usage_field=with_usage, usage=usage(out)))
+                if c.prompt_text is not None and not c.echoed:  # echo: the prompt first
+                    c.echoed = True
+                    lp = None if c.logprobs is None else c.completion_lp(texts).part(
+                        c.prompt_ids, out.prompt_logprobs or [])
+                    yield _sse(chunk(c, c.prompt_text, out, logprobs=lp))
+                new_tokens = out.new_token_ids and c.logprobs is not None
+                if not c.score_only and (out.new_text or new_tokens):
+                    lp = None
+                    if c.logprobs is not None:
+                        entries = out.logprobs or []
+                        lp = (chat_logprobs(entries, texts) if chat else
+                              c.completion_lp(texts).part(out.new_token_ids, entries))
+                    yield _sse(chunk(c, out.new_text, out, logprobs=lp))
                 if out.finished:
-                    finished = True
+                    done.add(c.index)
                     s = RequestSummary.from_request(out.request)
-                    final = chunk_json(rid, model, chat, None if chat else "",
-                                       finish_reason=s.finish_reason,
-                                       with_usage_field=with_usage, usage=usage(out))
+                    summaries[c.index] = s
+                    final = chunk(c, None if chat else "", out,
+                                  finish_reason="length" if c.score_only else s.finish_reason)
                     if not include_usage:
                         final["superinfer"] = s.to_json()
                     yield _sse(final)
-                    if include_usage:
-                        yield _sse(usage_chunk_json(rid, model, chat, s))
+            else:
+                if include_usage:
+                    ordered = [summaries[c.index] for c in choices]
+                    yield _sse(usage_chunk_json(rid, model, chat, _usage(choices, ordered),
+                                                ordered[0]))
             yield "data: [DONE]\n\n"
         except EngineUnavailableError as e:  # the whole engine went down mid-stream
-            finished = True
+            done.update(x.index for x in choices)
             yield _sse(error_json(503, str(e), code="engine_unavailable"))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away mid-stream
-                self._abort(rid)
+            await merged.aclose()
+            for c in choices:
+                if c.index not in done:  # the client went away mid-stream
+                    self._abort(c.stream.req_id)
 
     def _abort(self, req_id: str) -> None:
         engine = self.runtime.engine
@@ -465,6 +622,73 @@ class OpenAIFront:
                     "max_model_len": info.max_model_len if info else None}
             return JSONResponse({"object": "list", "data": [card]})
 
+        @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+        async def tokenize(request: Request) -> JSONResponse:
+            """vLLM's: the token ids of a prompt, or of chat messages as the chat endpoint
+            renders them."""
+            body = await self._parse_tool(request, TokenizeRequest)
+            tok = self._tokenizer()
+            if (body.prompt is None) == (body.messages is None):
+                raise HTTPError(400, "give exactly one of prompt, messages", param="prompt")
+            try:
+                if body.messages is not None:
+                    text = render_chat(tok, [m.to_template() for m in body.messages],
+                                       body.add_generation_prompt)
+                else:
+                    text = body.prompt
+            except FieldError as e:
+                raise HTTPError(400, str(e), param=e.field) from e
+            special = body.add_special_tokens
+            if special is None:
+                special = body.messages is None
+            ids = [int(t) for t in tok.encode(text)] if text else []
+            bos = getattr(tok, "bos_token_id", None)
+            if not special and getattr(tok, "add_bos", False) and ids and ids[0] == bos \
+                    and not text.startswith(getattr(tok, "bos_token", None) or "\0"):
+                ids = ids[1:]  # the BOS the tokenizer added
+            info = rt.model_info
+            texts = self._texts()
+            return JSONResponse({
+                "count": len(ids), "max_model_len": info.max_model_len if info else None,
+                "tokens": ids,
+                "token_strs": [texts.text(t) for t in ids] if body.return_token_strs else None})
+
+        @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+        async def detokenize(request: Request) -> JSONResponse:
+            """vLLM's: token ids to text, special tokens kept."""
+            body = await self._parse_tool(request, DetokenizeRequest)
+            tok = self._tokenizer()
+            vocab = rt.model_info.vocab_size if rt.model_info else None
+            for t in body.tokens:
+                if t < 0 or (vocab is not None and t >= vocab):
+                    raise HTTPError(400, f"tokens must be in [0, {vocab}), got {t}",
+                                    param="tokens")
+            try:
+                text = tok.decode(body.tokens, skip_special_tokens=False)
+            except TypeError:  # a tokenizer without the keyword
+                text = tok.decode(body.tokens)
+            return JSONResponse({"prompt": text})
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(request: Request) -> JSONResponse:
+            """vLLM's: the special tokens and chat template, for clients that tokenize
+            through the server (lm-eval's remote tokenizer reads it)."""
+            self._check_auth(request)
+            tok = self._tokenizer()
+            info = rt.model_info
+            return JSONResponse({
+                "tokenizer_class": type(tok).__name__,
+                "bos_token": getattr(tok, "bos_token", None),
+                "eos_token": getattr(tok, "eos_token", None),
+                "pad_token": None,
+                "add_bos_token": bool(getattr(tok, "add_bos", False)),
+                "chat_template": getattr(tok, "chat_template", None),
+                "model_max_length": info.max_model_len if info else None})
+
+        @app.get("/version")
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": _VERSION})
+
         def readiness() -> JSONResponse:
             state = rt.state
             ready = state is ServerState.SERVING
@@ -491,11 +715,95 @@ class OpenAIFront:
         async def metrics() -> Response:
             return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
 
-        app.openapi = lambda: _openapi(app)
+        app.openapi = lambda: _openapi(app, rt.config.server.max_n)
         return app
 
 
-_BODY_MODELS = (CompletionRequest, ChatCompletionRequest)
+@dataclass
+class _Choice:
+    """One choice of a response: its engine request's stream and what shapes its output."""
+
+    index: int
+    stream: RequestStream
+    prompt_ids: list[int]
+    prompt_text: str | None  # echo (completions): the prompt text, sent before the output
+    logprobs: int | None  # top alternatives per token asked for; None: no logprobs
+    score_only: bool  # echo with max_tokens 0: the one sampled token is not returned
+    first_of_prompt: bool  # counts the prompt's tokens in the usage (once per prompt)
+    echoed: bool = False
+    _lp: CompletionLogprobs | None = None
+
+    def completion_lp(self, texts: TokenTexts) -> CompletionLogprobs:
+        """The choice's legacy-logprobs builder (``text_offset`` runs on over chunks)."""
+        if self._lp is None:
+            self._lp = CompletionLogprobs(texts)
+        return self._lp
+
+
+async def _merge(choices: list[_Choice]
+                 ) -> AsyncGenerator[tuple[_Choice, RequestOutput], None]:
+    """Every choice's outputs, in the order they come, until each has finished; a stream
+    that raises (the engine went down) raises here."""
+    queue: asyncio.Queue[tuple[_Choice, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for out in c.stream:
+                queue.put_nowait((c, out))
+        except Exception as e:
+            queue.put_nowait((c, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        left = len(choices)
+        while left:
+            c, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield c, item
+            if item.finished:
+                left -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _result(c: _Choice, req: EngineRequest, chat: bool, texts: TokenTexts) -> ChoiceResult:
+    """A finished choice in the response's terms (the echo and the logprobs included)."""
+    s = RequestSummary.from_request(req)
+    output_ids = [] if c.score_only else list(req.output_token_ids)
+    text = "" if c.score_only else s.text
+    logprobs = None
+    if c.logprobs is not None:
+        out_lps = req.output_logprobs[:len(output_ids)]
+        if chat:
+            logprobs = chat_logprobs(out_lps, texts)
+        else:
+            lp = CompletionLogprobs(texts)
+            parts = [lp.part(c.prompt_ids, req.prompt_logprobs)] if c.prompt_text is not None \
+                else []
+            parts.append(lp.part(output_ids, out_lps))
+            logprobs = {k: [v for part in parts for v in part[k]] for k in parts[0]}
+    if c.prompt_text is not None:
+        text = c.prompt_text + text
+    if c.score_only:
+        s = dataclasses.replace(s, completion_tokens=0)
+    return ChoiceResult(c.index, text, "length" if c.score_only else s.finish_reason,
+                        logprobs, s)
+
+
+def _usage(choices: list[_Choice], summaries: list[RequestSummary]) -> dict[str, Any]:
+    """The usage of every choice: each prompt's tokens once, every choice's output."""
+    prompt = cached = completion = 0
+    for c, s in zip(choices, summaries, strict=True):
+        if c.first_of_prompt:
+            prompt += s.prompt_tokens
+            cached += s.cached_prompt_tokens
+        completion += 0 if c.score_only else s.completion_tokens
+    return usage_json(prompt, completion, cached)
+
+
+_BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
 
@@ -507,12 +815,18 @@ def _body_schema(model: type) -> dict[str, Any]:
                             "content": {"application/json": {"schema": schema}}}}
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the body models' schemas under components.schemas."""
+def _openapi(app: FastAPI, max_n: int) -> dict[str, Any]:
+    """FastAPI's document plus the body models' schemas under components.schemas, with
+    this server's ``n`` limit (``server.max_n``)."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         _, top = models_json_schema([(m, "validation") for m in _BODY_MODELS],
                                     ref_template=_REF)
+        for model in (CompletionRequest, ChatCompletionRequest):
+            props = top["$defs"][model.__name__]["properties"]
+            for name in ("n", "best_of"):
+                if name in props:
+                    props[name]["maximum"] = max_n
         doc.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
         app.openapi_schema = doc
     return app.openapi_schema

@@ -5,8 +5,8 @@ accepted and ignored, as vLLM does (clients send vendor extensions, e.g. guidell
 ``stream_options.continuous_usage_stats`` before we supported it); the server logs each
 unknown name once, and ``server.strict_request_fields`` turns them into 400s instead
 (``unknown_fields`` lists them). Fields OpenAI defines that this server cannot honour
-(``n > 1``, logprobs, penalties) are accepted only at their neutral value and refused
-otherwise.
+(``suffix``, ``best_of`` other than ``n``) are accepted only at their neutral value and
+refused otherwise.
 
 Numeric bounds are not checked here but by the engine's request dataclasses
 (``superinfer_jax.request.FIELD_RANGES``), the one place they are written; the models
@@ -14,14 +14,18 @@ carry them into the published OpenAPI document (``json_schema_extra``) so client
 fuzzers see the same bounds.
 
 Extensions: ``slo_constraints: {ttft_ms, tbt_ms, priority_class}``, and vLLM's ``top_k``,
-``ignore_eos``, ``stop_token_ids`` and ``stream_options.continuous_usage_stats``.
-Responses carry a ``superinfer`` object (TTFT, queue time, rotations, SLO outcome, the
-engine's own finish reason), which OpenAI clients keep as an extra field.
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
+``structured_outputs`` and ``stream_options.continuous_usage_stats``. Responses carry a
+``superinfer`` object (TTFT, queue time, rotations, SLO outcome, the engine's own finish
+reason), which OpenAI clients keep as an extra field.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -30,10 +34,12 @@ from serving.requests import CHAT_ROLES, RequestSummary
 from superinfer_jax.request import (
     FIELD_RANGES,
     MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     PRIORITY_CLASSES,
+    FieldError,
 )
 
 
@@ -132,6 +138,65 @@ class ChatMessage(_Strict):
         return out
 
 
+# Most choices (``n``) per prompt: ``server.max_n`` sets it (the published schema shows
+# the server's value).
+DEFAULT_MAX_N = 16
+# Prompts in one completions request (a list of strings or of token-id lists).
+MAX_PROMPTS = 256
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the
+    output is always held to the schema (constrained decoding)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint. ``json`` is a JSON schema
+    (an object, or its JSON text); ``choice`` the output is one of these strings;
+    ``grammar`` a Lark (EBNF-like) grammar; ``json_object`` any JSON object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    def constraint(self) -> tuple[str, Any]:
+        """(kind, value) of the one constraint set; ``FieldError`` unless exactly one."""
+        given = [(k, v) for k, v in (("json", self.json_), ("regex", self.regex),
+                                     ("choice", self.choice), ("grammar", self.grammar))
+                 if v is not None]
+        if self.json_object:
+            given.append(("json_object", None))
+        if len(given) != 1:
+            names = [k for k, _ in given] or "none"
+            raise FieldError("structured_outputs", "structured_outputs: give exactly one of "
+                             f"json, regex, choice, grammar, json_object (got {names})")
+        kind, value = given[0]
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise FieldError("structured_outputs.json",
+                                 f"structured_outputs.json: not valid JSON: {e}") from e
+        if kind == "json" and not isinstance(value, dict | bool):
+            raise FieldError("structured_outputs.json", "structured_outputs.json: a JSON "
+                             f"schema is an object, got {type(value).__name__}")
+        return kind, value
+
+
 class _Common(_Strict):
     model: str
     max_tokens: JsonInt | None = _bounded("max_tokens")
@@ -147,11 +212,18 @@ class _Common(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: JsonInt = Field(1, **_only(1))
+    n: JsonInt = Field(1, json_schema_extra={"minimum": 1, "maximum": DEFAULT_MAX_N})
     user: str | None = None
-    presence_penalty: float | None = Field(None, **_only(0, None))
-    frequency_penalty: float | None = Field(None, **_only(0, None))
-    logit_bias: dict[str, float] | None = Field(None, **_only({}, None))
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repetition_penalty: float | None = _bounded("repetition_penalty")  # vLLM's
+    min_tokens: JsonInt | None = _bounded("min_tokens")  # vLLM's
+    # OpenAI's: token id (as a string) -> bias added to its logit
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": FIELD_RANGES["logit_bias"].json_schema()})
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     slo_constraints: SLOConstraints | None = None
     # vLLM's: requests share cached prefix pages only with the same salt (a tenant's
     # secret; a shared cache is a timing side channel between tenants)
@@ -159,48 +231,97 @@ class _Common(_Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do: (field, why)."""
-        if self.n != 1:
-            return "n", "n: only n=1 is supported"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return name, f"{name}: penalties are not supported (use 0 or omit it)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias: not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options: only allowed when stream is true"
         return None
 
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; a key that is not a token id is a
+        ``FieldError`` (values and ids in the vocabulary are checked by the engine)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise FieldError("logit_bias", "logit_bias: keys are token ids (decimal "
+                                 f"integers as strings), got {key[:40]!r}")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
+    def structured(self) -> tuple[str, str, Any] | None:
+        """The output constraint asked for: (the field the client used, kind, value) with
+        kind json, json_object, regex, choice or grammar; None for free text."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise FieldError("structured_outputs", "structured_outputs: give either it or "
+                             "response_format, not both")
+        if so is not None:
+            kind, value = so.constraint()
+            return f"structured_outputs.{kind}", kind, value
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return "response_format", "json_object", None
+        if rf.json_schema is None:
+            raise FieldError("response_format.json_schema", "response_format.json_schema: "
+                             "required when type is json_schema")
+        schema = rf.json_schema.schema_
+        # OpenAI: no schema means any JSON object
+        return ("response_format.json_schema", "json", schema) if schema is not None else (
+            "response_format.json_schema", "json_object", None)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[JsonInt] | list[str] | list[list[JsonInt]]
-    echo: bool = Field(False, **_only(False))
-    logprobs: JsonInt | None = Field(None, **_only(0, None))
+    # 0 only with echo (scoring the prompt, as vLLM allows)
+    max_tokens: JsonInt | None = Field(None, json_schema_extra={
+        "minimum": 0, "maximum": FIELD_RANGES["max_tokens"].high})
+    echo: bool = False
+    logprobs: JsonInt | None = _bounded("logprobs")
     suffix: str | None = Field(None, **_only("", None))
-    best_of: JsonInt | None = Field(None, **_only(1, None))
+    # best_of > n (sample more, return the n most likely) is not offered: vLLM V1 and
+    # OpenAI's newer models dropped it; best_of == n is plain n
+    best_of: JsonInt | None = Field(None, json_schema_extra={
+        "minimum": 1, "maximum": DEFAULT_MAX_N, "description": "only equal to n"})
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo: not supported"
-        if self.logprobs:
-            return "logprobs", "logprobs: not supported"
         if self.suffix:
             return "suffix", "suffix: not supported"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of: only 1 is supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", (f"best_of: only best_of == n is supported (got best_of "
+                               f"{self.best_of}, n {self.n}); ask for n samples instead")
         return super().unsupported()
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = _bounded("max_tokens")
-    logprobs: bool | None = Field(None, **_only(False, None))
-    top_logprobs: JsonInt | None = Field(None, **_only(0, None))
+    logprobs: bool | None = None
+    top_logprobs: JsonInt | None = _bounded("logprobs")
 
     def unsupported(self) -> tuple[str, str] | None:
-        for name in ("logprobs", "top_logprobs"):
-            if getattr(self, name):
-                return name, f"{name}: not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs: only allowed when logprobs is true"
         return super().unsupported()
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered with the chat template.
+    ``add_special_tokens`` defaults as vLLM's do: true for a prompt (the BOS the model
+    wants, if any), false for messages (templates write their own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[JsonInt] = Field(json_schema_extra={
+        "items": {"type": "integer", **FIELD_RANGES["stop_token_ids"].json_schema()}})
 
 
 # The engine's finish reasons as OpenAI's. An aborted request (client cancel, drain
@@ -214,10 +335,11 @@ def openai_finish_reason(reason: str) -> str:
     return _OPENAI_FINISH.get(reason, "stop")
 
 
-def usage_json(s: RequestSummary) -> dict[str, Any]:
+def usage_json(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int) -> dict[str, Any]:
     """OpenAI's usage, with the prompt tokens served from the prefix cache."""
-    return {**usage_counts(s.prompt_tokens, s.completion_tokens),
-            "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens}}
+    return {**usage_counts(prompt_tokens, completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -225,39 +347,63 @@ def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_json(rid: str, model: str, s: RequestSummary) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": s.text, "logprobs": None,
-                     "finish_reason": openai_finish_reason(s.finish_reason)}],
-        "usage": usage_json(s), "superinfer": s.to_json(),
-    }
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed response. ``text`` is what the client gets
+    (the prompt in front with ``echo``), ``logprobs`` already in the endpoint's shape."""
+
+    index: int
+    text: str
+    finish_reason: str  # the engine's
+    logprobs: dict[str, Any] | None
+    summary: RequestSummary
 
 
-def chat_json(rid: str, model: str, s: RequestSummary) -> dict[str, Any]:
-    return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text},
-                     "logprobs": None, "finish_reason": openai_finish_reason(s.finish_reason)}],
-        "usage": usage_json(s), "superinfer": s.to_json(),
-    }
+def completion_json(rid: str, model: str, choices: Sequence[ChoiceResult],
+                    usage: dict[str, Any]) -> dict[str, Any]:
+    return _response(rid, model, "text_completion", [
+        {"index": c.index, "text": c.text, "logprobs": c.logprobs,
+         "finish_reason": openai_finish_reason(c.finish_reason)} for c in choices],
+        choices, usage)
+
+
+def chat_json(rid: str, model: str, choices: Sequence[ChoiceResult],
+              usage: dict[str, Any]) -> dict[str, Any]:
+    return _response(rid, model, "chat.completion", [
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": c.logprobs, "finish_reason": openai_finish_reason(c.finish_reason)}
+        for c in choices], choices, usage)
+
+
+def _response(rid: str, model: str, kind: str, bodies: list[dict[str, Any]],
+              choices: Sequence[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
+    """The top-level ``superinfer`` is the first choice's; with several choices each
+    carries its own too."""
+    if len(choices) > 1:
+        for body, c in zip(bodies, choices, strict=True):
+            body["superinfer"] = c.summary.to_json()
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "choices": bodies, "usage": usage, "superinfer": choices[0].summary.to_json()}
 
 
 def chunk_json(rid: str, model: str, chat: bool, text: str | None,
                finish_reason: str | None = None, first: bool = False,
                with_usage_field: bool = False,
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """One SSE chunk with a text delta (chat: a ``delta`` object). ``usage`` is the
-    running count under ``continuous_usage_stats``; else the field is null when asked."""
+               usage: dict[str, int] | None = None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk of choice ``index`` with a text delta (chat: a ``delta`` object) and
+    the logprobs of its tokens. ``usage`` is the choice's running count under
+    ``continuous_usage_stats``; else the field is null when asked."""
     if finish_reason is not None:
         finish_reason = openai_finish_reason(finish_reason)
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
@@ -266,11 +412,13 @@ def chunk_json(rid: str, model: str, chat: bool, text: str | None,
     return body
 
 
-def usage_chunk_json(rid: str, model: str, chat: bool, s: RequestSummary) -> dict[str, Any]:
-    """The last chunk under ``stream_options.include_usage``: no choices, the usage."""
+def usage_chunk_json(rid: str, model: str, chat: bool, usage: dict[str, Any],
+                     s: RequestSummary) -> dict[str, Any]:
+    """The last chunk under ``stream_options.include_usage``: no choices, the usage (of
+    every choice), the first choice's ``superinfer``."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage_json(s), "superinfer": s.to_json()}
+            "usage": usage, "superinfer": s.to_json()}
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

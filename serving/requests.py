@@ -7,20 +7,30 @@ an SLO means the same thing, and fails with the same message, whichever way it a
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from superinfer_jax.request import FIELD_RANGES, SLO, FieldError, Request, SamplingParams
+from superinfer_jax.request import (
+    FIELD_RANGES,
+    SEED_MAX,
+    SLO,
+    FieldError,
+    Request,
+    SamplingParams,
+)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def encode_prompt(tokenizer: Any, *, text: str | None = None,
                   token_ids: Sequence[int] | None = None,
-                  messages: Sequence[Any] | None = None) -> list[int]:
+                  messages: Sequence[Any] | None = None,
+                  add_generation_prompt: bool = True) -> list[int]:
     """Token ids of exactly one of: raw text, pre-tokenized ids, chat messages.
 
     Errors are ``FieldError``s naming the field as the gRPC schema spells it (``text``,
@@ -44,7 +54,7 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None,
     if tokenizer is None:
         raise FieldError(field, "this model has no tokenizer: send token ids")
     if messages is not None:
-        text = render_chat(tokenizer, messages)
+        text = render_chat(tokenizer, messages, add_generation_prompt)
     if not isinstance(text, str):
         raise FieldError(field, f"prompt must be a string, got {type(text).__name__}")
     if not text:
@@ -52,7 +62,8 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None,
     return list(tokenizer.encode(text))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Any],
+                add_generation_prompt: bool = True) -> str:
     """The prompt text of OpenAI-style messages, through the model's chat template.
 
     Assistant messages may carry ``tool_calls`` (then ``content`` may be null) and tool
@@ -84,7 +95,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
                 message[key] = m[key]
         clean.append(message)
     try:
-        return tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(clean,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # a template's own raise_exception, or a missing template
         raise FieldError("messages", f"messages: chat template failed: {e}") from e
 
@@ -119,6 +131,35 @@ def _content_text(i: int, role: str, message: dict[str, Any]) -> str:
 def make_sampling(**fields: Any) -> SamplingParams:
     """SamplingParams from the fields a client set (None means unset: the default)."""
     return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of ``n`` (vLLM's): ``seed + index``, wrapping at 2**64,
+    so each sample is reproducible by its own seed and the n samples differ."""
+    if seed is None or index == 0:  # as sent: an out-of-range seed is refused, not wrapped
+        return seed
+    return (seed + index) % (SEED_MAX + 1)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_spec(kind: str, value: Any, field: str) -> Any:
+    """The engine's output constraint (``superinfer_jax.structured.StructuredOutputSpec``)
+    for ``kind`` and ``value``. ``field`` is the request field it came from, named by the
+    ``FieldError`` when this build has no structured-output support. The grammar itself
+    is compiled by the engine at intake; a schema or regex it cannot compile comes back
+    as a ``FieldError`` on ``structured_outputs.<kind>``."""
+    if kind not in STRUCTURED_KINDS:
+        raise FieldError(field, f"{field}: unknown kind {kind!r}")
+    try:
+        module = importlib.import_module("superinfer_jax.structured")
+    except ImportError:
+        raise FieldError(field, f"{field}: structured outputs are not available in this "
+                                "build") from None
+    if kind == "json" and not isinstance(value, str):
+        value = json.dumps(value, ensure_ascii=False)  # key order kept: it orders the output
+    return module.StructuredOutputSpec(kind, value)
 
 
 def make_slo(default: SLO, ttft_ms: float | None = None, tbt_ms: float | None = None,
