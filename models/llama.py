@@ -126,7 +126,8 @@ class LlamaModel(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
-                 all_logits: bool = False, mesh: Mesh | None = None):
+                 all_logits: bool = False, mesh: Mesh | None = None,
+                 return_hidden: bool = False):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
         residual stream is kept replicated, so each block costs two all-reduces."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
@@ -135,11 +136,19 @@ class LlamaModel(nnx.Module):
         inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
         for layer_idx, layer in enumerate(self.layers):
             x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh)
+        if return_hidden:  # every column, normed: ``project`` maps them to logits
+            hidden = self.final_norm(x)
+            last = jnp.maximum(inputs.query_lens - 1, 0)
+            x = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+            return self.project(x, mesh), kv_pool, hidden
         if not all_logits:
             last = jnp.maximum(inputs.query_lens - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        x = self.final_norm(x)
+        return self.project(self.final_norm(x), mesh), kv_pool
+
+    def project(self, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+        """Normed hidden states [..., hidden] -> float32 logits [..., vocab]."""
         logits = (x @ self.lm_head[...]).astype(jnp.float32)
         if mesh is not None:
             logits = _gather_vocab(logits, mesh)
-        return logits, kv_pool
+        return logits

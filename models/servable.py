@@ -55,10 +55,14 @@ class LlamaServable:
         return self.config.name
 
     def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
-                all_logits: bool = False):
+                all_logits: bool = False, return_hidden: bool = False):
         module = nnx.merge(self.graphdef, params)
         return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits,
-                      mesh=self.mesh)
+                      mesh=self.mesh, return_hidden=return_hidden)
+
+    def project(self, params, hidden):
+        """Hidden states from ``forward(..., return_hidden=True)`` -> logits."""
+        return nnx.merge(self.graphdef, params).project(hidden, self.mesh)
 
     def shard(self, mesh: Mesh) -> LlamaServable:
         """This model tensor-parallel over ``mesh``, converted tensor by tensor on device.

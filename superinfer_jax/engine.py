@@ -60,8 +60,10 @@ from superinfer_jax.kv.events import KVEvent, KVEventLog
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
 from superinfer_jax.latency import LatencyModel
+from superinfer_jax.logits import HostLogprobs, read_logprobs
 from superinfer_jax.model_api import ServableModel
 from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cache: re-export)
+    CallRow,
     InflightStep,
     ModelRunner,
     enable_compilation_cache,
@@ -339,17 +341,20 @@ class LLMEngine:
             offset = 0 if prefill else self.runner.feedback_width
             finals = []
             for b, (req, n) in enumerate(reqs):
+                start = req.num_computed_tokens
                 req.num_computed_tokens += n
                 final = req.num_computed_tokens == req.num_tokens
                 if final:
                     req.num_inflight_tokens += 1
                     req.final_token_inflight = self._surely_final(req)
                     step.sources[req.req_id] = offset + b
-                finals.append((req, final))
+                finals.append(CallRow(req, start, n, final))
             if prefill:
                 step.prefill, step.prefill_rows = sampled, finals
+                step.prefill_logprobs = call.logprobs
             else:
                 step.decode, step.decode_rows = sampled, finals
+                step.decode_logprobs = call.logprobs
         return step
 
     def _surely_final(self, req: Request) -> bool:
@@ -360,16 +365,21 @@ class LLMEngine:
     def _collect(self, step: InflightStep) -> list[RequestOutput]:
         """Block on a dispatched step's tokens and hand them to their requests."""
         outputs: list[RequestOutput] = []
-        for sampled, rows in ((step.prefill, step.prefill_rows),
-                              (step.decode, step.decode_rows)):
+        for sampled, logprobs, rows in (
+                (step.prefill, step.prefill_logprobs, step.prefill_rows),
+                (step.decode, step.decode_logprobs, step.decode_rows)):
             if sampled is None:
                 continue
             tokens = self.runner.read_tokens(sampled)
+            host_lp = None if logprobs is None else read_logprobs(logprobs)
             now = time.perf_counter()
-            for (req, final), token in zip(rows, tokens, strict=False):
-                if not final:
-                    continue
+            for b, (row, token) in enumerate(zip(rows, tokens, strict=False)):
+                req = row.req
                 try:
+                    if host_lp is not None and not req.status.is_finished:
+                        self._land_logprobs(req, host_lp, b, row, int(token))
+                    if not row.final:
+                        continue
                     out = self._advance(req, int(token), now)
                 except Exception as e:  # detokenizer or stop check: this request only
                     self._fail_request(req, e)
@@ -377,6 +387,27 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _land_logprobs(req: Request, lp: HostLogprobs, b: int, row: CallRow,
+                       token: int) -> None:
+        """Keep a row's logprobs on its request: the prompt positions it computed (once
+        each: a recomputed chunk adds nothing), and the sampled token's on a final row
+        (``_advance`` hands it out with the token)."""
+        sp = req.sampling
+        if sp.prompt_logprobs is not None:
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # nothing predicts the first token
+            prompt = req.prompt_token_ids
+            for j in range(row.num_tokens):
+                pos = row.start + j + 1  # the prompt position column j predicts
+                if pos >= len(prompt):
+                    break
+                if pos == len(req.prompt_logprobs):
+                    req.prompt_logprobs.append(
+                        lp.prompt(b, j, prompt[pos], sp.prompt_logprobs))
+        if row.final and sp.logprobs is not None:
+            req.pending_logprobs = lp.sampled(b, token, sp.logprobs)
 
     # -- rotation (DuplexKV) -------------------------------------------------------------
 
@@ -414,11 +445,19 @@ class LLMEngine:
         """Land a sampled token (the output processor) and finish its request if it ends."""
         if req.status.is_finished:
             return None  # aborted, or ended by an earlier token: this row was wasted
+        first = not req.output_token_ids
         outcome = self.output.land(req, token, now)
         if outcome.finish is not None:
             self._finish(req, outcome.finish, now)
-        return RequestOutput(req.req_id, [token], outcome.delta, outcome.finish is not None,
-                             req.status.finish_reason, req)
+        out = RequestOutput(req.req_id, [token], outcome.delta, outcome.finish is not None,
+                            req.status.finish_reason, req)
+        if req.sampling.logprobs is not None and req.pending_logprobs is not None:
+            req.output_logprobs.append(req.pending_logprobs)
+            out.logprobs = [req.pending_logprobs]
+            req.pending_logprobs = None
+        if first and req.sampling.prompt_logprobs is not None:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+        return out
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.remove(req)

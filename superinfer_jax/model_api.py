@@ -4,9 +4,10 @@ The engine never imports a model. It drives anything that provides:
 
 - ``kv_spec``: the per-token KV shape (layers, KV heads, head dim) the pool is built from;
 - ``params``: a pytree of arrays (the NNX state, split once at load time);
-- ``forward(params, kv_pool, inputs, attention_backend=..., all_logits=...)``: a pure
-  function, traceable under ``jax.jit``, that writes the step's new K/V into the pool
-  and returns logits and the updated pool;
+- ``forward(params, kv_pool, inputs, attention_backend=..., all_logits=...,
+  return_hidden=...)``: a pure function, traceable under ``jax.jit``, that writes the
+  step's new K/V into the pool and returns logits and the updated pool (and the hidden
+  states of every column, which ``project(params, hidden)`` maps to logits);
 - ``tokenizer`` with ``encode(text) -> list[int]`` and ``decode(ids) -> str``;
 - ``eos_token_ids`` and ``max_position_embeddings``.
 
@@ -87,10 +88,18 @@ class ServableModel(Protocol):
         *,
         attention_backend: str = "xla",
         all_logits: bool = False,
-    ) -> tuple[jax.Array, jax.Array]:
-        """Run one step. Returns (logits, kv_pool).
+        return_hidden: bool = False,
+    ) -> tuple[jax.Array, ...]:
+        """Run one step. Returns (logits, kv_pool), or (logits, kv_pool, hidden) with
+        ``return_hidden``.
 
         logits: [B, vocab] float32 at each row's last valid token, or [B, C, vocab]
-        when ``all_logits``. The pool is updated with the step's K/V.
+        when ``all_logits``. hidden: [B, C, hidden] final-normed states of every column,
+        which ``project`` turns into logits (prompt logprobs). The pool is updated with
+        the step's K/V.
         """
+        ...
+
+    def project(self, params: Any, hidden: jax.Array) -> jax.Array:
+        """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab]."""
         ...

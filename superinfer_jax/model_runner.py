@@ -32,6 +32,15 @@ from superinfer_jax.duplexkv import DuplexKV, RotationEvent
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
+from superinfer_jax.logits import (
+    NO_TOKEN,
+    LogitsInputs,
+    StepLogprobs,
+    neutral_logits_inputs,
+    process_logits,
+    prompt_logprobs,
+    sampled_logprobs,
+)
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import Request
 from superinfer_jax.sampling import SamplingInputs, sample
@@ -42,23 +51,38 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class CallRow:
+    """One row of a dispatched call: its request, the first position it computes, its
+    token count, and whether it samples the request's next token (its last row)."""
+
+    req: Request
+    start: int
+    num_tokens: int
+    final: bool
+
+
+@dataclass
 class InflightStep:
-    """A dispatched step whose tokens the host has not read: its sampled arrays, and per
-    call the rows in order with whether each samples a token (a sequence's last row)."""
+    """A dispatched step whose tokens the host has not read: per call (prefill, decode)
+    its sampled arrays, its logprobs when a row asked (read only then), and its rows."""
 
     prefill: jax.Array | None = None
     decode: jax.Array | None = None
-    prefill_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
-    decode_rows: list[tuple[Request, bool]] = dataclasses.field(default_factory=list)
+    prefill_logprobs: StepLogprobs | None = None
+    decode_logprobs: StepLogprobs | None = None
+    prefill_rows: list[CallRow] = dataclasses.field(default_factory=list)
+    decode_rows: list[CallRow] = dataclasses.field(default_factory=list)
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> feedback
 
 
 @dataclass
 class Dispatched:
-    """One dispatched call: its sampled tokens (None when no row was left), the rows that
-    run, in order, and the requests whose rows could not be built, with why."""
+    """One dispatched call: its sampled tokens (None when no row was left), its logprobs
+    (None when no row asked), the rows that run, in order, and the requests whose rows
+    could not be built, with why."""
 
     sampled: jax.Array | None
+    logprobs: StepLogprobs | None
     rows: list[tuple[Request, int]]
     failed: list[tuple[Request, BaseException]]
 
@@ -88,10 +112,13 @@ class ModelRunner:
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
         self.inflight: InflightStep | None = None  # dispatched, tokens not read yet
+        self.last_logprobs: StepLogprobs | None = None  # of the last call_step
         # The step takes the weights as a flat list: jit flattens its arguments on every
         # call, and flattening the nnx.State (273 leaves for SmolLM2) costs 0.26 ms more
         # per call than a list (0.32 against 0.06 ms on this CPU), twice a step.
         self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
+        self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
+        self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         self._step_fn = self._jit_step()
 
     # -- setup -------------------------------------------------------------------------
@@ -152,7 +179,8 @@ class ModelRunner:
         donated buffer is reused and no step ever changes the pool's layout."""
         if self.mesh is None:
             return jax.jit(self._step, donate_argnums=(1,))
-        out = (parallel.replicated(self.mesh), parallel.pool_sharding(self.mesh))
+        replicated = parallel.replicated(self.mesh)
+        out = (replicated, replicated, parallel.pool_sharding(self.mesh))
         return jax.jit(self._step, donate_argnums=(1,), out_shardings=out)
 
     def _choose_num_pages(self) -> int:
@@ -178,13 +206,18 @@ class ModelRunner:
         return pages
 
     def _step(self, param_leaves, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
-              feedback: TokenFeedback):
+              logits_in: LogitsInputs, feedback: TokenFeedback):
         params = jax.tree.unflatten(self._params_treedef, param_leaves)
         inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
-        logits, kv_pool = self.model.forward(
-            params, kv_pool, inputs, attention_backend=self.backend
-        )
-        return pad_sampled(sample(logits, sampling), self.feedback_width), kv_pool
+        logits, kv_pool, hidden = self.model.forward(
+            params, kv_pool, inputs, attention_backend=self.backend, return_hidden=True)
+        processed = process_logits(logits, inputs.tokens, inputs.positions,
+                                   inputs.context_lens, logits_in, self._eos_token_ids)
+        sampled = sample(processed, sampling)
+        logprob, rank, top_ids, top_lps = sampled_logprobs(logits, sampled, logits_in)
+        prompt = prompt_logprobs(lambda h: self.model.project(params, h), hidden, logits_in)
+        logprobs = StepLogprobs(logprob, rank, top_ids, top_lps, *prompt)
+        return pad_sampled(sampled, self.feedback_width), logprobs, kv_pool
 
     def shapes(self) -> list[tuple[int, int]]:
         cfg = self.config
@@ -248,6 +281,7 @@ class ModelRunner:
         padding = (0, 0, 0, 0, NULL_PAGE, 0, 0, 1, 0, NO_SOURCE)  # each array's fill
         kept: list[tuple[Request, int]] = []
         failed: list[tuple[Request, BaseException]] = []
+        extra = _LogitsRows(self, num_rows, cols)
         b = 0
         for req, n in rows:
             try:
@@ -267,15 +301,17 @@ class ModelRunner:
                 sp = req.sampling
                 temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
                 seeds[b] = sp.seed or 0
+                extra.set_row(b, req, start, n)
             except Exception as e:  # this request's inputs only: it fails, the step goes on
                 for a, pad in zip(arrays, padding, strict=True):
                     a[b] = pad
+                extra.clear_row(b)
                 failed.append((req, e))
                 continue
             kept.append((req, n))
             b += 1
         if not kept:
-            return Dispatched(None, kept, failed)
+            return Dispatched(None, None, kept, failed)
         inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
         sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
         prev = self.inflight
@@ -283,7 +319,9 @@ class ModelRunner:
             source,
             prev.prefill if prev is not None and prev.prefill is not None else self.no_tokens,
             prev.decode if prev is not None and prev.decode is not None else self.no_tokens)
-        return Dispatched(self.call_step(inputs, sampling, feedback), kept, failed)
+        sampled = self.call_step(inputs, sampling, feedback, extra.build())
+        return Dispatched(sampled, self.last_logprobs if extra.any_logprobs else None, kept,
+                          failed)
 
     def _feedback_source(self, req: Request, n: int, num_known: int) -> int:
         """Where a row's unknown input token lies: the one token the step in flight is
@@ -297,13 +335,27 @@ class ModelRunner:
         return prev.sources[req.req_id]
 
     def call_step(self, inputs: StepInputs, sampling: SamplingInputs,
-                   feedback: TokenFeedback | None = None) -> jax.Array:
-        """Run the jitted step on the pool (donated); returns the padded sampled tokens."""
+                  feedback: TokenFeedback | None = None,
+                  logits_in: LogitsInputs | None = None) -> jax.Array:
+        """Run the jitted step on the pool (donated); returns the padded sampled tokens
+        (the call's logprobs, when ``logits_in`` asks for them, are ``last_logprobs``)."""
+        rows, cols = inputs.tokens.shape
         if feedback is None:
-            feedback = TokenFeedback.none(inputs.tokens.shape[0], self.no_tokens)
-        sampled, self.kv_pool = self._step_fn(self.step_params, self.kv_pool, inputs,
-                                              sampling, feedback)
+            feedback = TokenFeedback.none(rows, self.no_tokens)
+        if logits_in is None:
+            logits_in = self.neutral_logits_inputs(rows, cols)
+        sampled, self.last_logprobs, self.kv_pool = self._step_fn(
+            self.step_params, self.kv_pool, inputs, sampling, logits_in, feedback)
         return sampled
+
+    def neutral_logits_inputs(self, rows: int, cols: int) -> LogitsInputs:
+        """Logits inputs that change nothing, committed once per shape (no transfer)."""
+        key = (rows, cols)
+        if key not in self._neutral:
+            neutral = neutral_logits_inputs(rows, cols, self.config.max_model_len,
+                                            self.model.vocab_size)
+            self._neutral[key] = jax.tree.map(self._committed, neutral)
+        return self._neutral[key]
 
     # -- DuplexKV on the pool ----------------------------------------------------------
 
@@ -330,6 +382,76 @@ class ModelRunner:
     def read_tokens(sampled: jax.Array) -> np.ndarray:
         """The sampled token ids on the host: blocks on this call only."""
         return np.asarray(sampled)
+
+
+class _LogitsRows:
+    """The ``LogitsInputs`` of one call, built row by row: each feature's wide arrays are
+    made only once a row uses it; the others stay the runner's committed constants."""
+
+    def __init__(self, runner: ModelRunner, rows: int, cols: int):
+        self.runner, self.rows, self.cols = runner, rows, cols
+        self.small = {
+            "prompt_lens": np.zeros(rows, np.int32),
+            "presence": np.zeros(rows, np.float32),
+            "frequency": np.zeros(rows, np.float32),
+            "repetition": np.ones(rows, np.float32),
+            "suppress_eos": np.zeros(rows, np.bool_),
+            "masked": np.zeros(rows, np.bool_),
+            "want_logprobs": np.zeros(rows, np.bool_),
+            "want_prompt_logprobs": np.zeros(rows, np.bool_),
+        }
+        self.wide: dict[str, np.ndarray] = {}  # history, bias_*, mask, targets once used
+        self.any_logprobs = False
+
+    def _wide(self, name: str) -> np.ndarray:
+        if name not in self.wide:
+            neutral = self.runner.neutral_logits_inputs(self.rows, self.cols)
+            self.wide[name] = np.array(getattr(neutral, name))  # a writable host copy
+        return self.wide[name]
+
+    def set_row(self, b: int, req: Request, start: int, n: int) -> None:
+        sp = req.sampling
+        num_prompt = len(req.prompt_token_ids)
+        self.small["prompt_lens"][b] = num_prompt
+        if sp.has_penalties:
+            self.small["presence"][b] = sp.presence_penalty
+            self.small["frequency"][b] = sp.frequency_penalty
+            self.small["repetition"][b] = sp.repetition_penalty
+            known = req.all_token_ids[:start]  # every position before the step is known
+            self._wide("history")[b, :len(known)] = known
+        # the output index of the token this row samples (when it is the last row)
+        outputs_before = start + n - num_prompt
+        bias = list(sp.logit_bias)
+        if outputs_before < sp.min_tokens:
+            self.small["suppress_eos"][b] = True
+            bias += [(t, -np.inf) for t in sp.stop_token_ids]
+        if bias:
+            ids, values = zip(*bias, strict=True)
+            self._wide("bias_ids")[b, :len(ids)] = ids
+            self._wide("bias_values")[b, :len(values)] = values
+        if req.grammar is not None and start + n == req.num_tokens:
+            self.small["masked"][b] = True
+            req.grammar.fill_bitmask(self._wide("mask")[b])
+        if sp.logprobs is not None:
+            self.small["want_logprobs"][b] = self.any_logprobs = True
+        if sp.prompt_logprobs is not None and start + 1 < num_prompt:
+            self.small["want_prompt_logprobs"][b] = self.any_logprobs = True
+            targets = req.prompt_token_ids[start + 1:min(start + n + 1, num_prompt)]
+            self._wide("targets")[b, :len(targets)] = targets
+
+    def clear_row(self, b: int) -> None:
+        """A row whose inputs failed half-way becomes neutral padding again."""
+        neutral = self.runner.neutral_logits_inputs(1, self.cols)
+        for name, array in self.small.items():
+            array[b] = np.asarray(getattr(neutral, name))[0]
+        for name, array in self.wide.items():
+            array[b] = NO_TOKEN if name in ("history", "bias_ids") else (
+                -1 if name == "mask" else 0)
+
+    def build(self) -> LogitsInputs:
+        neutral = self.runner.neutral_logits_inputs(self.rows, self.cols)
+        return dataclasses.replace(neutral, **self.small, **self.wide)
+
 
 
 def enable_compilation_cache(path: str) -> None:

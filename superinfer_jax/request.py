@@ -304,6 +304,7 @@ class Request:
     # position (None at position 0: nothing predicts the first token).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    pending_logprobs: TokenLogprobs | None = None  # read with the token, not landed yet
     # ``n > 1``: a sibling that waits until ``fork_of`` has its prompt in the pool, then
     # takes those pages from the prefix cache (prefill once, fork).
     fork_of: Request | None = None

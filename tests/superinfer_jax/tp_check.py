@@ -123,6 +123,7 @@ def step_hlo(engine) -> str:
     inputs = engine.runner.empty_inputs(rows, 1)
     lowered = engine.runner._step_fn.lower(engine.runner.step_params, engine.kv_pool, inputs,
                                     SamplingInputs.greedy(rows),
+                                    engine.runner.neutral_logits_inputs(rows, 1),
                                     TokenFeedback.none(rows, engine.runner.no_tokens))
     return lowered.compile().as_text()
 
