@@ -242,7 +242,9 @@ class LLMEngine:
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
         )
-        if self.kv.prefix_cache is not None:  # the prompt's full pages, hashed at intake
+        # Prompt logprobs need every prompt position computed: such a request neither
+        # reads nor fills the prefix cache (vLLM does the same).
+        if self.kv.prefix_cache is not None and sampling.prompt_logprobs is None:
             req.cache_key = isolation_key(self._model_identity, cache_salt)
             extend_block_hashes(req.block_hashes, prompt, (), self.kv.page_size, req.cache_key)
         self.requests[req_id] = req

@@ -45,6 +45,10 @@ def fit_sampling(sampling: SamplingParams, vocab_size: int,
     if bad:
         raise FieldError("stop_token_ids",
                          f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}")
+    bad = [t for t, _ in sampling.logit_bias if t >= vocab_size]
+    if bad:
+        raise FieldError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}), "
+                                       f"got {bad[0]}")
     changes: dict[str, Any] = {}
     if sampling.top_k > vocab_size:
         changes["top_k"] = vocab_size

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from superinfer_jax.model_api import StepArray
+from superinfer_jax.model_api import StepArray, StepInputs
 from superinfer_jax.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -84,11 +84,10 @@ class StepLogprobs:
     prompt_top_logprobs: jax.Array  # [B, C, K]
 
 
-def process_logits(logits: jax.Array, tokens: StepArray, positions: StepArray,
-                   context_lens: StepArray, li: LogitsInputs,
+def process_logits(logits: jax.Array, inputs: StepInputs, li: LogitsInputs,
                    eos_token_ids: tuple[int, ...]) -> jax.Array:
-    """logits [B, V] -> the logits the sampler draws from. ``tokens``/``positions``
-    [B, C] are the step's inputs (feedback applied), counted in the penalty history."""
+    """logits [B, V] -> the logits the sampler draws from. ``inputs`` are the step's
+    (feedback applied): their valid tokens count in the penalty history."""
     vocab = logits.shape[-1]
     rows = jnp.arange(logits.shape[0])[:, None]
 
@@ -114,17 +113,18 @@ def process_logits(logits: jax.Array, tokens: StepArray, positions: StepArray,
     penalised = (li.presence != 0) | (li.frequency != 0) | (li.repetition != 1)
     return jax.lax.cond(
         jnp.any(penalised),
-        lambda x: _penalties(x, tokens, positions, context_lens, li),
+        lambda x: _penalties(x, inputs, li),
         lambda x: x, logits)
 
 
-def _penalties(logits: jax.Array, tokens: StepArray, positions: StepArray,
-               context_lens: StepArray, li: LogitsInputs) -> jax.Array:
+def _penalties(logits: jax.Array, inputs: StepInputs, li: LogitsInputs) -> jax.Array:
     batch, vocab = logits.shape
     hist_pos = jnp.broadcast_to(jnp.arange(li.history.shape[1]), li.history.shape)
-    ids = jnp.concatenate([li.history, tokens], axis=1)
-    pos = jnp.concatenate([hist_pos, positions], axis=1)
-    valid = (ids >= 0) & (pos < context_lens[:, None])
+    cols = jnp.arange(inputs.tokens.shape[1])[None, :]
+    step_ids = jnp.where(cols < inputs.query_lens[:, None], inputs.tokens, NO_TOKEN)
+    ids = jnp.concatenate([li.history, step_ids], axis=1)
+    pos = jnp.concatenate([hist_pos, inputs.positions], axis=1)
+    valid = (ids >= 0) & (pos < inputs.context_lens[:, None])
     output = valid & (pos >= li.prompt_lens[:, None])
     rows = jnp.arange(batch)[:, None]
     safe = jnp.where(valid, ids, vocab)  # out of range: dropped

@@ -211,8 +211,7 @@ class ModelRunner:
         inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
         logits, kv_pool, hidden = self.model.forward(
             params, kv_pool, inputs, attention_backend=self.backend, return_hidden=True)
-        processed = process_logits(logits, inputs.tokens, inputs.positions,
-                                   inputs.context_lens, logits_in, self._eos_token_ids)
+        processed = process_logits(logits, inputs, logits_in, self._eos_token_ids)
         sampled = sample(processed, sampling)
         logprob, rank, top_ids, top_lps = sampled_logprobs(logits, sampled, logits_in)
         prompt = prompt_logprobs(lambda h: self.model.project(params, h), hidden, logits_in)
