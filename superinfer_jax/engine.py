@@ -72,6 +72,7 @@ from superinfer_jax.output_processor import OutputProcessor
 from superinfer_jax.profiler import profile_engine
 from superinfer_jax.request import (
     SLO,
+    FieldError,
     Request,
     RequestStatus,
     SamplingParams,
@@ -234,6 +235,13 @@ class LLMEngine:
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests:
             raise ValueError(f"request_id {req_id!r} is already in flight")
+        parent = None
+        if fork_of is not None:
+            parent = self.requests.get(fork_of)
+            if parent is None:
+                raise FieldError("fork_of", f"fork_of names no request in flight: {fork_of!r}")
+            if parent.prompt_token_ids != prompt:
+                raise FieldError("fork_of", "fork_of names a request with another prompt")
         req = Request(
             req_id=req_id,
             prompt_token_ids=prompt,
@@ -241,6 +249,7 @@ class LLMEngine:
             slo=slo or self.config.default_slo,
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
+            fork_of=parent,
         )
         # Prompt logprobs need every prompt position computed: such a request neither
         # reads nor fills the prefix cache (vLLM does the same).

@@ -492,6 +492,8 @@ class Scheduler:
         whether it was admitted."""
         if req.num_inflight_tokens:
             return False  # evicted while its last token was in flight: recompute once it lands
+        if self._fork_waits(req):
+            return False
         kv = self.kv
         hit = self._lookup_prefix(req) if self._may_hit(req) else NO_HIT
         if hit.arriving:
@@ -520,6 +522,17 @@ class Scheduler:
         self._add_row(plan, req.req_id, n, pending == 1)
         budget.tokens -= n
         return True
+
+    def _fork_waits(self, req: Request) -> bool:
+        """Whether ``req``, a sibling of an ``n > 1`` request, waits for the first choice
+        to have its prompt's full pages computed, so that it takes them from the prefix
+        cache instead of prefilling them again (prefill once, then fork)."""
+        parent = req.fork_of
+        if parent is None or self.kv.prefix_cache is None or parent.cache_key is None \
+                or parent.cache_key != req.cache_key or parent.status.is_finished:
+            return False
+        full = len(parent.prompt_token_ids) // self.kv.page_size * self.kv.page_size
+        return parent.num_computed_tokens < full
 
     def _admit_from_host(self, req: Request, device: tuple[int, ...], host: tuple[int, ...],
                          plan: StepPlan, budget: StepBudget, now: float) -> bool:

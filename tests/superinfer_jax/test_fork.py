@@ -1,0 +1,62 @@
+"""``n > 1`` in the engine: siblings (``fork_of``) wait for the first choice's prompt and
+take its full pages from the prefix cache, so the prompt is prefilled once; each sample is
+still exactly what a lone request with its seed gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.servable import random_servable
+from superinfer_jax import LLMEngine, SamplingParams
+from tests.superinfer_jax.engine_testlib import SMALL, TINY
+
+PROMPT = np.random.default_rng(3).integers(0, 250, 45).tolist()  # 5 full pages of 8, + 5
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(random_servable(TINY, seed=1),
+                     SMALL.replace(num_device_pages=64, async_scheduling=True))
+
+
+def _drain(engine: LLMEngine) -> int:
+    prefilled = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        prefilled += engine.last_stats.num_prefill_tokens
+    return prefilled
+
+
+def _sample(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
+
+
+def test_forks_prefill_the_prompt_once_and_sample_as_alone(engine):
+    alone = []
+    for seed in range(4):
+        rid = engine.add_request(PROMPT, _sample(seed), cache_salt=f"alone-{seed}")
+        _drain(engine)
+        alone.append(engine.release(rid).output_token_ids)
+    assert len({tuple(a) for a in alone}) > 1  # the seeds give different samples
+
+    first = engine.add_request(PROMPT, _sample(0), cache_salt="n4")
+    rest = [engine.add_request(PROMPT, _sample(seed), cache_salt="n4", fork_of=first)
+            for seed in (1, 2, 3)]
+    prefilled = _drain(engine)
+    reqs = [engine.release(r) for r in [first, *rest]]
+    assert [r.output_token_ids for r in reqs] == alone
+    full = len(PROMPT) // 8 * 8
+    assert [r.num_cached_tokens for r in reqs] == [0, full, full, full]
+    # the prompt once, then each sibling only its tail past the last full page
+    assert prefilled == len(PROMPT) + 3 * (len(PROMPT) - full)
+
+
+def test_fork_of_must_name_a_request_with_the_same_prompt(engine):
+    with pytest.raises(ValueError, match="fork_of"):
+        engine.add_request(PROMPT, _sample(0), fork_of="nobody")
+    first = engine.add_request(PROMPT, _sample(0))
+    with pytest.raises(ValueError, match="fork_of"):
+        engine.add_request(PROMPT[:-1], _sample(1), fork_of=first)
+    _drain(engine)
+    engine.release(first)
