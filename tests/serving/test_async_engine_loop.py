@@ -33,7 +33,7 @@ class FakeEngine:
         self.released: list[str] = []
 
     def add_request(self, prompt_token_ids, sampling, req_id=None, slo=None,
-                    arrival_time=None, cache_salt=None) -> str:
+                    arrival_time=None, cache_salt=None, fork_of=None) -> str:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         self.requests[req_id] = Request(req_id, list(prompt_token_ids), sampling)
