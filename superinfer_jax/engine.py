@@ -82,6 +82,7 @@ from superinfer_jax.request import (
 from superinfer_jax.rotasched import make_scheduler
 from superinfer_jax.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
+from superinfer_jax.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class LLMEngine:
         self.num_model_steps = 0  # steps that ran the model
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
+        self._grammars: GrammarCompiler | None = None  # structured outputs, built lazily
         self.total_host_time_s = 0.0  # host work of those steps before the first block
         if config.warmup:
             self.warmup()
@@ -256,10 +258,24 @@ class LLMEngine:
         if self.kv.prefix_cache is not None and sampling.prompt_logprobs is None:
             req.cache_key = isolation_key(self._model_identity, cache_salt)
             extend_block_hashes(req.block_hashes, prompt, (), self.kv.page_size, req.cache_key)
+        if sampling.structured is not None:
+            req.grammar = self._grammar_compiler().compile(sampling.structured).matcher()
         self.requests[req_id] = req
         self.output.add(req)
         self.scheduler.add(req)
         return req_id
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, built at the first constrained request (it
+        indexes the vocabulary: about half a second for SmolLM2)."""
+        if self._grammars is None:
+            to_json = getattr(self.model.tokenizer, "to_json_str", None)
+            if to_json is None:
+                raise FieldError("structured_outputs", "structured outputs need a model "
+                                 "with a Hugging Face tokenizer; this one has none")
+            self._grammars = GrammarCompiler(to_json(), self.model.vocab_size,
+                                             self.model.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, req_id: str) -> bool:
         """Abort and free a request; False when it is unknown or already finished."""
@@ -457,10 +473,20 @@ class LLMEngine:
         if req.status.is_finished:
             return None  # aborted, or ended by an earlier token: this row was wasted
         first = not req.output_token_ids
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            raise RuntimeError(f"structured output: the grammar rejected token {token} "
+                               f"({grammar.error})")
         outcome = self.output.land(req, token, now)
-        if outcome.finish is not None:
-            self._finish(req, outcome.finish, now)
-        out = RequestOutput(req.req_id, [token], outcome.delta, outcome.finish is not None,
+        finish = outcome.finish
+        delta = outcome.delta
+        if finish is None and grammar is not None and grammar.is_terminated():
+            finish = RequestStatus.FINISHED_STOPPED  # complete: only EOS could follow
+            delta += req.output_text[req.num_emitted_chars:]  # nothing is held back now
+            req.num_emitted_chars = len(req.output_text)
+        if finish is not None:
+            self._finish(req, finish, now)
+        out = RequestOutput(req.req_id, [token], delta, finish is not None,
                             req.status.finish_reason, req)
         if req.sampling.logprobs is not None and req.pending_logprobs is not None:
             req.output_logprobs.append(req.pending_logprobs)

@@ -272,7 +272,11 @@ class Scheduler:
         """Rows for the running requests, in admission order; when contended decode rows
         go first, then prefill chunks (under a TBT-sized budget a prefill early in the
         list must not crowd out a decoder behind it), then runners whose token in flight
-        ends them. Evictions for pages take the last of that order."""
+        ends them. Evictions for pages take the last of that order.
+
+        A structured-output request whose token is in flight sits a step out: its next
+        mask depends on that token, which only the host's matcher can follow. It gives
+        up async overlap for itself (one step in two); nobody else does."""
         if contended:
             running = self.running
             rows = ([r for r in running if r.is_decoding]
@@ -284,6 +288,9 @@ class Scheduler:
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
             pending = req.num_pending_tokens
+            if req.grammar is not None and req.num_inflight_tokens:
+                i += 1  # its mask needs the token in flight: it skips this step
+                continue
             n = self._next_chunk(pending, plan, budget)
             if n == 0:
                 i += 1  # its token in flight ends it (async scheduling), or no prefill room
