@@ -426,6 +426,10 @@ class OpenAIFront:
                 self._abort(choice.stream.req_id)
             param = _http_param(e.field, body) if isinstance(e, FieldError) else None
             raise HTTPError(_status_of(e), str(e), param=param) from e
+        except BaseException:  # a bug (a 500) or a cancelled request: no choice left behind
+            for choice in choices:
+                self._abort(choice.stream.req_id)
+            raise
         return choices
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -62,6 +62,28 @@ GRPC_CASES = [
      "stop_token_ids must be in [0, 2147483647], got -1"),
     ("stop-token-over-vocab", _req(text="hi", stop_token_ids=[49152]), AUTH, INVALID,
      "stop_token_ids must be in [0, 49152), got 49152"),
+    ("logprobs-over-limit", _req(text="hi", logprobs=21), AUTH, INVALID,
+     "logprobs must be in [0, 20], got 21"),
+    ("prompt-logprobs-over-limit", _req(text="hi", prompt_logprobs=21), AUTH, INVALID,
+     "prompt_logprobs must be in [0, 20], got 21"),
+    ("logit-bias-out-of-vocab", _req(text="hi", sampling=pb2.SamplingParams(
+        logit_bias={49152: 1.0})), AUTH, INVALID, "logit_bias"),
+    ("logit-bias-negative-id", _req(text="hi", sampling=pb2.SamplingParams(
+        logit_bias={-1: 1.0})), AUTH, INVALID, "logit_bias must be in [0,"),
+    ("logit-bias-value-over-limit", _req(text="hi", sampling=pb2.SamplingParams(
+        logit_bias={5: 500.0})), AUTH, INVALID, "logit_bias must be in [-100, 100]"),
+    ("presence-penalty-over-limit", _req(text="hi", sampling=pb2.SamplingParams(
+        presence_penalty=3)), AUTH, INVALID, "presence_penalty must be in [-2, 2]"),
+    ("min-tokens-over-max-tokens", _req(text="hi", min_tokens=9), AUTH, INVALID,
+     "min_tokens (9) must not exceed max_tokens (4)"),
+    ("json-schema-not-json", _req(text="hi", structured=pb2.StructuredOutput(
+        json_schema="{oops")), AUTH, INVALID, "structured.json_schema: not valid JSON"),
+    ("invalid-json-schema", _req(text="hi", structured=pb2.StructuredOutput(
+        json_schema='{"type": "nonsense"}')), AUTH, INVALID, "structured.json_schema"),
+    ("uncompilable-regex", _req(text="hi", structured=pb2.StructuredOutput(
+        regex="(unclosed")), AUTH, INVALID, "structured.regex"),
+    ("empty-choice", _req(text="hi", structured=pb2.StructuredOutput(
+        choice=pb2.Choices())), AUTH, INVALID, "structured.choice"),
     ("bad-utf8", b"\x12\x02\xff\xfe", AUTH, INVALID, "invalid UTF-8"),
     ("garbage-bytes", b"\xff\xff\xff\xff", AUTH, INVALID,
      "not a valid superinfer.v1.GenerateRequest"),
@@ -76,9 +98,21 @@ GRPC_CASES = [
 ]
 
 
+# The field the INVALID_ARGUMENT message starts with, for the cases of issue 17.
+GRPC_FIELDS = {
+    "logprobs-over-limit": "logprobs", "prompt-logprobs-over-limit": "prompt_logprobs",
+    "logit-bias-out-of-vocab": "logit_bias", "logit-bias-negative-id": "logit_bias",
+    "logit-bias-value-over-limit": "logit_bias",
+    "presence-penalty-over-limit": "presence_penalty", "min-tokens-over-max-tokens": "min_tokens",
+    "json-schema-not-json": "structured.json_schema",
+    "invalid-json-schema": "structured.json_schema", "uncompilable-regex": "structured.regex",
+    "empty-choice": "structured.choice",
+}
+
+
 @pytest.mark.parametrize("case", GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
 def test_grpc_malformed(channel, case):
-    _, request, metadata, status, fragment = case
+    name, request, metadata, status, fragment = case
     raw = request if isinstance(request, bytes) else request.SerializeToString()
     call = channel.unary_stream("/superinfer.v1.Inference/Generate",
                                 response_deserializer=pb2.GenerateResponse.FromString)
@@ -86,6 +120,8 @@ def test_grpc_malformed(channel, case):
         list(call(raw, metadata=metadata, timeout=30))
     assert err.value.code() == status, err.value.details()
     assert fragment in err.value.details()
+    if name in GRPC_FIELDS:
+        assert err.value.details().startswith(GRPC_FIELDS[name]), err.value.details()
 
 
 def test_grpc_abort_without_id(stub):
@@ -173,8 +209,8 @@ HTTP_CASES = [
      "token ids must be in"),
     ("empty-prompt", "POST", "/v1/completions", _completion(prompt=""), BEARER, 400,
      "prompt must not be empty"),
-    ("two-prompts", "POST", "/v1/completions", _completion(prompt=["a", "b"]), BEARER, 400,
-     "only one prompt"),
+    ("too-many-prompts", "POST", "/v1/completions", _completion(prompt=["a"] * 257), BEARER,
+     400, "prompt holds 257 prompts; at most 256"),
     ("invalid-json", "POST", "/v1/completions", b'{"model": ', JSON, 400, "not valid JSON"),
     ("bad-utf8", "POST", "/v1/completions", b'{"model": "\xff\xfe"}', JSON, 400,
      "not valid UTF-8"),
@@ -186,7 +222,13 @@ HTTP_CASES = [
      {"Authorization": "Bearer wrong"}, 401, "invalid API key"),
     ("unknown-model", "POST", "/v1/completions", _completion(model="gpt-9"), BEARER, 404,
      "model 'gpt-9' does not exist"),
-    ("n-two", "POST", "/v1/completions", _completion(n=2), BEARER, 400, "only n=1"),
+    ("n-over-limit", "POST", "/v1/completions", _completion(n=17), BEARER, 400,
+     "n must be in [1, 16], got 17"),
+    ("n-over-limit-chat", "POST", "/v1/chat/completions", _chat(n=17), BEARER, 400,
+     "n must be in [1, 16], got 17"),
+    ("n-zero", "POST", "/v1/chat/completions", _chat(n=0), BEARER, 400, "n must be in"),
+    ("best-of-not-n", "POST", "/v1/completions", _completion(n=2, best_of=3), BEARER, 400,
+     "best_of: only best_of == n"),
     ("empty-messages", "POST", "/v1/chat/completions", _chat(messages=[]), BEARER, 400,
      "messages"),
     ("bad-role", "POST", "/v1/chat/completions",
@@ -195,8 +237,50 @@ HTTP_CASES = [
      _chat(messages=[{"role": "user", "content": 7}]), BEARER, 400, "messages[0].content"),
     ("stream-not-bool", "POST", "/v1/completions", _completion(stream="yes"), BEARER, 400,
      "stream"),
-    ("logprobs", "POST", "/v1/chat/completions", _chat(logprobs=True), BEARER, 400,
-     "logprobs: not supported"),
+    ("top-logprobs-over-limit", "POST", "/v1/chat/completions",
+     _chat(logprobs=True, top_logprobs=21), BEARER, 400,
+     "top_logprobs must be in [0, 20], got 21"),
+    ("top-logprobs-without-logprobs", "POST", "/v1/chat/completions", _chat(top_logprobs=2),
+     BEARER, 400, "top_logprobs: only allowed when logprobs is true"),
+    ("top-logprobs-with-logprobs-false", "POST", "/v1/chat/completions",
+     _chat(logprobs=False, top_logprobs=0), BEARER, 400,
+     "top_logprobs: only allowed when logprobs is true"),
+    ("completion-logprobs-over-limit", "POST", "/v1/completions", _completion(logprobs=21),
+     BEARER, 400, "logprobs must be in [0, 20], got 21"),
+    ("max-tokens-zero-without-echo", "POST", "/v1/completions", _completion(max_tokens=0),
+     BEARER, 400, "max_tokens must be in [1,"),
+    ("logit-bias-out-of-vocab", "POST", "/v1/completions",
+     _completion(logit_bias={"49152": 5}), BEARER, 400, "logit_bias"),
+    ("logit-bias-key-not-an-id", "POST", "/v1/chat/completions",
+     _chat(logit_bias={"hello": 5}), BEARER, 400, "logit_bias: keys are token ids"),
+    ("logit-bias-value-over-limit", "POST", "/v1/completions", _completion(logit_bias={"5": 101}),
+     BEARER, 400, "logit_bias must be in [-100, 100], got 101"),
+    ("logit-bias-too-many", "POST", "/v1/completions",
+     _completion(logit_bias={str(i): 1 for i in range(301)}), BEARER, 400,
+     "logit_bias holds 301 entries; at most 300"),
+    ("presence-penalty-over-limit", "POST", "/v1/chat/completions",
+     _chat(presence_penalty=2.5), BEARER, 400, "presence_penalty must be in [-2, 2]"),
+    ("repetition-penalty-zero", "POST", "/v1/completions", _completion(repetition_penalty=0),
+     BEARER, 400, "repetition_penalty must be in (0, 10]"),
+    ("min-tokens-over-max-tokens", "POST", "/v1/completions",
+     _completion(min_tokens=10, max_tokens=4), BEARER, 400, "min_tokens (10) must not exceed"),
+    ("invalid-json-schema", "POST", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "nonsense"}}}), BEARER, 400, "nonsense"),
+    ("json-schema-missing", "POST", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema"}), BEARER, 400,
+     "response_format.json_schema: required"),
+    ("uncompilable-regex", "POST", "/v1/completions",
+     _completion(structured_outputs={"regex": "(unclosed"}), BEARER, 400, "regex"),
+    ("structured-outputs-two-kinds", "POST", "/v1/completions",
+     _completion(structured_outputs={"regex": "a+", "choice": ["a"]}), BEARER, 400,
+     "structured_outputs: give exactly one of"),
+    ("structured-outputs-json-not-json", "POST", "/v1/chat/completions",
+     _chat(structured_outputs={"json": "{not json"}), BEARER, 400,
+     "structured_outputs.json: not valid JSON"),
+    ("structured-outputs-and-response-format", "POST", "/v1/chat/completions",
+     _chat(structured_outputs={"regex": "a+"}, response_format={"type": "json_object"}),
+     BEARER, 400, "give either it or response_format"),
     ("stream-options-without-stream", "POST", "/v1/completions",
      _completion(stream_options={"include_usage": True}), BEARER, 400,
      "only allowed when stream is true"),
@@ -207,9 +291,29 @@ HTTP_CASES = [
 ]
 
 
+# The exact ``param`` of the cases whose field matters most to clients (issue 17).
+HTTP_PARAMS = {
+    "n-over-limit": "n", "n-over-limit-chat": "n", "n-zero": "n", "best-of-not-n": "best_of",
+    "top-logprobs-over-limit": "top_logprobs", "top-logprobs-without-logprobs": "top_logprobs",
+    "top-logprobs-with-logprobs-false": "top_logprobs",
+    "completion-logprobs-over-limit": "logprobs", "max-tokens-zero-without-echo": "max_tokens",
+    "logit-bias-out-of-vocab": "logit_bias", "logit-bias-key-not-an-id": "logit_bias",
+    "logit-bias-value-over-limit": "logit_bias", "logit-bias-too-many": "logit_bias",
+    "presence-penalty-over-limit": "presence_penalty",
+    "repetition-penalty-zero": "repetition_penalty", "min-tokens-over-max-tokens": "min_tokens",
+    "invalid-json-schema": "response_format.json_schema",
+    "json-schema-missing": "response_format.json_schema",
+    "uncompilable-regex": "structured_outputs.regex",
+    "structured-outputs-two-kinds": "structured_outputs",
+    "structured-outputs-json-not-json": "structured_outputs.json",
+    "structured-outputs-and-response-format": "structured_outputs",
+    "too-many-prompts": "prompt",
+}
+
+
 @pytest.mark.parametrize("case", HTTP_CASES, ids=[c[0] for c in HTTP_CASES])
 def test_http_malformed(server, case):
-    _, method, path, body, headers, status, fragment = case
+    name, method, path, body, headers, status, fragment = case
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     with httpx.Client(base_url=server.http_url, timeout=30) as http:
         r = http.request(method, path, headers=headers, **({} if body is None else kwargs))
@@ -220,6 +324,8 @@ def test_http_malformed(server, case):
     if status == 400 and isinstance(body, dict):  # the param names a field of the request
         assert error["param"] and error["param"].split(".")[0].split("[")[0] in {
             *body, "prompt", "messages"}, error
+    if name in HTTP_PARAMS:
+        assert error["param"] == HTTP_PARAMS[name], error
     if status in (429, 503):
         assert r.headers["Retry-After"].isdigit()
 
