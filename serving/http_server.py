@@ -233,7 +233,8 @@ def _http_param(field: str, body: CompletionRequest | ChatCompletionRequest) -> 
     if field == "prompt" and chat:
         return "messages"
     if field in ("logprobs", "prompt_logprobs"):
-        return "top_logprobs" if chat and body.top_logprobs is not None else "logprobs"
+        chat_top = isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None
+        return "top_logprobs" if chat_top else "logprobs"
     if field.startswith(("structured_outputs", "structured")):
         try:
             used = body.structured()

@@ -116,7 +116,10 @@ class CompletionLogprobs:
 
     def part(self, token_ids: Sequence[int],
              entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
-        tokens, token_logprobs, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for i, token_id in enumerate(token_ids):
             entry = entries[i] if i < len(entries) else None
             text = self.texts.text(token_id)

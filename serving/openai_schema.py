@@ -175,9 +175,10 @@ class StructuredOutputs(_Strict):
 
     def constraint(self) -> tuple[str, Any]:
         """(kind, value) of the one constraint set; ``FieldError`` unless exactly one."""
-        given = [(k, v) for k, v in (("json", self.json_), ("regex", self.regex),
-                                     ("choice", self.choice), ("grammar", self.grammar))
-                 if v is not None]
+        given: list[tuple[str, Any]] = [
+            (k, v) for k, v in (("json", self.json_), ("regex", self.regex),
+                                ("choice", self.choice), ("grammar", self.grammar))
+            if v is not None]
         if self.json_object:
             given.append(("json_object", None))
         if len(given) != 1:
