@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer_jax.config_schema import ConfigError, internal, knob, power_of_two, validate
-from superinfer_jax.request import PRIORITY_CLASSES, SLO
+from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -219,6 +219,12 @@ class EngineConfig:
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    @property
+    def deferred_rows(self) -> int:
+        """Structured-output rows a step may sample later (``MAX_DEFERRED_ROWS``, at most
+        one per sequence)."""
+        return min(MAX_DEFERRED_ROWS, self.max_num_seqs)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:

@@ -344,6 +344,8 @@ class LLMEngine:
         else:
             done = launched
         outputs = self._collect(done) if done is not None else []
+        if launched is not None and launched.deferred_index:
+            self._resample(launched)  # their previous tokens have just landed
         outputs += self._failed
         if self._kv_events is not None:
             self._flush_kv_events()
@@ -365,7 +367,9 @@ class LLMEngine:
             sampled, reqs = call.sampled, call.rows
             if sampled is None:
                 continue
-            offset = 0 if prefill else self.runner.feedback_width
+            width = self.runner.feedback_width
+            offset = 0 if prefill else width
+            deferred = {b: j for j, b in enumerate(call.deferred)}
             finals = []
             for b, (req, n) in enumerate(reqs):
                 start = req.num_computed_tokens
@@ -375,7 +379,12 @@ class LLMEngine:
                     req.num_inflight_tokens += 1
                     req.final_token_inflight = self._surely_final(req)
                     step.sources[req.req_id] = offset + b
+                    if b in deferred:  # sampled by ``_resample`` into the third array
+                        step.sources[req.req_id] = 2 * width + deferred[b]
+                        step.deferred_index[req.req_id] = deferred[b]
                 finals.append(CallRow(req, start, n, final))
+            if call.deferred:
+                step.deferred_logits = call.deferred_logits
             if prefill:
                 step.prefill, step.prefill_rows = sampled, finals
                 step.prefill_logprobs = call.logprobs
@@ -392,19 +401,24 @@ class LLMEngine:
     def _collect(self, step: InflightStep) -> list[RequestOutput]:
         """Block on a dispatched step's tokens and hand them to their requests."""
         outputs: list[RequestOutput] = []
-        for sampled, logprobs, rows in (
-                (step.prefill, step.prefill_logprobs, step.prefill_rows),
-                (step.decode, step.decode_logprobs, step.decode_rows)):
+        for sampled, logprobs, rows, decode in (
+                (step.prefill, step.prefill_logprobs, step.prefill_rows, False),
+                (step.decode, step.decode_logprobs, step.decode_rows, True)):
             if sampled is None:
                 continue
             tokens = self.runner.read_tokens(sampled)
             host_lp = None if logprobs is None else read_logprobs(logprobs)
+            deferred_tokens, deferred_lp = self._read_deferred(step, decode)
             now = time.perf_counter()
             for b, (row, token) in enumerate(zip(rows, tokens, strict=False)):
                 req = row.req
+                lp, lp_row = host_lp, b
+                slot = step.deferred_index.get(req.req_id)
+                if slot is not None and deferred_tokens is not None:  # ``_resample``'s
+                    token, lp, lp_row = deferred_tokens[slot], deferred_lp, slot
                 try:
-                    if host_lp is not None and not req.status.is_finished:
-                        self._land_logprobs(req, host_lp, b, row, int(token))
+                    if lp is not None and not req.status.is_finished:
+                        self._land_logprobs(req, lp, lp_row, row, int(token))
                     if not row.final:
                         continue
                     out = self._advance(req, int(token), now)
@@ -414,6 +428,32 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def _read_deferred(self, step: InflightStep, decode: bool
+                       ) -> tuple[np.ndarray | None, HostLogprobs | None]:
+        """The deferred samples of a step's decode call, on the host (None: none)."""
+        if not decode or step.deferred is None:
+            return None, None
+        tokens = self.runner.read_tokens(step.deferred)
+        lp = None if step.deferred_logprobs is None else read_logprobs(step.deferred_logprobs)
+        return tokens, lp
+
+    def _resample(self, step: InflightStep) -> None:
+        """Sample a dispatched step's deferred rows (structured outputs whose previous
+        token was in flight at dispatch), now that those tokens have landed and each
+        grammar gives its mask; the tokens feed the next step from the device. A request
+        that finished meanwhile keeps its slot, unused."""
+        assert step.deferred_logits is not None
+        slots = sorted(step.deferred_index.items(), key=lambda item: item[1])
+        reqs = [self.requests[req_id] for req_id, _ in slots]
+        try:
+            step.deferred, step.deferred_logprobs = self.runner.resample(
+                step.deferred_logits, reqs)
+        except Exception as e:  # building a row failed: those requests, not the engine
+            for req in reqs:
+                if not req.status.is_finished:
+                    self._fail_request(req, e)
+            step.deferred_index.clear()
 
     @staticmethod
     def _land_logprobs(req: Request, lp: HostLogprobs, b: int, row: CallRow,

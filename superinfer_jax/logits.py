@@ -66,6 +66,7 @@ class LogitsInputs:
     want_logprobs: StepArray  # [B] bool
     want_prompt_logprobs: StepArray  # [B] bool
     targets: StepArray  # [B, C] int32: the prompt token each column predicts
+    deferred_rows: StepArray  # [D] int32: rows sampled later (``resample``), -1 = none
 
 
 @jax.tree_util.register_dataclass
@@ -164,10 +165,7 @@ def prompt_logprobs(project, hidden: jax.Array, li: LogitsInputs) -> tuple[jax.A
     """Raw logprobs of every column's next prompt token, when any prefill row asks;
     ``project`` maps hidden states [B, C, H] to logits [B, C, V] (the model's head), and
     runs only then: most calls never pay for the full-sequence head."""
-    batch, cols = li.targets.shape
-    zeros = (jnp.zeros((batch, cols), jnp.float32), jnp.zeros((batch, cols), jnp.int32),
-             jnp.zeros((batch, cols, MAX_LOGPROBS), jnp.int32),
-             jnp.zeros((batch, cols, MAX_LOGPROBS), jnp.float32))
+    zeros = no_prompt_logprobs(*li.targets.shape)
 
     def compute():
         logprobs = jax.nn.log_softmax(project(hidden), axis=-1)
@@ -176,8 +174,19 @@ def prompt_logprobs(project, hidden: jax.Array, li: LogitsInputs) -> tuple[jax.A
     return jax.lax.cond(jnp.any(li.want_prompt_logprobs), compute, lambda: zeros)
 
 
+def deferred_logits(logits: jax.Array, li: LogitsInputs) -> jax.Array:
+    """The raw logits [D, V] of the rows whose sampling is deferred."""
+    return logits[jnp.maximum(li.deferred_rows, 0)]
+
+
+def no_prompt_logprobs(batch: int, cols: int) -> tuple[jax.Array, ...]:
+    return (jnp.zeros((batch, cols), jnp.float32), jnp.zeros((batch, cols), jnp.int32),
+            jnp.zeros((batch, cols, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((batch, cols, MAX_LOGPROBS), jnp.float32))
+
+
 def neutral_logits_inputs(rows: int, cols: int, history_width: int,
-                          vocab_size: int) -> LogitsInputs:
+                          vocab_size: int, deferred_rows: int = 1) -> LogitsInputs:
     """Inputs that change nothing and ask for nothing (warm-up, padding, profiling)."""
     return LogitsInputs(
         prompt_lens=np.zeros(rows, np.int32),
@@ -193,6 +202,7 @@ def neutral_logits_inputs(rows: int, cols: int, history_width: int,
         want_logprobs=np.zeros(rows, np.bool_),
         want_prompt_logprobs=np.zeros(rows, np.bool_),
         targets=np.zeros((rows, cols), np.int32),
+        deferred_rows=np.full(deferred_rows, -1, np.int32),
     )
 
 

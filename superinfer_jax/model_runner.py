@@ -36,7 +36,9 @@ from superinfer_jax.logits import (
     NO_TOKEN,
     LogitsInputs,
     StepLogprobs,
+    deferred_logits,
     neutral_logits_inputs,
+    no_prompt_logprobs,
     process_logits,
     prompt_logprobs,
     sampled_logprobs,
@@ -73,6 +75,12 @@ class InflightStep:
     prefill_rows: list[CallRow] = dataclasses.field(default_factory=list)
     decode_rows: list[CallRow] = dataclasses.field(default_factory=list)
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> feedback
+    # Deferred sampling (structured outputs under async scheduling): the decode call's
+    # raw logits of those rows, then (``ModelRunner.resample``) their tokens.
+    deferred_logits: jax.Array | None = None
+    deferred_index: dict[str, int] = dataclasses.field(default_factory=dict)  # -> slot
+    deferred: jax.Array | None = None
+    deferred_logprobs: StepLogprobs | None = None
 
 
 @dataclass
@@ -85,6 +93,8 @@ class Dispatched:
     logprobs: StepLogprobs | None
     rows: list[tuple[Request, int]]
     failed: list[tuple[Request, BaseException]]
+    deferred: list[int] = dataclasses.field(default_factory=list)  # rows sampled later
+    deferred_logits: jax.Array | None = None
 
 
 class ModelRunner:
@@ -113,6 +123,7 @@ class ModelRunner:
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
         self.inflight: InflightStep | None = None  # dispatched, tokens not read yet
         self.last_logprobs: StepLogprobs | None = None  # of the last call_step
+        self.last_deferred_logits: jax.Array | None = None
         # The step takes the weights as a flat list: jit flattens its arguments on every
         # call, and flattening the nnx.State (273 leaves for SmolLM2) costs 0.26 ms more
         # per call than a list (0.32 against 0.06 ms on this CPU), twice a step.
@@ -120,6 +131,7 @@ class ModelRunner:
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         self._step_fn = self._jit_step()
+        self._resample_fn = jax.jit(self._resample)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -180,7 +192,7 @@ class ModelRunner:
         if self.mesh is None:
             return jax.jit(self._step, donate_argnums=(1,))
         replicated = parallel.replicated(self.mesh)
-        out = (replicated, replicated, parallel.pool_sharding(self.mesh))
+        out = (replicated, replicated, replicated, parallel.pool_sharding(self.mesh))
         return jax.jit(self._step, donate_argnums=(1,), out_shardings=out)
 
     def _choose_num_pages(self) -> int:
@@ -216,7 +228,19 @@ class ModelRunner:
         logprob, rank, top_ids, top_lps = sampled_logprobs(logits, sampled, logits_in)
         prompt = prompt_logprobs(lambda h: self.model.project(params, h), hidden, logits_in)
         logprobs = StepLogprobs(logprob, rank, top_ids, top_lps, *prompt)
-        return pad_sampled(sampled, self.feedback_width), logprobs, kv_pool
+        return (pad_sampled(sampled, self.feedback_width), logprobs,
+                deferred_logits(logits, logits_in), kv_pool)
+
+    def _resample(self, raw_logits, inputs: StepInputs, sampling: SamplingInputs,
+                  logits_in: LogitsInputs):
+        """Deferred sampling: rows of a step's raw logits, processed and sampled exactly
+        as the step would have (same key, same position), with the mask the host could
+        only compute once the row's previous token had landed."""
+        processed = process_logits(raw_logits, inputs, logits_in, self._eos_token_ids)
+        sampled = sample(processed, sampling)
+        logprobs = StepLogprobs(*sampled_logprobs(raw_logits, sampled, logits_in),
+                                *no_prompt_logprobs(raw_logits.shape[0], 1))
+        return pad_sampled(sampled, self.feedback_width), logprobs
 
     def shapes(self) -> list[tuple[int, int]]:
         cfg = self.config
@@ -237,6 +261,7 @@ class ModelRunner:
             bar.set_postfix_str(f"{rows}x{cols}")
             inputs = self.empty_inputs(rows, cols)
             self.call_step(inputs, SamplingInputs.greedy(rows)).block_until_ready()
+        self.resample(self._resample_warmup_logits(), [])  # compiled once, one shape
         t1 = time.perf_counter()
         if self.duplex is not None:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
@@ -281,6 +306,7 @@ class ModelRunner:
         kept: list[tuple[Request, int]] = []
         failed: list[tuple[Request, BaseException]] = []
         extra = _LogitsRows(self, num_rows, cols)
+        deferred: list[int] = []
         b = 0
         for req, n in rows:
             try:
@@ -300,7 +326,14 @@ class ModelRunner:
                 sp = req.sampling
                 temperature[b], top_k[b], top_p[b] = sp.temperature, sp.top_k, sp.top_p
                 seeds[b] = sp.seed or 0
-                extra.set_row(b, req, start, n)
+                # a grammar's mask needs the token in flight: sampled later (``resample``)
+                defer = req.grammar is not None and len(known) < n
+                if defer and len(deferred) == cfg.deferred_rows:
+                    raise RuntimeError(f"more than {cfg.deferred_rows} deferred rows")
+                sampled_here = start + n == req.num_tokens and not defer
+                extra.set_row(b, req, start, n, mask=req.grammar is not None and sampled_here)
+                if defer:
+                    deferred.append(b)
             except Exception as e:  # this request's inputs only: it fails, the step goes on
                 for a, pad in zip(arrays, padding, strict=True):
                     a[b] = pad
@@ -313,14 +346,45 @@ class ModelRunner:
             return Dispatched(None, None, kept, failed)
         inputs = StepInputs.from_numpy(tokens, positions, query_lens, context_lens, page_tables)
         sampling = SamplingInputs(temperature, top_k, top_p, seeds, context_lens.copy())
-        prev = self.inflight
-        feedback = TokenFeedback(
-            source,
-            prev.prefill if prev is not None and prev.prefill is not None else self.no_tokens,
-            prev.decode if prev is not None and prev.decode is not None else self.no_tokens)
+        prev = self.inflight or InflightStep()
+        feedback = TokenFeedback(source, *(self.no_tokens if a is None else a
+                                           for a in (prev.prefill, prev.decode, prev.deferred)))
+        if deferred:
+            extra.defer(deferred)
         sampled = self.call_step(inputs, sampling, feedback, extra.build())
         return Dispatched(sampled, self.last_logprobs if extra.any_logprobs else None, kept,
-                          failed)
+                          failed, deferred, self.last_deferred_logits if deferred else None)
+
+    def resample(self, raw_logits: jax.Array, reqs: list[Request]
+                 ) -> tuple[jax.Array, StepLogprobs | None]:
+        """Sample the deferred rows of a dispatched step (``raw_logits``, slot ``j`` for
+        ``reqs[j]``), now that each request's previous token has landed and its grammar
+        gives the mask. Returns the padded tokens (a feedback source for the next step)
+        and their logprobs when one asked."""
+        rows = self.config.deferred_rows
+        context = np.zeros(rows, np.int32)
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.uint32)
+        extra = _LogitsRows(self, rows, 1)
+        for j, req in enumerate(reqs):
+            # every token before the sampled position is on the host now: all history
+            position = req.num_computed_tokens
+            context[j] = position
+            sp = req.sampling
+            temperature[j], top_k[j], top_p[j] = sp.temperature, sp.top_k, sp.top_p
+            seeds[j] = sp.seed or 0
+            extra.set_row(j, req, position, 0, mask=True)
+        zeros = np.zeros((rows, 1), np.int32)
+        inputs = StepInputs.from_numpy(zeros, zeros, np.zeros(rows), context, zeros)
+        sampling = SamplingInputs(temperature, top_k, top_p, seeds, context.copy())
+        sampled, logprobs = self._resample_fn(raw_logits, inputs, sampling, extra.build())
+        return sampled, logprobs if extra.any_logprobs else None
+
+    def _resample_warmup_logits(self) -> jax.Array:
+        return self._committed(np.zeros((self.config.deferred_rows, self.model.vocab_size),
+                                        np.float32))
 
     def _feedback_source(self, req: Request, n: int, num_known: int) -> int:
         """Where a row's unknown input token lies: the one token the step in flight is
@@ -343,7 +407,7 @@ class ModelRunner:
             feedback = TokenFeedback.none(rows, self.no_tokens)
         if logits_in is None:
             logits_in = self.neutral_logits_inputs(rows, cols)
-        sampled, self.last_logprobs, self.kv_pool = self._step_fn(
+        sampled, self.last_logprobs, self.last_deferred_logits, self.kv_pool = self._step_fn(
             self.step_params, self.kv_pool, inputs, sampling, logits_in, feedback)
         return sampled
 
@@ -352,7 +416,7 @@ class ModelRunner:
         key = (rows, cols)
         if key not in self._neutral:
             neutral = neutral_logits_inputs(rows, cols, self.config.max_model_len,
-                                            self.model.vocab_size)
+                                            self.model.vocab_size, self.config.deferred_rows)
             self._neutral[key] = jax.tree.map(self._committed, neutral)
         return self._neutral[key]
 
@@ -408,7 +472,9 @@ class _LogitsRows:
             self.wide[name] = np.array(getattr(neutral, name))  # a writable host copy
         return self.wide[name]
 
-    def set_row(self, b: int, req: Request, start: int, n: int) -> None:
+    def set_row(self, b: int, req: Request, start: int, n: int, mask: bool) -> None:
+        """Row ``b`` computes ``n`` tokens of ``req`` from ``start`` (0: it only samples
+        position ``start``); ``mask``: it samples under its grammar's current mask."""
         sp = req.sampling
         num_prompt = len(req.prompt_token_ids)
         self.small["prompt_lens"][b] = num_prompt
@@ -428,7 +494,7 @@ class _LogitsRows:
             ids, values = zip(*bias, strict=True)
             self._wide("bias_ids")[b, :len(ids)] = ids
             self._wide("bias_values")[b, :len(values)] = values
-        if req.grammar is not None and start + n == req.num_tokens:
+        if mask:
             self.small["masked"][b] = True
             req.grammar.fill_bitmask(self._wide("mask")[b])
         if sp.logprobs is not None:
@@ -438,11 +504,18 @@ class _LogitsRows:
             targets = req.prompt_token_ids[start + 1:min(start + n + 1, num_prompt)]
             self._wide("targets")[b, :len(targets)] = targets
 
+    def defer(self, rows: list[int]) -> None:
+        """These rows' sampling is deferred: the step hands out their raw logits."""
+        deferred = np.full(self.runner.config.deferred_rows, -1, np.int32)
+        deferred[:len(rows)] = rows
+        self.small["deferred_rows"] = deferred
+
     def clear_row(self, b: int) -> None:
         """A row whose inputs failed half-way becomes neutral padding again."""
         neutral = self.runner.neutral_logits_inputs(1, self.cols)
         for name, array in self.small.items():
-            array[b] = np.asarray(getattr(neutral, name))[0]
+            if name != "deferred_rows":
+                array[b] = np.asarray(getattr(neutral, name))[0]
         for name, array in self.wide.items():
             array[b] = NO_TOKEN if name in ("history", "bias_ids") else (
                 -1 if name == "mask" else 0)

@@ -51,6 +51,11 @@ MAX_LOGPROBS = 20
 # ``logit_bias`` entries per request (OpenAI documents no cap; the device step takes a
 # fixed-width sparse row, so the cap is the width).
 MAX_LOGIT_BIAS = 300
+# Structured-output rows whose previous token is still in flight (async scheduling) run
+# in the step with their sampling deferred: the step hands out their raw logits, and a
+# small second call samples them once the host has the grammar's mask. At most this many
+# per step (the rest sit the step out).
+MAX_DEFERRED_ROWS = 8
 
 
 class FieldError(ValueError):

@@ -274,9 +274,11 @@ class Scheduler:
         list must not crowd out a decoder behind it), then runners whose token in flight
         ends them. Evictions for pages take the last of that order.
 
-        A structured-output request whose token is in flight sits a step out: its next
-        mask depends on that token, which only the host's matcher can follow. It gives
-        up async overlap for itself (one step in two); nobody else does."""
+        A structured-output request whose token is in flight runs with its sampling
+        deferred (its mask depends on that token, which only the host's matcher can
+        follow): the step computes its logits, a small second call samples it once the
+        token has landed (``ModelRunner.resample``). At most ``config.deferred_rows`` such
+        rows a step; the others sit the step out."""
         if contended:
             running = self.running
             rows = ([r for r in running if r.is_decoding]
@@ -285,12 +287,15 @@ class Scheduler:
         else:
             rows = self.running
         i = 0
+        deferrable = self.config.deferred_rows
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
             pending = req.num_pending_tokens
             if req.grammar is not None and req.num_inflight_tokens:
-                i += 1  # its mask needs the token in flight: it skips this step
-                continue
+                if deferrable == 0:
+                    i += 1  # no deferred-sampling slot left: it sits this step out
+                    continue
+                deferrable -= 1
             n = self._next_chunk(pending, plan, budget)
             if n == 0:
                 i += 1  # its token in flight ends it (async scheduling), or no prefill room

@@ -3,8 +3,9 @@
 Async scheduling plans and dispatches step t+1 while step t still runs, so the host does
 not know the tokens step t is sampling. A decode row of step t+1 whose input token is
 one of them names where it lies instead: ``source[row]`` indexes the concatenation of
-step t's two sampled arrays (prefill call first, then decode call), each padded to the
-fixed ``width``. Fixed shapes keep the number of compiled step variants unchanged; the
+step t's three sampled arrays (prefill call, decode call, then the deferred sampling of
+structured-output rows, ``ModelRunner.resample``), each padded to the fixed ``width``.
+Fixed shapes keep the number of compiled step variants unchanged; the
 data dependency on step t's outputs orders the two steps on the device.
 """
 
@@ -24,19 +25,21 @@ NO_SOURCE = -1  # the row's first token comes from the host
 @jax.tree_util.register_dataclass
 @dataclass
 class TokenFeedback:
-    source: StepArray  # [B] int32: NO_SOURCE, or an index into concat(prefill, decode)
+    source: StepArray  # [B] int32: NO_SOURCE, or an index into the three arrays below
     prev_prefill: jax.Array  # [width] int32: tokens the previous step's prefill call sampled
     prev_decode: jax.Array  # [width] int32: tokens the previous step's decode call sampled
+    prev_deferred: jax.Array  # [width] int32: its deferred (structured-output) samples
 
     @staticmethod
     def none(rows: int, empty: jax.Array) -> TokenFeedback:
         """Every row's tokens come from the host; ``empty`` is a committed [width] array."""
-        return TokenFeedback(np.full(rows, NO_SOURCE, np.int32), empty, empty)
+        return TokenFeedback(np.full(rows, NO_SOURCE, np.int32), empty, empty, empty)
 
 
 def apply_feedback(tokens: StepArray, feedback: TokenFeedback) -> jax.Array:
     """``tokens`` [B, C] with column 0 replaced where a row names a device source."""
-    fed = jnp.concatenate([feedback.prev_prefill, feedback.prev_decode])
+    fed = jnp.concatenate([feedback.prev_prefill, feedback.prev_decode,
+                           feedback.prev_deferred])
     source = feedback.source
     first = jnp.where(source >= 0, fed[jnp.maximum(source, 0)], tokens[:, 0])
     return jnp.asarray(tokens).at[:, 0].set(first)  # traced: asarray is a no-op
