@@ -192,14 +192,17 @@ def test_pool_and_host_pages_are_split_over_kv_heads(tp_run, case, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_step_has_megatron_collectives_and_never_moves_the_pool(tp_run, case, tp):
     """Two all-reduces per layer (after wo, after w_down), one all-gather of the embedded
-    tokens [B, C, hidden] and one of the logits [B, vocab]; nothing else, and nothing the
-    size of a pool shard (the pool is never gathered)."""
+    tokens [B, C, hidden], one of the logits [B, vocab], and one of every column's logits
+    [B, C, vocab] in the prompt-logprobs branch (run only when a row asks); nothing else,
+    and nothing the size of a pool shard (the pool is never gathered)."""
     run = tp_run[case][str(tp)]
     ops = run["step_collectives"]
     reduces = [o for o in ops if o["op"] == "all-reduce"]
     gathers = sorted((o["shape"] for o in ops if o["op"] == "all-gather"), key=len)
     assert len(reduces) == 2 * run["num_layers"]
-    assert len(gathers) == 2 and len(gathers[0]) == 2 and len(gathers[1]) == 3
+    assert [len(g) for g in gathers] == [2, 3, 3], gathers
+    vocab = gathers[0][-1]
+    assert sorted(g[-1] == vocab for g in gathers[1:]) == [False, True]
     assert {o["op"] for o in ops} == {"all-reduce", "all-gather"}
     pool_shard = int(np.prod(run["pool_shard_shape"]))
     assert all(int(np.prod(o["shape"])) < pool_shard for o in ops)
