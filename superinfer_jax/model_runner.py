@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -131,7 +131,9 @@ class ModelRunner:
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         self._step_fn = self._jit_step()
-        self._resample_fn = jax.jit(self._resample)
+        self._resample_fn = jax.jit(self._resample, static_argnums=(0,))
+        self.resample_buckets = tuple(b for b in config.decode_buckets
+                                      if b < config.deferred_rows) + (config.deferred_rows,)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -231,11 +233,12 @@ class ModelRunner:
         return (pad_sampled(sampled, self.feedback_width), logprobs,
                 deferred_logits(logits, logits_in), kv_pool)
 
-    def _resample(self, raw_logits, inputs: StepInputs, sampling: SamplingInputs,
+    def _resample(self, rows: int, raw_logits, inputs: StepInputs, sampling: SamplingInputs,
                   logits_in: LogitsInputs):
         """Deferred sampling: rows of a step's raw logits, processed and sampled exactly
         as the step would have (same key, same position), with the mask the host could
         only compute once the row's previous token had landed."""
+        raw_logits = raw_logits[:rows]  # the step hands out all its deferred slots
         processed = process_logits(raw_logits, inputs, logits_in, self._eos_token_ids)
         sampled = sample(processed, sampling)
         logprobs = StepLogprobs(*sampled_logprobs(raw_logits, sampled, logits_in),
@@ -261,7 +264,8 @@ class ModelRunner:
             bar.set_postfix_str(f"{rows}x{cols}")
             inputs = self.empty_inputs(rows, cols)
             self.call_step(inputs, SamplingInputs.greedy(rows)).block_until_ready()
-        self.resample(self._resample_warmup_logits(), [])  # compiled once, one shape
+        for rows in self.resample_buckets:  # small calls, one per deferred-row bucket
+            self.resample(self._resample_warmup_logits(), [None] * rows)
         t1 = time.perf_counter()
         if self.duplex is not None:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
@@ -355,13 +359,13 @@ class ModelRunner:
         return Dispatched(sampled, self.last_logprobs if extra.any_logprobs else None, kept,
                           failed, deferred, self.last_deferred_logits if deferred else None)
 
-    def resample(self, raw_logits: jax.Array, reqs: list[Request]
+    def resample(self, raw_logits: jax.Array, reqs: Sequence[Request | None]
                  ) -> tuple[jax.Array, StepLogprobs | None]:
         """Sample the deferred rows of a dispatched step (``raw_logits``, slot ``j`` for
         ``reqs[j]``), now that each request's previous token has landed and its grammar
         gives the mask. Returns the padded tokens (a feedback source for the next step)
         and their logprobs when one asked."""
-        rows = self.config.deferred_rows
+        rows = bucket(max(len(reqs), 1), self.resample_buckets)
         context = np.zeros(rows, np.int32)
         temperature = np.zeros(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
@@ -369,6 +373,8 @@ class ModelRunner:
         seeds = np.zeros(rows, np.uint32)
         extra = _LogitsRows(self, rows, 1)
         for j, req in enumerate(reqs):
+            if req is None:  # warm-up: an empty slot
+                continue
             # every token before the sampled position is on the host now: all history
             position = req.num_computed_tokens
             context[j] = position
@@ -379,7 +385,8 @@ class ModelRunner:
         zeros = np.zeros((rows, 1), np.int32)
         inputs = StepInputs.from_numpy(zeros, zeros, np.zeros(rows), context, zeros)
         sampling = SamplingInputs(temperature, top_k, top_p, seeds, context.copy())
-        sampled, logprobs = self._resample_fn(raw_logits, inputs, sampling, extra.build())
+        sampled, logprobs = self._resample_fn(rows, raw_logits, inputs, sampling,
+                                              extra.build())
         return sampled, logprobs if extra.any_logprobs else None
 
     def _resample_warmup_logits(self) -> jax.Array:
