@@ -269,25 +269,24 @@ class OpenAIFront:
             raise HTTPError(401, "invalid API key", code="invalid_api_key")
 
     async def _parse(self, request: Request, cls: type) -> Any:
-        self._check_auth(request)
-        body = await read_body(request, self.runtime.config.server.max_request_bytes)
-        try:
-            parsed = cls.model_validate(body)
-        except ValidationError as e:
-            raise _validation_error(e) from e
-        self._check_unknown(parsed)
+        parsed = await self._validated_body(request, cls)
         problem = parsed.unsupported()
         if problem:
             field, message = problem
             raise HTTPError(400, message, param=field)
-        if parsed.model != self.runtime.served_name:
-            raise HTTPError(404, f"model {parsed.model!r} does not exist; this server serves "
-                                 f"{self.runtime.served_name!r}", param="model",
-                            code="model_not_found")
+        self._check_model(parsed.model)
         return parsed
 
     async def _parse_tool(self, request: Request, cls: type) -> Any:
         """A tokenizer route's body: the API key, the parse, ``model`` if given."""
+        parsed = await self._validated_body(request, cls)
+        if parsed.model is not None:
+            self._check_model(parsed.model)
+        return parsed
+
+    async def _validated_body(self, request: Request, cls: type) -> Any:
+        """The API key, then the body read and validated as ``cls`` (unknown fields
+        logged or refused)."""
         self._check_auth(request)
         body = await read_body(request, self.runtime.config.server.max_request_bytes)
         try:
@@ -295,11 +294,13 @@ class OpenAIFront:
         except ValidationError as e:
             raise _validation_error(e) from e
         self._check_unknown(parsed)
-        if parsed.model is not None and parsed.model != self.runtime.served_name:
-            raise HTTPError(404, f"model {parsed.model!r} does not exist; this server serves "
+        return parsed
+
+    def _check_model(self, model: str) -> None:
+        if model != self.runtime.served_name:
+            raise HTTPError(404, f"model {model!r} does not exist; this server serves "
                                  f"{self.runtime.served_name!r}", param="model",
                             code="model_not_found")
-        return parsed
 
     def _tokenizer(self) -> Any:
         """The served model's tokenizer: 503 while warming up, 400 if it has none."""

@@ -33,7 +33,6 @@ from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
 from superinfer_jax.logits import (
-    NO_TOKEN,
     LogitsInputs,
     StepLogprobs,
     deferred_logits,
@@ -520,12 +519,9 @@ class _LogitsRows:
     def clear_row(self, b: int) -> None:
         """A row whose inputs failed half-way becomes neutral padding again."""
         neutral = self.runner.neutral_logits_inputs(1, self.cols)
-        for name, array in self.small.items():
-            if name != "deferred_rows":
+        for name, array in (*self.small.items(), *self.wide.items()):
+            if name != "deferred_rows":  # per call, not per row
                 array[b] = np.asarray(getattr(neutral, name))[0]
-        for name, array in self.wide.items():
-            array[b] = NO_TOKEN if name in ("history", "bias_ids") else (
-                -1 if name == "mask" else 0)
 
     def build(self) -> LogitsInputs:
         neutral = self.runner.neutral_logits_inputs(self.rows, self.cols)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -109,3 +111,20 @@ def wait_idle(stub, timeout_s: float = 10.0) -> object:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle / pages leaked: {s}")
         time.sleep(0.05)
+
+
+def write_hf_tokenizer_dir(tok: Any, path: Path, *, chat_template: bool = False) -> Path:
+    """``tok`` (our tokenizer) as a Hugging Face tokenizer directory (tokenizer.json +
+    tokenizer_config.json) that ``AutoTokenizer`` loads with no network: what external
+    clients (guidellm, lm-eval) read to count and send the served model's token ids."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.id_to_token(tok.bos_token_id),
+        "eos_token": tok.id_to_token(tok.eos_token_ids[0]),
+        "model_max_length": 256,
+    }
+    if chat_template:
+        config["chat_template"] = tok.chat_template
+    (path / "tokenizer.json").write_text(tok.to_json_str())
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

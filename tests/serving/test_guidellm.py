@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving.serving_testlib import API_KEY
+from tests.serving.serving_testlib import API_KEY, write_hf_tokenizer_dir
 
 PROMPT_TOKENS, OUTPUT_TOKENS, REQUESTS = 32, 16, 6
 
@@ -34,15 +34,8 @@ def tokenizer_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     from models import load_model
 
     tok = load_model(str(tiny_model_dir)).tokenizer
-    path = tmp_path_factory.mktemp("guidellm-tokenizer")
-    (path / "tokenizer.json").write_text(tok.to_json_str())
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok.id_to_token(tok.bos_token_id),
-        "eos_token": tok.id_to_token(tok.eos_token_ids[0]),
-        "model_max_length": 256,
-        "chat_template": tok.chat_template,
-    }))
+    path = write_hf_tokenizer_dir(tok, tmp_path_factory.mktemp("guidellm-tokenizer"),
+                                  chat_template=True)
     hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     text = "Benchmarks count tokens with the served model's own tokenizer."
     assert hf.encode(text, add_special_tokens=False) == tok.encode(text)

@@ -17,3 +17,17 @@ TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_siz
 SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                      max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                      show_progress=False, warmup=False)
+
+
+def run_jobs(engine, jobs, rotate_every: int = 0) -> list:
+    """Run ``(prompt, sampling)`` jobs to the end and release them (finished requests, in
+    order); with ``rotate_every``, every job still running is forced out that often."""
+    ids = [engine.add_request(p, sp) for p, sp in jobs]
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if rotate_every and steps % rotate_every == 0:
+            for rid in ids:
+                engine.force_rotate_out(rid)
+    return [engine.release(rid) for rid in ids]

@@ -27,7 +27,7 @@ from superinfer_jax.logits import (
     process_logits,
 )
 from superinfer_jax.model_api import StepInputs
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_jobs
 
 VOCAB, HIST, COLS, EOS = 40, 24, 4, (39,)
 
@@ -121,15 +121,8 @@ def tiny():
 
 
 def _generate(engine: LLMEngine, prompts, sampling, rotate_every: int = 0):
-    ids = [engine.add_request(p, sampling) for p in prompts]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        if rotate_every and steps % rotate_every == 0:
-            for rid in ids:
-                engine.force_rotate_out(rid)
-    return [engine.release(rid).output_token_ids for rid in ids]
+    done = run_jobs(engine, [(p, sampling) for p in prompts], rotate_every)
+    return [r.output_token_ids for r in done]
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 20, 21, 20], [100, 3, 3, 3, 3, 3, 3]]

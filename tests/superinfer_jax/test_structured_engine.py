@@ -14,6 +14,7 @@ from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.request import FieldError
 from superinfer_jax.structured import StructuredOutputSpec
 from tests.numerics import logits_tolerance
+from tests.superinfer_jax.engine_testlib import run_jobs
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -35,18 +36,6 @@ def _chat(tok, text: str) -> list[int]:
                                               add_generation_prompt=True))
 
 
-def _run(engine: LLMEngine, jobs, rotate_every: int = 0):
-    ids = [engine.add_request(p, sp) for p, sp in jobs]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-        if rotate_every and steps % rotate_every == 0:
-            for rid in ids:
-                engine.force_rotate_out(rid)
-    return [engine.release(rid) for rid in ids]
-
-
 @pytest.mark.parametrize("mode,rotate", [("sync", 0), ("async", 0), ("async", 3)])
 def test_constrained_outputs_parse_and_validate(engines, smollm2, mode, rotate):
     tok = smollm2.tokenizer
@@ -64,7 +53,7 @@ def test_constrained_outputs_parse_and_validate(engines, smollm2, mode, rotate):
          SamplingParams(max_tokens=10, structured=StructuredOutputSpec(
              "choice", ("yes", "no", "maybe")))),
     ]
-    done = _run(engines[mode], jobs, rotate_every=rotate)
+    done = run_jobs(engines[mode], jobs, rotate_every=rotate)
     assert all(r.status.finish_reason == "stop" for r in done), [r.status for r in done]
     person = json.loads(done[0].output_text)
     jsonschema.validate(person, SCHEMA)
@@ -81,9 +70,9 @@ def test_unconstrained_neighbour_keeps_its_tokens(engines, smollm2):
     tok = smollm2.tokenizer
     free = (_chat(tok, "Tell me about Paris."), SamplingParams(max_tokens=24,
                                                                 ignore_eos=True))
-    alone = _run(engines["async"], [free])[0].output_token_ids
+    alone = run_jobs(engines["async"], [free])[0].output_token_ids
     spec = StructuredOutputSpec("json", json.dumps(SCHEMA))
-    both = _run(engines["async"], [free, (_chat(tok, "A person as JSON."),
+    both = run_jobs(engines["async"], [free, (_chat(tok, "A person as JSON."),
                                           SamplingParams(max_tokens=60, structured=spec))])
     assert both[0].output_token_ids == alone
     jsonschema.validate(json.loads(both[1].output_text), SCHEMA)
@@ -107,10 +96,10 @@ def test_deferred_sampling_gives_the_sync_tokens_every_step(engines, smollm2):
     jobs = [(_chat(tok, f"Person {i} as JSON."),
              SamplingParams(max_tokens=40, temperature=0.9, seed=i, structured=spec,
                             logprobs=2)) for i in range(3)]
-    sync = _run(engines["sync"], jobs)
+    sync = run_jobs(engines["sync"], jobs)
     engine = engines["async"]
     steps0 = engine.num_model_steps
-    done = _run(engine, jobs)
+    done = run_jobs(engine, jobs)
     assert [r.output_token_ids for r in done] == [r.output_token_ids for r in sync]
     assert [[lp.token_id for lp in r.output_logprobs] for r in done] == \
         [r.output_token_ids for r in done]

@@ -23,14 +23,13 @@ cache is a temporary directory.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.serving.serving_testlib import API_KEY, ServerProcess
+from tests.serving.serving_testlib import API_KEY, ServerProcess, write_hf_tokenizer_dir
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -86,14 +85,7 @@ def tokenizer_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 
     tok = smollm2.tokenizer
-    path = tmp_path_factory.mktemp("lm-eval-tokenizer")
-    (path / "tokenizer.json").write_text(tok.to_json_str())
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok.id_to_token(tok.bos_token_id),
-        "eos_token": tok.id_to_token(tok.eos_token_ids[0]),
-        "model_max_length": 256,
-    }))
+    path = write_hf_tokenizer_dir(tok, tmp_path_factory.mktemp("lm-eval-tokenizer"))
     hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     text = "Question: What is the capital of France?\nAnswer: Paris"
     # hf adds no BOS by default, as lm-eval's API model (add_bos_token=False) does not.
