@@ -76,7 +76,12 @@ class LlamaServable:
         plan = ShardPlan(self.config, mesh)
         graphdef, state = nnx.split(nnx.eval_shape(
             lambda: LlamaModel(plan.module_config, dtype=jnp.dtype(self.dtype))))
-        values = {path: plan.reshard(path, w) for path, w in flat_state(self.params).items()}
+        if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+            values = {path: plan.reshard(path, w)
+                      for path, w in flat_state(self.params).items()}
+        else:  # across hosts: each process places its own slices, from the host
+            values = {path: plan.place(path, np.asarray(w), w.dtype)
+                      for path, w in flat_state(self.params).items()}
         fill_state(state, values)
         return LlamaServable(self.config, nnx.merge(graphdef, state), self.tokenizer,
                              self.dtype, plan)

@@ -184,10 +184,13 @@ class ShardPlan:
         return w if selection is None else _take(w, *selection)
 
     def place(self, path: ParamPath, w: Any, dtype: Any) -> jax.Array:
-        """Transform one host tensor and put each shard's slice on its device."""
+        """Transform one host tensor and put each shard's slice on its device. Only this
+        process's devices get a slice (``make_array_from_callback``): across hosts, each
+        process places its own shards of the global array."""
         host = np.asarray(w)
         host = self.transform(path, host).astype(dtype, copy=False)
-        return jax.device_put(host, self.sharding(path))
+        return jax.make_array_from_callback(host.shape, self.sharding(path),
+                                            lambda index: host[index])
 
     def reshard(self, path: ParamPath, w: jax.Array) -> jax.Array:
         """Transform one device tensor (any sharding) into its sharded layout, on device.

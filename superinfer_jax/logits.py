@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from superinfer_jax.model_api import StepArray, StepInputs
+from superinfer_jax.parallel import host_value
 from superinfer_jax.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -237,5 +238,5 @@ def _token(token_id: int, logprob, rank, top_ids, top_logprobs, k: int) -> Token
 
 def read_logprobs(logprobs: StepLogprobs) -> HostLogprobs:
     """Block on a call's logprobs and copy them to the host (one transfer per array)."""
-    return HostLogprobs({name: np.asarray(getattr(logprobs, name))
+    return HostLogprobs({name: host_value(getattr(logprobs, name))
                          for name in StepLogprobs.__dataclass_fields__})

@@ -450,7 +450,7 @@ class ModelRunner:
     @staticmethod
     def read_tokens(sampled: jax.Array) -> np.ndarray:
         """The sampled token ids on the host: blocks on this call only."""
-        return np.asarray(sampled)
+        return parallel.host_value(sampled)
 
 
 class _LogitsRows:

@@ -69,6 +69,15 @@ def page_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(mesh, PAGE_SPEC, memory_kind=memory_kind)
 
 
+def host_value(array: jax.Array) -> np.ndarray:
+    """A replicated array's value on the host: this process's copy. Across hosts a
+    replicated array is not fully addressable (``np.asarray`` refuses it), and every copy
+    holds the same value, so the first local shard is the whole value."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(array.addressable_data(0))
+
+
 def check_kv_heads(num_kv_heads: int, mesh: Mesh) -> None:
     """The pool splits whole KV heads: a model must present a multiple of the mesh size."""
     if num_kv_heads % mesh.size:
