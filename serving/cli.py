@@ -35,6 +35,7 @@ SERVER_FLAGS = {
     "--tls-cert": "server.tls_cert", "--tls-key": "server.tls_key",
     "--max-queue-len": "server.max_queue_len", "--drain-grace-s": "server.drain_grace_s",
     "--warmup": "engine.warmup",
+    "--compile-in-background": "engine.compile_in_background",
     "--kv-events-endpoint": "server.kv_events_endpoint",
     "--kv-events-topic": "server.kv_events_topic",
 }
@@ -42,6 +43,9 @@ SERVER_FLAGS = {
 # vLLM's policy unless the file or a flag says otherwise; one row, chunks sized to the
 # prompt (so warm-up compiles only the shapes this run uses).
 GENERATE_DEFAULTS = {"engine.policy": "fcfs", "duplex_kv.host_memory_gb": 0.0}
+# Background compilation is a server's: its deferred warm-up runs while the serving loop
+# idles. ``generate`` and ``batch`` drive the engine themselves: they compile first.
+FOREGROUND = {"engine.compile_in_background": False}
 
 
 def _add_key_flags(p: argparse.ArgumentParser, flags: dict[str, str]) -> None:
@@ -127,7 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     chunk = min(256, max(16, len(token_ids)))
     config = _deployment(args, base=GENERATE_DEFAULTS, extra={
         "engine.max_num_seqs": 1, "engine.max_prefill_rows": 1,
-        "engine.max_prefill_chunk": chunk, "engine.max_num_batched_tokens": chunk})
+        "engine.max_prefill_chunk": chunk, "engine.max_num_batched_tokens": chunk,
+        **FOREGROUND})
     engine = LLMEngine(model, config.engine_config())
     req_id = engine.add_request(token_ids, sampling)
     start = time.perf_counter()
@@ -201,7 +206,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from serving.batch import BatchRunner
     from superinfer_jax.engine import LLMEngine
 
-    config = _deployment(args)
+    config = _deployment(args, extra=FOREGROUND)
     engine_config = config.engine_config(show_progress=not args.no_progress)
     model = _load_model(config)
     engine = LLMEngine(model, engine_config)

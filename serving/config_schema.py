@@ -184,6 +184,8 @@ def _kv_dtype(value: str, values: Mapping[str, Any]) -> str:
 SERVING: dict[str, Serving] = {
     # A server runs the paper's policy with a host tier; the library defaults to vLLM's.
     "engine.policy": Serving("rotasched"),
+    # A server is ready once its smallest buckets are compiled (superinfer_jax.compilation).
+    "engine.compile_in_background": Serving(True),
     "duplex_kv.host_memory_gb": Serving(2.0),
     "hardware.compilation_cache_dir": Serving(
         DEFAULT_COMPILATION_CACHE, to_engine=_cache_dir,

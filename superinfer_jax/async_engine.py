@@ -15,7 +15,9 @@ commands, in this order:
 4. Observers (metrics) see each step's outputs and a fresh stats snapshot, on this
    thread, after the step: they never race the engine.
 5. With no work and no commands it waits on a condition variable: an idle server burns
-   no CPU.
+   no CPU. While the engine's warm-up is not finished (``compile_in_background``), an
+   idle loop first does the engine's deferred warm-up a piece at a time
+   (``LLMEngine.idle_work``), between commands, never inside a step.
 
 Every stream is guaranteed a final item (finished, aborted, or the engine's failure), so
 a consumer may block on it without a timeout.
@@ -41,6 +43,7 @@ from superinfer_jax.request import SLO, SamplingParams, check_cache_salt
 log = logging.getLogger(__name__)
 
 Observer = Callable[[list[RequestOutput], dict[str, Any]], None]
+WARMUP_POLL_S = 0.25  # an idle loop looks this often for deferred warm-up that is due
 
 
 class QueueFullError(Exception):
@@ -228,14 +231,20 @@ class AsyncEngine:
 
     # -- the engine thread -------------------------------------------------------------
 
+    def _has_work(self) -> bool:
+        return bool(self._commands or self._stop or self.engine.has_unfinished_requests())
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                while not self._has_work() and not self._warmup_pending():
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stop
             try:
+                if not (commands or stopping or self.engine.has_unfinished_requests()):
+                    self._warm_up_while_idle()
+                    continue
                 outputs = [out for cmd in commands if (out := self._apply(cmd)) is not None]
                 if stopping:
                     outputs += self._abort_all()
@@ -249,6 +258,19 @@ class AsyncEngine:
                 return
             if stopping:
                 return
+
+    def _warmup_pending(self) -> bool:
+        # an engine without deferred warm-up (a test's fake) has none pending
+        return bool(getattr(self.engine, "warmup_pending", False))
+
+    def _warm_up_while_idle(self) -> None:
+        """A piece of the engine's deferred warm-up; when none is due yet (compiles still
+        running), wait a little for one, or for a command."""
+        if self.engine.idle_work():
+            return
+        with self._cond:
+            if not self._has_work():
+                self._cond.wait(WARMUP_POLL_S)
 
     def _apply(self, cmd: _Add | _Abort) -> RequestOutput | None:
         if isinstance(cmd, _Abort):

@@ -27,6 +27,18 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
+@dataclass(frozen=True)
+class BucketLimits:
+    """The largest call shapes that are compiled, each a bucket whose smaller buckets are
+    compiled too, so a step the scheduler keeps within them pads only to compiled
+    shapes (``superinfer_jax.warmup``). Zero: nothing of that kind may run yet."""
+
+    decode_rows: int  # rows of a decode call
+    prefill_rows: int  # rows of a prefill call (1 or max_prefill_rows)
+    prefill_chunk: int  # columns of a prefill call: the longest chunk of one row
+    deferred_rows: int  # structured-output rows sampled after the step (resample)
+
+
 def _pow2_buckets(low: int, high: int) -> tuple[int, ...]:
     out, b = [], low
     while b < high:
@@ -166,6 +178,10 @@ class EngineConfig:
                      help="seeds the sampler of a request that sends no seed")
     warmup: bool = knob(True, section="engine",
                         help="compile every step bucket before serving")
+    compile_in_background: bool = knob(
+        False, section="engine",
+        help="ready once the smallest step buckets are compiled; the rest compile in the "
+             "background while calls are capped to compiled buckets (with warmup)")
     compilation_cache_dir: str | None = knob(
         None, section="hardware",
         help="persistent XLA cache: later starts skip the compiler")
@@ -247,6 +263,12 @@ class EngineConfig:
         budget (the scheduler packs rows no further; ``Scheduler._prefill_chunk_cap``)."""
         return tuple((r, c) for c in self.prefill_chunk_buckets for r in self.prefill_row_buckets
                      if r == 1 or r * c <= self.max_num_batched_tokens)
+
+    @property
+    def bucket_limits(self) -> BucketLimits:
+        """Every bucket compiled: the limits of a warmed-up engine and of the simulator."""
+        return BucketLimits(self.max_num_seqs, self.max_prefill_rows, self.max_prefill_chunk,
+                            self.deferred_rows)
 
     @property
     def prefill_row_buckets(self) -> tuple[int, ...]:

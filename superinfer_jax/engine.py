@@ -44,13 +44,15 @@ The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from superinfer_jax.config import EngineConfig
@@ -69,7 +71,7 @@ from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cac
     enable_compilation_cache,
 )
 from superinfer_jax.output_processor import OutputProcessor
-from superinfer_jax.profiler import profile_engine
+from superinfer_jax.profiler import profile_engine, profile_pieces
 from superinfer_jax.request import (
     SLO,
     FieldError,
@@ -143,6 +145,8 @@ class LLMEngine:
         self._failed: list[RequestOutput] = []  # requests failed alone during this step
         self.last_stats = StepStats()
         self.warmup_times_s: dict[str, float] = {}
+        # the latency profile, measured a piece at a time while idle (``idle_work``)
+        self._profiling: Generator[None, None, LatencyModel] | None = None
         self.num_model_steps = 0  # steps that ran the model
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
@@ -184,28 +188,103 @@ class LLMEngine:
     # -- warm-up -----------------------------------------------------------------------
 
     def warmup(self) -> None:
-        """Compile every bucket (the runner), then measure or load the latency model
+        """Compile the buckets (the runner), then load or measure the latency model
         RotaSched prices its budgets with. Each phase's time is logged and kept in
-        ``warmup_times_s``."""
-        times = self.runner.warmup()
+        ``warmup_times_s``.
+
+        With ``compile_in_background`` (one process) this returns as soon as the
+        smallest buckets are compiled: the engine is ready and serves, its scheduler
+        keeping every call within what is compiled (``superinfer_jax.compilation``).
+        What is left finishes behind: the other buckets on the runner's compile
+        threads; DuplexKV's copy programs, then a latency profile that is not on disk,
+        through ``idle_work`` (until it is measured, RotaSched plans with the configured
+        token budget). Slack ranking needs the profile from its first step: without a
+        saved one, that engine is ready only once it is measured."""
+        background = self.config.compile_in_background and jax.process_count() == 1
+        times = self.runner.warmup(background)
         t0 = time.perf_counter()
-        if self.scheduler.policy.uses_latency:  # e.g. slack ranking, TBT-sized budgets
-            self.set_latency_model(self._latency_model())
+        if self.scheduler.policy.uses_latency:
+            saved = self._saved_latency_model()
+            if saved is not None:
+                self.set_latency_model(saved)
+            elif background and self._latency_optional():
+                self._profiling = profile_pieces(self.runner)
+            else:
+                if self.runner.compiler is not None:
+                    self.runner.compiler.wait_done()  # the profile times every bucket
+                self._set_measured_latency(profile_engine(self.runner))
         times["latency_profile"] = time.perf_counter() - t0
         self.warmup_times_s = times
-        log.info("warm-up: %d step buckets %.1f s, DuplexKV copies %.1f s, latency profile "
-                 "%.1f s", len(self.runner.shapes()), times["step_buckets"], times["duplex"],
-                 times["latency_profile"])
+        log.info("warm-up: %d step buckets %.1f s%s, first runs %.1f s, DuplexKV copies "
+                 "%.1f s, latency profile %.1f s%s", len(self.runner.shapes()),
+                 times["step_buckets"], " (the smallest; the rest in the background)"
+                 if background else "", times["first_runs"], times["duplex"],
+                 times["latency_profile"],
+                 " (measured later, while idle)" if self._profiling is not None else "")
 
-    def _latency_model(self) -> LatencyModel:
-        """The saved profile when there is one, else measured now (and saved if asked)."""
-        path = self.config.rotasched.latency_profile
+    @property
+    def warmup_pending(self) -> bool:
+        """Whether deferred warm-up is left (``compile_in_background``): compiles,
+        DuplexKV's copy programs or the latency profile."""
+        return self.runner.compiling or not self.runner.duplex_warm \
+            or self._profiling is not None
+
+    def idle_work(self) -> bool:
+        """One piece of deferred warm-up, for the engine's thread while it has no
+        request (``AsyncEngine`` calls it): DuplexKV's copy programs first (a rotation
+        may be planned at any step), then, once every bucket is compiled, the latency
+        profile one measurement at a time (each a fraction of a second, so a request
+        that arrives meanwhile waits at most that). Returns whether it did something
+        (False: nothing is due before the background compiles finish). Raises when a
+        background compile failed."""
+        self.runner.check_compiler()
+        if not self.runner.duplex_warm:
+            self.warmup_times_s["duplex"] = self.runner.warm_duplex()
+            log.info("warm-up: DuplexKV copies %.1f s", self.warmup_times_s["duplex"])
+            return True
+        if self._profiling is None or self.runner.compiling:
+            return False
+        try:
+            next(self._profiling)
+        except StopIteration as done:
+            self._profiling = None
+            self._set_measured_latency(done.value)
+            log.info("warm-up: latency profile measured")
+        return True
+
+    def _latency_optional(self) -> bool:
+        """Whether the policy plans correctly without a latency model until one is
+        measured: RotaSched's lag ranking does (the configured budget meanwhile)."""
+        return self.config.policy == "rotasched" and self.config.rotasched.mode == "vlt"
+
+    def _latency_path(self) -> str | None:
+        """Where the latency model is kept: ``rotasched.latency_profile``, else in the
+        compilation cache directory under a key of what the timings depend on (model
+        shapes, buckets, backend, device and CPU count), else nowhere."""
+        if self.config.rotasched.latency_profile:
+            return self.config.rotasched.latency_profile
+        cache = self.config.compilation_cache_dir
+        if not cache:
+            return None
+        cfg, device = self.config, jax.devices()[0]
+        facts = (self._model_identity, cfg.max_model_len, cfg.decode_buckets,
+                 cfg.prefill_shapes, cfg.attention_backend, cfg.tensor_parallel_size,
+                 device.platform, device.device_kind, os.cpu_count(), jax.__version__)
+        key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+        return os.path.join(cache, f"latency-profile-{key}.json")
+
+    def _saved_latency_model(self) -> LatencyModel | None:
+        path = self._latency_path()
         if path and os.path.exists(path):
             return LatencyModel.load(path)
-        model = profile_engine(self.runner)
+        return None
+
+    def _set_measured_latency(self, model: LatencyModel) -> None:
+        path = self._latency_path()
         if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             model.save(path)
-        return model
+        self.set_latency_model(model)
 
     def set_latency_model(self, model: LatencyModel) -> None:
         self.latency = model
@@ -326,8 +405,9 @@ class LLMEngine:
         dispatched is collected at once."""
         t0 = time.perf_counter()
         self._failed = []
+        self.runner.check_compiler()
         self._observe_rotations(t0)
-        plan = self.scheduler.schedule(t0)
+        plan = self.scheduler.schedule(t0, self.runner.limits)
         self._issue_rotations(plan, t0)
         stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
                           num_rotated_in=len(plan.rotate_in))

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -27,7 +29,17 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from superinfer_jax import ops, parallel
-from superinfer_jax.config import EngineConfig, bucket
+from superinfer_jax.compilation import (
+    STEP,
+    BucketCompiler,
+    Program,
+    Programs,
+    bucket_limits,
+    compile_order,
+    default_num_threads,
+    ready_set,
+)
+from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.duplexkv import DuplexKV, RotationEvent
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
@@ -129,10 +141,22 @@ class ModelRunner:
         self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
-        self._step_fn = self._jit_step()
-        self._resample_fn = jax.jit(self._resample, static_argnums=(0,))
+        # Called like the jitted functions; each shape compiled ahead of time (warm-up).
+        self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape)
+        self.resample_programs = Programs(jax.jit(self._resample, static_argnums=(0,)),
+                                          key=lambda a: (a[0],), num_static=1)
+        self._step_fn: Callable[..., Any] = self.step_programs
+        self._resample_fn: Callable[..., Any] = self.resample_programs
         self.resample_buckets = tuple(b for b in config.decode_buckets
                                       if b < config.deferred_rows) + (config.deferred_rows,)
+        # What the scheduler may plan: every bucket, unless warm-up compiles in the
+        # background (then what is compiled so far, growing; ``superinfer_jax.compilation``).
+        self.limits: BucketLimits = config.bucket_limits
+        self.compiler: BucketCompiler | None = None
+        self.duplex_warm = True  # DuplexKV's copy programs compiled (or none to compile)
+        self._limits_lock = threading.Lock()
+        self._pool_spec = jax.ShapeDtypeStruct(self.kv_pool.shape, self.kv_pool.dtype,
+                                               sharding=self.kv_pool.sharding)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -252,24 +276,120 @@ class ModelRunner:
 
     # -- warm-up -------------------------------------------------------------------------
 
-    def warmup(self) -> dict[str, float]:
-        """Compile every (rows, columns) bucket now, so serving never compiles; returns
-        each phase's seconds (start-up time is a product number, and the persistent XLA
-        cache only shortens the compile phase)."""
+    def warmup(self, background: bool = False) -> dict[str, float]:
+        """Compile every program ahead of time (``superinfer_jax.compilation``), the
+        smallest first, on one thread per core; returns each phase's seconds.
+
+        ``background``: return once the ready set is compiled and run once; the rest
+        compiles behind (``compiler``, ``limits`` grow as it does) and DuplexKV's copies
+        are left to ``warm_duplex``. Else everything is compiled and run once (a
+        multi-host follower compiles by replaying these runs), DuplexKV's copies too."""
         t0 = time.perf_counter()
-        shapes = self.shapes()
-        bar = tqdm(shapes, desc="compiling step buckets", disable=not self.config.show_progress)
-        for rows, cols in bar:
-            bar.set_postfix_str(f"{rows}x{cols}")
-            inputs = self.empty_inputs(rows, cols)
-            self.call_step(inputs, SamplingInputs.greedy(rows)).block_until_ready()
-        for rows in self.resample_buckets:  # small calls, one per deferred-row bucket
-            self.resample(self._resample_warmup_logits(), [None] * rows)
+        order = compile_order(self.config, self.resample_buckets)
+        first = ready_set(self.config) if background else order
+        bar = tqdm(total=len(first), desc="compiling step buckets",
+                   disable=not self.config.show_progress)
+        self.duplex_warm = self.duplex is None
+        if background:
+            self.limits = self._compiled_limits()
+
+        def compiled(program: Program) -> None:
+            if background:
+                self._publish_limits()
+            if program in first:
+                bar.update(1)
+            elif self.compiler is not None:
+                log.info("compiled %s in the background (%d left)", program,
+                         self.compiler.num_left - 1)
+
+        self.compiler = BucketCompiler(self._compile, order, len(first),
+                                       default_num_threads(), background, compiled)
+        try:
+            self.compiler.wait_ready()
+        finally:
+            bar.close()
         t1 = time.perf_counter()
-        if self.duplex is not None:
-            self.kv_pool = self.duplex.warmup(self.kv_pool)
+        for program in first:
+            self._run_once(program)
         t2 = time.perf_counter()
-        return {"step_buckets": t1 - t0, "duplex": t2 - t1}
+        times = {"step_buckets": t1 - t0, "first_runs": t2 - t1, "duplex": 0.0}
+        if not background:
+            times["duplex"] = self.warm_duplex()
+        return times
+
+    def warm_duplex(self) -> float:
+        """Compile and run DuplexKV's copy programs once (on the thread that owns the
+        pool); returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.duplex is not None and not self.duplex_warm:
+            self.kv_pool = self.duplex.warmup(self.kv_pool)
+        self.duplex_warm = True
+        return time.perf_counter() - t0
+
+    @property
+    def compiling(self) -> bool:
+        """Whether programs are still compiling in the background."""
+        return self.compiler is not None and not self.compiler.done.is_set()
+
+    def check_compiler(self) -> None:
+        """Raise the error of a background compile that failed (the engine cannot serve
+        every shape it was configured for)."""
+        if self.compiler is not None and self.compiler.error is not None:
+            raise RuntimeError(f"background compilation failed: {self.compiler.error}"
+                               ) from self.compiler.error
+
+    def _compile(self, program: Program) -> None:
+        """Lower and compile one program from abstract arguments (worker threads: it
+        reads no device array the engine thread may donate)."""
+        if program.kind == STEP:
+            self.step_programs.compile(*self._step_specs(*program.shape))
+        else:
+            self.resample_programs.compile(*self._resample_specs(program.shape[0]))
+
+    def _run_once(self, program: Program) -> None:
+        """Run a compiled program once on empty inputs (its first run pays one-time
+        costs; it only writes the null page)."""
+        if program.kind == STEP:
+            rows, cols = program.shape
+            self.call_step(self.empty_inputs(rows, cols),
+                           SamplingInputs.greedy(rows)).block_until_ready()
+        else:
+            jax.block_until_ready(self.resample(self._resample_warmup_logits(),
+                                                [None] * program.shape[0]))
+
+    def _step_specs(self, rows: int, cols: int) -> tuple:
+        """The step's arguments at one shape, as the engine passes them: device arrays
+        as abstract values with their placement, host inputs as numpy."""
+        neutral = neutral_logits_inputs(rows, cols, self.config.max_model_len,
+                                        self.model.vocab_size, self.config.deferred_rows)
+        no_tokens = self._constant_spec(np.zeros(self.feedback_width, np.int32))
+        return (self.step_params, self._pool_spec, self.empty_inputs(rows, cols),
+                SamplingInputs.greedy(rows), jax.tree.map(self._constant_spec, neutral),
+                TokenFeedback.none(rows, cast(jax.Array, no_tokens)))  # abstract, as is
+
+    def _resample_specs(self, rows: int) -> tuple:
+        zeros = np.zeros((rows, 1), np.int32)
+        context = np.zeros(rows, np.int32)
+        neutral = neutral_logits_inputs(rows, 1, self.config.max_model_len,
+                                        self.model.vocab_size, self.config.deferred_rows)
+        logits = self._constant_spec(np.zeros((self.config.deferred_rows,
+                                               self.model.vocab_size), np.float32))
+        return (rows, logits, StepInputs.from_numpy(zeros, zeros, context, context, zeros),
+                SamplingInputs.greedy(rows), jax.tree.map(self._constant_spec, neutral))
+
+    def _constant_spec(self, value: np.ndarray) -> jax.ShapeDtypeStruct:
+        """What ``_committed(value)`` is, abstractly."""
+        sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
+                    else parallel.replicated(self.mesh))
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+    def _compiled_limits(self) -> BucketLimits:
+        return bucket_limits(self.config, self.step_programs.compiled,
+                             self.resample_programs.compiled, self.resample_buckets)
+
+    def _publish_limits(self) -> None:
+        with self._limits_lock:  # two compiles may finish at once: the later set wins
+            self.limits = self._compiled_limits()
 
     def empty_inputs(self, rows: int, cols: int) -> StepInputs:
         return StepInputs.from_numpy(

@@ -7,6 +7,7 @@ to the scratch page, while attention still reads (and pays for) the requested co
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 
 import jax
 import numpy as np
@@ -53,17 +54,33 @@ def _time_transfer(engine, num_pages: int, repeats: int) -> float:
 def profile_engine(engine, repeats: int = 2) -> LatencyModel:
     """Fit prefill / decode / transfer costs from the engine's own compiled buckets
     (``engine``: an ``LLMEngine`` or its ``ModelRunner``, which owns the buckets)."""
+    pieces = profile_pieces(engine, repeats)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def profile_pieces(engine, repeats: int = 2) -> Generator[None, None, LatencyModel]:
+    """``profile_engine`` one measurement at a time: each ``next`` times one shape (a
+    fraction of a second), so an idle server can profile between requests; the
+    generator returns the fitted model."""
     engine = getattr(engine, "runner", engine)
     cfg = engine.config
     max_ctx = cfg.max_model_len - 1
     contexts = sorted({min(c, max_ctx) for c in (16, max_ctx // 4, max_ctx)})
-    decode = [(b, b * c, _time_step(engine, b, 1, 1, c, repeats))
-              for b in cfg.decode_buckets[::2] + cfg.decode_buckets[-1:] for c in contexts]
+    decode = []
+    for b in cfg.decode_buckets[::2] + cfg.decode_buckets[-1:]:
+        for c in contexts:
+            decode.append((b, b * c, _time_step(engine, b, 1, 1, c, repeats)))
+            yield
     prefill = []
     for chunk in cfg.prefill_chunk_buckets:
         for ctx in sorted({chunk, min(max_ctx, chunk + max_ctx // 2)}):
             s = _time_step(engine, 1, chunk, chunk, ctx, repeats)
             prefill.append((chunk, ctx - chunk, s))
+            yield
     transfer = [(n * engine.layout.page_bytes, _time_transfer(engine, n, repeats))
                 for n in (1, 8, 32)]
     return LatencyModel.fit(prefill, decode, transfer,

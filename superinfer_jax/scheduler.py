@@ -36,7 +36,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from superinfer_jax.config import EngineConfig, bucket
+from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import extend_block_hashes
 from superinfer_jax.kv.two_tier import TwoTierKVManager
@@ -124,9 +124,11 @@ class Scheduler:
 
     # -- the stages -------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None) -> StepPlan:
+    def schedule(self, now: float | None = None,
+                 limits: BucketLimits | None = None) -> StepPlan:
+        """``limits``: the call shapes compiled so far (default: all of them)."""
         now = time.perf_counter() if now is None else now
-        plan, budget = StepPlan(), StepBudget.full(self.config)
+        plan, budget = StepPlan(), StepBudget.full(self.config, limits)
         self._hits.clear()
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
@@ -287,7 +289,7 @@ class Scheduler:
         else:
             rows = self.running
         i = 0
-        deferrable = self.config.deferred_rows
+        deferrable = budget.limits.deferred_rows
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
             pending = req.num_pending_tokens
@@ -374,8 +376,8 @@ class Scheduler:
     def _next_chunk(self, pending: int, plan: StepPlan, budget: StepBudget) -> int:
         """Tokens a request with ``pending`` tokens takes this step (``next_chunk``) within
         the token budget and the padded call (0: no room for another prefill row)."""
-        if pending == 1:
-            return 1  # most rows: no prefill cap to work out
+        if pending == 1:  # most rows: no prefill cap to work out
+            return 1 if len(plan.decode) < budget.limits.decode_rows else 0
         return next_chunk(pending, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
 
     def _leading_shared(self, table: list[int]) -> list[int]:
@@ -409,15 +411,17 @@ class Scheduler:
         on the CPU policy sweep), a stall for every decoder in the step."""
         cfg = self.config
         rows = len(plan.prefill) + 1
-        if rows > cfg.max_prefill_rows:
+        if rows > min(cfg.max_prefill_rows, budget.limits.prefill_rows):
             return 0
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
         fits = [c for c in cfg.prefill_chunk_buckets
-                if row_bucket * c <= budget.prefill_slots and c >= longest]
+                if row_bucket * c <= budget.prefill_slots and longest <= c
+                and c <= budget.limits.prefill_chunk]
         if fits:
             return fits[-1]
-        return cfg.max_prefill_chunk if rows == 1 else 0  # one row always makes progress
+        # one row always makes progress
+        return min(cfg.max_prefill_chunk, budget.limits.prefill_chunk) if rows == 1 else 0
 
     @staticmethod
     def _add_row(plan: StepPlan, req_id: str, n: int, decoding: bool) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import BucketLimits, EngineConfig
 from superinfer_jax.kv.two_tier import PageMoves
 
 HOST = "host"  # an evicted request's KV goes to the host tier (rotation)
@@ -22,21 +22,26 @@ class StepBudget:
     padded slots of the prefill call (row bucket x column bucket; a padded slot costs
     what a real token does). ``pages_out`` / ``pages_in``: page copies each way that
     policy-chosen rotations may still take (forced rotations, and evictions a row needs
-    for its pages, are not refused for want of it)."""
+    for its pages, are not refused for want of it). ``limits``: the call shapes compiled
+    so far (while the engine still compiles in the background, a call is kept within
+    them: fewer decode rows, shorter chunks; never a compile inside the step)."""
 
     tokens: int
     prefill_slots: int
     pages_out: int
     pages_in: int
+    limits: BucketLimits
 
     @classmethod
-    def full(cls, config: EngineConfig) -> StepBudget:
-        """The configured budget: ``max_num_batched_tokens`` and ``transfer_budget_pages``."""
+    def full(cls, config: EngineConfig, limits: BucketLimits | None = None) -> StepBudget:
+        """The configured budget: ``max_num_batched_tokens`` and ``transfer_budget_pages``,
+        within ``limits`` (default: every bucket compiled)."""
         tokens, pages = config.max_num_batched_tokens, config.transfer_budget_pages
-        return cls(tokens, tokens, pages, pages)
+        return cls(tokens, tokens, pages, pages, limits or config.bucket_limits)
 
     def copy(self) -> StepBudget:
-        return StepBudget(self.tokens, self.prefill_slots, self.pages_out, self.pages_in)
+        return StepBudget(self.tokens, self.prefill_slots, self.pages_out, self.pages_in,
+                          self.limits)
 
 
 @dataclass

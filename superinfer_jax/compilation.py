@@ -1,0 +1,241 @@
+"""Start-up compilation: each call shape compiled ahead of time, smallest first, on
+several threads, and a step that never compiles.
+
+The engine's device programs are jitted functions specialised per shape bucket: the
+model step per ``[rows, columns]`` (15 buckets in the default config) and deferred
+sampling (``ModelRunner.resample``) per row bucket. Each bucket is a full XLA compile,
+seconds on a CPU. ``Programs`` holds one ahead-of-time executable per shape
+(``jit(f).lower(...).compile()``) and is called like the jitted function: a call finds
+its executable by shape, so once a shape is compiled nothing on the call path traces,
+lowers or compiles. ``BucketCompiler`` compiles a list of programs in priority order on
+worker threads: XLA's compiler releases the GIL, so two compiles run on two cores at once
+(tracing and lowering, which are Python, take turns).
+
+Ready (``EngineConfig.compile_in_background``): the engine serves once the *ready set*
+is compiled, one decode row ``[1, 1]`` and one prefill row of the shortest chunk
+``[1, 16]``, which between them can run any request; the rest compiles behind it, on
+threads of lower CPU priority than the step's. What is compiled is published as
+``BucketLimits``, each limit a bucket whose smaller buckets are compiled too, and the
+scheduler keeps every call within them: fewer decode rows a step, shorter prefill
+chunks, one prefill row, no deferred sampling (a structured-output row then sits out the
+step after each of its tokens). So a request whose bucket is not compiled yet runs at
+once, split into compiled buckets, rather than waiting: on a cold start a bucket takes
+seconds to compile, while a prompt split into 16-token chunks costs a few short steps
+(and the split is the chunked prefill the engine does anyway: the same tokens).
+
+A shape nobody compiled ahead (a test calling ``call_step`` on its own shape, a
+multi-host follower replaying process 0's calls) falls back to the jitted function,
+which compiles it as before; the engine never asks for one while serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from superinfer_jax.config import BucketLimits, EngineConfig
+
+log = logging.getLogger(__name__)
+
+STEP = "step"
+RESAMPLE = "resample"
+BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program to compile: the step at ``shape`` = (rows, columns), or deferred
+    sampling at ``shape`` = (rows,)."""
+
+    kind: str
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {'x'.join(map(str, self.shape))}"
+
+
+class Programs:
+    """Ahead-of-time executables of one jitted function, one per shape, called like it.
+
+    ``key(args)`` gives a call's shape; the first ``num_static`` arguments are static
+    (the jitted function's ``static_argnums``), part of the key and not passed to the
+    executable."""
+
+    def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0):
+        self.jitted = jitted
+        self._key = key
+        self._num_static = num_static
+        self._executables: dict[Hashable, Any] = {}
+        self.num_fallback_calls = 0  # calls on a shape nobody compiled ahead
+
+    @property
+    def compiled(self) -> frozenset[Hashable]:
+        return frozenset(self._executables)
+
+    def compile(self, *args: Any) -> None:
+        """Compile the shape of ``args`` (abstract values will do; nothing runs)."""
+        key = self._key(args)
+        if key not in self._executables:
+            self._executables[key] = self.jitted.lower(*args).compile()
+
+    def __call__(self, *args: Any) -> Any:
+        executable = self._executables.get(self._key(args))
+        if executable is None:
+            self.num_fallback_calls += 1
+            return self.jitted(*args)
+        return executable(*args[self._num_static:])
+
+
+def ready_set(config: EngineConfig) -> list[Program]:
+    """The fewest programs that can run any request: one decode row, one prefill row of
+    the shortest chunk."""
+    return [Program(STEP, (1, 1)), Program(STEP, (1, config.prefill_chunk_buckets[0]))]
+
+
+def compile_order(config: EngineConfig, resample_buckets: Sequence[int]) -> list[Program]:
+    """Every program, the ready set first, then in the order that lifts the limits
+    soonest: longer single-row chunks (a prompt's TTFT) alternating with more decode rows
+    (concurrency), then deferred sampling, then the packed prefill shapes (throughput
+    when several prompts arrive at once)."""
+    ready = ready_set(config)
+    chunks = [Program(STEP, (1, c)) for c in config.prefill_chunk_buckets[1:]]
+    decode = [Program(STEP, (b, 1)) for b in config.decode_buckets[1:]]
+    order = list(ready)
+    for i in range(max(len(chunks), len(decode))):
+        order += chunks[i:i + 1] + decode[i:i + 1]
+    order += [Program(RESAMPLE, (r,)) for r in resample_buckets]
+    order += [Program(STEP, s) for s in config.prefill_shapes if s[0] > 1]
+    return order
+
+
+def _largest_prefix(buckets: Sequence[int], done: Callable[[int], bool]) -> int:
+    """The last bucket of the longest run of compiled buckets from the smallest (0: the
+    smallest is not compiled)."""
+    largest = 0
+    for b in buckets:
+        if not done(b):
+            break
+        largest = b
+    return largest
+
+
+def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
+                  resamples: frozenset[Hashable],
+                  resample_buckets: Sequence[int]) -> BucketLimits:
+    """What the compiled step shapes ``steps`` and resample row counts ``resamples``
+    allow a call (see ``BucketLimits``)."""
+    decode = _largest_prefix(config.decode_buckets, lambda b: (b, 1) in steps)
+    chunk = _largest_prefix(config.prefill_chunk_buckets, lambda c: (1, c) in steps)
+    packed = [s for s in config.prefill_shapes if s[0] > 1 and s[1] <= chunk]
+    rows = config.max_prefill_rows if all(s in steps for s in packed) else 1
+    deferred = _largest_prefix(resample_buckets, lambda r: (r,) in resamples)
+    return BucketLimits(decode, rows if chunk else 0, chunk, deferred)
+
+
+class BucketCompiler:
+    """Compiles ``programs`` in order on ``num_threads`` worker threads.
+
+    ``wait_ready`` returns once the first ``num_ready`` programs are compiled; the rest go
+    on behind (``done`` is set when all are). Threads that pass the ready set lower
+    their CPU priority when ``background``, so that serving steps get the cores first.
+    A compile that fails stops the rest; ``error`` holds it and ``wait_ready`` raises it.
+    ``on_compiled(program)`` runs on the worker thread after each compile."""
+
+    def __init__(self, compile_one: Callable[[Program], None], programs: Sequence[Program],
+                 num_ready: int, num_threads: int, background: bool,
+                 on_compiled: Callable[[Program], None] | None = None):
+        self._compile_one = compile_one
+        self._queue: deque[tuple[int, Program]] = deque(enumerate(programs))
+        self._num_ready = num_ready
+        self._background = background
+        self._on_compiled = on_compiled
+        self._lock = threading.Lock()
+        self._left = len(programs)
+        self._ready_left = min(num_ready, len(programs))
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds: dict[Program, float] = {}  # each program's compile, wall clock
+        if self._ready_left == 0:
+            self.ready.set()
+        if self._left == 0:
+            self.done.set()
+        self._threads = [threading.Thread(target=self._work, name=f"compile-{i}",
+                                          daemon=True) for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def num_left(self) -> int:
+        with self._lock:
+            return self._left
+
+    def wait_ready(self) -> None:
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until every program is compiled (or one failed); False on timeout."""
+        finished = self.done.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return finished
+
+    def cancel(self) -> None:
+        """Compile nothing more (a compile under way finishes)."""
+        with self._lock:
+            self._queue.clear()
+
+    def _work(self) -> None:
+        niced = False
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                index, program = self._queue.popleft()
+            if self._background and index >= self._num_ready and not niced:
+                niced = _lower_priority()
+            t0 = time.perf_counter()
+            try:
+                self._compile_one(program)
+                if self._on_compiled is not None:
+                    self._on_compiled(program)
+            except BaseException as e:  # the engine raises it (wait_ready, or its step)
+                log.exception("compiling %s failed", program)
+                with self._lock:
+                    self.error = self.error or e
+                    self._queue.clear()
+                self.ready.set()
+                self.done.set()
+                return
+            self.seconds[program] = time.perf_counter() - t0
+            with self._lock:
+                self._left -= 1
+                if index < self._num_ready:
+                    self._ready_left -= 1
+                    if self._ready_left == 0:
+                        self.ready.set()
+                if self._left == 0:
+                    self.done.set()
+
+
+def _lower_priority() -> bool:
+    """Raise this thread's nice value (Linux: niceness is per thread), so that compiles
+    started from it (and the threads they start) yield to the serving step."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at full priority
+        return False
+    return True
+
+
+def default_num_threads() -> int:
+    """Compile threads: one per core, at most 4 (each compile holds its own memory)."""
+    return max(1, min(4, os.cpu_count() or 1))

@@ -1,0 +1,167 @@
+"""Start-up compilation (``superinfer_jax.compilation``): the engine serves once its
+smallest buckets are compiled, keeps every call within what is compiled while the rest
+compiles, never compiles inside a step, and generates the same greedy tokens as an
+engine that compiled everything first."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import jax.monitoring
+import numpy as np
+import pytest
+
+from models.servable import random_servable
+from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax.async_engine import AsyncEngine
+from superinfer_jax.compilation import (
+    RESAMPLE,
+    STEP,
+    Program,
+    bucket_limits,
+    compile_order,
+    ready_set,
+)
+from superinfer_jax.config import BucketLimits
+from superinfer_jax.config_schema import ConfigError
+from tests.superinfer_jax.engine_testlib import TINY, run_jobs
+
+# decode 1/2/4 rows; prefill [1, 16], [2, 16], [1, 32]; deferred sampling 1/2/4 rows
+CFG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                   max_prefill_chunk=32, max_prefill_rows=2, page_size=8,
+                   show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_servable(TINY, seed=1)
+
+
+@contextmanager
+def compiles_on_this_thread() -> Iterator[list[str]]:
+    """JAX's tracing, lowering, compile and compilation-cache events recorded on the
+    calling thread (background compile threads record theirs on their own)."""
+    me = threading.get_ident()
+    events: list[str] = []
+
+    def listener(name: str, *args, **kwargs) -> None:
+        if threading.get_ident() == me and name.startswith(
+                ("/jax/core/compile/", "/jax/compilation_cache/")):
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def jobs() -> list:
+    rng = np.random.default_rng(3)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [(rng.integers(0, 250, size=int(n)).tolist(), sp) for n in (45, 3, 20, 31, 9)]
+
+
+def test_order_starts_with_the_ready_set_and_covers_every_program():
+    order = compile_order(CFG, (1, 2, 4))
+    assert order[:2] == ready_set(CFG) == [Program(STEP, (1, 1)), Program(STEP, (1, 16))]
+    steps = [p.shape for p in order if p.kind == STEP]
+    assert sorted(steps) == sorted([(b, 1) for b in CFG.decode_buckets]
+                                   + list(CFG.prefill_shapes))
+    assert [p.shape for p in order if p.kind == RESAMPLE] == [(1,), (2,), (4,)]
+    assert len(set(order)) == len(order)
+
+
+def test_limits_are_the_compiled_buckets_below_the_first_gap():
+    def limits(steps, resamples=()):
+        return bucket_limits(CFG, frozenset(steps), frozenset(resamples), (1, 2, 4))
+
+    assert limits([]) == BucketLimits(0, 0, 0, 0)
+    assert limits([(1, 1), (1, 16)]) == BucketLimits(1, 1, 16, 0)  # [2, 16] still missing
+    assert limits([(1, 1), (1, 16), (2, 16)]) == BucketLimits(1, 2, 16, 0)
+    # [4, 1] without [2, 1] is not usable: a 2-row call would pad to a missing bucket
+    assert limits([(1, 1), (4, 1), (1, 16), (1, 32)]).decode_rows == 1
+    assert limits([(1, 1), (1, 16), (1, 32)]) == BucketLimits(1, 1, 32, 0)
+    full = [(1, 1), (2, 1), (4, 1), (1, 16), (2, 16), (1, 32)]
+    assert limits(full, [(1,), (2,), (4,)]) == CFG.bucket_limits
+    assert limits(full, [(2,)]).deferred_rows == 0
+
+
+def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
+    """Compiles past the ready set are held until the requests are done: every call
+    stays within [1, 1] and [1, 16] (prompts split into 16-token chunks, one decode row a
+    step), nothing compiles on the engine's thread, and the greedy tokens equal those of
+    an engine that compiled every bucket first."""
+    want = run_jobs(LLMEngine(tiny, CFG), jobs())
+    engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True))
+    gate = threading.Event()
+    compile_one = engine.runner._compile
+
+    def held(program: Program) -> None:
+        if program not in ready_set(CFG):
+            gate.wait()
+        compile_one(program)
+
+    engine.runner._compile = held  # type: ignore[method-assign]
+    engine.warmup()
+    try:
+        assert engine.runner.limits == BucketLimits(1, 1, 16, 0)
+        assert engine.warmup_pending
+        seen = []
+        step = engine.step
+
+        def recorded_step():
+            out = step()
+            seen.append((engine.last_stats.num_prefill_tokens,
+                         engine.last_stats.num_decode_tokens))
+            return out
+
+        engine.step = recorded_step  # type: ignore[method-assign]
+        with compiles_on_this_thread() as events:
+            got = run_jobs(engine, jobs())
+        assert events == []
+        assert max(p for p, _ in seen) == 16 and max(d for _, d in seen) == 1
+        assert engine.runner.step_programs.num_fallback_calls == 0
+    finally:
+        gate.set()
+    engine.runner.compiler.wait_done(timeout=600)
+    assert engine.runner.limits == CFG.bucket_limits
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+
+
+def test_served_after_ready_while_idle_work_finishes_warm_up(tiny, tmp_path):
+    """A server's loop: ready after the smallest buckets, a request served at once, and
+    the deferred warm-up (the other buckets, DuplexKV's copies, the latency profile)
+    finishes while it idles, with no compile on the engine's thread for requests after."""
+    profile = tmp_path / "profile.json"
+    cfg = CFG.replace(compile_in_background=True, policy="rotasched", num_host_pages=32)
+    cfg = cfg.replace(rotasched=cfg.rotasched.__class__(latency_profile=str(profile)))
+    engine = LLMEngine(tiny, cfg)
+    assert engine.latency is None and engine.warmup_pending
+    loop = AsyncEngine(engine)
+    try:
+        prompt, sp = jobs()[0]
+        first = list(loop.submit(prompt, sp))[-1]
+        deadline = time.monotonic() + 600
+        while engine.warmup_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.warmup_pending
+        assert engine.latency is not None and profile.exists()
+        assert engine.runner.duplex_warm and engine.runner.limits == cfg.bucket_limits
+        later = list(loop.submit(prompt, sp))[-1]
+        assert later.request.output_token_ids == first.request.output_token_ids
+        assert engine.runner.step_programs.num_fallback_calls == 0
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_value_names_the_field(value):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(compile_in_background=value)
+    assert e.value.key == "compile_in_background"
