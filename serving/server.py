@@ -3,7 +3,10 @@
 Order matters for clients:
 1. The fronts bind first (health NOT_SERVING, requests UNAVAILABLE "warming up"), so a
    probe sees a live process instead of a refused connection during the long warm-up.
-2. The model loads and the engine compiles its buckets; then SERVING.
+2. The model loads and the engine compiles its buckets; then SERVING. With
+   ``engine.compile_in_background`` (the default) SERVING comes once the smallest buckets
+   are compiled: every request is served from then on, its calls kept within the buckets
+   compiled so far while the rest compile behind (``superinfer_jax.compilation``).
 3. SIGTERM (or Ctrl-C): DRAINING. Admission stops (health NOT_SERVING, UNAVAILABLE),
    in-flight requests finish for up to ``drain_grace_s``, the rest are aborted (their
    streams end with finish reason abort), the fronts close, the process exits 0.
@@ -130,6 +133,7 @@ def serve(config: DeploymentConfig) -> int:
                      grace)
             clean = engine.drain(grace)
             log.info("drained" if clean else "grace period over: aborted the rest")
+            engine.engine.stop_warmup()
         runtime.set_stopped()
         _stop_fronts(fronts)
         if kv_events is not None:

@@ -45,13 +45,14 @@ log = logging.getLogger(__name__)
 
 STEP = "step"
 RESAMPLE = "resample"
+DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
 
 
 @dataclass(frozen=True)
 class Program:
-    """One program to compile: the step at ``shape`` = (rows, columns), or deferred
-    sampling at ``shape`` = (rows,)."""
+    """One program to compile: the step at ``shape`` = (rows, columns), deferred
+    sampling at ``shape`` = (rows,), or DuplexKV's copies at ``shape`` = (pages,)."""
 
     kind: str
     shape: tuple[int, ...]
@@ -98,15 +99,17 @@ def ready_set(config: EngineConfig) -> list[Program]:
     return [Program(STEP, (1, 1)), Program(STEP, (1, config.prefill_chunk_buckets[0]))]
 
 
-def compile_order(config: EngineConfig, resample_buckets: Sequence[int]) -> list[Program]:
-    """Every program, the ready set first, then in the order that lifts the limits
-    soonest: longer single-row chunks (a prompt's TTFT) alternating with more decode rows
-    (concurrency), then deferred sampling, then the packed prefill shapes (throughput
-    when several prompts arrive at once)."""
+def compile_order(config: EngineConfig, resample_buckets: Sequence[int],
+                  duplex_buckets: Sequence[int] = ()) -> list[Program]:
+    """Every program, the ready set first, then DuplexKV's copies (small, and eager
+    shadows copy pages from the first requests on), then in the order that lifts the
+    limits soonest: longer single-row chunks (a prompt's TTFT) alternating with more
+    decode rows (concurrency), deferred sampling, and the packed prefill shapes
+    (throughput when several prompts arrive at once)."""
     ready = ready_set(config)
     chunks = [Program(STEP, (1, c)) for c in config.prefill_chunk_buckets[1:]]
     decode = [Program(STEP, (b, 1)) for b in config.decode_buckets[1:]]
-    order = list(ready)
+    order = list(ready) + [Program(DUPLEX, (b,)) for b in duplex_buckets]
     for i in range(max(len(chunks), len(decode))):
         order += chunks[i:i + 1] + decode[i:i + 1]
     order += [Program(RESAMPLE, (r,)) for r in resample_buckets]
@@ -151,6 +154,7 @@ class BucketCompiler:
                  num_ready: int, num_threads: int, background: bool,
                  on_compiled: Callable[[Program], None] | None = None):
         self._compile_one = compile_one
+        self._programs = list(programs)
         self._queue: deque[tuple[int, Program]] = deque(enumerate(programs))
         self._num_ready = num_ready
         self._background = background
@@ -161,7 +165,7 @@ class BucketCompiler:
         self.ready = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.seconds: dict[Program, float] = {}  # each program's compile, wall clock
+        self.seconds: dict[Program, float] = {}  # each compiled program, wall clock
         if self._ready_left == 0:
             self.ready.set()
         if self._left == 0:
@@ -170,6 +174,12 @@ class BucketCompiler:
                                           daemon=True) for i in range(num_threads)]
         for t in self._threads:
             t.start()
+
+    def compiled(self, kind: str) -> bool:
+        """Whether every program of ``kind`` is compiled (none left to compile)."""
+        with self._lock:
+            return not any(p.kind == kind for _, p in self._queue) and all(
+                p in self.seconds for p in self._programs if p.kind == kind)
 
     @property
     def num_left(self) -> int:
@@ -215,8 +225,8 @@ class BucketCompiler:
                 self.ready.set()
                 self.done.set()
                 return
-            self.seconds[program] = time.perf_counter() - t0
             with self._lock:
+                self.seconds[program] = time.perf_counter() - t0
                 self._left -= 1
                 if index < self._num_ready:
                     self._ready_left -= 1

@@ -147,6 +147,7 @@ class LLMEngine:
         self.warmup_times_s: dict[str, float] = {}
         # the latency profile, measured a piece at a time while idle (``idle_work``)
         self._profiling: Generator[None, None, LatencyModel] | None = None
+        self._warmup_started: float | None = None  # deferred warm-up left, since then
         self.num_model_steps = 0  # steps that ran the model
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
@@ -215,6 +216,8 @@ class LLMEngine:
                 self._set_measured_latency(profile_engine(self.runner))
         times["latency_profile"] = time.perf_counter() - t0
         self.warmup_times_s = times
+        if background:
+            self._warmup_started = time.perf_counter()
         log.info("warm-up: %d step buckets %.1f s%s, first runs %.1f s, DuplexKV copies "
                  "%.1f s, latency profile %.1f s%s", len(self.runner.shapes()),
                  times["step_buckets"], " (the smallest; the rest in the background)"
@@ -225,24 +228,30 @@ class LLMEngine:
     @property
     def warmup_pending(self) -> bool:
         """Whether deferred warm-up is left (``compile_in_background``): compiles,
-        DuplexKV's copy programs or the latency profile."""
-        return self.runner.compiling or not self.runner.duplex_warm \
-            or self._profiling is not None
+        DuplexKV's copy programs or the latency profile, until ``idle_work`` sees all
+        three done."""
+        return self._warmup_started is not None
 
     def idle_work(self) -> bool:
         """One piece of deferred warm-up, for the engine's thread while it has no
-        request (``AsyncEngine`` calls it): DuplexKV's copy programs first (a rotation
-        may be planned at any step), then, once every bucket is compiled, the latency
+        request (``AsyncEngine`` calls it): a first run of DuplexKV's copy programs once
+        the compile threads have compiled them, then, once every bucket is, the latency
         profile one measurement at a time (each a fraction of a second, so a request
         that arrives meanwhile waits at most that). Returns whether it did something
         (False: nothing is due before the background compiles finish). Raises when a
         background compile failed."""
         self.runner.check_compiler()
-        if not self.runner.duplex_warm:
+        if not self.runner.duplex_warm and self.runner.duplex_compiled:
             self.warmup_times_s["duplex"] = self.runner.warm_duplex()
             log.info("warm-up: DuplexKV copies %.1f s", self.warmup_times_s["duplex"])
             return True
-        if self._profiling is None or self.runner.compiling:
+        if self.runner.compiling:
+            return False
+        if self._profiling is None:
+            if self._warmup_started is not None:
+                log.info("background warm-up done %.1f s after ready",
+                         time.perf_counter() - self._warmup_started)
+                self._warmup_started = None
             return False
         try:
             next(self._profiling)
@@ -251,6 +260,12 @@ class LLMEngine:
             self._set_measured_latency(done.value)
             log.info("warm-up: latency profile measured")
         return True
+
+    def stop_warmup(self) -> None:
+        """Compile nothing more in the background (a server that stops): a compile under
+        way finishes on its daemon thread."""
+        if self.runner.compiler is not None:
+            self.runner.compiler.cancel()
 
     def _latency_optional(self) -> bool:
         """Whether the policy plans correctly without a latency model until one is

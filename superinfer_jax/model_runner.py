@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from superinfer_jax import ops, parallel
 from superinfer_jax.compilation import (
+    DUPLEX,
     STEP,
     BucketCompiler,
     Program,
@@ -285,7 +286,8 @@ class ModelRunner:
         are left to ``warm_duplex``. Else everything is compiled and run once (a
         multi-host follower compiles by replaying these runs), DuplexKV's copies too."""
         t0 = time.perf_counter()
-        order = compile_order(self.config, self.resample_buckets)
+        duplex = self.duplex.mover.buckets if self.duplex is not None else ()
+        order = compile_order(self.config, self.resample_buckets, duplex)
         first = ready_set(self.config) if background else order
         bar = tqdm(total=len(first), desc="compiling step buckets",
                    disable=not self.config.show_progress)
@@ -317,9 +319,14 @@ class ModelRunner:
             times["duplex"] = self.warm_duplex()
         return times
 
+    @property
+    def duplex_compiled(self) -> bool:
+        """Whether DuplexKV's copy programs are compiled (``warm_duplex`` is then quick)."""
+        return self.compiler is None or self.compiler.compiled(DUPLEX)
+
     def warm_duplex(self) -> float:
-        """Compile and run DuplexKV's copy programs once (on the thread that owns the
-        pool); returns the seconds it took."""
+        """Run DuplexKV's copy programs once (on the thread that owns the pool), compiled
+        ahead by the compile threads; returns the seconds it took."""
         t0 = time.perf_counter()
         if self.duplex is not None and not self.duplex_warm:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
@@ -343,6 +350,9 @@ class ModelRunner:
         reads no device array the engine thread may donate)."""
         if program.kind == STEP:
             self.step_programs.compile(*self._step_specs(*program.shape))
+        elif program.kind == DUPLEX:
+            assert self.duplex is not None  # only listed with a host tier
+            self.duplex.mover.compile_ahead(self._pool_spec, program.shape[0])
         else:
             self.resample_programs.compile(*self._resample_specs(program.shape[0]))
 

@@ -161,6 +161,16 @@ class PageMover:
                                  tuple(pages[start:start + bucket]))
         return pool
 
+    def compile_ahead(self, pool: jax.ShapeDtypeStruct, bucket: int) -> None:
+        """Compile one bucket's gather and scatter from an abstract pool, on any thread:
+        ``warmup`` and the copies then find them compiled (JAX's caches are shared), so
+        the thread that owns the pool does not compile them."""
+        ids = np.full(bucket, NULL_PAGE, np.int32)
+        self._gather.lower(pool, ids).compile()
+        sharding = self.host_sharding if self.copy_mode == "fused" else self.device_sharding
+        page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype, sharding=sharding)
+        self._scatter.lower(pool, ids, (page,) * bucket).compile()
+
     def warmup(self, pool: jax.Array) -> jax.Array:
         """Compile every bucket and both copies now (reads and rewrites the null page)."""
         for bucket in self.buckets:
