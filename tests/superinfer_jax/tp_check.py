@@ -121,10 +121,10 @@ def step_hlo(engine) -> str:
 
     rows = engine.config.decode_buckets[-1]
     inputs = engine.runner.empty_inputs(rows, 1)
-    lowered = engine.runner._step_fn.lower(engine.runner.step_params, engine.kv_pool, inputs,
-                                    SamplingInputs.greedy(rows),
-                                    engine.runner.neutral_logits_inputs(rows, 1),
-                                    TokenFeedback.none(rows, engine.runner.no_tokens))
+    lowered = engine.runner.step_programs.jitted.lower(
+        engine.runner.step_params, engine.kv_pool, inputs, SamplingInputs.greedy(rows),
+        engine.runner.neutral_logits_inputs(rows, 1),
+        TokenFeedback.none(rows, engine.runner.no_tokens))
     return lowered.compile().as_text()
 
 
