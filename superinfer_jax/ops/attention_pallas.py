@@ -34,6 +34,19 @@ bitcasts). Tiles are therefore independent of the page size.
 Without a GPU, the Triton IR this module lowers to (``lowering_platforms=("cuda",)``) was
 compiled with upstream Triton 3.9 for sm_90a: decode pipelines its gathers (cp.async, 80
 registers, 38 KiB shared), prefill uses wgmma; no register spills. Speed is unmeasured.
+``tests/superinfer_jax/test_cuda_lowering.py`` lowers the whole engine step for CUDA with
+this kernel (TP 1 and 2) in every CI run, and checks the Triton call is in the module.
+
+Triton backend deprecation and the pin. Pallas's Triton backend is deprecated from JAX
+0.11; 0.10.2 is the newest JAX the package registry offers here, so ``pyproject.toml`` pins
+``jax<0.11`` (the cuda12 extra too) until the kernel is checked on a newer one. The
+migration path is Pallas Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``, present in
+0.10.2) on Hopper: K/V tiles come in by TMA (``copy_gmem_to_smem``) into shared memory
+and the dots are ``wgmma``, pipelined with ``emit_pipeline``. TMA moves rectangular
+tiles, so the per-token pointer gather above becomes a per-page copy: one tile per page
+id of the table (``S`` tokens x ``D``, contiguous in the block-first pool), which the
+layout already allows. Pre-Hopper GPUs would keep the XLA path (``attention_backend:
+xla``).
 
 The KV write stays the XLA scatter ``attention_xla.write_kv``: it moves ``B * C`` tokens
 per step against the ``sum(context_lens)`` this kernel reads, so it is not the bottleneck,
