@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from superinfer_jax import ops, parallel
 from superinfer_jax.compilation import (
     DUPLEX,
+    RESAMPLE,
     STEP,
     BucketCompiler,
     Program,
@@ -358,12 +359,12 @@ class ModelRunner:
 
     def _run_once(self, program: Program) -> None:
         """Run a compiled program once on empty inputs (its first run pays one-time
-        costs; it only writes the null page)."""
+        costs; it only writes the null page). DuplexKV's copies run in ``warm_duplex``."""
         if program.kind == STEP:
             rows, cols = program.shape
             self.call_step(self.empty_inputs(rows, cols),
                            SamplingInputs.greedy(rows)).block_until_ready()
-        else:
+        elif program.kind == RESAMPLE:
             jax.block_until_ready(self.resample(self._resample_warmup_logits(),
                                                 [None] * program.shape[0]))
 
