@@ -25,15 +25,21 @@ Every step runs the same stages, in this order:
 9. eager shadows: host copies of full pages, within what the rotations left of the
    outbound transfer budget (only for a caller that issues them: ``shadowing``).
 
-Per-step state is one ``StepBudget`` passed through the stages, never kept on the
-instance. Requests rotating or parked sit in ``rotary``; without room on the host (or
-without a host tier) a rotation falls back to recomputation.
+Per-step state is one ``StepBudget`` (and, when contended, one ``Selection``) passed
+through the stages, never kept on the instance. Nothing a step does walks the whole
+waiting queue: the selection reads the ranking from its head and stops once every runner
+was seen and the device is full, and the later stages read only what it kept (a lazy
+ranking, ``rotasched.ranking``, then never orders the queue's tail).
+
+Requests rotating or parked sit in ``rotary``; without room on the host (or without a
+host tier) a rotation falls back to recomputation.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
@@ -51,12 +57,22 @@ from superinfer_jax.step_plan import (
     StepPlan,
     next_chunk,
 )
+from superinfer_jax.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from superinfer_jax.rotasched.policy import Policy
 
-__all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Scheduler", "StepBudget", "StepPlan",
-           "next_chunk"]
+__all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Scheduler", "Selection", "StepBudget",
+           "StepPlan", "next_chunk"]
+
+
+@dataclass
+class Selection:
+    """Who the selection kept this step (contended steps only), for the stages after it."""
+
+    keep: set[str] = field(default_factory=set)  # ids of the kept requests
+    kept: list[Request] = field(default_factory=list)  # the kept requests, in rank order
+    runners: list[Request] = field(default_factory=list)  # every runner, in rank order
 
 
 class Scheduler:
@@ -76,9 +92,10 @@ class Scheduler:
         self.latency = latency  # None until known (``set_latency_model``)
         self.shadowing = (shadowing and config.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()  # FIFO, and by arrival for the lag ranking
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
+        self._rotating_in = 0  # of ``rotary``: ROTATING_IN (a seat each), counted
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
         # Prefix hits looked up by this step's ranking and selection (a lookup per
         # waiting request per step, not one per question); admission looks up again, as
@@ -107,6 +124,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.rotary:
             self.rotary.remove(req)
+            self._rotating_in -= req.status == RequestStatus.ROTATING_IN
         self.force_rotate_out.discard(req.req_id)
         self._host_hits_in_flight.pop(req.req_id, None)
         self.kv.free(req.req_id)
@@ -137,16 +155,15 @@ class Scheduler:
             kv.spill_budget = self.config.transfer_budget_pages  # reclaimed cached pages
             # go to the host tier this step (``_plan_shadows`` issues the copies)
         self._rotate_forced(plan, now)
-        ranked, keep = None, None  # uncontended: FCFS, nobody overtakes
+        sel = None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
-            ranked = self.policy.rank(self, now)
-            keep = self._select(ranked, budget)
-            self._evict_unselected(ranked, keep, plan, budget, now)
-            budget = self.policy.token_budget(self, budget, now, keep)
+            sel = self._select(self.policy.rank(self, now), budget)
+            self._evict_unselected(sel, plan, budget, now)
+            budget = self.policy.token_budget(self, budget, now, sel.keep)
         plan.budget = budget.copy()
-        self._run_rows(plan, budget, now, contended=ranked is not None)
-        if self._rotate_in(ranked, keep, plan, budget, now):
-            self._admit(ranked, keep, plan, budget, now)
+        self._run_rows(plan, budget, now, contended=sel is not None)
+        if self._rotate_in(sel, plan, budget, now):
+            self._admit(sel, plan, budget, now)
         if self.shadowing:
             self._plan_shadows(plan)
         return plan
@@ -202,10 +219,15 @@ class Scheduler:
             self._rotate_out(req, plan, now)
         self.force_rotate_out.clear()  # requests not running now are not rotated
 
-    def _select(self, ranked: list[Request], budget: StepBudget) -> set[str]:
+    def _select(self, ranked: Iterable[Request], budget: StepBudget) -> Selection:
         """From the head: who fits in the device pool (what runners hold plus what is
         free, cached pages included: reclaiming one costs nothing, so it goes before any
         runner), the seats and the inbound transfer budget.
+
+        The ranking is read once, and no further than needed: once every runner was seen
+        (their order is the victims') and the pool is full (every request that is not
+        running needs a page to run, except one whose final token is in flight, which
+        is never left out), nobody after can be kept.
 
         With prefix caching a device page may be in several tables, and a waiting request
         may take cached pages: a shared page counts once, for the first kept request that
@@ -223,13 +245,21 @@ class Scheduler:
             lead_pages = [p for lead in runners_shared.values() for p in lead]
             capacity -= len(lead_pages) - len(set(lead_pages))
         transfer = budget.pages_in
-        used, seats = 0, self.config.max_num_seqs - self._num_rotating_in()
-        keep: set[str] = set()
+        used, seats = 0, self.config.max_num_seqs - self._rotating_in
+        sel = Selection()
+        keep, runners = sel.keep, sel.runners
+        runners_left = len(self.running)
+        stop_when_full = not any(r.final_token_inflight for r in self.waiting.requeued.values())
         counted: set[int] = set()  # shared device pages already counted for a kept request
         kept_tables: list[list[int]] = []  # of the kept runners
         for req in ranked:
-            if len(keep) >= seats:
-                break  # nobody else can be kept: no more look-ups
+            if req.status == RequestStatus.RUNNING:
+                runners.append(req)
+                runners_left -= 1
+            if len(keep) >= seats:  # nobody else can be kept: no more look-ups
+                if not runners_left:
+                    break
+                continue
             need = self._pages_to_run(req)
             moving = self._host_pages(req)
             pages: tuple[int, ...] | list[int] = ()
@@ -245,22 +275,25 @@ class Scheduler:
                     held = max((_common_prefix(t, pages) for t in kept_tables), default=0) \
                         if pages and kv.refcount[pages[0]] > 0 else 0
                     need -= held + sum(p in counted for p in pages[held:])
-            if used + need > capacity or moving > transfer:
-                continue
-            keep.add(req.req_id)
-            counted.update(pages)
-            if shared and req.status == RequestStatus.RUNNING:
-                kept_tables.append(kv.page_table(req.req_id))
-            used += need
-            transfer -= moving
-        return keep
+            if used + need <= capacity and moving <= transfer:
+                keep.add(req.req_id)
+                sel.kept.append(req)
+                counted.update(pages)
+                if shared and req.status == RequestStatus.RUNNING:
+                    kept_tables.append(kv.page_table(req.req_id))
+                used += need
+                transfer -= moving
+            if used >= capacity and not runners_left and stop_when_full:
+                break
+        return sel
 
-    def _evict_unselected(self, ranked: list[Request], keep: set[str], plan: StepPlan,
-                          budget: StepBudget, now: float) -> None:
+    def _evict_unselected(self, sel: Selection, plan: StepPlan, budget: StepBudget,
+                          now: float) -> None:
         """Runners outside the selection leave, from the tail of the ranking."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
-        for req in reversed(ranked):
+        keep = sel.keep
+        for req in reversed(sel.runners):
             if req.status != RequestStatus.RUNNING or req.req_id in keep:
                 continue
             cost = kv.rotation_cost_out(req.req_id)
@@ -308,12 +341,12 @@ class Scheduler:
             budget.tokens -= n
             i += 1
 
-    def _rotate_in(self, ranked: list[Request] | None, keep: set[str] | None,
-                   plan: StepPlan, budget: StepBudget, now: float) -> bool:
+    def _rotate_in(self, sel: Selection | None, plan: StepPlan, budget: StepBudget,
+                   now: float) -> bool:
         """Bring parked requests back within the seats and the inbound transfer budget.
         Returns whether admissions may follow: contended, always; uncontended, only when
         nobody is left parked or on the way out (the parked ones are older, go first)."""
-        if ranked is None or keep is None:
+        if sel is None:
             for req in [r for r in self.rotary if r.status == RequestStatus.ROTARY]:
                 kv = self.kv
                 assert isinstance(kv, TwoTierKVManager)
@@ -323,9 +356,9 @@ class Scheduler:
                     return False
                 self._start_rotate_in(req, plan, now)
                 budget.pages_in -= cost
-            return all(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
-        for req in ranked:
-            if req.status != RequestStatus.ROTARY or req.req_id not in keep:
+            return self._rotating_in == len(self.rotary)
+        for req in sel.kept:
+            if req.status != RequestStatus.ROTARY:
                 continue
             cost = self._host_pages(req)
             if self._num_seated() >= self.config.max_num_seqs:
@@ -337,20 +370,19 @@ class Scheduler:
             budget.pages_in -= cost
         return True
 
-    def _admit(self, ranked: list[Request] | None, keep: set[str] | None, plan: StepPlan,
-               budget: StepBudget, now: float) -> None:
+    def _admit(self, sel: Selection | None, plan: StepPlan, budget: StepBudget,
+               now: float) -> None:
         """Uncontended: FCFS, the head waits for memory and nobody overtakes it.
         Contended: the selected waiting requests, in rank order."""
         max_seqs = self.config.max_num_seqs
-        if ranked is None or keep is None:
+        if sel is None:
             while self.waiting and budget.tokens > 0 and self._num_seated() < max_seqs:
-                head = self.waiting[0]  # not re-admitted when this very step evicted it
+                head = self.waiting.first()  # not re-admitted when this very step evicted it
                 if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
                     break  # the head waits for memory; nobody overtakes it
             return
-        for req in ranked:
-            if req.status != RequestStatus.WAITING or req.req_id not in keep \
-                    or budget.tokens <= 0:
+        for req in sel.kept:
+            if req.status != RequestStatus.WAITING or budget.tokens <= 0:
                 continue
             if req.req_id in plan.preempted or self._num_seated() >= max_seqs:
                 continue
@@ -454,10 +486,10 @@ class Scheduler:
 
     def _num_seated(self) -> int:
         """Requests holding a batch row: running, or on their way back to running."""
-        return len(self.running) + self._num_rotating_in()
+        return len(self.running) + self._rotating_in
 
     def _num_rotating_in(self) -> int:
-        return sum(r.status == RequestStatus.ROTATING_IN for r in self.rotary)
+        return self._rotating_in
 
     # -- moving requests --------------------------------------------------------------
 
@@ -499,6 +531,7 @@ class Scheduler:
         plan.moves_in.append(self.kv.rotate_in(req.req_id))
         plan.rotate_in.append(req.req_id)
         req.set_status(RequestStatus.ROTATING_IN, now)
+        self._rotating_in += 1
 
     def _admit_one(self, req: Request, plan: StepPlan, budget: StepBudget,
                    now: float) -> bool:
@@ -573,6 +606,7 @@ class Scheduler:
         self.waiting.remove(req)
         self.rotary.append(req)
         req.set_status(RequestStatus.ROTATING_IN, now)
+        self._rotating_in += 1
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         return True
@@ -603,6 +637,7 @@ class Scheduler:
     def on_rotated_in(self, req: Request, now: float) -> None:
         self._host_hits_in_flight.pop(req.req_id, None)
         self.rotary.remove(req)
+        self._rotating_in -= req.status == RequestStatus.ROTATING_IN
         self.running.append(req)
         req.set_status(RequestStatus.RUNNING, now)
 
@@ -616,6 +651,7 @@ class Scheduler:
             assert isinstance(self.kv, TwoTierKVManager) and self.kv.host_cache is not None
             self.kv.host_cache.hits -= host_tokens
         self.rotary.remove(req)
+        self._rotating_in -= req.status == RequestStatus.ROTATING_IN
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)
 

@@ -21,14 +21,15 @@ implementation difference:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policy import HOST, Policy
+from superinfer_jax.rotasched.ranking import is_protected, late_window, missed_ttft, rank_by_lag
 from superinfer_jax.rotasched.registry import make_scheduler, register_policy
 from superinfer_jax.step_plan import StepBudget
 
@@ -116,10 +117,11 @@ class RotaSchedPolicy(SwapPolicy):
         def late(r: Request) -> bool:
             # ``beta * ttft_ms / 1000``, not ``beta * ttft_s``: the same float as always
             return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
-                    and not _missed_ttft(r, now))
+                    and not missed_ttft(r, now))
 
+        # a late waiting request lies in the queue's late window (``ranking.late_window``)
         return any(late(r) for r in s.running if r.num_pending_tokens > 1) or any(
-            late(r) for r in s.waiting if r.req_id in keep)
+            late(r) for _, _, r in late_window(s.waiting, now, beta) if r.req_id in keep)
 
     # -- ranking --------------------------------------------------------------------------
 
@@ -152,7 +154,7 @@ class RotaSchedPolicy(SwapPolicy):
             work += lm.transfer_s(len(pages) * s.page_bytes) if pages else 0.0
         return req.token_times[-1] + req.slo.tbt_s - now - work
 
-    def rank(self, s: Scheduler, now: float) -> list[Request]:
+    def rank(self, s: Scheduler, now: float) -> Iterable[Request]:
         """Every request that could run, most urgent first (ties: arrival order).
 
         Three guards keep rotation productive:
@@ -169,29 +171,25 @@ class RotaSchedPolicy(SwapPolicy):
           and displacing a runner for it would only add a TBT miss. Capacity goes to
           requests that can still make their deadline (in simulation at overload this
           raised both TTFT and TBT attainment; see ``benchmarks.policy_sweep``).
-        With no one late this is FCFS order, whatever the memory pressure."""
+        With no one late this is FCFS order, whatever the memory pressure.
+
+        Mode ``vlt`` ranks incrementally (``ranking.rank_by_lag``: the same order, from
+        structures whose cost does not grow with the queue, read lazily from the head).
+        Mode ``slack`` sorts every candidate each contended step: its key prices each
+        request's work with the latency model and its prefix-cache hit, which change with
+        the cache and the batch, so there is no order to keep between steps."""
+        if self.params.mode == "vlt":
+            return rank_by_lag(s, now, self.params)
         k = self.params.min_residency_tokens
 
         def key(r: Request) -> tuple[int, float, float]:
             urgency = self.urgency(s, r, now)
             if r.status == RequestStatus.RUNNING:
-                if _resident_tokens(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
+                if is_protected(r, k):
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, -urgency, r.arrival_time)
-            if urgency > 0 and not _missed_ttft(r, now):
+            if urgency > 0 and not missed_ttft(r, now):
                 return (1, -urgency, r.arrival_time)  # late: may displace runners
             return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
         return sorted(s.candidates(), key=key)
-
-
-def _missed_ttft(req: Request, now: float) -> bool:
-    """A request without a first token whose TTFT deadline has passed."""
-    return not req.token_times and now - req.arrival_time > req.slo.ttft_s
-
-
-def _resident_tokens(req: Request) -> int:
-    """Tokens produced since the request last started running (admitted or rotated in)."""
-    if req.running_since is None:
-        return 0
-    return len(req.token_times) - bisect.bisect_left(req.token_times, req.running_since)

@@ -10,6 +10,9 @@ a policy answers four questions for it:
 - ``rank(s, now)``: when contended, every request that could run, most urgent first. The
   scheduler keeps or brings onto the device the head of this list, as far as pages,
   seats and the transfer budget go, and evicts the runners outside it from the tail.
+  A list, or any iterable: the scheduler reads it once from the head and stops once it
+  has seen every runner and nothing more fits, so a lazy ranking (a generator) need not
+  order a long queue's tail (``rotasched.ranking``).
 - ``evict_to(s, req)``: where an evicted runner goes, ``HOST`` (rotated out, its KV kept)
   or ``RECOMPUTE`` (its KV dropped, its tokens computed again later).
 - ``token_budget(s, budget, now, keep)``: when contended, the step's ``StepBudget``
@@ -28,6 +31,7 @@ or name it by path, ``package.module:Class``, wherever a policy is named.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 from superinfer_jax.config import EngineConfig
@@ -53,7 +57,7 @@ class Policy:
     def contended(self, s: Scheduler) -> bool:
         return False
 
-    def rank(self, s: Scheduler, now: float) -> list[Request]:
+    def rank(self, s: Scheduler, now: float) -> Iterable[Request]:
         """FCFS order (a policy that is contended and does not rank)."""
         return sorted(s.candidates(), key=lambda r: r.arrival_time)
 

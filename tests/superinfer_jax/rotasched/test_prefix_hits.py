@@ -96,7 +96,7 @@ def test_selection_counts_a_hits_shared_pages_once():
     hit = sched.prefix_hit(reqs["w"])
     assert hit.device == tuple(kv.page_table("r")[:4]) and not hit.host
     ranked = [reqs["r"], reqs["w"], reqs["x"]]
-    keep = sched._select(ranked, StepBudget.full(sched.config))
+    keep = sched._select(ranked, StepBudget.full(sched.config)).keep
     assert keep == {"r", "w", "x"}
     plan = run(sched, kv, reqs, 1.0)
     admitted = {rid for rid, _ in plan.prefill}

@@ -1,0 +1,138 @@
+"""RotaSched's ranking by virtual lag, without sorting the queue every step.
+
+The order (``RotaSchedPolicy.rank``) is a stable sort of every candidate (waiting, parked,
+running, in that order) by ``(group, value, arrival)``:
+
+    group 0  protected runners (settling, near their end, or ending): value 0
+    group 1  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
+             the other runners: value -lag = time since they started running (>= 0)
+    group 2  everyone else waiting or parked (not late, or hopeless): value 0
+
+Sorting that list costs O(n log n) a step in the length of the queue, which grows without
+bound under overload. Most of the queue never needs its lag computed:
+
+- for a waiting request that has not run yet, lag and hopelessness are functions of
+  ``now - arrival_time`` alone (given its SLO), monotone in it, so within one SLO the late
+  ones form one window of arrival times, and a bisection of the arrival-ordered queue
+  (``WaitingQueue.by_arrival``) finds it; only the window and the requests that came
+  back to the queue (recomputation: they may have tokens, and lag by other rules) are
+  looked at;
+- group 2 is the arrival order of the queue without the late ones (merged with the
+  parked requests that are not late), read lazily: the scheduler stops reading once
+  every runner was seen and the device is full, which at overload is near the head;
+- runners and parked requests are bounded by the device and host pools, not by the
+  queue: they are sorted each step.
+
+So a step costs O(runners log runners + parked + window + log queue) plus what the
+selection reads, not O(queue log queue). Ties are broken exactly as the stable sort would
+(queue position, then parked, then running order): the sequence is the same as
+``sorted(s.candidates(), key=...)``, which ``tests/superinfer_jax/rotasched`` checks on
+random states and on simulated runs. The window is exact because the float comparisons
+are the same ones ``virtual_lag`` and ``missed_ttft`` make, and ``now - a`` is monotone
+in ``a``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from superinfer_jax.config import RotaSchedConfig
+from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.rotasched.lag import virtual_lag
+from superinfer_jax.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from superinfer_jax.scheduler import Scheduler
+
+__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "resident_tokens"]
+
+
+def missed_ttft(req: Request, now: float) -> bool:
+    """A request without a first token whose TTFT deadline has passed."""
+    return not req.token_times and now - req.arrival_time > req.slo.ttft_s
+
+
+def resident_tokens(req: Request) -> int:
+    """Tokens produced since the request last started running (admitted or rotated in)."""
+    if req.running_since is None:
+        return 0
+    return len(req.token_times) - bisect.bisect_left(req.token_times, req.running_since)
+
+
+def is_protected(req: Request, k: int) -> bool:
+    """A runner that ranks first whatever its lag: settling (fewer than ``k`` tokens since
+    it started running), within ``k`` tokens of its end, or ending with its token in flight."""
+    return resident_tokens(req) < k or req.max_tokens_left <= k or req.final_token_inflight
+
+
+def late_window(waiting: WaitingQueue, now: float, beta_f: float
+                ) -> list[tuple[float, int, Request]]:
+    """The waiting requests that may be late: for every SLO in the queue, the arrivals
+    past ``beta_f`` of its TTFT budget and not past the budget itself, plus every request
+    that came back to the queue; as ``(arrival, position, request)``. A superset of the
+    late ones (callers test each): outside it, a request has no lag (not past
+    ``beta_f``) or is hopeless (a fresh request past its TTFT deadline)."""
+    entries = waiting.by_arrival()
+    lo, hi = len(entries), 0
+    for slo in waiting.slos:
+        budget = slo.ttft_s  # the same floats as missed_ttft and virtual_lag compare
+        start = beta_f * slo.ttft_ms / 1000
+        # ``now - a`` falls as ``a`` grows: not missed from ``first``, no lag from ``end``
+        first = bisect.bisect_left(entries, True, key=lambda e: now - e[0] <= budget)
+        end = bisect.bisect_left(entries, True, key=lambda e: now - e[0] <= start)
+        if first < end:
+            lo, hi = min(lo, first), max(hi, end)
+    window = entries[lo:hi] if lo < hi else []
+    if waiting.requeued:
+        inside = {id(e[2]) for e in window}
+        window += [waiting.entry(r) for r in waiting.requeued.values() if id(r) not in inside]
+    return window
+
+
+def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Iterator[Request]:
+    """Every candidate of ``s``, in the order of the sort described in the module
+    docstring; the tail (group 2) is produced as it is read."""
+    k = p.min_residency_tokens
+    protected: list[tuple[float, int, Request]] = []
+    runners: list[tuple[float, float, int, Request]] = []
+    for i, r in enumerate(s.running):
+        if is_protected(r, k):
+            protected.append((r.arrival_time, i, r))
+        else:
+            runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
+    late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
+    rest: list[tuple[float, int, int, Request]] = []  # parked, not late: (arrival, 1, j, req)
+    for j, r in enumerate(q for q in s.rotary if q.status == RequestStatus.ROTARY):
+        lag = virtual_lag(r, now, p)
+        if lag > 0 and not missed_ttft(r, now):
+            late.append((-lag, r.arrival_time, 1, j, r))
+        else:
+            rest.append((r.arrival_time, 1, j, r))
+    late_ids: set[int] = set()
+    for a, pos, r in late_window(s.waiting, now, p.beta_f):
+        lag = virtual_lag(r, now, p)
+        if lag > 0 and not missed_ttft(r, now):
+            late.append((-lag, a, 0, pos, r))
+            late_ids.add(id(r))
+    protected.sort()
+    late.sort()
+    runners.sort()
+    rest.sort()
+    yield from (e[-1] for e in protected)
+    yield from (e[-1] for e in late)
+    yield from (e[-1] for e in runners)
+    yield from _not_late(s.waiting.by_arrival(), late_ids, rest)
+
+
+def _not_late(entries: list[tuple[float, int, Request]], late_ids: set[int],
+              parked: list[tuple[float, int, int, Request]]) -> Iterable[Request]:
+    """Group 2: the queue in arrival order without its late requests, merged with the
+    parked ones that are not late, by (arrival, waiting before parked, position)."""
+    waiting = (r for _, _, r in entries if id(r) not in late_ids)
+    if not parked:
+        return waiting
+    keyed = ((a, 0, pos, r) for a, pos, r in entries if id(r) not in late_ids)
+    return (e[-1] for e in heapq.merge(keyed, parked))
