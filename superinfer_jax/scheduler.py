@@ -38,8 +38,9 @@ host tier) a rotation falls back to recomputation.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
@@ -62,8 +63,24 @@ from superinfer_jax.waiting_queue import WaitingQueue
 if TYPE_CHECKING:
     from superinfer_jax.rotasched.policy import Policy
 
-__all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Scheduler", "Selection", "StepBudget",
-           "StepPlan", "next_chunk"]
+__all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Ranking", "Scheduler", "Selection",
+           "StepBudget", "StepPlan", "next_chunk"]
+
+
+@dataclass
+class Ranking:
+    """A ranking in two parts, for a policy whose order ends in FCFS: ``head``, most
+    urgent first, then every other candidate by arrival (on a tie, waiting before parked,
+    then in queue and parked order). ``Policy.rank`` may return one instead of a list:
+    the selection reads the tail from the arrival-ordered queue and skips, unread, the
+    requests that need more pages than are left, so a long queue costs a step nothing.
+    Iterating it gives the whole order."""
+
+    head: list[Request]
+    scheduler: Scheduler
+
+    def __iter__(self) -> Iterator[Request]:
+        return chain(self.head, self.scheduler.rest_by_arrival(self.head))
 
 
 @dataclass
@@ -92,7 +109,8 @@ class Scheduler:
         self.latency = latency  # None until known (``set_latency_model``)
         self.shadowing = (shadowing and config.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
-        self.waiting = WaitingQueue()  # FIFO, and by arrival for the lag ranking
+        # FIFO, and by arrival for the lag ranking and the selection of a Ranking's tail
+        self.waiting = WaitingQueue(need=self._first_chunk_pages)
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self._rotating_in = 0  # of ``rotary``: ROTATING_IN (a seat each), counted
@@ -134,6 +152,24 @@ class Scheduler:
         order; a stable sort keeps it among equals)."""
         parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
         return list(self.waiting) + parked + list(self.running)
+
+    def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None
+                        ) -> Iterator[Request]:
+        """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With
+        ``room`` (the device pages still free), the waiting requests known to need more
+        for their first chunk are left out (``WaitingQueue.walk``)."""
+        listed = {id(r) for r in head}
+        parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
+            q for q in self.rotary if q.status == RequestStatus.ROTARY) if id(r) not in listed)
+        k = 0
+        for a, _, r in self.waiting.walk(room):
+            if id(r) in listed:
+                continue
+            while k < len(parked) and parked[k][0] < a:  # a tie: waiting first
+                yield parked[k][2]
+                k += 1
+            yield r
+        yield from (e[2] for e in parked[k:])
 
     def device_pages_in_use(self) -> tuple[int, int]:
         """(used, usable) device pages."""
@@ -252,6 +288,9 @@ class Scheduler:
         stop_when_full = not any(r.final_token_inflight for r in self.waiting.requeued.values())
         counted: set[int] = set()  # shared device pages already counted for a kept request
         kept_tables: list[list[int]] = []  # of the kept runners
+        if isinstance(ranked, Ranking):
+            ranked = chain(ranked.head, self.rest_by_arrival(
+                ranked.head, room=lambda: capacity - used))
         for req in ranked:
             if req.status == RequestStatus.RUNNING:
                 runners.append(req)
@@ -423,6 +462,15 @@ class Scheduler:
                 break
             n += 1
         return table[:n]
+
+    def _first_chunk_pages(self, req: Request) -> int:
+        """``_pages_to_run`` of a waiting request that has not run, as known when it
+        arrives: without prefix caching it does not change while the request waits; with
+        it, a hit may lower it, so 1 (the least any waiting request needs)."""
+        if self.kv.prefix_cache is not None:
+            return 1
+        chunk = next_chunk(req.num_pending_tokens, self.config.max_prefill_chunk)
+        return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages ``req`` holds after its next step, with the longest chunk a step

@@ -5,18 +5,20 @@ recomputation goes back to the head, as it is older than anyone behind it). Rota
 lag ranking needs the same requests by arrival time: a waiting request's virtual lag is a
 function of ``now - arrival_time`` alone for a given SLO, so arrival order *is* lag order
 within one SLO, and the requests that are late but not yet hopeless lie in one window of
-arrival times that a bisection finds. Keeping both orders here, updated as requests come
-and go, is what lets a step rank without touching the whole queue (``rotasched.lag``).
+arrival times that a bisection finds. Everyone else ranks by arrival (FCFS), and the
+selection keeps, in that order, whoever still fits in the device pool: ``walk`` finds the
+next one that can fit by the pages its first chunk needs, without looking at the ones in
+between that cannot (``rotasched.ranking``, ``Scheduler.rest_by_arrival``).
 
 Every operation is O(1) or O(log n) in Python, plus a C-level list shift for an insertion
-or removal in the arrival list (a few microseconds at 100,000 requests).
+or removal in the arrival lists (a few microseconds at 100,000 requests).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,11 +26,16 @@ if TYPE_CHECKING:
 
 __all__ = ["WaitingQueue"]
 
+Key = tuple[float, int]  # (arrival_time, position)
+Entry = tuple[float, int, "Request"]  # (arrival_time, position, request)
+
 
 class WaitingQueue:
     """Waiting requests: a FIFO with ``append`` / ``appendleft`` / ``remove`` (a deque's
     verbs, with O(1) removal from the middle), the same requests sorted by
-    ``(arrival_time, position)``, and a count per SLO.
+    ``(arrival_time, position)``, a count per SLO, and the arrival order again per page
+    need (``need``: the device pages a request takes to run its first chunk, or 0 when
+    that is not known ahead: see ``walk``).
 
     Positions: ``append`` hands out increasing numbers, ``appendleft`` decreasing negative
     ones, so sorting by position is the queue's order; a tie in arrival time is broken by
@@ -36,18 +43,22 @@ class WaitingQueue:
 
     ``requeued``: the requests that came back to the head (recomputation). Only those can
     have produced tokens (a fresh request has none until it runs), so only they can lag by
-    another rule than their arrival time's: the ranking looks at each of them."""
+    another rule than their arrival time's (the ranking looks at each of them), and only
+    their page need can change while they wait (a token in flight lands: need 0)."""
 
     __slots__ = ("_fifo", "_entries", "_keys", "_next_back", "_next_front", "requeued",
-                 "slos")
+                 "slos", "_need", "_needs", "_by_need")
 
-    def __init__(self) -> None:
+    def __init__(self, need: Callable[[Request], int] | None = None) -> None:
         self._fifo: OrderedDict[int, Request] = OrderedDict()  # id(req) -> req, queue order
-        self._entries: list[tuple[float, int, Request]] = []  # (arrival, position, req)
-        self._keys: dict[int, tuple[float, int]] = {}  # id(req) -> its (arrival, position)
+        self._entries: list[Entry] = []  # sorted
+        self._keys: dict[int, Key] = {}  # id(req) -> its key
         self._next_back, self._next_front = 0, -1
         self.requeued: dict[int, Request] = {}  # id(req) -> req, back at the head
         self.slos: Counter[SLO] = Counter()  # SLO -> waiting requests with it
+        self._need = need
+        self._needs: dict[int, int] = {}  # id(req) -> its page need (0: unknown)
+        self._by_need: dict[int, list[Entry]] = {}  # need -> entries with it, sorted
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -67,14 +78,15 @@ class WaitingQueue:
         return next(iter(self._fifo.values()))
 
     def append(self, req: Request) -> None:
-        self._insert(req, self._next_back)
+        fresh = not (req.token_times or req.num_inflight_tokens)
+        self._insert(req, self._next_back, fresh)
         self._next_back += 1
         self._fifo[id(req)] = req
-        if req.token_times or req.num_inflight_tokens:
+        if not fresh:
             self.requeued[id(req)] = req  # not a fresh request: rank it by hand
 
     def appendleft(self, req: Request) -> None:
-        self._insert(req, self._next_front)
+        self._insert(req, self._next_front, False)
         self._next_front -= 1
         self._fifo[id(req)] = req
         self._fifo.move_to_end(id(req), last=False)
@@ -86,30 +98,80 @@ class WaitingQueue:
             raise ValueError(f"request {req.req_id} is not waiting")
         del self._fifo[id(req)]
         self.requeued.pop(id(req), None)
-        entries = self._entries
-        del entries[bisect.bisect_left(entries, key)]
+        _delete(self._entries, key)
+        need = self._needs.pop(id(req))
+        same = self._by_need[need]
+        _delete(same, key)
+        if not same:
+            del self._by_need[need]
         slos = self.slos
         slos[req.slo] -= 1
         if not slos[req.slo]:
             del slos[req.slo]
 
-    def by_arrival(self) -> list[tuple[float, int, Request]]:
+    def by_arrival(self) -> list[Entry]:
         """``(arrival_time, position, request)``, sorted: read-only, valid until the queue
         changes."""
         return self._entries
 
-    def entry(self, req: Request) -> tuple[float, int, Request]:
+    def entry(self, req: Request) -> Entry:
         """``req``'s ``(arrival_time, position, request)``, as ``by_arrival`` lists it."""
         return (*self._keys[id(req)], req)
 
-    def _insert(self, req: Request, position: int) -> None:
+    def walk(self, room: Callable[[], int] | None = None) -> Iterator[Entry]:
+        """``by_arrival`` read from the start; with ``room`` (the pages still free, asked
+        before each entry), the entries whose page need is known and exceeds it are left
+        out, without being read: the next entry that could fit is the earliest, over
+        the page needs up to ``room()``, of the next entry of that need (a bisection
+        each). Valid while the queue does not change."""
+        entries, by_need = self._entries, self._by_need
+        needs = sorted(by_need)
+        top = needs[-1] if needs else 0
+        after: Key = (float("-inf"), 0)  # the next entry is past this key
+        i = 0
+        while True:
+            free = room() if room is not None else top
+            if top <= free:  # everyone left could fit by pages: read them in order
+                if i >= len(entries):
+                    return
+                e = entries[i]
+            else:
+                found: Entry | None = None
+                for need in needs:
+                    if need > free:
+                        break
+                    same = by_need[need]
+                    j = bisect.bisect_left(same, after)
+                    if j < len(same) and (found is None or same[j] < found):
+                        found = same[j]
+                if found is None:
+                    return
+                e = found
+                i = bisect.bisect_left(entries, e[:2])
+            after = (e[0], e[1] + 1)
+            i += 1
+            yield e
+
+    def _insert(self, req: Request, position: int, fresh: bool) -> None:
         if id(req) in self._keys:
             raise ValueError(f"request {req.req_id} is waiting already")
         key = (req.arrival_time, position)
         self._keys[id(req)] = key
-        entries = self._entries
-        if not entries or entries[-1][:2] < key:
-            entries.append((*key, req))  # the common case: the latest arrival
-        else:
-            entries.insert(bisect.bisect_left(entries, key), (*key, req))
+        entry = (*key, req)
+        _insort(self._entries, entry)
+        need = self._need(req) if fresh and self._need is not None else 0
+        self._needs[id(req)] = need
+        _insort(self._by_need.setdefault(need, []), entry)
         self.slos[req.slo] += 1
+
+
+def _insort(entries: list[Entry], entry: Entry) -> None:
+    """Insert in key order (keys are unique: the request is never compared)."""
+    if not entries or entries[-1][:2] < entry[:2]:
+        entries.append(entry)  # the common case: the latest arrival
+    else:
+        entries.insert(bisect.bisect_left(entries, entry[:2]), entry)
+
+
+def _delete(entries: list[Entry], key: Key) -> None:
+    del entries[bisect.bisect_left(entries, key)]

@@ -17,14 +17,15 @@ bound under overload. Most of the queue never needs its lag computed:
   (``WaitingQueue.by_arrival``) finds it; only the window and the requests that came
   back to the queue (recomputation: they may have tokens, and lag by other rules) are
   looked at;
-- group 2 is the arrival order of the queue without the late ones (merged with the
-  parked requests that are not late), read lazily: the scheduler stops reading once
-  every runner was seen and the device is full, which at overload is near the head;
+- group 2 is everyone else by arrival (FCFS), which the scheduler reads itself from the
+  arrival-ordered queue (a ``Ranking``'s tail): it stops once every runner was seen and
+  the device is full, and skips unread the requests whose first chunk needs more pages
+  than are left (``WaitingQueue.walk``);
 - runners and parked requests are bounded by the device and host pools, not by the
   queue: they are sorted each step.
 
 So a step costs O(runners log runners + parked + window + log queue) plus what the
-selection reads, not O(queue log queue). Ties are broken exactly as the stable sort would
+selection keeps, not O(queue log queue). Ties are broken exactly as the stable sort would
 (queue position, then parked, then running order): the sequence is the same as
 ``sorted(s.candidates(), key=...)``, which ``tests/superinfer_jax/rotasched`` checks on
 random states and on simulated runs. The window is exact because the float comparisons
@@ -35,17 +36,12 @@ in ``a``.
 from __future__ import annotations
 
 import bisect
-import heapq
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.rotasched.lag import virtual_lag
+from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
-
-if TYPE_CHECKING:
-    from superinfer_jax.scheduler import Scheduler
 
 __all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "resident_tokens"]
 
@@ -92,9 +88,9 @@ def late_window(waiting: WaitingQueue, now: float, beta_f: float
     return window
 
 
-def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Iterator[Request]:
+def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     """Every candidate of ``s``, in the order of the sort described in the module
-    docstring; the tail (group 2) is produced as it is read."""
+    docstring: groups 0 and 1 listed, group 2 the ``Ranking``'s tail by arrival."""
     k = p.min_residency_tokens
     protected: list[tuple[float, int, Request]] = []
     runners: list[tuple[float, float, int, Request]] = []
@@ -104,35 +100,16 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Iterator[Reques
         else:
             runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
-    rest: list[tuple[float, int, int, Request]] = []  # parked, not late: (arrival, 1, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == RequestStatus.ROTARY):
         lag = virtual_lag(r, now, p)
         if lag > 0 and not missed_ttft(r, now):
             late.append((-lag, r.arrival_time, 1, j, r))
-        else:
-            rest.append((r.arrival_time, 1, j, r))
-    late_ids: set[int] = set()
     for a, pos, r in late_window(s.waiting, now, p.beta_f):
         lag = virtual_lag(r, now, p)
         if lag > 0 and not missed_ttft(r, now):
             late.append((-lag, a, 0, pos, r))
-            late_ids.add(id(r))
     protected.sort()
     late.sort()
     runners.sort()
-    rest.sort()
-    yield from (e[-1] for e in protected)
-    yield from (e[-1] for e in late)
-    yield from (e[-1] for e in runners)
-    yield from _not_late(s.waiting.by_arrival(), late_ids, rest)
-
-
-def _not_late(entries: list[tuple[float, int, Request]], late_ids: set[int],
-              parked: list[tuple[float, int, int, Request]]) -> Iterable[Request]:
-    """Group 2: the queue in arrival order without its late requests, merged with the
-    parked ones that are not late, by (arrival, waiting before parked, position)."""
-    waiting = (r for _, _, r in entries if id(r) not in late_ids)
-    if not parked:
-        return waiting
-    keyed = ((a, 0, pos, r) for a, pos, r in entries if id(r) not in late_ids)
-    return (e[-1] for e in heapq.merge(keyed, parked))
+    head = [e[-1] for e in protected] + [e[-1] for e in late] + [e[-1] for e in runners]
+    return Ranking(head, s)  # then group 2: the rest by arrival
