@@ -1,12 +1,26 @@
 """How fast the simulator runs, and where its host time goes.
 
-Simulates ``--num-requests`` requests of a preset at one rate for each policy and prints
-wall time, simulated requests per second and microseconds per engine step; with
-``--profile``, the functions that take the time (cProfile, by own time), which are the
-scheduler's and the page bookkeeping's: the simulator itself adds little per step.
+Each scenario simulates ``--num-requests`` requests of a preset at one rate for each
+policy and prints wall and CPU time, simulated requests per second, microseconds per
+engine step, and the host time of one ``Scheduler.schedule`` call by how many requests
+were waiting (near 100, 1,000 and 10,000: the scheduler's cost must not grow with the
+queue); with ``--profile``, the functions that take the time (cProfile, by own time).
 
+Scenarios (``--scenarios``, default both):
+
+- ``knee``: contention, Qwen2.5-32B on ShareGPT on gh200-96g at 13 req/s, the rate where
+  fcfs's TTFT attainment first falls to 60% or below in ``superinfer simulate --preset
+  paper-qwen32b-sharegpt`` (its knee). Arrivals outpace service, so the queue grows past
+  10,000 requests over a 100,000-request run and every step of RotaSched ranks.
+- ``light``: Llama-3-8B on ShareGPT at 40 req/s on gh200-96g, no contention: the cost of
+  the step loop itself.
+
+Wall time on a shared machine is an upper bound (the CPU column is this process's
+time); the goal is 100,000 requests under 60 s for every policy in the ``knee`` scenario.
+
+    python -m benchmarks.sim_speed [--quick] [--scenarios knee] [--policies rotasched]
     python -m benchmarks.sim_speed --preset paper-llama8b-sharegpt --rate 40 \\
-        --num-requests 100000 --policies fcfs [--profile]
+        --num-requests 100000 --policies fcfs --profile   # one custom scenario
 """
 
 from __future__ import annotations
@@ -15,19 +29,39 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
+from dataclasses import dataclass
 
 from benchmarks.common import add_common_args, print_table, write_json
+
+QUEUE_SIZES = (100, 1_000, 10_000)  # waiting requests at which a schedule call is timed
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    preset: str
+    hardware: str
+    rate: float
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario("knee", "paper-qwen32b-sharegpt", "gh200-96g", 13.0),
+    Scenario("light", "paper-llama8b-sharegpt", "gh200-96g", 40.0),
+)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "sim_speed")
-    p.add_argument("--preset", default="paper-llama8b-sharegpt")
+    p.add_argument("--scenarios", default="knee,light",
+                   help=f"comma-separated, of {sorted(SCENARIOS)}")
+    p.add_argument("--preset", help="instead of --scenarios: this preset at --rate")
     p.add_argument("--hardware", default="gh200-96g")
     p.add_argument("--dataset", help="override the preset's dataset")
-    p.add_argument("--rate", type=float, default=40.0)
+    p.add_argument("--rate", type=float, help="requests per second (with --preset)")
     p.add_argument("--num-requests", type=int, default=100_000)
     p.add_argument("--policies", default="fcfs,swap,rotasched")
     p.add_argument("--profile", action="store_true", help="cProfile each run (slower)")
@@ -35,53 +69,88 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = min(args.num_requests, 5000)
+    if args.preset:
+        if args.rate is None:
+            p.error("--preset needs --rate")
+        args.scenario_list = [Scenario("custom", args.preset, args.hardware, args.rate)]
+    else:
+        unknown = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
+        if unknown:
+            p.error(f"--scenarios: unknown {unknown}; scenarios: {sorted(SCENARIOS)}")
+        args.scenario_list = [SCENARIOS[s] for s in args.scenarios.split(",")]
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def queue_columns(queue, took) -> dict[str, float | None]:
+    """Median microseconds of a schedule call with about N requests waiting (N/1.25 to
+    1.25 N), for N in ``QUEUE_SIZES``; None where the run never had that many."""
+    out: dict[str, float | None] = {}
+    for n in QUEUE_SIZES:
+        near = [s for q, s in zip(queue, took, strict=True) if n / 1.25 <= q <= n * 1.25]
+        out[f"sched_us_q{n}"] = 1e6 * statistics.median(near) if near else None
+    return out
+
+
+def run_one(scenario: Scenario, policy: str, specs, args) -> tuple[dict, str | None]:
     from dataclasses import replace
 
-    from benchmarks.simulate import to_specs
-    from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
     from superinfer_jax.sim.presets import get_preset
     from superinfer_jax.sim.stats import summarize
 
-    args = parse_args(argv)
-    preset = get_preset(args.preset)
+    preset = get_preset(scenario.preset)
     if args.dataset:
         preset = replace(preset, dataset=args.dataset)
-    work = build_workload(WorkloadSpec(
-        dataset=preset.dataset, num_requests=args.num_requests, rate=args.rate,
-        max_prompt=preset.max_prompt, max_total=preset.max_total, seed=args.seed,
-        slo_mix=(SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)))
-    specs = to_specs(work)
+    sim = preset.simulator(scenario.hardware, policy)
+    prof = cProfile.Profile() if args.profile else None
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    if prof is not None:
+        prof.enable()
+    result = sim.run(specs, time_schedule=True)
+    if prof is not None:
+        prof.disable()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    s = summarize(result)
+    queue, took = result.schedule_queue or [], result.schedule_s or []
+    row = {"scenario": scenario.name, "policy": policy, "requests": len(specs),
+           "wall_s": wall, "cpu_s": cpu, "req_per_s": len(specs) / wall,
+           "steps": result.num_steps, "us_per_step": 1e6 * wall / max(1, result.num_steps),
+           "max_queue": max(queue, default=0), **queue_columns(queue, took),
+           "rotations": s["num_rotations"], "ttft_att": s["ttft_attainment"]}
+    profile = None
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        profile = out.getvalue()
+    return row, profile
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.simulate import to_specs
+    from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
+    from superinfer_jax.sim.presets import get_preset
+
+    args = parse_args(argv)
     rows, profiles = [], {}
-    for policy in args.policies.split(","):
-        sim = preset.simulator(args.hardware, policy)
-        prof = cProfile.Profile() if args.profile else None
-        t0 = time.perf_counter()
-        if prof is not None:
-            prof.enable()
-        result = sim.run(specs)
-        if prof is not None:
-            prof.disable()
-        wall = time.perf_counter() - t0
-        s = summarize(result)
-        rows.append({"policy": policy, "requests": len(specs), "wall_s": wall,
-                     "req_per_s": len(specs) / wall, "steps": result.num_steps,
-                     "us_per_step": 1e6 * wall / max(1, result.num_steps),
-                     "decode_tokens": result.num_decode_tokens,
-                     "us_per_token": 1e6 * wall / max(1, result.num_decode_tokens),
-                     "rotations": s["num_rotations"], "ttft_att": s["ttft_attainment"]})
-        print_table([rows[-1]])
-        if prof is not None:
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
-            profiles[policy] = out.getvalue()
-            print(profiles[policy])
-    print_table(rows, title=f"simulator speed: {preset.name} on {args.hardware} at "
-                            f"{args.rate:g} req/s")
-    write_json(args.out, {"args": vars(args), "rows": rows, "profiles": profiles})
+    for scenario in args.scenario_list:
+        preset = get_preset(scenario.preset)
+        work = build_workload(WorkloadSpec(
+            dataset=args.dataset or preset.dataset, num_requests=args.num_requests,
+            rate=scenario.rate, max_prompt=preset.max_prompt, max_total=preset.max_total,
+            seed=args.seed, slo_mix=(SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)))
+        specs = to_specs(work)
+        for policy in args.policies.split(","):
+            row, profile = run_one(scenario, policy, specs, args)
+            rows.append(row)
+            print_table([row])
+            if profile is not None:
+                profiles[f"{scenario.name}/{policy}"] = profile
+                print(profile)
+    print_table(rows, title="simulator speed (wall time on a shared machine is an upper "
+                            "bound; sched_us_qN: median schedule() call with ~N waiting)")
+    write_json(args.out, {"args": {k: v for k, v in vars(args).items()
+                                   if k != "scenario_list"},
+                          "scenarios": [vars(s) for s in args.scenario_list],
+                          "rows": rows, "profiles": profiles})
 
 
 if __name__ == "__main__":

@@ -204,6 +204,10 @@ class SimResult:
     prefix_cache_device_hits: int = 0
     prefix_cache_host_hits: int = 0
     prefix_hit_pages_in: int = 0  # of pages_in: host-tier hits copied in (not rotations)
+    # ``run(..., time_schedule=True)``: per ``schedule`` call, the requests waiting when it
+    # was called and the host seconds it took (``benchmarks.sim_speed``)
+    schedule_queue: array | None = None  # array('l')
+    schedule_s: array | None = None  # array('d')
 
 
 class Simulator:
@@ -225,10 +229,12 @@ class Simulator:
         self.latency = latency
 
     def run(self, specs: Sequence[RequestSpec],
-            progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``specs`` (sorted by arrival) until every request finished."""
+            progress: Callable[[int], None] | None = None,
+            time_schedule: bool = False) -> SimResult:
+        """Simulate ``specs`` (sorted by arrival) until every request finished.
+        ``time_schedule``: record each ``schedule`` call's queue length and host time."""
         _check_specs(specs, self.config)
-        return _Run(self, specs, progress).play()
+        return _Run(self, specs, progress, time_schedule).play()
 
 
 def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:
@@ -266,7 +272,7 @@ class _Run:
     """The state of one simulation (the scheduler and pages are fresh per run)."""
 
     def __init__(self, sim: Simulator, specs: Sequence[RequestSpec],
-                 progress: Callable[[int], None] | None):
+                 progress: Callable[[int], None] | None, time_schedule: bool = False):
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
         # The cache exists only when some request has content: without any, nothing could
@@ -301,6 +307,7 @@ class _Run:
         self.num_steps = self.num_prefill = self.num_decode = self.shadow_pages = 0
         self.hit_pages_in = 0  # host -> device copies of host-tier prefix hits
         self.last_token = 0.0
+        self.timing = (array("l"), array("d")) if time_schedule else None
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -319,13 +326,25 @@ class _Run:
                     break
                 t = specs[i].arrival_s
                 continue
-            plan = sched.schedule(t)
+            if self.timing is None:
+                plan = sched.schedule(t)
+            else:
+                plan = self._timed_schedule(t)
             num_pages = self._issue_copies(plan, t)
             if plan.is_empty:
                 t = self._next_event(i)
                 continue
             t = self._step(plan, t, num_pages)
         return self._result(wall0)
+
+    def _timed_schedule(self, t: float) -> StepPlan:
+        assert self.timing is not None
+        queue, took = self.timing
+        queue.append(len(self.sched.waiting))
+        t0 = time.perf_counter()
+        plan = self.sched.schedule(t)
+        took.append(time.perf_counter() - t0)
+        return plan
 
     def _next_event(self, i: int) -> float:
         """When something can change after an empty plan: an arrival or a copy landing."""
@@ -461,4 +480,6 @@ class _Run:
             num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
             policy=self.cfg.policy, prefix_caching=self.prefix_caching,
             prefix_cache_queries=queries, prefix_cache_device_hits=device_hits,
-            prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in)
+            prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in,
+            schedule_queue=self.timing[0] if self.timing else None,
+            schedule_s=self.timing[1] if self.timing else None)
