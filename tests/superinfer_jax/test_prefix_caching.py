@@ -103,8 +103,8 @@ def record_plans(engine: LLMEngine) -> list[StepPlan]:
     plans: list[StepPlan] = []
     schedule = engine.scheduler.schedule
 
-    def recording(now=None):
-        plans.append(schedule(now))
+    def recording(*args, **kwargs):
+        plans.append(schedule(*args, **kwargs))
         return plans[-1]
 
     engine.scheduler.schedule = recording
