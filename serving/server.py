@@ -75,7 +75,8 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any,
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
     model = load_model(config.model.source, dtype=config.model.dtype,
-                       tensor_parallel_size=engine_config.tensor_parallel_size)
+                       tensor_parallel_size=engine_config.tensor_parallel_size,
+                       weights_cache=engine_config.compilation_cache_dir)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     engine = LLMEngine(model, engine_config)
     kv_events = _start_kv_events(config, engine)
