@@ -250,8 +250,9 @@ def test_request_past_its_ttft_deadline_does_not_displace_a_runner():
 
 
 def test_tbt_budget_yields_to_a_late_first_token():
-    """Under contention the step's tokens are sized to the decoders' TBT SLO, unless a
-    request still waiting for its first token is late: then prefill gets the full budget."""
+    """Under contention, while someone waits for memory (here: parked), the step's tokens
+    are sized to the decoders' TBT SLO, unless a request still waiting for its first
+    token is late: then prefill gets the full budget."""
     from superinfer_jax.latency import LatencyModel
 
     # a high-water mark of 1%: contended as soon as anything holds a page
@@ -259,7 +260,10 @@ def test_tbt_budget_yields_to_a_late_first_token():
                      rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
     d = Driver(sched, kv)
     d.add(req("dec", 8, arrival=0.0, max_tokens=50))
-    d.step(0.0)  # prefill: "dec" has its first token and now decodes
+    d.add(req("parked", 8, arrival=0.0, max_tokens=50))
+    d.step(0.0)  # prefill: both have their first token and now decode
+    sched.force_rotate_out.add("parked")
+    d.step(0.1)  # "parked" waits on the host (its copy lands at once in this driver)
     # a decode step costs 60 of the 100 ms TBT, leaving 30 ms: a 16-column prefill call
     # (10 + 16 ms) fits, a 32-column one (10 + 32 ms) does not
     sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.06, 0.0, 0.0]))
@@ -271,6 +275,7 @@ def test_tbt_budget_yields_to_a_late_first_token():
     assert token_budget(sched, 2.5, {"new"}) == tbt_sized  # past its TTFT: hopeless
     plan = d.step(1.2)  # the plan follows the budget: one 16-token chunk
     assert plan.decode == ["dec"] and plan.prefill == [("new", 16)]
+    assert plan.rotate_in == ["parked"]
     # 20 ms of room: 20 real tokens would fit, but the call is padded to 16 columns and
     # pays its 10 ms fixed cost (26 ms); the step misses TBT anyway, so take it all
     sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.07, 0.0, 0.0]))
@@ -291,3 +296,22 @@ def test_request_whose_token_in_flight_ends_it_stays_running():
     sched._run_rows(plan, StepBudget.full(sched.config), 0.1, contended=True)
     assert [r.req_id for r in sched.running] == ["a", "b"]
     assert plan.decode == ["b"] and sched._num_seated() == 2
+
+
+def test_no_tbt_budget_while_nobody_waits_for_memory():
+    """Above the high-water mark but with room for everyone (nothing parked, every waiting
+    request selected), prefill is not held back: fcfs would not hold it either."""
+    from superinfer_jax.latency import LatencyModel
+
+    sched, kv = make("rotasched", device_pages=64, host_pages=64,
+                     rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
+    d = Driver(sched, kv)
+    d.add(req("dec", 8, arrival=0.0, max_tokens=50))
+    d.step(0.0)
+    sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0], decode=[0.06, 0.0, 0.0]))
+    d.add(req("new", 40, arrival=1.0))
+    d.add(req("other", 8, arrival=1.0))
+    assert token_budget(sched, 1.2, {"new", "other"}) == (64, 64)
+    assert token_budget(sched, 1.2, {"new"}) == (1 + 16, 16)  # "other" waits for memory
+    plan = d.step(1.2)
+    assert plan.prefill[0] == ("new", 32)  # max_prefill_chunk, not the TBT-sized 16
