@@ -47,6 +47,10 @@ STEP = "step"
 RESAMPLE = "resample"
 DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
+# A background compile starts once the engine has been idle for QUIET_S, or busy for
+# BUSY_WAIT_S (a server that never idles still compiles): see BucketCompiler.
+QUIET_S = 0.5
+BUSY_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -129,16 +133,16 @@ def _largest_prefix(buckets: Sequence[int], done: Callable[[int], bool]) -> int:
 
 
 def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
-                  resamples: frozenset[Hashable],
-                  resample_buckets: Sequence[int]) -> BucketLimits:
+                  resamples: frozenset[Hashable], resample_buckets: Sequence[int],
+                  copies: bool = True) -> BucketLimits:
     """What the compiled step shapes ``steps`` and resample row counts ``resamples``
-    allow a call (see ``BucketLimits``)."""
+    allow a call, and whether DuplexKV's ``copies`` are ready (see ``BucketLimits``)."""
     decode = _largest_prefix(config.decode_buckets, lambda b: (b, 1) in steps)
     chunk = _largest_prefix(config.prefill_chunk_buckets, lambda c: (1, c) in steps)
     packed = [s for s in config.prefill_shapes if s[0] > 1 and s[1] <= chunk]
     rows = config.max_prefill_rows if all(s in steps for s in packed) else 1
     deferred = _largest_prefix(resample_buckets, lambda r: (r,) in resamples)
-    return BucketLimits(decode, rows if chunk else 0, chunk, deferred)
+    return BucketLimits(decode, rows if chunk else 0, chunk, deferred, copies)
 
 
 class BucketCompiler:
@@ -148,12 +152,27 @@ class BucketCompiler:
     on behind (``done`` is set when all are). Threads that pass the ready set lower
     their CPU priority when ``background``, so that serving steps get the cores first.
     A compile that fails stops the rest; ``error`` holds it and ``wait_ready`` raises it.
-    ``on_compiled(program)`` runs on the worker thread after each compile."""
+    ``on_compiled(program)`` runs on the worker thread after each compile.
+
+    Background compiles wait for the engine: the next one starts once the engine has
+    been idle (``set_busy(False)``) for ``quiet_s``, or busy (``set_busy(True)``: requests
+    in flight) for ``busy_wait_s``; until the engine first says either (its first runs
+    after the ready set), they wait. Nice 10 does not stop a compile from holding the GIL
+    while it traces and lowers, and on a 2-core machine the first request after ready
+    took 3.5-4.3x the steady-state TTFT when it met two compiles; now a request that
+    arrives within ``quiet_s`` of ready, or of the last one, runs on an idle CPU (a
+    compile already under way finishes). Under sustained load the compiles go on after
+    ``busy_wait_s``, so the limits still grow."""
 
     def __init__(self, compile_one: Callable[[Program], None], programs: Sequence[Program],
                  num_ready: int, num_threads: int, background: bool,
-                 on_compiled: Callable[[Program], None] | None = None):
+                 on_compiled: Callable[[Program], None] | None = None,
+                 quiet_s: float = QUIET_S, busy_wait_s: float = BUSY_WAIT_S):
         self._compile_one = compile_one
+        self._quiet_s, self._busy_wait_s = quiet_s, busy_wait_s
+        self._engine = threading.Condition()
+        self._idle_since: float | None = None  # the engine's state, since when
+        self._busy_since: float | None = None
         self._programs = list(programs)
         self._queue: deque[tuple[int, Program]] = deque(enumerate(programs))
         self._num_ready = num_ready
@@ -198,14 +217,43 @@ class BucketCompiler:
             raise self.error
         return finished
 
+    def set_busy(self, busy: bool) -> None:
+        """Whether the engine has requests in flight (see the class docstring)."""
+        with self._engine:
+            now = time.monotonic()
+            if busy and self._busy_since is None:
+                self._busy_since, self._idle_since = now, None
+            elif not busy and self._idle_since is None:
+                self._idle_since, self._busy_since = now, None
+            self._engine.notify_all()
+
+    def _wait_for_engine(self) -> None:
+        """Block until a background compile may start (see the class docstring)."""
+        with self._engine:
+            while self._queue:  # empty: cancelled or done, nothing to wait for
+                now = time.monotonic()
+                if self._idle_since is not None:
+                    left = self._idle_since + self._quiet_s - now
+                elif self._busy_since is not None:
+                    left = self._busy_since + self._busy_wait_s - now
+                else:
+                    left = self._quiet_s  # the engine has not said yet: look again then
+                if left <= 0 and (self._idle_since is not None or self._busy_since is not None):
+                    return
+                self._engine.wait(max(left, 0.01))
+
     def cancel(self) -> None:
         """Compile nothing more (a compile under way finishes)."""
         with self._lock:
             self._queue.clear()
+        with self._engine:
+            self._engine.notify_all()
 
     def _work(self) -> None:
         niced = False
         while True:
+            if self._background and self.ready.is_set():
+                self._wait_for_engine()
             with self._lock:
                 if not self._queue:
                     return

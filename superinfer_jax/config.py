@@ -37,6 +37,9 @@ class BucketLimits:
     prefill_rows: int  # rows of a prefill call (1 or max_prefill_rows)
     prefill_chunk: int  # columns of a prefill call: the longest chunk of one row
     deferred_rows: int  # structured-output rows sampled after the step (resample)
+    # DuplexKV's page copies compiled and run once: until then no eager shadow (nor spill)
+    # is planned, so the first steps after a cold ready never compile the gather inline
+    copies: bool = True
 
 
 def _pow2_buckets(low: int, high: int) -> tuple[int, ...]:

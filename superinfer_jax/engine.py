@@ -421,6 +421,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._failed = []
         self.runner.check_compiler()
+        self.runner.set_busy(True)
         self._observe_rotations(t0)
         plan = self.scheduler.schedule(t0, self.runner.limits)
         self._issue_rotations(plan, t0)
@@ -446,6 +447,8 @@ class LLMEngine:
             self._flush_kv_events()
         stats.step_time_s = time.perf_counter() - t0
         self.last_stats = stats
+        if not self.has_unfinished_requests():
+            self.runner.set_busy(False)
         return outputs
 
     def _launch(self, plan: StepPlan) -> InflightStep:

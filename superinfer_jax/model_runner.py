@@ -312,8 +312,11 @@ class ModelRunner:
         finally:
             bar.close()
         t1 = time.perf_counter()
-        for program in first:
-            self._run_once(program)
+        try:
+            for program in first:
+                self._run_once(program)
+        finally:  # the engine is ready: compiles wait for a quiet moment from now on
+            self.set_busy(False)
         t2 = time.perf_counter()
         times = {"step_buckets": t1 - t0, "first_runs": t2 - t1, "duplex": 0.0}
         if not background:
@@ -332,12 +335,20 @@ class ModelRunner:
         if self.duplex is not None and not self.duplex_warm:
             self.kv_pool = self.duplex.warmup(self.kv_pool)
         self.duplex_warm = True
+        if self.compiler is not None:  # eager shadows may be planned from now on
+            self._publish_limits()
         return time.perf_counter() - t0
 
     @property
     def compiling(self) -> bool:
         """Whether programs are still compiling in the background."""
         return self.compiler is not None and not self.compiler.done.is_set()
+
+    def set_busy(self, busy: bool) -> None:
+        """Tell the background compiles whether requests are in flight (they wait for
+        the engine to idle, a bounded while, before starting the next compile)."""
+        if self.compiler is not None and not self.compiler.done.is_set():
+            self.compiler.set_busy(busy)
 
     def check_compiler(self) -> None:
         """Raise the error of a background compile that failed (the engine cannot serve
@@ -396,7 +407,8 @@ class ModelRunner:
 
     def _compiled_limits(self) -> BucketLimits:
         return bucket_limits(self.config, self.step_programs.compiled,
-                             self.resample_programs.compiled, self.resample_buckets)
+                             self.resample_programs.compiled, self.resample_buckets,
+                             self.duplex_warm)
 
     def _publish_limits(self) -> None:
         with self._limits_lock:  # two compiles may finish at once: the later set wins

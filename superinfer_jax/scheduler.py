@@ -187,7 +187,8 @@ class Scheduler:
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
         kv = self.kv
-        if self.shadowing and isinstance(kv, TwoTierKVManager) and kv.host_cache is not None:
+        if self.shadowing and budget.limits.copies and isinstance(kv, TwoTierKVManager) \
+                and kv.host_cache is not None:
             kv.spill_budget = self.config.transfer_budget_pages  # reclaimed cached pages
             # go to the host tier this step (``_plan_shadows`` issues the copies)
         self._rotate_forced(plan, now)
@@ -200,7 +201,7 @@ class Scheduler:
         self._run_rows(plan, budget, now, contended=sel is not None)
         if self._rotate_in(sel, plan, budget, now):
             self._admit(sel, plan, budget, now)
-        if self.shadowing:
+        if self.shadowing and budget.limits.copies:  # DuplexKV's copies compiled
             self._plan_shadows(plan)
         return plan
 

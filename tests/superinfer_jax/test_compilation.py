@@ -20,6 +20,7 @@ from superinfer_jax.async_engine import AsyncEngine
 from superinfer_jax.compilation import (
     RESAMPLE,
     STEP,
+    BucketCompiler,
     Program,
     bucket_limits,
     compile_order,
@@ -140,15 +141,16 @@ def test_served_after_ready_while_idle_work_finishes_warm_up(tiny, tmp_path):
     """A server's loop: ready after the smallest buckets, a request served at once, and
     the deferred warm-up (the other buckets, DuplexKV's copies, the latency profile)
     finishes while it idles; the engine's thread traces none of the engine's programs
-    (the profile's own host-to-device timing makes a small array there). No eager
-    shadows: they copy pages from the first request on, and DuplexKV's copy programs
-    may still be compiling then."""
+    (the profile's own host-to-device timing makes a small array there). Eager shadows
+    on: the scheduler plans none until DuplexKV's copies are compiled and warm
+    (``BucketLimits.copies``), so the first request does not compile them inline."""
     profile = tmp_path / "profile.json"
     cfg = CFG.replace(compile_in_background=True, policy="rotasched", num_host_pages=32,
-                      eager_shadowing=False)
+                      eager_shadowing=True)
     cfg = cfg.replace(rotasched=cfg.rotasched.__class__(latency_profile=str(profile)))
     engine = LLMEngine(tiny, cfg)
     assert engine.latency is None and engine.warmup_pending
+    assert not engine.runner.limits.copies
     with compiles_on("engine-loop") as events:
         loop = AsyncEngine(engine)
         try:
@@ -171,6 +173,47 @@ def test_served_after_ready_while_idle_work_finishes_warm_up(tiny, tmp_path):
         assert engine.runner.step_programs.num_fallback_calls == 0
     finally:
         loop.stop()
+
+
+def _compiler(quiet_s: float, busy_wait_s: float) -> tuple[BucketCompiler, list[Program]]:
+    programs = [Program(STEP, (1, c)) for c in (1, 16, 32, 64)]
+    compiled: list[Program] = []
+    compiler = BucketCompiler(compiled.append, programs, num_ready=1, num_threads=1,
+                              background=True, quiet_s=quiet_s, busy_wait_s=busy_wait_s)
+    return compiler, compiled
+
+
+def test_background_compiles_wait_for_a_quiet_engine():
+    """Past the ready set nothing compiles until the engine says it is idle (after its
+    first runs) or while it serves; once idle for ``quiet_s``, the rest compiles."""
+    compiler, compiled = _compiler(quiet_s=0.05, busy_wait_s=3600)
+    compiler.wait_ready()
+    time.sleep(0.2)
+    compiler.set_busy(True)  # a request in flight
+    time.sleep(0.2)
+    assert compiled == [Program(STEP, (1, 1))]
+    assert not compiler.done.is_set()
+    compiler.set_busy(False)
+    assert compiler.wait_done(timeout=600)
+    assert len(compiled) == 4
+
+
+def test_a_busy_engine_does_not_starve_the_compiles():
+    compiler, compiled = _compiler(quiet_s=3600, busy_wait_s=0.05)
+    compiler.wait_ready()
+    compiler.set_busy(True)  # and never idle again
+    assert compiler.wait_done(timeout=600)
+    assert len(compiled) == 4
+
+
+def test_cancel_releases_waiting_compile_threads():
+    compiler, compiled = _compiler(quiet_s=3600, busy_wait_s=3600)
+    compiler.wait_ready()
+    compiler.cancel()
+    for t in compiler._threads:
+        t.join(timeout=600)
+        assert not t.is_alive()
+    assert compiled == [Program(STEP, (1, 1))]
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
