@@ -4,9 +4,10 @@ The order (``RotaSchedPolicy.rank``) is a stable sort of every candidate (waitin
 running, in that order) by ``(group, value, arrival)``:
 
     group 0  protected runners (settling, near their end, or ending): value 0
-    group 1  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
+    group 1  parked requests whose rotate-in is due (``rotate_in_due``): value -lag
+    group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
              the other runners: value -lag = time since they started running (>= 0)
-    group 2  everyone else waiting or parked (not late, or hopeless): value 0
+    group 3  everyone else waiting or parked (not late, or hopeless): value 0
 
 Sorting that list costs O(n log n) a step in the length of the queue, which grows without
 bound under overload. Most of the queue never needs its lag computed:
@@ -17,12 +18,21 @@ bound under overload. Most of the queue never needs its lag computed:
   (``WaitingQueue.by_arrival``) finds it; only the window and the requests that came
   back to the queue (recomputation: they may have tokens, and lag by other rules) are
   looked at;
-- group 2 is everyone else by arrival (FCFS), which the scheduler reads itself from the
+- group 3 is everyone else by arrival (FCFS), which the scheduler reads itself from the
   arrival-ordered queue (a ``Ranking``'s tail): it stops once every runner was seen and
   the device is full, and skips unread the requests whose first chunk needs more pages
   than are left (``WaitingQueue.walk``);
 - runners and parked requests are bounded by the device and host pools, not by the
   queue: they are sorted each step.
+
+Group 1 is the tail a rotation leaves: a parked request's next token is due
+``tbt_s`` after its last, and coming back takes its pages' copy plus a step (the latency
+model prices both). Once that is no earlier than the deadline, its rotate-in is issued
+ahead of late first tokens, which have seconds of TTFT budget where it has a fraction of
+one gap (``superinfer simulate --preset paper-qwen32b-sharegpt`` on gh200-96g at its
+knee: P99 TBT 1.85x fcfs's with parked requests ranked among the late first tokens by
+lag, 1.05x with them first). Without a latency model a parked request is due once it
+lags.
 
 So a step costs O(runners log runners + parked + window + log queue) plus what the
 selection keeps, not O(queue log queue). Ties are broken exactly as the stable sort would
@@ -38,6 +48,7 @@ from __future__ import annotations
 import bisect
 
 from superinfer_jax.config import RotaSchedConfig
+from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
@@ -99,17 +110,47 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
             protected.append((r.arrival_time, i, r))
         else:
             runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
+    due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
+    step_s = one_step_s(s)
     for j, r in enumerate(q for q in s.rotary if q.status == RequestStatus.ROTARY):
         lag = virtual_lag(r, now, p)
-        if lag > 0 and not missed_ttft(r, now):
+        if rotate_in_due(s, r, now, lag, step_s):
+            due.append((-lag, r.arrival_time, j, r))
+        elif lag > 0 and not missed_ttft(r, now):
             late.append((-lag, r.arrival_time, 1, j, r))
     for a, pos, r in late_window(s.waiting, now, p.beta_f):
         lag = virtual_lag(r, now, p)
         if lag > 0 and not missed_ttft(r, now):
             late.append((-lag, a, 0, pos, r))
     protected.sort()
+    due.sort()
     late.sort()
     runners.sort()
-    head = [e[-1] for e in protected] + [e[-1] for e in late] + [e[-1] for e in runners]
-    return Ranking(head, s)  # then group 2: the rest by arrival
+    head = [e[-1] for e in protected] + [e[-1] for e in due] + [e[-1] for e in late] \
+        + [e[-1] for e in runners]
+    return Ranking(head, s)  # then group 3: the rest by arrival
+
+
+def one_step_s(s: Scheduler) -> float | None:
+    """A decode step over the runners, by the latency model (None without one)."""
+    lm = s.latency
+    if lm is None:
+        return None
+    return lm.decode_s(max(1, len(s.running)), sum(r.num_tokens for r in s.running))
+
+
+def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
+                  step_s: float | None) -> bool:
+    """Whether parked ``req`` must start back now for its next token to be on time: its
+    pages' copy in plus one step end no earlier than ``tbt_s`` after its last token (a
+    request parked before its first token is a late first token like any other). Without
+    a latency model (``step_s`` None): once it lags."""
+    if not req.token_times:
+        return False
+    if step_s is None or s.latency is None:
+        return lag > 0
+    kv = s.kv
+    assert isinstance(kv, TwoTierKVManager)  # only it parks requests
+    back = s.latency.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
+    return now + back >= req.token_times[-1] + req.slo.tbt_s

@@ -1,7 +1,9 @@
 """The incremental lag ranking (``rotasched.ranking``) is the plain sort, exactly.
 
 The plain sort is written out here as the specification: every candidate (waiting, parked,
-running, in that order) stably sorted by ``(group, value, arrival)``. Random scheduler
+running, in that order) stably sorted by ``(group, value, arrival)``, parked requests
+whose rotate-in is due (priced by the latency model when there is one) in a group of
+their own after the protected runners. Random scheduler
 states cover ties in arrival time, several SLOs and priority classes, requests that came
 back to the queue with and without tokens, parked requests with and without tokens, and
 runners inside and outside their protection; a simulated contended run checks the plans
@@ -34,16 +36,28 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
             return 0
         return sum(t >= r.running_since for t in r.token_times)
 
+    def due(r: Request, lag: float) -> bool:  # a parked request must start back now
+        if r.status != RequestStatus.ROTARY or not r.token_times:
+            return False
+        lm = s.latency
+        if lm is None:
+            return lag > 0
+        step = lm.decode_s(max(1, len(s.running)), sum(q.num_tokens for q in s.running))
+        back = lm.transfer_s(s.kv.rotation_cost_in(r.req_id) * s.page_bytes) + step
+        return now + back >= r.token_times[-1] + r.slo.tbt_s
+
     def key(r: Request) -> tuple[int, float, float]:
         lag = virtual_lag(r, now, p)
         if r.status == RequestStatus.RUNNING:
             if resident(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
                 return (0, 0.0, r.arrival_time)
+            return (2, -lag, r.arrival_time)
+        if due(r, lag):
             return (1, -lag, r.arrival_time)
         missed = not r.token_times and now - r.arrival_time > r.slo.ttft_s
         if lag > 0 and not missed:
-            return (1, -lag, r.arrival_time)
-        return (2, 0.0, r.arrival_time)
+            return (2, -lag, r.arrival_time)
+        return (3, 0.0, r.arrival_time)
 
     return sorted(s.candidates(), key=key)
 
