@@ -156,6 +156,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers")
     _add_engine_flags(p)
     _add_key_flags(p, SERVER_FLAGS)
+    from serving.group import add_flags
+
+    add_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -194,12 +197,25 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    from serving.group import group_config
     from serving.server import serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     for name in ("serving", "superinfer", "superinfer_jax"):  # ours; libraries stay quiet
         logging.getLogger(name).setLevel(logging.INFO)
-    return serve(_deployment(args))
+    config = _deployment(args)
+    dist = group_config(args, os.environ)  # checked before any port is bound
+    if dist is None:
+        return serve(config)
+    from serving.group import LeaderEngine, follow_group
+    from superinfer_jax.distributed import GroupError
+
+    try:
+        return serve(config, LeaderEngine(dist)) if dist.is_leader \
+            else follow_group(config, dist)
+    except GroupError as e:  # the group did not form (a formed group's failure exits 1)
+        print(f"superinfer: error: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_batch(args: argparse.Namespace) -> int:

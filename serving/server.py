@@ -11,6 +11,12 @@ Order matters for clients:
    in-flight requests finish for up to ``drain_grace_s``, the rest are aborted (their
    streams end with finish reason abort), the fronts close, the process exits 0.
    A signal during warm-up exits at once.
+
+How the engine is built is an ``EngineFactory``: ``LocalEngine`` (load the model, build
+an ``LLMEngine``) unless the caller passes another. Process 0 of a multi-host group
+passes ``serving.group.LeaderEngine``, whose engine sends its device calls to the other
+processes and whose ``close`` (after the drain) tells them to stop; the fronts, the
+drain and the exit codes are the same either way.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from serving.deploy_config import DeploymentConfig
 from serving.runtime import Runtime, ServerState
@@ -66,19 +72,51 @@ def _stop_fronts(fronts: list[Any]) -> None:
         front.stop()
 
 
-def _build_engine(config: DeploymentConfig, runtime: Runtime) -> tuple[Any, Any, Any]:
-    from models import load_model
-    from superinfer_jax.async_engine import AsyncEngine
-    from superinfer_jax.engine import LLMEngine
+class EngineFactory(Protocol):
+    """Builds the server's engine once the fronts are up, and is closed after the drain
+    (the engine thread has stopped by then: no device call follows ``close``)."""
 
-    engine_config = config.engine_config()
+    def build(self, config: DeploymentConfig) -> tuple[Any, Any]:
+        """The warmed-up ``LLMEngine`` and the model it serves."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def load_model_of(config: DeploymentConfig) -> Any:
+    """The deployment's model, split over ``model.tensor_parallel_size`` devices."""
+    from models import load_model
+
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
     model = load_model(config.model.source, dtype=config.model.dtype,
-                       tensor_parallel_size=engine_config.tensor_parallel_size,
-                       weights_cache=engine_config.compilation_cache_dir)
+                       tensor_parallel_size=config.engine.tensor_parallel_size,
+                       weights_cache=config.engine.compilation_cache_dir)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
-    engine = LLMEngine(model, engine_config)
+    return model
+
+
+class LocalEngine:
+    """One process: load the model and build an ``LLMEngine`` (it warms up as built)."""
+
+    def build(self, config: DeploymentConfig) -> tuple[Any, Any]:
+        from superinfer_jax.engine import LLMEngine
+
+        model = load_model_of(config)
+        return LLMEngine(model, config.engine_config()), model
+
+    def close(self) -> None:
+        pass
+
+
+def _build_engine(config: DeploymentConfig, runtime: Runtime,
+                  factory: EngineFactory) -> tuple[Any, Any, Any]:
+    from superinfer_jax.async_engine import AsyncEngine
+
+    engine_config = config.engine_config()
+    t0 = time.perf_counter()
+    engine, model = factory.build(config)
     kv_events = _start_kv_events(config, engine)
     loop = AsyncEngine(engine, config.server.max_queue_len,
                        observers=[runtime.metrics.observe])
@@ -106,9 +144,11 @@ def _start_kv_events(config: DeploymentConfig, engine: Any) -> Any:
     return publisher
 
 
-def serve(config: DeploymentConfig) -> int:
+def serve(config: DeploymentConfig, factory: EngineFactory | None = None) -> int:
     """Run until a stop signal; returns the exit code (0 after a drain, 1 when the engine
-    failed, so a supervisor restarts it)."""
+    failed, so a supervisor restarts it). ``factory``: how the engine is built
+    (default ``LocalEngine``)."""
+    factory = factory or LocalEngine()
     runtime = Runtime(config)
     stop = threading.Event()
     fronts = _start_fronts(runtime)
@@ -116,7 +156,7 @@ def serve(config: DeploymentConfig) -> int:
     code = 0
     try:
         _install_signals(stop, runtime)
-        engine, model, kv_events = _build_engine(config, runtime)
+        engine, model, kv_events = _build_engine(config, runtime, factory)
         runtime.set_serving(engine, model)
         log.info("serving %s", runtime.served_name)
         while not stop.wait(0.5):
@@ -135,6 +175,7 @@ def serve(config: DeploymentConfig) -> int:
             clean = engine.drain(grace)
             log.info("drained" if clean else "grace period over: aborted the rest")
             engine.engine.stop_warmup()
+        factory.close()
         runtime.set_stopped()
         _stop_fronts(fronts)
         if kv_events is not None:

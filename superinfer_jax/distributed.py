@@ -165,6 +165,9 @@ def initialize(config: DistributedConfig) -> Group:
         raise GroupError("initialize must run before anything else uses JAX (a device "
                          "was already created in this process)")
     jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+    # JAX's preemption service installs a SIGTERM handler of its own (its notifier only
+    # records the signal for sync points we never reach), replacing the server's drain.
+    jax.config.update("jax_enable_preemption_service", False)
     t0 = time.monotonic()
     if not config.is_leader:
         _wait_reachable(config, t0)
@@ -233,6 +236,7 @@ class Group:
         self.client = client
         self.process_id = config.process_id
         self.num_processes = config.num_processes
+        self._ended = threading.Event()
 
     @property
     def is_leader(self) -> bool:
@@ -302,6 +306,11 @@ class Group:
 
     # -- liveness --------------------------------------------------------------------
 
+    def end(self) -> None:
+        """Process 0 is ending the group on purpose: its watchdog stops, so followers
+        that exit once told to stop are not taken for dead."""
+        self._ended.set()
+
     def beat_key(self, process_id: int) -> str:
         return self.key("beat", process_id)
 
@@ -339,8 +348,7 @@ class Group:
             start = time.monotonic()
             seen: dict[int, tuple[str, float]] = {p: ("", start) for p in followers}
             progress: dict[int, tuple[int, float]] = {p: (-1, start) for p in followers}
-            while True:
-                time.sleep(cfg.liveness_timeout_s / 8)
+            while not self._ended.wait(cfg.liveness_timeout_s / 8):
                 now = time.monotonic()
                 for p in followers:
                     raw = self.try_get(self.beat_key(p))
@@ -353,9 +361,11 @@ class Group:
                              "unreachable); the group cannot continue without it")
                         return
                     done = int(text.split(":")[1]) if text else -1
-                    if done != progress[p][0]:
+                    # the clock runs from its last progress or from when it fell behind
+                    # (not while it waits, caught up, on process 0's compiles)
+                    if done != progress[p][0] or max(done, 0) >= sent():
                         progress[p] = (done, now)
-                    elif done < sent() and now - progress[p][1] > cfg.step_timeout_s:
+                    elif now - progress[p][1] > cfg.step_timeout_s:
                         fail(f"process {p} is stuck: it has run {done} of the {sent()} "
                              f"step messages process 0 sent, and none for "
                              f"{now - progress[p][1]:.0f} s")

@@ -181,7 +181,9 @@ class Recorder:
                 self.group.put(self.group.key("tape", p, self.sent), payload)
 
     def stop(self) -> None:
-        """Tell the followers to exit 0 (after everything sent so far)."""
+        """Tell the followers to exit 0 (after everything sent so far); the watchdog
+        stops first, since they stop answering once they have read it."""
+        self.group.end()
         with self._lock:
             self._pending.append(Call(self._next, "stop", (), []))
             self.flush()
@@ -256,14 +258,18 @@ class Replayer:
         return leaf
 
 
-def run_follower(runner: ModelRunner, group: Group) -> None:
+def run_follower(runner: ModelRunner, group: Group,
+                 ready: Callable[[], object] | None = None) -> None:
     """A follower's whole life after start-up: replay process 0's messages until told to
     stop. Waits are sliced (``POLL_S``) so an idle server costs nothing; a read that
     fails for any other reason than "not yet" means process 0 (which hosts the
-    coordination service) is gone, and raises ``GroupError``."""
+    coordination service) is gone, and raises ``GroupError``. ``ready``: blocks until
+    the runner may replay (its programs compiled ahead); the heartbeat beats meanwhile."""
     replayer = Replayer(runner)
     done = 0
     group.start_heartbeat(lambda: done)
+    if ready is not None:
+        ready()
     while True:
         key = group.key("tape", group.process_id, done + 1)
         payload = _next_message(group, key)

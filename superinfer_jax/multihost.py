@@ -13,6 +13,9 @@ Start-up, on every process, in this order (``serving.cli`` and the tests do exac
 
 The engine is built with its warm-up deferred until the recorder is attached, so the
 compile calls of warm-up are on the tape too: the followers compile the same buckets.
+``leader_engine(..., warm=False)`` hands the recorder back before warming up (``warm_up``
+then), so a caller that may be interrupted during the long warm-up (``serving.group``)
+can still tell the followers to stop.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from superinfer_jax.compilation import BucketCompiler, compile_order, default_num_threads
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.distributed import DistributedConfig, Group, flatten_config, initialize
 from superinfer_jax.engine import LLMEngine
 from superinfer_jax.lockstep import Recorder, run_follower
 from superinfer_jax.model_api import ServableModel
+from superinfer_jax.model_runner import ModelRunner
 
 
 def start_group(dist: DistributedConfig, config: Mapping[str, Any] | Any) -> Group:
@@ -35,20 +40,44 @@ def start_group(dist: DistributedConfig, config: Mapping[str, Any] | Any) -> Gro
     return group
 
 
-def leader_engine(model: ServableModel, config: EngineConfig, group: Group
-                  ) -> tuple[LLMEngine, Recorder]:
-    """Process 0's engine: every device call it makes goes to the followers first."""
+def leader_engine(model: ServableModel, config: EngineConfig, group: Group,
+                  warm: bool = True) -> tuple[LLMEngine, Recorder]:
+    """Process 0's engine: every device call it makes goes to the followers first.
+    ``warm=False``: not warmed up yet even when ``config.warmup`` (call ``warm_up``)."""
     engine = LLMEngine(model, config.replace(warmup=False))
     recorder = Recorder(engine.runner, group)
     group.start_watchdog(lambda: recorder.sent)
-    if config.warmup:
-        engine.warmup()
-        recorder.flush()
+    if warm and config.warmup:
+        warm_up(engine, recorder)
     return engine, recorder
+
+
+def warm_up(engine: LLMEngine, recorder: Recorder) -> None:
+    """Process 0's warm-up (every bucket compiled and run once, on the tape: the
+    followers compile by replaying it), sent at once rather than with the first step."""
+    engine.warmup()
+    recorder.flush()
 
 
 def follow(model: ServableModel, config: EngineConfig, group: Group) -> None:
     """A follower: the same runner as process 0's (the engine is built only for it: the
-    same construction, the same clamps), then its calls until process 0 stops."""
+    same construction, the same clamps), then its calls until process 0 stops.
+
+    With ``config.warmup`` the follower compiles the programs process 0's warm-up
+    compiles, in the same order on as many threads, while process 0 does, and replays
+    once they are compiled. Replaying alone would compile each program at its first
+    run, one at a time, while process 0 waits in that run's collectives (and, on a slow
+    host, past ``step_timeout_s``)."""
     engine = LLMEngine(model, config.replace(warmup=False))
-    run_follower(engine.runner, group)
+    ready = compile_ahead(engine.runner).wait_done if config.warmup else None
+    run_follower(engine.runner, group, ready)
+
+
+def compile_ahead(runner: ModelRunner) -> BucketCompiler:
+    """Compile every program of ``runner`` ahead of time, as ``ModelRunner.warmup`` does,
+    without running any (a follower runs only what process 0 sends)."""
+    duplex = runner.duplex.mover.buckets if runner.duplex is not None else ()
+    order = compile_order(runner.config, runner.resample_buckets, duplex)
+    # runner._compile: warm-up's own per-program compile (abstract arguments, any thread)
+    return BucketCompiler(runner._compile, order, len(order), default_num_threads(),
+                          background=False)

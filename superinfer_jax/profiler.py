@@ -37,7 +37,9 @@ def _time_step(engine, rows: int, cols: int, query_len: int, context: int,
 
 
 def _time_transfer(engine, num_pages: int, repeats: int) -> float:
-    device = next(iter(engine.kv_pool.devices()))
+    # A device of this process: across hosts the pool's device set includes other
+    # processes' devices, which this one cannot copy to.
+    device = engine.kv_pool.addressable_shards[0].device
     try:
         host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     except (ValueError, RuntimeError):

@@ -168,28 +168,82 @@ def test_killing_process_0_ends_the_follower(tmp_path):
                 p.communicate()
 
 
+def _serve(port: int, pid: int, *extra: str) -> subprocess.Popen:
+    """``superinfer serve`` as process ``pid`` of a 2-process group at ``port``."""
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--coordinator", f"127.0.0.1:{port}",
+           "--num-processes", "2", "--process-id", str(pid), "--http-port",
+           str(_free_port()), "--grpc-port", str(_free_port()), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_different_configs_and_process_counts_are_refused():
-    """Process 1 started with another engine setting and another --num-processes: both
-    processes refuse the group, exit 2, and name both keys with both values."""
+    """Through the CLI: process 1 started with another engine setting and another
+    --num-processes: both processes refuse the group before loading anything, exit 2,
+    and name both keys with both values."""
     port = _free_port()
-    leader = _start(port, 0, "--init-timeout", "60")
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "tests.superinfer_jax.multihost_check", "--coordinator",
-         f"127.0.0.1:{port}", "--num-processes", "3", "--process-id", "1",
-         "--max-num-seqs", "8", "--init-timeout", "60"],
-        cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    leader = _serve(port, 0, "--group-init-timeout-s", "60")
+    follower = _serve(port, 1, "--group-init-timeout-s", "60", "--max-num-seqs", "8",
+                      "--num-processes", "3")
     for proc in (leader, follower):
         code, err = _finish(proc, 120)
         assert code == 2, err[-2000:]
-        assert "max_num_seqs: process 0 has 4, process 1 has 8" in err
+        assert "engine.max_num_seqs: process 0 has 32, process 1 has 8" in err, err[-2000:]
+        assert "group.num_processes" not in err  # compared once, under its own name
         assert "num_processes: process 0 has 2, process 1 has 3" in err
+        assert "Traceback" not in err
 
 
 def test_unreachable_coordinator_is_a_clear_error_within_its_timeout():
     port = _free_port()  # nobody listens there
-    proc = _start(port, 1, "--init-timeout", "3")
+    t0 = time.monotonic()
+    proc = _serve(port, 1, "--group-init-timeout-s", "3")
     code, err = _finish(proc, 60)
-    assert code == 2
+    assert code == 2, err[-2000:]
     assert f"could not form the process group at 127.0.0.1:{port} as process 1 of 2" in err
     assert "coordinator is unreachable" in err and "--coordinator" in err
+    assert "Traceback" not in err
+    assert time.monotonic() - t0 < 45  # 3 s of waiting, plus start-up on a loaded box
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "5"],
+     "--process-id: must be in [0, 1] for --num-processes 2, got 5"),
+    (["--coordinator", "127.0.0.1", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator: expected HOST:PORT (e.g. 10.0.0.1:8476), got '127.0.0.1'"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "two", "--process-id", "0"],
+     "--num-processes: must be an integer, got 'two'"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2"],
+     "--process-id: is required with a coordinator (or $JAX_PROCESS_ID)"),
+    (["--num-processes", "2", "--process-id", "1"], "--coordinator: is required with "
+     "--num-processes, --process-id (where the group meets: HOST:PORT of process 0)"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
+      "--group-init-timeout-s", "0"], "--group-init-timeout-s: must be > 0, got 0"),
+])
+def test_serve_refuses_bad_group_flags_naming_the_flag(argv, message, capsys, monkeypatch):
+    """In-process: refused before anything binds or connects (no JAX call either)."""
+    from serving.cli import main
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["serve", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"superinfer: error: {message}"
+
+
+def test_serve_reads_the_group_from_jax_variables(capsys, monkeypatch):
+    from serving.cli import build_parser, main
+    from serving.group import group_config
+
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:8476", "JAX_NUM_PROCESSES": "4",
+           "JAX_PROCESS_ID": "3"}
+    args = build_parser("serve").parse_args(["serve"])
+    assert group_config(args, env) == DistributedConfig("10.0.0.1:8476", 4, 3)
+    args = build_parser("serve").parse_args(["serve", "--process-id", "1"])
+    assert group_config(args, env) == DistributedConfig("10.0.0.1:8476", 4, 1)  # flag wins
+    assert group_config(build_parser("serve").parse_args(["serve"]), {}) is None
+    for k, v in (env | {"JAX_PROCESS_ID": "4"}).items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "superinfer: error: --process-id ($JAX_PROCESS_ID): must be in [0, 3] for "
+        "--num-processes 4, got 4")
