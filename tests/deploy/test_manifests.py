@@ -11,6 +11,14 @@
   config's, the Service and the InferencePool select the pods and target the HTTP port,
   the drain fits in the grace period and the memory limit holds the pinned host tier.
 - The endpoint picker's config names the ``vllm:`` metrics the server exports.
+- ``deploy/multihost`` (a LeaderWorkerSet, several hosts per replica): its ConfigMap and
+  Service and both pod templates (as core ``PodTemplate``s) validate strictly with
+  ``kubernetes-validate``; the LeaderWorkerSet's own fields against a hand-written
+  subset of the LWS API (``leaderworkerset_subset.schema.yaml``, its source commit cited
+  there) and the admission webhook's rules in Python; LWS's variables expand into the
+  group flags the real CLI parses (coordinator, process count, process id); the mesh
+  spans every GPU of the group; the leader's probes and ports are the server's, the
+  workers bind nothing and outlast the leader's drain.
 """
 
 from __future__ import annotations
@@ -353,3 +361,208 @@ def test_epp_scrapes_the_pool_target_port() -> None:
     source = next(p for p in _epp()["plugins"] if p["type"] == "metrics-data-source")
     assert source["parameters"]["path"] == "/metrics" and "/metrics" in _get_routes()
     assert "port" not in source["parameters"], "metrics are on the InferencePool target port"
+
+
+# -- several hosts per replica: deploy/multihost (a LeaderWorkerSet) -------------------
+
+MULTIHOST = DEPLOY / "multihost"
+LWS_SUBSET = Path(__file__).with_name("leaderworkerset_subset.schema.yaml")
+COORDINATOR_PORT = 8476
+
+
+def _multihost_docs() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((MULTIHOST / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs.extend(d for d in yaml.safe_load_all((MULTIHOST / name).read_text()) if d)
+    return docs
+
+
+MH_DOCS = _multihost_docs()
+MH_CORE = [d for d in MH_DOCS if d["kind"] in CORE_KINDS]
+
+
+def _lws() -> dict[str, Any]:
+    (lws,) = [d for d in MH_DOCS if d["kind"] == "LeaderWorkerSet"]
+    return lws
+
+
+def _templates() -> dict[str, dict[str, Any]]:
+    group = _lws()["spec"]["leaderWorkerTemplate"]
+    return {"leader": group["leaderTemplate"], "worker": group["workerTemplate"]}
+
+
+def _mh_container(role: str) -> dict[str, Any]:
+    (container,) = _templates()[role]["spec"]["containers"]
+    return container
+
+
+def _lws_schema() -> dict[str, Any]:
+    return yaml.safe_load(LWS_SUBSET.read_text())
+
+
+def test_multihost_resources_are_validated() -> None:
+    assert {d["kind"] for d in MH_DOCS} == {"ConfigMap", "Service", "LeaderWorkerSet"}
+
+
+@pytest.mark.parametrize("doc", MH_CORE, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_multihost_core_kind_validates(doc: dict[str, Any], offline: None) -> None:
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("role", ["leader", "worker"])
+def test_lws_pod_templates_validate_as_core_pod_templates(role: str, offline: None) -> None:
+    template = {"apiVersion": "v1", "kind": "PodTemplate",
+                "metadata": {"name": f"superinfer-multihost-{role}"},
+                "template": _templates()[role]}
+    kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+
+
+def _lws_webhook_rules(lws: dict[str, Any]) -> None:
+    """What LWS's admission webhook refuses beyond the schema (generalValidate)."""
+    spec = lws["spec"]
+    size, replicas = spec["leaderWorkerTemplate"].get("size", 1), spec.get("replicas", 1)
+    assert size >= 1, "size must be equal or greater than 1"
+    assert replicas * size <= 2**31 - 1, "the product of replicas and size is too large"
+    rolling = spec.get("rolloutStrategy", {}).get("rollingUpdateConfiguration", {})
+    assert (rolling.get("maxUnavailable", 1), rolling.get("maxSurge", 0)) != (0, 0) \
+        or replicas == 0, "maxUnavailable must not be 0 when maxSurge is 0"
+
+
+def test_leaderworkerset_validates_against_the_lws_api() -> None:
+    lws = _lws()
+    jsonschema.validate(lws, _lws_schema(), cls=jsonschema.Draft202012Validator)
+    _lws_webhook_rules(lws)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s["leaderWorkerTemplate"].update(restartPolicy="RecreateGroup"),
+     "'RecreateGroup' is not one of"),
+    (lambda s: s["leaderWorkerTemplate"].update(sizee=2), "'sizee' was unexpected"),
+    (lambda s: s["leaderWorkerTemplate"].update(size="2"), "'2' is not of type 'integer'"),
+    (lambda s: s["leaderWorkerTemplate"].pop("workerTemplate"),
+     "'workerTemplate' is a required property"),
+    (lambda s: s.update(startupPolicy="LeaderStarted"), "'LeaderStarted' is not one of"),
+])
+def test_lws_schema_refuses_a_bad_leaderworkerset(change: Any, message: str) -> None:
+    bad = copy.deepcopy(_lws())
+    change(bad["spec"])
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        jsonschema.validate(bad, _lws_schema(), cls=jsonschema.Draft202012Validator)
+
+
+def test_lws_webhook_rules_can_fail() -> None:
+    bad = copy.deepcopy(_lws())
+    bad["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"].update(maxUnavailable=0)
+    with pytest.raises(AssertionError, match="maxUnavailable must not be 0"):
+        _lws_webhook_rules(bad)
+
+
+def test_lws_recreates_the_group_and_starts_workers_with_the_leader() -> None:
+    spec = _lws()["spec"]
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # LeaderReady would never start the workers: the leader is ready once they joined
+    assert spec.get("startupPolicy", "LeaderCreated") == "LeaderCreated"
+
+
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """The kubelet's $(VAR) expansion of container args."""
+    out = []
+    for arg in args:
+        for name, value in env.items():
+            arg = arg.replace(f"$({name})", value)
+        out.append(arg)
+    return out
+
+
+def test_lws_variables_become_the_group_flags(tmp_path: Path) -> None:
+    from serving.cli import build_parser
+    from serving.group import group_config
+
+    size = _lws()["spec"]["leaderWorkerTemplate"]["size"]
+    leader, worker = _mh_container("leader"), _mh_container("worker")
+    assert leader["command"] == worker["command"] == ["superinfer"]
+    assert leader["args"] == worker["args"], "every process runs the same command"
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert ports["coordinator"] == COORDINATOR_PORT
+    for index in range(size):  # what LWS sets in each pod of group 0
+        env = {"LWS_LEADER_ADDRESS": "superinfer-multihost-0.superinfer-multihost.default",
+               "LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(index)}
+        args = build_parser("serve").parse_args(_expand(leader["args"], env))
+        assert "$(" not in " ".join(_expand(leader["args"], env))
+        dist = group_config(args, {})
+        assert dist is not None
+        assert dist.coordinator == f"{env['LWS_LEADER_ADDRESS']}:{ports['coordinator']}"
+        assert (dist.num_processes, dist.process_id) == (size, index)
+        assert args.config == CONFIG_PATH
+
+
+def _multihost_config(tmp_path: Path) -> DeploymentConfig:
+    (cm,) = [d for d in MH_CORE if d["kind"] == "ConfigMap"]
+    for role in ("leader", "worker"):
+        spec = _templates()[role]["spec"]
+        volume = next(v for v in spec["volumes"] if v["name"] == "config")
+        assert volume["configMap"]["name"] == cm["metadata"]["name"], "one file for all"
+        mount = next(m for m in _mh_container(role)["volumeMounts"] if m["name"] == "config")
+        assert CONFIG_PATH.startswith(mount["mountPath"].rstrip("/") + "/")
+    key = CONFIG_PATH.rsplit("/", 1)[1]
+    path = tmp_path / key
+    path.write_text(cm["data"][key])
+    return DeploymentConfig.load(path)
+
+
+def test_multihost_config_spans_every_gpu_of_the_group(tmp_path: Path) -> None:
+    config = _multihost_config(tmp_path)
+    size = _lws()["spec"]["leaderWorkerTemplate"]["size"]
+    gpus = {role: int(_mh_container(role)["resources"]["limits"]["nvidia.com/gpu"])
+            for role in ("leader", "worker")}
+    assert gpus["leader"] == gpus["worker"]
+    assert config.engine.tensor_parallel_size == size * gpus["leader"], \
+        "the mesh must span every process's devices"
+    assert config.server.host == "0.0.0.0" and config.server.enable_http
+    assert config.model.path is not None and config.model.path.startswith("/models/")
+
+
+def test_multihost_leader_probes_ports_and_drain(tmp_path: Path) -> None:
+    config, leader = _multihost_config(tmp_path), _mh_container("leader")
+    routes = _get_routes()
+    ports = {p["name"]: p["containerPort"] for p in leader["ports"]}
+    assert (ports["http"], ports["grpc"]) == (config.server.http_port,
+                                              config.server.grpc_port)
+    expected = {"startupProbe": "/health/ready", "livenessProbe": "/health/live",
+                "readinessProbe": "/health/ready"}
+    for name, path in expected.items():
+        get = leader[name]["httpGet"]
+        assert get["path"] == path and path in routes, name
+        assert ports[get["port"]] == config.server.http_port, name
+    startup = leader["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600 + 600, \
+        "the group's init timeout (600 s) plus warm-up"
+    spec = _templates()["leader"]["spec"]
+    pre_stop = leader["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + config.server.drain_grace_s + 10
+
+
+def test_multihost_worker_serves_nothing_and_outlasts_the_drain() -> None:
+    worker = _mh_container("worker")
+    assert not {"ports", "startupProbe", "livenessProbe", "readinessProbe",
+                "lifecycle"} & set(worker), "a worker binds nothing and must not leave early"
+    grace = {role: _templates()[role]["spec"]["terminationGracePeriodSeconds"]
+             for role in ("leader", "worker")}
+    assert grace["worker"] >= grace["leader"], "it replays until the leader ends the group"
+
+
+def test_multihost_service_selects_the_leaders(tmp_path: Path) -> None:
+    (service,) = [d for d in MH_CORE if d["kind"] == "Service"]
+    selector = service["spec"]["selector"]
+    assert selector == {"leaderworkerset.sigs.k8s.io/name": _lws()["metadata"]["name"],
+                        "leaderworkerset.sigs.k8s.io/worker-index": "0"}  # LWS's pod labels
+    leader_ports = {p["name"] for p in _mh_container("leader")["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= leader_ports
+
+
+def test_multihost_uses_the_base_model_volume() -> None:
+    claim = _one("PersistentVolumeClaim")["metadata"]["name"]
+    for role in ("leader", "worker"):
+        volume = next(v for v in _templates()[role]["spec"]["volumes"] if v["name"] == "models")
+        assert volume["persistentVolumeClaim"]["claimName"] == claim
