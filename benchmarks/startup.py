@@ -14,6 +14,13 @@ every bucket compiled before ready) run in the same invocation.
 The phases each start logged (model load, buckets, first runs, DuplexKV, latency
 profile) are parsed from the server's log into the JSON. Wall-clock ratios mean
 something only on an idle machine.
+
+Run time: ``--quick`` (4 step buckets, 2 resample, DuplexKV copies of at most 8 pages)
+took 8 minutes for both modes under load ~12-14 on 2 cores (each of its two cold starts
+compiles everything once); a few minutes on an idle machine. The full run (default
+config: 15 step buckets, 4 resample, DuplexKV copies up to 64 pages, a 100-token prompt)
+compiles about 25 programs per cold start: expect 10-15 minutes idle on 2 cores, and far
+more under load (the 32- and 64-page DuplexKV copies alone take minutes there).
 """
 
 from __future__ import annotations
@@ -37,9 +44,13 @@ from benchmarks.common import add_common_args, print_table, write_json
 
 READY_TIMEOUT_S = 1800.0
 SETTLE_TIMEOUT_S = 1800.0
-# The quick case: few buckets (decode 1-2 rows, prefill 1 row of 16 or 32 columns).
+# The quick case: few buckets (decode 1-2 rows, prefill 1 row of 16 or 32 columns) and
+# DuplexKV copies of at most 8 pages (staging buckets 1-8: at the default 2400-page budget
+# the 32- and 64-page copies alone took minutes to compile under load, which is where the
+# foreground baseline of the quick run used to stall).
 QUICK_FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--set",
-               "engine.max_prefill_chunk=32", "--set", "engine.max_prefill_rows=1"]
+               "engine.max_prefill_chunk=32", "--set", "engine.max_prefill_rows=1",
+               "--set", "duplex_kv.transfer_budget_pages=8"]
 BACKGROUND_DONE = "background warm-up done"
 
 
