@@ -145,18 +145,25 @@ def _join(config: DeploymentConfig, dist: DistributedConfig) -> Group:
     log.info("joining the group at %s as process %d of %d", dist.coordinator,
              dist.process_id, dist.num_processes)
     group = start_group(dist, fingerprint(config, dist))
-    tp = config.engine.tensor_parallel_size
     devices = jax.devices()
-    holders = {d.process_index for d in devices[:tp]}
-    if len(holders) != dist.num_processes:
-        raise ConfigError("model.tensor_parallel_size", f"is {tp}: the mesh (the first {tp} "
-                          f"of the group's {len(devices)} devices) leaves out process(es) "
-                          f"{sorted(set(range(dist.num_processes)) - holders)}; across "
-                          f"{dist.num_processes} processes it must span every process's "
-                          f"devices (e.g. {len(devices)})")
+    check_mesh(config.engine.tensor_parallel_size, [d.process_index for d in devices],
+               dist.num_processes)
     log.info("group formed: %d processes, %d devices (%d here)", dist.num_processes,
              len(devices), jax.local_device_count())
     return group
+
+
+def check_mesh(tp: int, device_processes: list[int], num_processes: int) -> None:
+    """The mesh (the first ``tp`` of the group's devices, ``device_processes`` giving
+    each one's process) must hold devices of every process: a process outside it would
+    replay calls on arrays it holds no part of. Every process reaches the same verdict."""
+    holders = set(device_processes[:tp])
+    left_out = sorted(set(range(num_processes)) - holders)
+    if left_out:
+        raise ConfigError("model.tensor_parallel_size", f"is {tp}: the mesh (the first {tp} "
+                          f"of the group's {len(device_processes)} devices) leaves out "
+                          f"process(es) {left_out}; across {num_processes} processes it must "
+                          f"span every process's devices (e.g. {len(device_processes)})")
 
 
 class LeaderEngine:

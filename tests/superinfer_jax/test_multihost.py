@@ -222,8 +222,13 @@ def test_unreachable_coordinator_is_a_clear_error_within_its_timeout():
 ])
 def test_serve_refuses_bad_group_flags_naming_the_flag(argv, message, capsys, monkeypatch):
     """In-process: refused before anything binds or connects (no JAX call either)."""
+    import serving.server
     from serving.cli import main
 
+    def no_fronts(runtime):
+        raise AssertionError("fronts started with bad group flags")
+
+    monkeypatch.setattr(serving.server, "_start_fronts", no_fronts)
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
     assert main(["serve", *argv]) == 2
@@ -247,3 +252,15 @@ def test_serve_reads_the_group_from_jax_variables(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == (
         "superinfer: error: --process-id ($JAX_PROCESS_ID): must be in [0, 3] for "
         "--num-processes 4, got 4")
+
+
+def test_a_mesh_that_leaves_a_process_out_is_refused():
+    from serving.group import check_mesh
+    from superinfer_jax.config_schema import ConfigError
+
+    check_mesh(4, [0, 0, 1, 1], 2)
+    check_mesh(2, [0, 1], 2)
+    with pytest.raises(ConfigError, match=r"is 2: the mesh \(the first 2 of the group's 4 "
+                       r"devices\) leaves out process\(es\) \[1\]") as e:
+        check_mesh(2, [0, 0, 1, 1], 2)
+    assert e.value.key == "model.tensor_parallel_size"
