@@ -4,9 +4,22 @@ Weights are stored in the layout the matmul wants (``x @ W`` with ``W[in, out]``
 output projection is kept as its own ``[hidden, vocab]`` matrix even when tied, because
 XLA's CPU backend otherwise transposes the (large) embedding on every step. The KV pool is
 passed in and returned, never held as module state.
+
+How the forward computes from its weights is the caller's choice (``acc32``), not the
+module's: ``models.servable`` picks it per platform. With ``acc32`` every matmul takes its
+operands in the weights' dtype and accumulates and returns float32
+(``preferred_element_type``), and everything between the matmuls (residual stream,
+norms, RoPE, SiLU, K/V) stays float32. That is the bfloat16 path for XLA:CPU, which has
+no bfloat16 arithmetic of its own: a bfloat16 x bfloat16 -> bfloat16 dot there becomes
+"convert both operands to float32, float32 dot", i.e. the whole weight matrix converted
+on every step, which is why plain bfloat16 ran several times slower than float32 on CPU.
+Without it (GPU bfloat16, and float32 everywhere) the step is ``x @ W`` in the weights'
+dtype, exactly as before.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +35,23 @@ from superinfer_jax.parallel import TP_AXIS
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
     return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def matmul(x: jax.Array, w: jax.Array, acc32: bool) -> jax.Array:
+    """``x @ w`` for x [..., in], w [in, out].
+
+    ``acc32``: operands in w's dtype, float32 accumulation and result. One row is padded
+    to two, because XLA:CPU lowers a one-row bfloat16 dot as a matrix-vector product that
+    first converts the whole weight to float32 (the batch-1 decode step), while two rows
+    go to its bfloat16 matrix kernel, which reads the weight as it is stored."""
+    if not acc32:
+        return x @ w
+    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1]).astype(w.dtype)
+    if rows == 1:
+        x2 = jnp.pad(x2, ((0, 1), (0, 0)))
+    out = jnp.dot(x2, w, preferred_element_type=jnp.float32)[:rows]
+    return out.reshape(*lead, w.shape[-1])
 
 
 def _gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
@@ -71,9 +101,9 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, acc32: bool = False):
         b, c, _ = x.shape
-        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        q, k, v = (matmul(x, w[...], acc32) for w in (self.wq, self.wk, self.wv))
         if self.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = apply_rope(q.reshape(b, c, self.num_heads, self.head_dim), inputs.positions, inv_freq)
@@ -86,7 +116,7 @@ class Attention(nnx.Module):
         )
         # Under TP, wo's rows are split like the heads: each shard's product is a partial
         # sum, and this matmul is where the partitioner places the block's first all-reduce.
-        return out.reshape(b, c, -1) @ self.wo[...], kv_pool
+        return matmul(out.reshape(b, c, -1), self.wo[...], acc32), kv_pool
 
 
 class MLP(nnx.Module):
@@ -96,8 +126,9 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (d, f), dtype)  # [hidden, ffn]
         self.w_down = _param(rngs, (f, d), dtype)  # [ffn, hidden]
 
-    def __call__(self, x):
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+    def __call__(self, x, acc32: bool = False):
+        gate, up = matmul(x, self.w_gate[...], acc32), matmul(x, self.w_up[...], acc32)
+        return matmul(jax.nn.silu(gate) * up, self.w_down[...], acc32)
 
 
 class DecoderLayer(nnx.Module):
@@ -107,11 +138,12 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None):
+    def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None,
+                 acc32: bool = False):
         h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
-                               mesh)
+                               mesh, acc32)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), kv_pool
+        return x + self.mlp(self.mlp_norm(x), acc32), kv_pool
 
 
 class LlamaModel(nnx.Module):
@@ -127,28 +159,32 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
                  all_logits: bool = False, mesh: Mesh | None = None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, acc32: bool = False):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
-        residual stream is kept replicated, so each block costs two all-reduces."""
+        residual stream is kept replicated, so each block costs two all-reduces.
+        ``acc32``: float32 accumulation and activations (module docstring)."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
+        if acc32:
+            x = x.astype(jnp.float32)
         if mesh is not None:
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
         inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
         for layer_idx, layer in enumerate(self.layers):
-            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh)
+            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh, acc32)
         if return_hidden:  # every column, normed: ``project`` maps them to logits
             hidden = self.final_norm(x)
             last = jnp.maximum(inputs.query_lens - 1, 0)
             x = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-            return self.project(x, mesh), kv_pool, hidden
+            return self.project(x, mesh, acc32), kv_pool, hidden
         if not all_logits:
             last = jnp.maximum(inputs.query_lens - 1, 0)
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        return self.project(self.final_norm(x), mesh), kv_pool
+        return self.project(self.final_norm(x), mesh, acc32), kv_pool
 
-    def project(self, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    def project(self, x: jax.Array, mesh: Mesh | None = None,
+                acc32: bool = False) -> jax.Array:
         """Normed hidden states [..., hidden] -> float32 logits [..., vocab]."""
-        logits = (x @ self.lm_head[...]).astype(jnp.float32)
+        logits = matmul(x, self.lm_head[...], acc32).astype(jnp.float32)
         if mesh is not None:
             logits = _gather_vocab(logits, mesh)
         return logits

@@ -192,13 +192,23 @@ def _load_file(path: Path, dtype: str, mesh: Mesh | None) -> LlamaServable:
 
 def load_model(name_or_path: str | Path, dtype: str = "float32",
                tensor_parallel_size: int = 1,
-               weights_cache: str | Path | None = None) -> LlamaServable:
+               weights_cache: str | Path | None = None,
+               compute_dtype: str = "auto") -> LlamaServable:
     """Load a servable model from a preset name, a .gguf file or a model directory.
 
     ``tensor_parallel_size > 1`` loads straight into the sharded layout over the first
     that many devices (the mesh ``EngineConfig(tensor_parallel_size=...)`` also builds).
     ``weights_cache``: a directory where a GGUF's converted weights are kept, so a later
-    load skips the conversion (``models.weights_cache``)."""
+    load skips the conversion (``models.weights_cache``). ``compute_dtype``: what a
+    bfloat16 model computes in (``models.servable.resolve_compute``; "auto" picks per
+    platform)."""
+    servable = _load_model(name_or_path, dtype, tensor_parallel_size, weights_cache)
+    return servable if compute_dtype == "auto" else servable.with_compute(compute_dtype)
+
+
+def _load_model(name_or_path: str | Path, dtype: str = "float32",
+                tensor_parallel_size: int = 1,
+                weights_cache: str | Path | None = None) -> LlamaServable:
     check_dtype(dtype)
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
             or tensor_parallel_size < 1:
