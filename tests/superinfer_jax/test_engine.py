@@ -15,8 +15,11 @@ from superinfer_jax.request import FieldError, RequestStatus
 TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    max_position_embeddings=256, eos_token_ids=(255,))
+# warmup=False: these tests check what requests generate, so each engine compiles only the
+# shapes it runs, on first use (warm-up itself is tested in test_compilation and by every
+# server the serving tests start); compiling all nine buckets per config doubled the file.
 BASE = EngineConfig(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
-                    max_prefill_chunk=64, page_size=8, show_progress=False)
+                    max_prefill_chunk=64, page_size=8, show_progress=False, warmup=False)
 
 
 class CharTokenizer:
@@ -191,7 +194,7 @@ def test_invalid_engine_config_names_field(kwargs, field):
 
 
 def test_bad_prompts_rejected(model):
-    engine = LLMEngine(model, BASE.replace(warmup=False))
+    engine = LLMEngine(model, BASE)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([])
     with pytest.raises(ValueError, match="max_model_len"):
@@ -199,6 +202,6 @@ def test_bad_prompts_rejected(model):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, 2, 999])
     with pytest.raises(ValueError, match="empty"):
-        LLM(model, BASE.replace(warmup=False)).generate([""])
+        LLM(model, BASE).generate([""])
     with pytest.raises(ValueError, match="num_device_pages"):
-        LLMEngine(model, BASE.replace(num_device_pages=5, warmup=False))
+        LLMEngine(model, BASE.replace(num_device_pages=5))
