@@ -242,12 +242,20 @@ class BucketCompiler:
                     return
                 self._engine.wait(max(left, 0.01))
 
-    def cancel(self) -> None:
-        """Compile nothing more (a compile under way finishes)."""
+    def cancel(self, wait_s: float = 0.0) -> bool:
+        """Compile nothing more; a compile under way finishes. With ``wait_s``, wait up to
+        that long for it: a process must not exit while a thread is inside XLA's compiler
+        (the interpreter's exit tears down what it uses, and the process aborts with
+        "terminate called ..." instead of its exit code). Returns whether every compile
+        thread has ended."""
         with self._lock:
             self._queue.clear()
         with self._engine:
             self._engine.notify_all()
+        deadline = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def _work(self) -> None:
         niced = False

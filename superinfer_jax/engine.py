@@ -87,6 +87,7 @@ from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
 from superinfer_jax.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
+STOP_COMPILE_WAIT_S = 120.0  # a stopping server waits this long for a compile under way
 
 
 @dataclass
@@ -261,11 +262,13 @@ class LLMEngine:
             log.info("warm-up: latency profile measured")
         return True
 
-    def stop_warmup(self) -> None:
-        """Compile nothing more in the background (a server that stops): a compile under
-        way finishes on its daemon thread."""
-        if self.runner.compiler is not None:
-            self.runner.compiler.cancel()
+    def stop_warmup(self, wait_s: float = STOP_COMPILE_WAIT_S) -> None:
+        """Compile nothing more in the background (a server that stops), and wait up to
+        ``wait_s`` for a compile under way to finish, so the process exits with its own
+        exit code rather than aborting inside XLA."""
+        if self.runner.compiler is not None and not self.runner.compiler.cancel(wait_s):
+            log.warning("a background compile still runs after %.0f s; exiting anyway",
+                        wait_s)
 
     def _latency_optional(self) -> bool:
         """Whether the policy plans correctly without a latency model until one is

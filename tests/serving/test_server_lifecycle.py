@@ -18,7 +18,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.serving.serving_testlib import pb2, pb2_grpc
+from tests.serving.serving_testlib import ServerProcess, pb2, pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -193,3 +193,20 @@ def test_tls_admission_limit_and_drain_grace(start_server, tls_files):
         t.join(30)
     assert srv.terminate() == 0, srv.log()
     assert results["last"].finish_reason == pb2.FINISH_REASON_ABORT
+
+
+def test_sigterm_while_compiling_in_the_background_exits_cleanly(tiny_model_dir, tmp_path):
+    """Ready comes before the last bucket is compiled; a server stopped then waits for the
+    compile under way instead of exiting from inside XLA (which aborted the process with
+    "terminate called ..." and a signal instead of exit code 0). A fresh compilation
+    cache, so the background compiles are real ones."""
+    srv = ServerProcess(tiny_model_dir, tmp_path / "xla-cache", tmp_path / "server.log",
+                        "--compile-in-background")
+    try:
+        srv.wait_serving()
+        assert srv.terminate(timeout_s=300) == 0, srv.log()
+    finally:
+        srv.kill()
+    log = srv.log_path.read_text(errors="replace")
+    assert "background warm-up done" not in log  # precondition: stopped mid-warm-up
+    assert "terminate called" not in log, log[-3000:]

@@ -216,6 +216,30 @@ def test_cancel_releases_waiting_compile_threads():
     assert compiled == [Program(STEP, (1, 1))]
 
 
+def test_cancel_waits_for_the_compile_under_way():
+    """A stopping server must not exit while a thread is inside XLA's compiler (the
+    process would abort instead of exiting with its code): ``cancel(wait_s)`` returns
+    once the compile under way has finished, and nothing after it starts."""
+    started, release = threading.Event(), threading.Event()
+    compiled: list[Program] = []
+
+    def compile_one(program: Program) -> None:
+        if program.shape != (1, 1):
+            started.set()
+            release.wait(600)
+        compiled.append(program)
+
+    programs = [Program(STEP, (1, c)) for c in (1, 16, 32)]
+    compiler = BucketCompiler(compile_one, programs, num_ready=1, num_threads=1,
+                              background=True, quiet_s=0.0, busy_wait_s=0.0)
+    compiler.set_busy(False)
+    assert started.wait(600)
+    assert compiler.cancel(wait_s=0.05) is False  # still inside the [1, 16] compile
+    threading.Timer(0.2, release.set).start()
+    assert compiler.cancel(wait_s=600) is True
+    assert compiled == [Program(STEP, (1, 1)), Program(STEP, (1, 16))]
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_value_names_the_field(value):
     with pytest.raises(ConfigError) as e:
