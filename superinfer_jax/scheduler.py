@@ -301,7 +301,7 @@ class Scheduler:
                     break
                 continue
             need = self._pages_to_run(req)
-            moving = self._host_pages(req)
+            moving = self._host_pages(req) if req.status == RequestStatus.ROTARY else 0
             pages: tuple[int, ...] | list[int] = ()
             if shared:
                 if req.status == RequestStatus.RUNNING:
@@ -355,17 +355,28 @@ class Scheduler:
         token has landed (``ModelRunner.resample``). At most ``config.deferred_rows`` such
         rows a step; the others sit the step out."""
         if contended:
-            running = self.running
-            rows = ([r for r in running if r.is_decoding]
-                    + [r for r in running if r.num_pending_tokens > 1]
-                    + [r for r in running if r.num_pending_tokens == 0])
+            pending_of = [(r, r.num_pending_tokens) for r in self.running]
+            rows = ([r for r, n in pending_of if n == 1] + [r for r, n in pending_of if n > 1]
+                    + [r for r, n in pending_of if n == 0])
         else:
             rows = self.running
         i = 0
         deferrable = budget.limits.deferred_rows
+        # a decode row whose last page has room needs no page: most rows of most steps,
+        # so they skip ``_reserve`` (``_next_chunk`` is 1 while decode rows remain)
+        # (``plan.decode`` is read each time: a preemption rebinds it)
+        tables, page_size, max_decode = self.kv.page_tables, self.kv.page_size, \
+            budget.limits.decode_rows
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
             pending = req.num_pending_tokens
+            if pending == 1 and req.grammar is None and len(plan.decode) < max_decode:
+                table = tables.get(req.req_id)
+                if table is not None and req.num_computed_tokens < len(table) * page_size:
+                    plan.decode.append(req.req_id)
+                    budget.tokens -= 1
+                    i += 1
+                    continue
             if req.grammar is not None and req.num_inflight_tokens:
                 if deferrable == 0:
                     i += 1  # no deferred-sampling slot left: it sits this step out
