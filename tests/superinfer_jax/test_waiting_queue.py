@@ -69,13 +69,14 @@ def test_walk_skips_only_what_first_fit_rejects(seed):
         return kept, used
 
     want, _ = first_fit(q.by_arrival())
-    used, kept, read = 0, [], 0
-    for _, _, r in q.walk(lambda: capacity - used):
+    used = [0]  # a cell: walk() asks for the room left as the loop fills it
+    kept, read = [], 0
+    for _, _, r in q.walk(lambda: capacity - used[0]):
         read += 1
         n = need(r)
-        if used + n <= capacity:
+        if used[0] + n <= capacity:
             kept.append(r.req_id)
-            used += n
+            used[0] += n
     assert kept == want
     assert read <= len(q)
     assert [e[2].req_id for e in q.walk()] == [e[2].req_id for e in q.by_arrival()]
