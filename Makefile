@@ -38,13 +38,17 @@ generate: $(STAMP)
 NUMERICS_TESTS := tests/models/test_numerics_hf.py tests/models/test_paged_equivalence.py \
 	tests/superinfer_jax/ops/test_attention_pallas.py tests/superinfer_jax/ops/test_attention_xla.py
 NUMERICS_ISA ?= AVX2
+# One pytest worker per core (pytest-xdist), whole files per worker so a module's engines
+# and servers are built once; the suite is mostly single-threaded compiles and Python.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy superinfer_jax
-	$(BIN)/python -m pytest -x -q tests
+	$(PYTEST) tests
 	XLA_FLAGS="$(XLA_FLAGS) --xla_cpu_max_isa=$(NUMERICS_ISA)" \
-		$(BIN)/python -m pytest -x -q $(NUMERICS_TESTS)
+		$(PYTEST) $(NUMERICS_TESTS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
