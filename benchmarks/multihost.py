@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.step_overlap import run_once
 
 TP = 4
 SIZES = {  # (vocab, hidden, ffn, layers, heads, kv_heads, head_dim)
@@ -64,21 +65,6 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
     rng = np.random.default_rng(0)
     return [rng.integers(0, vocab, prompt_len).tolist() for _ in range(batch)]
-
-
-def _round(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    from superinfer_jax import SamplingParams
-
-    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    steps0 = engine.num_model_steps
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    seconds = time.perf_counter() - t0
-    steps = engine.num_model_steps - steps0
-    return {"seconds": seconds, "steps": steps,
-            "tokens": [engine.release(i).output_token_ids for i in ids]}
 
 
 def _collective_ms(mesh, cfg, batch: int, repeats: int) -> float:
@@ -149,12 +135,11 @@ def worker(args: argparse.Namespace) -> int:
 
         engine = LLMEngine(model, config)
     prompts = _prompts(args.batch, args.prompt_len, cfg.vocab_size)
-    _round(engine, prompts, args.new_tokens)  # warm-up: every shape compiled once
+    run_once(engine, prompts, args.new_tokens)  # warm-up: every shape compiled once
     sent0 = recorder.sent if recorder else 0
     bytes0 = recorder.bytes_sent if recorder else 0
-    run = _round(engine, prompts, args.new_tokens)
-    out = {"processes": args.num_processes, "tok_s": args.batch * args.new_tokens
-           / run["seconds"], "step_ms": 1000 * run["seconds"] / run["steps"],
+    run = run_once(engine, prompts, args.new_tokens)
+    out = {"processes": args.num_processes, "tok_s": run["tok_s"], "step_ms": run["step_ms"],
            "collective_ms_per_step": collective_ms, "steps": run["steps"],
            "tokens": run["tokens"]}
     if recorder is not None:
