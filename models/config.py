@@ -78,6 +78,19 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the metadata of Orbax checkpoints and converted weights)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """The inverse of ``to_dict`` (nested ``rope_scaling`` and the EOS tuple rebuilt)."""
+        data = dict(data)
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        return cls(**data)
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

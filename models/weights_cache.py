@@ -22,7 +22,6 @@ model's own.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from models.config import PRESETS, ModelConfig, RopeScaling
+from models.config import PRESETS, ModelConfig
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 
@@ -134,7 +133,7 @@ def write_entry(entry: Path, servable: LlamaServable, facts: dict[str, Any]) -> 
         tokenizer = servable.tokenizer
         if isinstance(tokenizer, Tokenizer):
             (tmp / TOKENIZER_FILE).write_text(tokenizer.to_json_str(), encoding="utf-8")
-        meta = {"facts": facts, "config": dataclasses.asdict(servable.config),
+        meta = {"facts": facts, "config": servable.config.to_dict(),
                 "tokenizer": tokenizer.meta() if isinstance(tokenizer, Tokenizer) else None}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         shutil.rmtree(entry, ignore_errors=True)  # a stale entry of an older source
@@ -151,7 +150,7 @@ def read_entry(entry: Path, dtype: str, tensor_parallel_size: int = 1) -> LlamaS
     from superinfer_jax.parallel import make_mesh
 
     meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
-    config = _config_from_dict(meta["config"])
+    config = ModelConfig.from_dict(meta["config"])
     tokenizer = None
     if meta.get("tokenizer") is not None:
         text = (entry / TOKENIZER_FILE).read_text(encoding="utf-8")
@@ -186,9 +185,3 @@ def _loaded(array: np.ndarray, dtype: str) -> np.ndarray:
     return array
 
 
-def _config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    data = dict(data)
-    if data.get("rope_scaling") is not None:
-        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    return ModelConfig(**data)

@@ -14,7 +14,6 @@ Layout of a saved directory::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig
 from models.loaders import ORBAX_MARKER, abstract_model
 from models.servable import LlamaServable, check_dtype
 from models.sharding import ShardPlan, fill_state, flat_state
@@ -33,18 +32,6 @@ from models.tokenizer import Tokenizer
 FORMAT_VERSION = 1
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
-
-
-def config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    data = dict(data)
-    if data.get("rope_scaling") is not None:
-        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
-    return ModelConfig(**data)
 
 
 def save_orbax(servable: LlamaServable, path: str | Path) -> Path:
@@ -62,7 +49,7 @@ def save_orbax(servable: LlamaServable, path: str | Path) -> Path:
     meta = {
         "format_version": FORMAT_VERSION,
         "dtype": servable.dtype,
-        "config": config_to_dict(servable.config),
+        "config": servable.config.to_dict(),
         "tokenizer": tokenizer.meta() if isinstance(tokenizer, Tokenizer) else None,
     }
     marker.write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -101,7 +88,7 @@ def load_orbax(path: str | Path, dtype: str = "float32",
     check_dtype(dtype)
     meta = _read_meta(path)
     try:
-        config = config_from_dict(meta["config"])
+        config = ModelConfig.from_dict(meta["config"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path / ORBAX_MARKER}: invalid model config ({e})") from e
     graphdef, abstract_state = abstract_model(config, dtype)
