@@ -52,7 +52,8 @@ def _engine(tp: int, backend: str):
                       bos_token_id=1, eos_token_ids=(2,))
     config = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                           max_prefill_chunk=64, page_size=16, num_device_pages=40,
-                          show_progress=False, warmup=False, tensor_parallel_size=tp,
+                          num_host_pages=16, show_progress=False, warmup=False,
+                          tensor_parallel_size=tp,
                           attention_backend=backend)
     return LLMEngine(random_servable(cfg, seed=0), config)
 
@@ -87,25 +88,16 @@ def _mover_cases(engine) -> dict[str, dict]:
     import jax
     import numpy as np
 
-    from superinfer_jax import parallel
     from superinfer_jax.duplexkv.mover import PageMover
 
-    runner = engine.runner
-    pool = engine.kv_pool
-    mesh = runner.mesh
-    if mesh is None:
-        device = next(iter(pool.devices()))
-        device_page = jax.sharding.SingleDeviceSharding(device)
-        host_page = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        pool_sharding = None
-    else:
-        device_page = parallel.page_sharding(mesh)
-        host_page = device_page.with_memory_kind("pinned_host")
-        pool_sharding = parallel.pool_sharding(mesh)
+    duplex, pool = engine.runner.duplex, engine.kv_pool
+    assert duplex is not None  # the engine has host pages, so it built DuplexKV
+    device_page, host_page = duplex.host.device_sharding, duplex.host.host_sharding
     out = {}
     for mode in ("device_put", "fused"):
-        mover = PageMover(runner.layout, 8, device_page, host_page,
-                          pool_sharding=pool_sharding, copy_mode=mode)
+        # the engine's own page shardings and sizes, in each copy mode (it has one)
+        mover = PageMover(duplex.layout, duplex.mover.max_pages, device_page, host_page,
+                          pool_sharding=duplex.pool_sharding, copy_mode=mode)
         page_sharding = host_page if mode == "fused" else device_page
         page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype, sharding=page_sharding)
         for bucket in sorted({mover.buckets[0], mover.buckets[-1]}):
