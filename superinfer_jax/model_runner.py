@@ -199,9 +199,14 @@ class ModelRunner:
     def _committed(self, value: np.ndarray) -> jax.Array:
         """``value`` placed where the step's outputs live (replicated under TP), so it
         hits the same compiled step as the arrays it stands in for."""
+        return jax.device_put(value, self._constant_sharding())
+
+    def _constant_sharding(self) -> jax.sharding.Sharding:
+        """Where constants and the step's small outputs live: the one device, or
+        replicated over the mesh under TP."""
         if self.mesh is None:
-            return jax.device_put(value, jax.devices()[0])
-        return jax.device_put(value, parallel.replicated(self.mesh))
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return parallel.replicated(self.mesh)
 
     def _new_duplex(self) -> DuplexKV:
         cfg = self.config
@@ -401,9 +406,7 @@ class ModelRunner:
 
     def _constant_spec(self, value: np.ndarray) -> jax.ShapeDtypeStruct:
         """What ``_committed(value)`` is, abstractly."""
-        sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.mesh is None
-                    else parallel.replicated(self.mesh))
-        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=self._constant_sharding())
 
     def _compiled_limits(self) -> BucketLimits:
         return bucket_limits(self.config, self.step_programs.compiled,
