@@ -217,6 +217,11 @@ class EngineConfig:
     async_scheduling: bool = knob(
         True, section="engine",
         help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
+    disable_any_whitespace: bool = knob(
+        False, section="engine", name="structured_outputs_disable_any_whitespace",
+        help="JSON structured outputs without free whitespace between tokens (vLLM's "
+             "disable_any_whitespace): shorter outputs, and a weak model cannot spend its "
+             "max_tokens on blank lines")
     policy: str = knob("fcfs", check=_policy_check, section="engine",
                        help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
     rotasched: RotaSchedConfig = knob(default_factory=RotaSchedConfig, section="rotasched",

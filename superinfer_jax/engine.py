@@ -370,8 +370,9 @@ class LLMEngine:
             if to_json is None:
                 raise FieldError("structured_outputs", "structured outputs need a model "
                                  "with a Hugging Face tokenizer; this one has none")
-            self._grammars = GrammarCompiler(to_json(), self.model.vocab_size,
-                                             self.model.eos_token_ids)
+            self._grammars = GrammarCompiler(
+                to_json(), self.model.vocab_size, self.model.eos_token_ids,
+                whitespace_flexible=not self.config.disable_any_whitespace)
         return self._grammars
 
     def abort_request(self, req_id: str) -> bool:

@@ -22,3 +22,16 @@ def smollm2():
     from models import load_model
 
     return load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer (``models.tokenizer.Tokenizer``: 49,152 tokens, chat template),
+    rebuilt from the embedded GGUF's metadata only: no weights are read. For tiny random
+    models that need a real vocabulary (structured outputs, chat templates)."""
+    from models.loaders import embedded_gguf_path
+    from models.loaders.gguf_loader import _fields, open_gguf
+    from models.tokenizer import Tokenizer
+
+    path = embedded_gguf_path("smollm2-135m")
+    return Tokenizer.from_gguf_fields(_fields(open_gguf(path), path))

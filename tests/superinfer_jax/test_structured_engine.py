@@ -1,6 +1,13 @@
-"""Structured outputs through the engine on SmolLM2: every output parses and validates,
-under sync and async scheduling and under rotation; an unconstrained request beside a
-constrained one keeps async overlap and its own tokens; a bad spec names its field."""
+"""Structured outputs through the engine: every output parses and validates, under sync
+and async scheduling and under rotation; an unconstrained request beside a constrained one
+keeps async overlap and its own tokens; a bad spec names its field.
+
+The model is a tiny random Llama over SmolLM2's real 49,152-token vocabulary and chat
+template (the grammar masks are what is tested, over a real BPE vocabulary; a 30-layer
+model would only make each compile slower). The engine runs with
+``disable_any_whitespace``: a random model, unlike a trained one, never chooses to close
+an object while JSON's free whitespace lets it pad, so every JSON output here ending with
+``stop`` also shows that the option reached the grammar."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import re
 import jsonschema
 import pytest
 
+from models import ModelConfig, random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.request import FieldError
 from superinfer_jax.structured import StructuredOutputSpec
@@ -23,13 +31,32 @@ SCHEMA = {"type": "object",
 CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                       max_prefill_chunk=32, max_prefill_rows=1, page_size=16,
                       show_progress=False, num_device_pages=96, num_host_pages=96,
+                      disable_any_whitespace=True,
                       warmup=False)  # compile only the shapes these requests run
+# largest |logit| of the tiny model bounds its float32 error (far above what it reaches)
+LOGIT_SCALE = 30.0
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    return {mode: LLMEngine(smollm2, CONFIG.replace(async_scheduling=mode == "async"))
+def model(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    config = ModelConfig(
+        name="tiny-smollm2-vocab", vocab_size=tok.vocab_size, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=CONFIG.max_model_len, tie_word_embeddings=True,
+        eos_token_ids=tuple(tok.eos_token_ids))
+    return random_servable(config, seed=0, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    return {mode: LLMEngine(model, CONFIG.replace(async_scheduling=mode == "async"))
             for mode in ("sync", "async")}
+
+
+def _compact(text: str) -> bool:
+    """No whitespace outside JSON strings (what ``disable_any_whitespace`` promises)."""
+    return not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text))
 
 
 def _chat(tok, text: str) -> list[int]:
@@ -38,8 +65,8 @@ def _chat(tok, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("mode,rotate", [("sync", 0), ("async", 0), ("async", 3)])
-def test_constrained_outputs_parse_and_validate(engines, smollm2, mode, rotate):
-    tok = smollm2.tokenizer
+def test_constrained_outputs_parse_and_validate(engines, model, mode, rotate):
+    tok = model.tokenizer
     json_spec = StructuredOutputSpec("json", json.dumps(SCHEMA))
     jobs = [
         (_chat(tok, "Describe a person as JSON."),
@@ -59,16 +86,17 @@ def test_constrained_outputs_parse_and_validate(engines, smollm2, mode, rotate):
     person = json.loads(done[0].output_text)
     jsonschema.validate(person, SCHEMA)
     assert isinstance(json.loads(done[1].output_text), dict)
+    assert _compact(done[0].output_text) and _compact(done[1].output_text)
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", done[2].output_text)
     assert done[3].output_text in ("yes", "no", "maybe")
     if rotate:
         assert sum(r.num_rotations for r in done) > 0
 
 
-def test_unconstrained_neighbour_keeps_its_tokens(engines, smollm2):
+def test_unconstrained_neighbour_keeps_its_tokens(engines, model):
     """A constrained request skips every other step under async; its neighbour's greedy
     tokens are those it gets alone."""
-    tok = smollm2.tokenizer
+    tok = model.tokenizer
     free = (_chat(tok, "Tell me about Paris."), SamplingParams(max_tokens=24,
                                                                 ignore_eos=True))
     alone = run_jobs(engines["async"], [free])[0].output_token_ids
@@ -88,11 +116,11 @@ def test_bad_spec_names_the_field(engines):
     assert not engines["sync"].has_unfinished_requests()
 
 
-def test_deferred_sampling_gives_the_sync_tokens_every_step(engines, smollm2):
+def test_deferred_sampling_gives_the_sync_tokens_every_step(engines, model):
     """Under async scheduling a constrained row is sampled by the deferred call: the same
     tokens as the synchronous loop (same key, same mask), and one token per step, not one
     every other step."""
-    tok = smollm2.tokenizer
+    tok = model.tokenizer
     spec = StructuredOutputSpec("json", json.dumps(SCHEMA))
     jobs = [(_chat(tok, f"Person {i} as JSON."),
              SamplingParams(max_tokens=40, temperature=0.9, seed=i, structured=spec,
@@ -104,9 +132,9 @@ def test_deferred_sampling_gives_the_sync_tokens_every_step(engines, smollm2):
     assert [r.output_token_ids for r in done] == [r.output_token_ids for r in sync]
     assert [[lp.token_id for lp in r.output_logprobs] for r in done] == \
         [r.output_token_ids for r in done]
-    # batched otherwise, so summed in another order: the model-sized float32 bound
-    # (logits of magnitude ~30 at most for SmolLM2), twice for a log-softmax
-    tol = 2 * logits_tolerance(smollm2.config, 30.0, CONFIG.max_model_len)
+    # batched otherwise, so summed in another order: the model-sized float32 bound,
+    # twice for a log-softmax
+    tol = 2 * logits_tolerance(model.config, LOGIT_SCALE, CONFIG.max_model_len)
     for a, b in zip(done, sync, strict=True):
         for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True):
             assert abs(x.logprob - y.logprob) <= tol

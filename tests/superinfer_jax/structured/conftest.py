@@ -19,13 +19,8 @@ class Vocab:
 
 
 @pytest.fixture(scope="session")
-def vocab() -> Vocab:
-    from models.loaders import embedded_gguf_path
-    from models.loaders.gguf_loader import _fields, open_gguf
-    from models.tokenizer import Tokenizer
-
-    path = embedded_gguf_path("smollm2-135m")
-    tok = Tokenizer.from_gguf_fields(_fields(open_gguf(path), path))
+def vocab(smollm2_tokenizer) -> Vocab:
+    tok = smollm2_tokenizer
     return Vocab(tok.backend, tok.eos_token_ids, tok.vocab_size)
 
 
