@@ -1,4 +1,10 @@
-"""Logprobs from the jitted step against transformers on the same weights (SmolLM2).
+"""Logprobs from the jitted step against transformers on the same weights.
+
+The model is the tiny random Llama of the engine tests (2 layers, 256 tokens), exported to
+transformers: what is checked is the step's log-softmax, top-k and rank against an
+independent implementation, which a 30-layer model would only make slower to compile.
+SmolLM2's logprobs are checked end to end against transformers by the lm-eval test (every
+loglikelihood within 1e-3).
 
 Token logprobs of the sampled tokens and prompt logprobs at every position are the
 log-softmax of transformers' float32 logits, within the model-sized float32 bound of
@@ -13,23 +19,27 @@ import numpy as np
 import pytest
 import torch
 
+from models import random_servable
 from models.hf_export import to_transformers
-from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax import LLMEngine, SamplingParams
 from tests.numerics import logits_tolerance
+from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
-PROMPT = ("The history of the printing press begins in the fifteenth century, when "
-          "movable type changed how books were made and read across Europe.")
-CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                      max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
-                      show_progress=False, num_device_pages=64,
-                      warmup=False)  # compile only the shapes these requests run
+# longer than two prefill chunks, so prompt logprobs come from several steps
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(1, TINY.vocab_size - 1, 37)]
+CONFIG = SMALL  # compile only the shapes these requests run (shared with the engine tests)
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2):
+def model():
+    return random_servable(TINY, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
     """(prompt ids, greedy output ids, transformers' log-softmax over prompt + output)."""
-    hf = to_transformers(smollm2)
-    prompt = smollm2.tokenizer.encode(PROMPT)
+    hf = to_transformers(model)
+    prompt = PROMPT
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
         ids = out[0].tolist()
@@ -38,8 +48,8 @@ def reference(smollm2):
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2):
-    return {mode: LLMEngine(smollm2, CONFIG.replace(async_scheduling=mode == "async"))
+def engines(model):
+    return {mode: LLMEngine(model, CONFIG.replace(async_scheduling=mode == "async"))
             for mode in ("sync", "async")}
 
 
@@ -72,9 +82,9 @@ def _rank_ok(rank: int, row: np.ndarray, token: int, tol: float) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_token_and_prompt_logprobs_match_transformers(smollm2, reference, engines, mode):
+def test_token_and_prompt_logprobs_match_transformers(model, reference, engines, mode):
     prompt, want_tokens, ref_lp, ref_logits = reference
-    tol = 2 * logits_tolerance(smollm2.config, ref_logits, len(prompt) + 6)
+    tol = 2 * logits_tolerance(model.config, ref_logits, len(prompt) + 6)
     req, outputs = _run(engines[mode], prompt, SamplingParams(
         max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3))
     assert req.output_token_ids == want_tokens
