@@ -228,7 +228,8 @@ class EngineConfig:
                                       help="RotaSched's parameters")
     tensor_parallel_size: int = knob(
         1, ge=1, section="model",
-        help="devices on this host to split the model over (docs/tensor_parallel.md)")
+        help="devices to split the model over: this host's, or with --num-processes the "
+             "whole group's (docs/tensor_parallel.md)")
 
     def __post_init__(self) -> None:
         validate(self)
