@@ -85,6 +85,18 @@ def run_transformers(hf_model, batch: int, prompts: list[list[int]], new_tokens:
     return batch * new_tokens / elapsed
 
 
+def baseline_setup(hf_model) -> str:
+    """How the transformers baseline runs, printed over the table so a reader can tell a
+    fair baseline from a hobbled one (threads, autograd, attention kernel, versions)."""
+    import torch
+    import transformers
+
+    attn = getattr(hf_model.config, "_attn_implementation", None) or "default"
+    return (f"transformers {transformers.__version__} on torch {torch.__version__}: "
+            f"{torch.get_num_threads()} threads (cores: {os.cpu_count()}), "
+            f"torch.inference_mode, attention {attn}, generate() greedy")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = matmul_flops()
     rng = np.random.default_rng(0)
     rows = []
+    setup = ""
     for dtype in args.dtypes.split(","):
         model = load_model(args.model, dtype=dtype)
         prompts = rng.integers(10, model.vocab_size, (max(batches), args.prompt_len)).tolist()
@@ -125,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = LLMEngine(model, config)
         hf_model = to_transformers(model, dtype)
         run_transformers(hf_model, 1, prompts, 4)  # first-call overhead out of the timing
+        setup = baseline_setup(hf_model)
+        print(f"baseline: {setup}")
         for batch in batches:
             ours = run_engine(model, batch, prompts, args.new_tokens, engine)
             theirs = run_transformers(hf_model, batch, prompts, args.new_tokens)
@@ -145,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         del engine, hf_model
     print_table(rows, title=f"offline throughput ({args.model}, prompt {args.prompt_len}, "
                             f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s, "
-                            f"matmul {flops / 1e9:.0f} GFLOP/s)")
-    write_json(args.out, {"args": vars(args), "copy_bandwidth_gb_s": bandwidth / 1e9,
+                            f"matmul {flops / 1e9:.0f} GFLOP/s)\nbaseline: {setup}")
+    write_json(args.out, {"args": vars(args), "baseline_setup": setup,
+                          "copy_bandwidth_gb_s": bandwidth / 1e9,
                           "matmul_gflops": flops / 1e9, "rows": rows})
 
 
