@@ -48,7 +48,8 @@ import numpy as np
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
-COPY_MODES = ("device_put", "fused")
+COPY_MODES = ("device_put", "fused", "in_step")
+HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write host pages
 
 
 def default_copy_mode(platform: str | None = None) -> str:
@@ -86,6 +87,29 @@ def _scatter_from_host(pool: jax.Array, ids: jax.Array,
     return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
 
 
+def land_in_step(pool: jax.Array, in_ids: jax.Array,
+                 in_pages: tuple[jax.Array, ...]) -> jax.Array:
+    """``in_step`` mode, traced into the model step before the model: the host pages
+    ``in_pages`` (operands in pinned_host) written to ``pool[in_ids]``, so they are in
+    the pool before anything in the step could read them."""
+    return _scatter_from_host(pool, in_ids, in_pages) if in_pages else pool
+
+
+def gather_in_step(pool: jax.Array, out_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """``in_step`` mode, traced into the model step after the model, on the pool the
+    step returns: ``pool[out_ids]`` (the caller's ``out_shardings`` put them in
+    pinned_host). The step must not write these pages (``DuplexKV.take_in_step`` gives
+    it only pages it does not write), so they hold what they held before the step.
+
+    Why last and not first: a gather of the pool the step *received* is unordered, in
+    the dataflow, with the step's in-place writes of that pool, and XLA keeps them apart
+    by copying the whole donated pool (measured on XLA:CPU: two pool-sized copies per
+    step; ``jax.lax.optimization_barrier`` does not help, it is expanded to control
+    dependencies that are gone by copy insertion). Read after the last write, the
+    gather is ordered by data and the pool stays in place (no copy)."""
+    return _gather(pool, out_ids)
+
+
 class PageMover:
     """Batched whole-page gather/scatter over a block-first pool, and the copies between
     the pool and host page arrays (``to_host``, ``to_device``, ``scatter``)."""
@@ -107,12 +131,18 @@ class PageMover:
         self.device_sharding = device_sharding
         self.host_sharding = host_sharding
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
-        fused = self.copy_mode == "fused"
+        fused = self.host_operands
         gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
         self._gather = jax.jit(_gather, out_shardings=gather_out)
         self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
                                 out_shardings=pool_sharding or (
                                     device_sharding if fused else None))
+
+    @property
+    def host_operands(self) -> bool:
+        """Whether the separate gather/scatter programs take and return host pages
+        (``fused``, and ``in_step``'s fallback for copies the step does not take)."""
+        return self.copy_mode in HOST_OPERAND_MODES
 
     @property
     def max_pages(self) -> int:
@@ -139,14 +169,14 @@ class PageMover:
     def to_host(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
         """Host page arrays holding ``pool[page_ids]``, dispatched, not waited for."""
         pages = self.gather(pool, page_ids)
-        if self.copy_mode == "fused" or not pages:
+        if self.host_operands or not pages:
             return pages
         return list(jax.device_put(pages, self.host_sharding))
 
     def to_device(self, host_pages: list[jax.Array]) -> list[jax.Array]:
         """What ``scatter`` later lands for these host pages: device copies issued now
         (``device_put`` mode), or the host pages themselves (fused: the scatter copies)."""
-        if self.copy_mode == "fused" or not host_pages:
+        if self.host_operands or not host_pages:
             return list(host_pages)
         return list(jax.device_put(host_pages, self.device_sharding))
 
@@ -167,7 +197,7 @@ class PageMover:
         the thread that owns the pool does not compile them."""
         ids = np.full(bucket, NULL_PAGE, np.int32)
         self._gather.lower(pool, ids).compile()
-        sharding = self.host_sharding if self.copy_mode == "fused" else self.device_sharding
+        sharding = self.host_sharding if self.host_operands else self.device_sharding
         page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype, sharding=sharding)
         self._scatter.lower(pool, ids, (page,) * bucket).compile()
 

@@ -58,9 +58,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import jax
+import numpy as np
 
 from superinfer_jax.duplexkv.mover import PageMover
 from superinfer_jax.duplexkv.stats import CopyBatch, TransferStats
@@ -92,6 +95,38 @@ class _Flight:
     batch: CopyBatch
 
 
+@dataclass
+class _Deferred:
+    """Outbound copies ``execute(defer=True)`` left for the model step (in_step mode)."""
+
+    moves_out: list[PageMoves]
+    shadows: list[PageMoves]
+    t0: float
+
+
+@dataclass
+class _Taken:
+    """Outbound copies a step took: host pages ``rest`` gathered before it (for the
+    pages at ``rest_idx``); the step's own, for ``step_idx``, come with its outputs."""
+
+    deferred: _Deferred
+    rest: list[jax.Array]
+    step_idx: list[int]
+    rest_idx: list[int]
+
+
+@dataclass(frozen=True)
+class StepCopies:
+    """The page copies one model step makes inside its own program (in_step mode):
+    land ``in_pages`` (pinned_host) at ``pool[in_ids]`` before the model, gather
+    ``pool[out_ids]`` to pinned_host after it (``mover.land_in_step``,
+    ``mover.gather_in_step``)."""
+
+    out_ids: np.ndarray  # [num_out] int32
+    in_ids: np.ndarray  # [num_in] int32
+    in_pages: tuple[jax.Array, ...]  # num_in host pages
+
+
 def _arrived(arrays: list[jax.Array]) -> bool | None:
     """None while any copy is pending; then True, or False when one carries an error."""
     try:
@@ -121,6 +156,13 @@ class DuplexKV:
                                pool_sharding, copy_mode)
         self.stats = TransferStats()
         self._flights: list[_Flight] = []
+        # in_step mode, between ``execute(defer=True)`` and the step (``take_in_step``,
+        # ``finish_in_step``) or ``flush``
+        self._deferred: _Deferred | None = None
+        self._deferred_in: list[_Flight] = []
+        self._taken: _Taken | None = None
+        self._failed_out: list[RotationEvent] = []
+        self.pages_in_step = 0  # pages (both ways) a model step copied in its own program
 
     @property
     def num_in_flight(self) -> int:
@@ -164,7 +206,7 @@ class DuplexKV:
                 landing.append(f)
         self._flights = pending
         if landing:
-            ids = [d for f in landing for d in f.pages]
+            ids = [d for f in landing for d in f.pages]  # none left: a step landed them
             pool = self.mover.scatter(pool, ids, [a for f in landing for a in f.arrays])
             now = time.perf_counter()  # fused mode's in-copy is this scatter: count it
             for f in landing:
@@ -176,38 +218,151 @@ class DuplexKV:
     # -- step (3): issue -----------------------------------------------------------------
 
     def execute(self, pool: jax.Array, moves_out: list[PageMoves], moves_in: list[PageMoves],
-                shadows: list[PageMoves]) -> list[RotationEvent]:
+                shadows: list[PageMoves], defer: bool = False) -> list[RotationEvent]:
         """Issue this step's copies; returns FAILED events for copies that failed to issue.
 
-        Must run after the plan's bookkeeping and before the step that donates ``pool``."""
+        Must run after the plan's bookkeeping and before the step that donates ``pool``.
+        ``defer`` (``in_step`` mode only; the caller then must call ``take_in_step`` or
+        ``flush`` before anything writes ``pool``): the outbound copies wait for the model
+        step, which may take some of them (``take_in_step``); the inbound ones are issued
+        as in ``fused`` mode, and the step may land some of them."""
         t0 = time.perf_counter()
         inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
         self._drop_freed()
         events: list[RotationEvent] = []
+        if self._deferred is not None:
+            raise RuntimeError("execute called again before the deferred copies were taken")
         # Inbound first: its copies need nothing from this step, and on CPU the gather
         # below runs in this thread (a copy-only program is run inline), so issued the
         # other way round the in-copy would wait for it instead of running beside it.
         if moves_in:
             events += self._issue_in(moves_in, inbound, t0)
+            if defer and self.in_step:
+                self._deferred_in = [f for f in self._flights[-len(moves_in):]
+                                     if f.kind == "in" and f.arrays] if not events else []
         if moves_out or shadows:
-            events += self._issue_out(pool, moves_out, shadows, t0)
+            if defer and self.in_step:
+                self._deferred = _Deferred(moves_out, shadows, t0)
+            else:
+                events += self._issue_out(pool, moves_out, shadows, t0)
         self.stats.failures += len(events)
         self.stats.dispatch_s += time.perf_counter() - t0
+        return events
+
+    # -- in_step mode: copies inside the model step ------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        return self.mover.copy_mode == "in_step"
+
+    def in_step_pending(self, written: Collection[int] = ()) -> tuple[int, int]:
+        """Pages deferred by ``execute(defer=True)`` that a step writing the pages
+        ``written`` could take: (out, in). An outbound page the step writes, or that an
+        inbound page of this step lands in (a page freed and reused in the same step), is
+        not one: it is gathered before the step (see ``take_in_step``)."""
+        return len(self._eligible_out(written)), sum(len(f.pages) for f in self._deferred_in)
+
+    def _device_ids_out(self) -> list[int]:
+        if self._deferred is None:
+            return []
+        return [d for m in self._deferred.moves_out + self._deferred.shadows
+                for d in m.device_pages]
+
+    def _eligible_out(self, written: Collection[int]) -> list[int]:
+        """Indices (into ``_device_ids_out``) of the deferred outbound pages a step that
+        writes ``written`` may gather after its model ran."""
+        busy = set(written) | {d for f in self._deferred_in for d in f.pages}
+        return [k for k, d in enumerate(self._device_ids_out()) if d not in busy]
+
+    def take_in_step(self, pool: jax.Array, num_out: int, num_in: int,
+                     written: Collection[int] = ()) -> StepCopies:
+        """Hand the model step about to be dispatched on ``pool`` (which writes KV only
+        to pages in ``written``) ``num_out`` deferred outbound pages to gather after its
+        model ran, and the first ``num_in`` inbound pages to land before it; the other
+        outbound pages are gathered now, by the separate program, before the step (the
+        inbound rest lands in a later ``poll``, as in ``fused`` mode). ``finish_in_step``
+        takes the step's gathered host pages. ``_copy_out`` is called here with the rest
+        (maybe no page), so a copy failure fails the batch as in the other modes."""
+        eligible = self._eligible_out(written)  # before the inbound flights are taken
+        if len(eligible) < num_out:
+            raise ValueError(f"{num_out} pages out asked, {len(eligible)} may go in the step")
+        device_ids = self._device_ids_out()
+        deferred, self._deferred = self._deferred, None
+        self._taken = None
+        step_idx = eligible[:num_out]
+        chosen = set(step_idx)
+        rest_idx = [k for k in range(len(device_ids)) if k not in chosen]
+        if deferred is not None:
+            try:
+                rest = self._copy_out(pool, [device_ids[k] for k in rest_idx])
+            except Exception:  # noqa: BLE001 - nothing will reach the host
+                self.kv.drop_shadows([h for m in deferred.shadows for h in m.host_pages])
+                self._failed_out = [RotationEvent(m.req_id, EventKind.FAILED)
+                                    for m in deferred.moves_out]
+                self.stats.failures += len(self._failed_out)
+            else:
+                self._taken = _Taken(deferred, rest, step_idx, rest_idx)
+        in_ids: list[int] = []
+        in_pages: list[jax.Array] = []
+        for f in self._deferred_in:  # the first pages of the step's inbound flights
+            k = min(len(f.pages), num_in - len(in_ids))
+            in_ids += f.pages[:k]
+            in_pages += f.arrays[:k]
+            # landed by the step: what is left lands in ``poll`` (none: ready at once)
+            f.pages, f.arrays = f.pages[k:], f.arrays[k:]
+        self._deferred_in = []
+        if len(in_ids) < num_in:
+            raise ValueError(f"{num_in} pages in asked, {len(in_ids)} deferred")
+        self.pages_in_step += num_out + num_in
+        return StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
+                          np.asarray(in_ids, np.int32), tuple(in_pages))
+
+    def finish_in_step(self, out_pages: Sequence[jax.Array]) -> list[RotationEvent]:
+        """Register the outbound copies of a step dispatched with ``take_in_step``'s
+        copies: ``out_pages`` are its gathered host pages (not waited for)."""
+        events, self._failed_out = self._failed_out, []
+        taken, self._taken = self._taken, None
+        if taken is not None:
+            arrays: list[jax.Array | None] = [None] * (len(taken.step_idx) + len(taken.rest_idx))
+            for k, a in zip(taken.step_idx, out_pages, strict=True):
+                arrays[k] = a
+            for k, a in zip(taken.rest_idx, taken.rest, strict=True):
+                arrays[k] = a
+            d = taken.deferred
+            self._register_out(d.moves_out, d.shadows, cast(list[jax.Array], arrays), d.t0)
+        return events
+
+    def flush(self, pool: jax.Array) -> list[RotationEvent]:
+        """Issue the copies ``execute(defer=True)`` left for a step that did not take
+        them, by the separate programs (before anything writes ``pool``)."""
+        self._deferred_in = []  # issued already: they land in ``poll``
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return []
+        events = self._issue_out(pool, deferred.moves_out, deferred.shadows, deferred.t0)
+        self.stats.failures += len(events)
         return events
 
     def _issue_out(self, pool: jax.Array, moves_out: list[PageMoves],
                    shadows: list[PageMoves], t0: float) -> list[RotationEvent]:
         moves = moves_out + shadows
         device_ids = [d for m in moves for d in m.device_pages]
-        host_ids = [h for m in moves for h in m.host_pages]
         try:
             arrays = self._copy_out(pool, device_ids)
         except Exception:  # noqa: BLE001 - nothing reached the host
             self.kv.drop_shadows([h for m in shadows for h in m.host_pages])
             return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_out]
+        self._register_out(moves_out, shadows, arrays, t0)
+        return []
+
+    def _register_out(self, moves_out: list[PageMoves], shadows: list[PageMoves],
+                      arrays: list[jax.Array], t0: float) -> None:
+        """Outbound copies issued: ``arrays`` are the host pages of ``moves_out`` then
+        ``shadows``, in order."""
+        host_ids = [h for m in moves_out + shadows for h in m.host_pages]
         self.host.put(host_ids, arrays)
         num_shadow = sum(len(m) for m in shadows)
-        self._count_out(len(device_ids), num_shadow, len(moves_out))
+        self._count_out(len(host_ids), num_shadow, len(moves_out))
         batch = CopyBatch("out", t0)
         for m in moves_out:  # done when every host page of the request is, shadows too
             parked = self.host.get(self.kv.host_table(m.req_id))
@@ -215,7 +370,6 @@ class DuplexKV:
         if shadows:
             self._add(_Flight("", "shadow", arrays[len(arrays) - num_shadow:],
                               host_ids[len(host_ids) - num_shadow:], batch))
-        return []
 
     def _issue_in(self, moves_in: list[PageMoves], inbound: list[list[jax.Array]],
                   t0: float) -> list[RotationEvent]:
