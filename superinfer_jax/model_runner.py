@@ -153,7 +153,6 @@ class ModelRunner:
         self.in_step_programs = Programs(
             self._jit_step_in_step(),
             key=lambda a: (*a[2].tokens.shape, a[6].shape[0], a[7].shape[0]))
-        self._copies_deferred = False  # issue_rotations left copies for the next call
         self._rotation_events: list[RotationEvent] = []  # from copies issued in calls
         self.resample_programs = Programs(jax.jit(self._resample, static_argnums=(0,)),
                                           key=lambda a: (a[0],), num_static=1)
@@ -641,20 +640,19 @@ class ModelRunner:
 
     def _take_copies(self, inputs: StepInputs) -> StepCopies | None:
         """The copies the call about to be dispatched makes in its own program (in_step
-        mode), else None; copies left by ``issue_rotations`` that it does not take are
-        issued now, by the separate programs, before the call writes the pool."""
-        if not self._copies_deferred:
+        mode), else None; copies left by ``poll_rotations`` and ``issue_rotations`` that
+        it does not take are made now, by the separate programs, before the call."""
+        if self.duplex is None or not self.duplex.has_deferred:
             return None
-        self._copies_deferred = False
-        assert self.duplex is not None
         rows, cols = inputs.tokens.shape
         b = self.config.in_step_pages
         written = self._written_pages(inputs)
         num_out, num_in = self.duplex.in_step_pending(written)
         shape = (rows, cols, b if num_out >= b else 0, b if num_in >= b else 0)
         if shape[2:] != (0, 0) and self._in_step_ready(shape):
-            return self.duplex.take_in_step(self.kv_pool, *shape[2:], written)
-        self._rotation_events += self.duplex.flush(self.kv_pool)
+            self.kv_pool, copies = self.duplex.take_in_step(self.kv_pool, *shape[2:], written)
+            return copies
+        self.flush_rotations(keep_events=True)
         return None
 
     def _in_step_ready(self, shape: tuple[int, int, int, int]) -> bool:
@@ -679,7 +677,7 @@ class ModelRunner:
         """Finished page copies, observed without waiting; arrived pages land in the pool."""
         if self.duplex is None:
             return []
-        self.kv_pool, events = self.duplex.poll(self.kv_pool)
+        self.kv_pool, events = self.duplex.poll(self.kv_pool, defer=self._defer_copies)
         return events
 
     def issue_rotations(self, moves_out: list[PageMoves], moves_in: list[PageMoves],
@@ -688,20 +686,25 @@ class ModelRunner:
         returns the copies that failed at once."""
         if self.duplex is None:
             return []
-        # in_step: the next call may take the copies (``flush_rotations`` issues what no
-        # call took). Not under multi-host lockstep, which replays only recorded calls.
-        defer = self.duplex.in_step and self._step_fn is self.step_programs
-        events = self.duplex.execute(self.kv_pool, moves_out, moves_in, shadows, defer=defer)
-        self._copies_deferred = defer
-        return events
+        return self.duplex.execute(self.kv_pool, moves_out, moves_in, shadows,
+                                   defer=self._defer_copies)
 
-    def flush_rotations(self) -> list[RotationEvent]:
-        """After a step's calls are dispatched: issue the copies no call took (no call
-        ran), and return the failures of copies issued beside the calls."""
-        if self._copies_deferred:
-            self._copies_deferred = False
-            assert self.duplex is not None
-            self._rotation_events += self.duplex.flush(self.kv_pool)
+    @property
+    def _defer_copies(self) -> bool:
+        """in_step mode: the step's copies wait for its first call, which may make them
+        in its own program (``flush_rotations`` makes what no call took). Not under
+        multi-host lockstep, which replays only the calls it records."""
+        return (self.duplex is not None and self.duplex.in_step
+                and self._step_fn is self.step_programs)
+
+    def flush_rotations(self, keep_events: bool = False) -> list[RotationEvent]:
+        """After a step's calls are dispatched: make the copies no call took (no call
+        ran), and return the failures of copies issued with the calls."""
+        if self.duplex is not None and self.duplex.has_deferred:
+            self.kv_pool, events = self.duplex.flush(self.kv_pool)
+            self._rotation_events += events
+        if keep_events:
+            return []
         events, self._rotation_events = self._rotation_events, []
         return events
 

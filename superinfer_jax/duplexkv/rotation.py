@@ -159,7 +159,7 @@ class DuplexKV:
         # in_step mode, between ``execute(defer=True)`` and the step (``take_in_step``,
         # ``finish_in_step``) or ``flush``
         self._deferred: _Deferred | None = None
-        self._deferred_in: list[_Flight] = []
+        self._landing: list[tuple[int, jax.Array]] = []  # (device page, host page)
         self._taken: _Taken | None = None
         self._failed_out: list[RotationEvent] = []
         self.pages_in_step = 0  # pages (both ways) a model step copied in its own program
@@ -179,8 +179,12 @@ class DuplexKV:
 
     # -- step (1): observe ---------------------------------------------------------------
 
-    def poll(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
-        """Observe finished copies and land arrived pages; returns the new pool."""
+    def poll(self, pool: jax.Array, defer: bool = False) -> tuple[jax.Array, list[RotationEvent]]:
+        """Observe finished copies and land arrived pages; returns the new pool.
+
+        ``defer`` (``in_step`` mode only): arrived pages are not landed here but by the
+        next call's program, first thing (``take_in_step``), or by ``flush``; the caller
+        must call one of them before anything reads or writes the pool."""
         self._drop_freed()
         now = time.perf_counter()
         events: list[RotationEvent] = []
@@ -207,7 +211,11 @@ class DuplexKV:
         self._flights = pending
         if landing:
             ids = [d for f in landing for d in f.pages]  # none left: a step landed them
-            pool = self.mover.scatter(pool, ids, [a for f in landing for a in f.arrays])
+            arrays = [a for f in landing for a in f.arrays]
+            if defer and self.in_step:
+                self._landing += list(zip(ids, arrays, strict=True))
+            else:
+                pool = self.mover.scatter(pool, ids, arrays)
             now = time.perf_counter()  # fused mode's in-copy is this scatter: count it
             for f in landing:
                 f.batch.done_one(now, self.stats)
@@ -225,7 +233,7 @@ class DuplexKV:
         ``defer`` (``in_step`` mode only; the caller then must call ``take_in_step`` or
         ``flush`` before anything writes ``pool``): the outbound copies wait for the model
         step, which may take some of them (``take_in_step``); the inbound ones are issued
-        as in ``fused`` mode, and the step may land some of them."""
+        as in ``fused`` mode (a later ``poll`` observes them)."""
         t0 = time.perf_counter()
         inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
         self._drop_freed()
@@ -237,9 +245,6 @@ class DuplexKV:
         # other way round the in-copy would wait for it instead of running beside it.
         if moves_in:
             events += self._issue_in(moves_in, inbound, t0)
-            if defer and self.in_step:
-                self._deferred_in = [f for f in self._flights[-len(moves_in):]
-                                     if f.kind == "in" and f.arrays] if not events else []
         if moves_out or shadows:
             if defer and self.in_step:
                 self._deferred = _Deferred(moves_out, shadows, t0)
@@ -255,12 +260,16 @@ class DuplexKV:
     def in_step(self) -> bool:
         return self.mover.copy_mode == "in_step"
 
+    @property
+    def has_deferred(self) -> bool:
+        """Whether copies wait for the next call (``take_in_step``) or ``flush``."""
+        return self._deferred is not None or bool(self._landing)
+
     def in_step_pending(self, written: Collection[int] = ()) -> tuple[int, int]:
-        """Pages deferred by ``execute(defer=True)`` that a step writing the pages
-        ``written`` could take: (out, in). An outbound page the step writes, or that an
-        inbound page of this step lands in (a page freed and reused in the same step), is
-        not one: it is gathered before the step (see ``take_in_step``)."""
-        return len(self._eligible_out(written)), sum(len(f.pages) for f in self._deferred_in)
+        """Deferred pages a call writing KV to the pages ``written`` could copy in its
+        program: (out, in). An outbound page the call writes is not one: it is gathered
+        before the call (see ``take_in_step``)."""
+        return len(self._eligible_out(written)), len(self._landing)
 
     def _device_ids_out(self) -> list[int]:
         if self._deferred is None:
@@ -269,23 +278,26 @@ class DuplexKV:
                 for d in m.device_pages]
 
     def _eligible_out(self, written: Collection[int]) -> list[int]:
-        """Indices (into ``_device_ids_out``) of the deferred outbound pages a step that
-        writes ``written`` may gather after its model ran."""
-        busy = set(written) | {d for f in self._deferred_in for d in f.pages}
+        """Indices (into ``_device_ids_out``) of the deferred outbound pages a call that
+        writes KV to ``written`` may gather after its model ran: not written by it, and
+        not landed in by it (a page landing now was freed in an earlier step, so this
+        only guards the bookkeeping)."""
+        busy = set(written) | {d for d, _ in self._landing}
         return [k for k, d in enumerate(self._device_ids_out()) if d not in busy]
 
     def take_in_step(self, pool: jax.Array, num_out: int, num_in: int,
-                     written: Collection[int] = ()) -> StepCopies:
-        """Hand the model step about to be dispatched on ``pool`` (which writes KV only
-        to pages in ``written``) ``num_out`` deferred outbound pages to gather after its
-        model ran, and the first ``num_in`` inbound pages to land before it; the other
-        outbound pages are gathered now, by the separate program, before the step (the
-        inbound rest lands in a later ``poll``, as in ``fused`` mode). ``finish_in_step``
-        takes the step's gathered host pages. ``_copy_out`` is called here with the rest
-        (maybe no page), so a copy failure fails the batch as in the other modes."""
-        eligible = self._eligible_out(written)  # before the inbound flights are taken
-        if len(eligible) < num_out:
-            raise ValueError(f"{num_out} pages out asked, {len(eligible)} may go in the step")
+                     written: Collection[int] = ()) -> tuple[jax.Array, StepCopies]:
+        """Hand the call about to be dispatched on ``pool`` (which writes KV only to
+        pages in ``written``) the first ``num_in`` arrived pages to land before its model
+        and ``num_out`` deferred outbound pages to gather after it. What it does not take
+        is copied now, by the separate programs, before the call: the outbound rest
+        gathered (``_copy_out``, called even with no page, so a copy failure fails the
+        batch as in the other modes), then the arrived rest landed. Returns the pool the
+        call takes; ``finish_in_step`` takes its gathered host pages."""
+        eligible = self._eligible_out(written)
+        if len(eligible) < num_out or len(self._landing) < num_in:
+            raise ValueError(f"{num_out} out / {num_in} in asked, {len(eligible)} / "
+                             f"{len(self._landing)} may go in the step")
         device_ids = self._device_ids_out()
         deferred, self._deferred = self._deferred, None
         self._taken = None
@@ -302,20 +314,14 @@ class DuplexKV:
                 self.stats.failures += len(self._failed_out)
             else:
                 self._taken = _Taken(deferred, rest, step_idx, rest_idx)
-        in_ids: list[int] = []
-        in_pages: list[jax.Array] = []
-        for f in self._deferred_in:  # the first pages of the step's inbound flights
-            k = min(len(f.pages), num_in - len(in_ids))
-            in_ids += f.pages[:k]
-            in_pages += f.arrays[:k]
-            # landed by the step: what is left lands in ``poll`` (none: ready at once)
-            f.pages, f.arrays = f.pages[k:], f.arrays[k:]
-        self._deferred_in = []
-        if len(in_ids) < num_in:
-            raise ValueError(f"{num_in} pages in asked, {len(in_ids)} deferred")
+        landing, later = self._landing[:num_in], self._landing[num_in:]
+        self._landing = []
+        if later:
+            pool = self.mover.scatter(pool, [d for d, _ in later], [a for _, a in later])
         self.pages_in_step += num_out + num_in
-        return StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
-                          np.asarray(in_ids, np.int32), tuple(in_pages))
+        return pool, StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
+                                np.asarray([d for d, _ in landing], np.int32),
+                                tuple(a for _, a in landing))
 
     def finish_in_step(self, out_pages: Sequence[jax.Array]) -> list[RotationEvent]:
         """Register the outbound copies of a step dispatched with ``take_in_step``'s
@@ -332,16 +338,19 @@ class DuplexKV:
             self._register_out(d.moves_out, d.shadows, cast(list[jax.Array], arrays), d.t0)
         return events
 
-    def flush(self, pool: jax.Array) -> list[RotationEvent]:
-        """Issue the copies ``execute(defer=True)`` left for a step that did not take
-        them, by the separate programs (before anything writes ``pool``)."""
-        self._deferred_in = []  # issued already: they land in ``poll``
+    def flush(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
+        """Copy what ``poll(defer=True)`` and ``execute(defer=True)`` left for a call
+        that did not take it, by the separate programs (before anything reads or writes
+        ``pool``); returns the new pool and the copies that failed to issue."""
+        events: list[RotationEvent] = []
         deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return []
-        events = self._issue_out(pool, deferred.moves_out, deferred.shadows, deferred.t0)
-        self.stats.failures += len(events)
-        return events
+        if deferred is not None:
+            events = self._issue_out(pool, deferred.moves_out, deferred.shadows, deferred.t0)
+            self.stats.failures += len(events)
+        landing, self._landing = self._landing, []
+        if landing:
+            pool = self.mover.scatter(pool, [d for d, _ in landing], [a for _, a in landing])
+        return pool, events
 
     def _issue_out(self, pool: jax.Array, moves_out: list[PageMoves],
                    shadows: list[PageMoves], t0: float) -> list[RotationEvent]:

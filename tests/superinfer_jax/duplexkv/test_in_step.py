@@ -1,13 +1,13 @@
 """``in_step`` copy mode: the page copies inside the model step's own program.
 
-On real arrays, with a stand-in step shaped as ``ModelRunner``'s (land the inbound
+On real arrays, with a stand-in step shaped as ``ModelRunner``'s (land the arrived
 pages, a KV write, gather the outbound pages): pages gathered in the step are byte-exact
-copies of the pool before the step, in pinned_host memory; pages landed by the step are
-byte-exact and in place before the step's own writes; a page the step writes, or one a
-rotate-out frees and a rotate-in reuses in the same step, is gathered before the step by
-the separate program instead; the compiled step keeps the donated pool in place. Then the
-engine: greedy tokens identical to the default mode under forced rotation, with copies
-taken by the step."""
+copies of the pool before the step, in pinned_host memory, even when a rotate-in of the
+same step reuses them; pages landed by the step are byte-exact and in the pool before
+the step's own writes; a page the step writes is gathered before it, by the separate
+program; the compiled step keeps the donated pool in place. Then the engine: greedy
+tokens identical to the default mode under forced rotation, with copies taken by the
+step."""
 
 from __future__ import annotations
 
@@ -42,21 +42,24 @@ def stand_in_step(rig: Rig):
                                                              host.host_sharding))
 
 
-def run_step(rig: Rig, step, moves_out, moves_in, write_id: int,
-             num_out: int | None = None, num_in: int | None = None) -> list:
-    """One engine step as the runner drives it in in_step mode (``None``: every page
-    the step may take)."""
-    rig.pool, events = rig.duplex.poll(rig.pool)
-    events += rig.duplex.execute(rig.pool, moves_out, moves_in, [], defer=True)
+def run_step(rig: Rig, step, write_id: int, moves_out=(), moves_in=(),
+             num_out: int | None = None, num_in: int | None = None) -> tuple[list, list]:
+    """One engine step as the runner drives it in in_step mode: poll and execute
+    deferred, then the step takes ``num_out`` / ``num_in`` pages (None: all it may).
+    Returns the step's gathered pages and its landed page ids."""
+    rig.pool, events = rig.duplex.poll(rig.pool, defer=True)
+    events += rig.duplex.execute(rig.pool, list(moves_out), list(moves_in), [], defer=True)
     may_out, may_in = rig.duplex.in_step_pending({write_id})
-    copies = rig.duplex.take_in_step(rig.pool, may_out if num_out is None else num_out,
-                                     may_in if num_in is None else num_in, {write_id})
-    assert not set(copies.out_ids.tolist()) & ({write_id} | set(copies.in_ids.tolist()))
+    rig.pool, copies = rig.duplex.take_in_step(
+        rig.pool, may_out if num_out is None else num_out,
+        may_in if num_in is None else num_in, {write_id})
+    assert write_id not in copies.out_ids.tolist()
+    assert not rig.duplex.has_deferred
     rig.pool, out_pages = step(rig.pool, copies.out_ids, copies.in_ids, copies.in_pages,
                                np.int32(write_id))
     events += rig.duplex.finish_in_step(out_pages)
     rig.events += events
-    return list(out_pages)
+    return list(out_pages), copies.in_ids.tolist()
 
 
 def host_contents(rig: Rig, req_id: str) -> np.ndarray:
@@ -64,8 +67,8 @@ def host_contents(rig: Rig, req_id: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("num_in", [0, 1])
-def test_step_copies_are_byte_exact_around_same_step_reuse(dtype, num_in):
+@pytest.mark.parametrize("land", ["in_step", "separate"])
+def test_step_copies_are_byte_exact_across_same_step_reuse(dtype, land):
     rig = Rig(dtype, num_pages=6, copy_mode="in_step")  # 5 usable pages
     step = stand_in_step(rig)
     rig.fill("a", 8)  # 2 pages
@@ -73,23 +76,23 @@ def test_step_copies_are_byte_exact_around_same_step_reuse(dtype, num_in):
     rig.step(moves_out=[rig.kv.rotate_out("a", 8)])
     rig.settle()  # a parked, its pages free
     rig.fill("b", 12)  # 3 pages
-    rig.fill("c", 4)  # 1 page: the running request whose page the step writes
-    out_b = rig.kv.rotate_out("b", 12)
-    in_a = rig.kv.rotate_in("a")  # a lands in pages b leaves, in this same step
-    reused = set(in_a.device_pages) & set(out_b.device_pages)
-    assert reused and len(reused) < 3
+    rig.fill("c", 4)  # 1 page: the running request whose page the steps write
     c_page = rig.kv.page_table("c")[0]
-    out_pages = run_step(rig, step, [out_b], [in_a], c_page, num_in=num_in)
-    # b's pages a does not reuse went in the step; the reused ones before it
-    assert len(out_pages) == 3 - len(reused)
-    assert rig.duplex.pages_in_step == len(out_pages) + num_in
-    for page in out_pages:
+    out_b = rig.kv.rotate_out("b", 12)
+    in_a = rig.kv.rotate_in("a")  # a lands in pages b leaves, reserved in this step
+    assert set(in_a.device_pages) & set(out_b.device_pages)
+    out_pages, landed = run_step(rig, step, c_page, [out_b], [in_a])
+    assert len(out_pages) == 3 and not landed  # b gathered in the step; a not arrived
+    for page, want in zip(out_pages, rig.expect["b"], strict=True):
         assert page.sharding.memory_kind == rig.duplex.host.memory_kind
-    rig.settle()
-    kinds = {e.kind for e in rig.events[-2:]}
-    assert kinds == {EventKind.ROTATED_OUT, EventKind.ROTATED_IN}
-    assert_bytes_equal(host_contents(rig, "b"), rig.expect["b"])  # read before written
-    assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])  # landed exactly
+        assert_bytes_equal(np.asarray(page), want)
+    # the next step: a's pages arrived, landed first thing (by the step or before it)
+    _, landed = run_step(rig, step, c_page, num_in=None if land == "in_step" else 0)
+    assert sorted(landed) == (sorted(in_a.device_pages) if land == "in_step" else [])
+    assert rig.duplex.pages_in_step == 3 + len(landed)
+    assert {e.kind for e in rig.events[-2:]} == {EventKind.ROTATED_OUT, EventKind.ROTATED_IN}
+    assert_bytes_equal(host_contents(rig, "b"), rig.expect["b"])
+    assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])
     assert np.all(np.asarray(rig.pool[c_page]) == JUNK)
     rig.kv.free("a")
     rig.step(moves_in=[rig.kv.rotate_in("b")])
@@ -97,6 +100,19 @@ def test_step_copies_are_byte_exact_around_same_step_reuse(dtype, num_in):
     assert_bytes_equal(rig.device_contents("b"), rig.expect["b"])
     assert rig.duplex.stats.failures == 0
     rig.kv.check_invariants()
+
+
+def test_a_page_the_step_writes_is_gathered_before_it():
+    rig = Rig("float32", copy_mode="in_step")
+    step = stand_in_step(rig)
+    rig.fill("a", 8)  # 2 pages
+    first = rig.kv.page_table("a")[0]
+    # as if the step reused a's first page for a running row (it writes JUNK there)
+    out_pages, _ = run_step(rig, step, first, [rig.kv.rotate_out("a", 8)])
+    assert len(out_pages) == 1  # the other page; the first went by the separate gather
+    rig.settle()
+    assert_bytes_equal(host_contents(rig, "a"), rig.expect["a"])
+    assert np.all(np.asarray(rig.pool[first]) == JUNK)
 
 
 def test_a_page_landed_by_the_step_is_in_the_pool_before_its_writes():
@@ -108,9 +124,10 @@ def test_a_page_landed_by_the_step_is_in_the_pool_before_its_writes():
     rig.step(moves_out=[rig.kv.rotate_out("a", 4)])
     rig.settle()
     in_a = rig.kv.rotate_in("a")
-    run_step(rig, step, [], [in_a], in_a.device_pages[0], 0, 1)
+    run_step(rig, step, 0, moves_in=[in_a])  # issued; arrives by the next poll
+    _, landed = run_step(rig, step, in_a.device_pages[0])
+    assert landed == list(in_a.device_pages)
     assert np.all(np.asarray(rig.pool[in_a.device_pages[0]]) == JUNK)
-    rig.settle()
     assert rig.events[-1].kind == EventKind.ROTATED_IN
 
 
@@ -122,8 +139,8 @@ def test_copies_not_taken_by_a_step_are_flushed():
     rig.duplex.execute(rig.pool, [rig.kv.rotate_out("a", 8)], [], [], defer=True)
     assert rig.duplex.in_step_pending() == (2, 0)
     assert rig.duplex.in_step_pending({first}) == (1, 0)  # a step writing it: not in it
-    assert rig.duplex.flush(rig.pool) == []
-    assert rig.duplex.in_step_pending() == (0, 0)
+    rig.pool, events = rig.duplex.flush(rig.pool)
+    assert events == [] and not rig.duplex.has_deferred
     rig.settle()
     assert_bytes_equal(host_contents(rig, "a"), rig.expect["a"])
 
@@ -137,7 +154,7 @@ def test_failed_copy_in_a_step_fails_the_batch(monkeypatch):
         raise RuntimeError("DMA engine on fire")
 
     monkeypatch.setattr(rig.duplex, "_copy_out", broken)
-    run_step(rig, step, [rig.kv.rotate_out("a", 8)], [], write_id=0)
+    run_step(rig, step, 0, [rig.kv.rotate_out("a", 8)])
     assert [(e.req_id, e.kind) for e in rig.events] == [("a", EventKind.FAILED)]
     assert rig.duplex.stats.failures == 1 and rig.duplex.num_in_flight == 0
 
