@@ -16,7 +16,49 @@ How the copies are made depends on ``PageMover.copy_mode`` (``duplexkv.mover``):
 async ``device_put`` each way, as above; ``fused`` (CPU, where both memory kinds are the
 same RAM) gathers straight into pinned_host arrays in (3), and an inbound request's host
 pages are read straight into the pool by the scatter in (1): one copy per page each way
-instead of two. The orderings below hold in both modes; where they differ, it is said.
+instead of two. ``in_step`` makes the copies inside the model step's own program (the
+engine's runner defers them: ``poll(defer=True)``, ``execute(defer=True)``, then
+``take_in_step`` for the step's first call, ``finish_in_step`` with its outputs, and
+``flush`` for what no call took): arrived host pages are operands in pinned_host landed
+first thing in the program, before the model; outbound pages are gathered last, after
+the model, into outputs in pinned_host. What the call does not take (a count outside its
+compiled bucket, a page it writes, a step whose first call has no in_step variant) goes
+by ``fused`` mode's separate programs, dispatched before the call. The orderings below
+hold in every mode; where they differ, it is said.
+
+Read before write in ``in_step`` mode (pages reused in the same step). Within one
+program there is no dispatch order, only dataflow: XLA may schedule any read of the pool
+value the step received after an in-place write of it, or, as it does when it cannot
+prove the order, copy the whole donated pool first (measured on XLA:CPU: a gather of the
+received pool beside the step's writes cost two pool-sized copies per step;
+``optimization_barrier`` did not order them). So the step never reads the received pool:
+- *Outbound pages are gathered after every write of the step*, from the pool it
+  returns, so the dataflow orders them and the pool stays in place. That is only right
+  for pages the step does not write, and ``take_in_step`` gives it only those: the
+  runner passes the pages its call writes KV to (every column of every row looked up in
+  its page tables, padding included: a superset), and a page among them is gathered
+  before the call by the separate gather (dispatch order, as in ``fused`` mode).
+- *A page freed by a rotate-out and reused by a rotate-in of the same step* is not
+  written by that step: its inbound copy lands no earlier than the next step's first
+  call (``poll`` defers the landing; as in ``fused`` mode, where it lands in the next
+  ``poll``), whose program starts from the pool this step's program returned, after
+  this step's gather read it. The same holds for a page freed and given to a request
+  scheduled in the same step: the request's KV write makes it a written page, gathered
+  before the call.
+- *Arrived pages land before anything reads them.* The landing is the program's first
+  write and the model runs on its result; the request was made runnable by the
+  ``poll`` that deferred its landing, and its rows run in this same call or a later one
+  (a step's copies ride only its first call, so a later call of the step reads the pool
+  the first returned). If no call runs, ``flush`` lands them before the next step.
+- *A page that lands and leaves in one step* (its request made runnable by this step's
+  ``poll`` and rotated out again by this step's plan) is gathered after it landed: in
+  the program (landing first, gather last), or by the separate programs, which land
+  before they gather (as ``fused`` mode's ``poll`` lands before ``execute`` gathers); a
+  page gathered by the separate program (one the call writes) is landed by the separate
+  program too, never by the call that follows (``_eligible_in``).
+- *Host pages.* An inbound host page stays referenced by the deferred landing until the
+  program that reads it is dispatched (the dispatched program then holds it); the
+  outbound host pages are the step's own outputs, written once.
 
 How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike):
 - *A page is read for eviction before a step that reuses it writes it.* The gather in
@@ -269,7 +311,7 @@ class DuplexKV:
         """Deferred pages a call writing KV to the pages ``written`` could copy in its
         program: (out, in). An outbound page the call writes is not one: it is gathered
         before the call (see ``take_in_step``)."""
-        return len(self._eligible_out(written)), len(self._landing)
+        return len(self._eligible_out(written)), len(self._eligible_in(written))
 
     def _device_ids_out(self) -> list[int]:
         if self._deferred is None:
@@ -279,25 +321,41 @@ class DuplexKV:
 
     def _eligible_out(self, written: Collection[int]) -> list[int]:
         """Indices (into ``_device_ids_out``) of the deferred outbound pages a call that
-        writes KV to ``written`` may gather after its model ran: not written by it, and
-        not landed in by it (a page landing now was freed in an earlier step, so this
-        only guards the bookkeeping)."""
-        busy = set(written) | {d for d, _ in self._landing}
-        return [k for k, d in enumerate(self._device_ids_out()) if d not in busy]
+        writes KV to ``written`` may gather after its model ran: those it does not write.
+        A page landing now may be one (a request made runnable by this step's ``poll``
+        and rotated out again by its plan): landed before the call or first thing in it,
+        it is gathered after the landing either way."""
+        written = set(written)
+        return [k for k, d in enumerate(self._device_ids_out()) if d not in written]
+
+    def _eligible_in(self, written: Collection[int]) -> list[int]:
+        """Indices (into ``_landing``) of the arrived pages a call that writes KV to
+        ``written`` may land: all but a page that also leaves in this step and is
+        gathered before the call (it must land before that gather, so before the call)."""
+        before = set(written) & set(self._device_ids_out())
+        return [k for k, (d, _) in enumerate(self._landing) if d not in before]
 
     def take_in_step(self, pool: jax.Array, num_out: int, num_in: int,
                      written: Collection[int] = ()) -> tuple[jax.Array, StepCopies]:
         """Hand the call about to be dispatched on ``pool`` (which writes KV only to
         pages in ``written``) the first ``num_in`` arrived pages to land before its model
         and ``num_out`` deferred outbound pages to gather after it. What it does not take
-        is copied now, by the separate programs, before the call: the outbound rest
-        gathered (``_copy_out``, called even with no page, so a copy failure fails the
-        batch as in the other modes), then the arrived rest landed. Returns the pool the
-        call takes; ``finish_in_step`` takes its gathered host pages."""
-        eligible = self._eligible_out(written)
-        if len(eligible) < num_out or len(self._landing) < num_in:
+        is copied now, by the separate programs, before the call: the arrived rest landed,
+        then the outbound rest gathered (``_copy_out``, called even with no page, so a
+        copy failure fails the batch as in the other modes; after the landing, as in
+        ``fused`` mode, where ``poll`` lands before ``execute`` gathers: a page may land
+        and leave in one step). Returns the pool the call takes; ``finish_in_step``
+        takes its gathered host pages."""
+        eligible, eligible_in = self._eligible_out(written), self._eligible_in(written)
+        if len(eligible) < num_out or len(eligible_in) < num_in:
             raise ValueError(f"{num_out} out / {num_in} in asked, {len(eligible)} / "
-                             f"{len(self._landing)} may go in the step")
+                             f"{len(eligible_in)} may go in the step")
+        in_step_land = set(eligible_in[:num_in])
+        landing = [x for k, x in enumerate(self._landing) if k in in_step_land]
+        later = [x for k, x in enumerate(self._landing) if k not in in_step_land]
+        self._landing = []
+        if later:
+            pool = self.mover.scatter(pool, [d for d, _ in later], [a for _, a in later])
         device_ids = self._device_ids_out()
         deferred, self._deferred = self._deferred, None
         self._taken = None
@@ -314,10 +372,6 @@ class DuplexKV:
                 self.stats.failures += len(self._failed_out)
             else:
                 self._taken = _Taken(deferred, rest, step_idx, rest_idx)
-        landing, later = self._landing[:num_in], self._landing[num_in:]
-        self._landing = []
-        if later:
-            pool = self.mover.scatter(pool, [d for d, _ in later], [a for _, a in later])
         self.pages_in_step += num_out + num_in
         return pool, StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
                                 np.asarray([d for d, _ in landing], np.int32),
@@ -343,13 +397,13 @@ class DuplexKV:
         that did not take it, by the separate programs (before anything reads or writes
         ``pool``); returns the new pool and the copies that failed to issue."""
         events: list[RotationEvent] = []
+        landing, self._landing = self._landing, []
+        if landing:  # first: a page may land and leave in one step (see take_in_step)
+            pool = self.mover.scatter(pool, [d for d, _ in landing], [a for _, a in landing])
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             events = self._issue_out(pool, deferred.moves_out, deferred.shadows, deferred.t0)
             self.stats.failures += len(events)
-        landing, self._landing = self._landing, []
-        if landing:
-            pool = self.mover.scatter(pool, [d for d, _ in landing], [a for _, a in landing])
         return pool, events
 
     def _issue_out(self, pool: jax.Array, moves_out: list[PageMoves],

@@ -131,6 +131,39 @@ def test_a_page_landed_by_the_step_is_in_the_pool_before_its_writes():
     assert rig.events[-1].kind == EventKind.ROTATED_IN
 
 
+@pytest.mark.parametrize("land", ["in_step", "separate"])
+@pytest.mark.parametrize("gather", ["in_step", "separate"])
+def test_a_page_that_lands_and_leaves_in_one_step_leaves_with_what_landed(land, gather):
+    """A request made runnable by a step's poll and rotated out again by the same step's
+    plan: its pages are gathered after they landed, whichever program does either."""
+    rig = Rig("float32", copy_mode="in_step")
+    step = stand_in_step(rig)
+    rig.fill("a", 8)  # 2 pages
+    rig.step(moves_out=[rig.kv.rotate_out("a", 0)])  # 0: no host copy stays a shadow
+    rig.settle()
+    rig.scribble()  # the freed pages hold junk until a's pages land again
+    run_step(rig, step, 0, moves_in=[rig.kv.rotate_in("a")])  # issued; arrives next poll
+    rig.pool, events = rig.duplex.poll(rig.pool, defer=True)
+    assert [e.kind for e in events] == [EventKind.ROTATED_IN]  # runnable, not landed yet
+    pages = rig.kv.page_table("a")
+    moves = rig.kv.rotate_out("a", 0)  # no shadows: both pages move
+    assert sorted(moves.device_pages) == sorted(pages)
+    rig.duplex.execute(rig.pool, [moves], [], [], defer=True)
+    written = set(pages) if gather == "separate" else {0}
+    num_out, num_in = rig.duplex.in_step_pending(written)
+    # gathered before the call, they must land before it too
+    assert (num_out, num_in) == ((0, 0) if gather == "separate" else (2, 2))
+    rig.pool, copies = rig.duplex.take_in_step(rig.pool, num_out,
+                                               num_in if land == "in_step" else 0, written)
+    assert len(copies.in_ids) == (2 if land == gather == "in_step" else 0)
+    rig.pool, out_pages = step(rig.pool, copies.out_ids, copies.in_ids, copies.in_pages,
+                               np.int32(0))
+    rig.events += rig.duplex.finish_in_step(out_pages)
+    rig.settle()
+    assert rig.events[-1].kind == EventKind.ROTATED_OUT
+    assert_bytes_equal(host_contents(rig, "a"), rig.expect["a"])
+
+
 def test_copies_not_taken_by_a_step_are_flushed():
     rig = Rig("float32", copy_mode="in_step")
     rig.fill("a", 8)
