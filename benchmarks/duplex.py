@@ -43,6 +43,7 @@ import numpy as np
 from benchmarks.common import add_common_args, print_table, write_json
 from superinfer_jax import ops
 from superinfer_jax.duplexkv import DuplexKV, PageMover, default_copy_mode
+from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from superinfer_jax.kv.host_pool import HostPool
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.two_tier import Residency, TwoTierKVManager
@@ -450,24 +451,42 @@ class OverlapRig:
         self.duplex.wait_all()
         self.pool, _ = self.duplex.poll(self.pool)
         self.parked, self.resident = "y", "x"
+        # the pages the step writes KV to (in_step mode gathers none of them in it)
+        index = np.clip(self.x.positions // PAGE_TOKENS, 0, tables.shape[1] - 1)
+        self.written = set(np.take_along_axis(tables, index, axis=1).ravel().tolist())
+        self.tokens = self.alone_tokens = np.zeros(0, np.int32)  # the last run's
 
-    def run(self, step, params, rotating: bool, steps: int) -> float:
+    def run(self, step, params, rotating: bool, steps: int, step_in_step=None) -> float:
         """Mean seconds per step over ``steps`` steps, the wait for the copies still in
         flight after the last one included (so no copy spills into another run).
         Rotating, each step is driven as the engine drives it: ``poll`` (arrived pages
         land), bookkeeping, ``execute`` (copies issued), the step with the pool donated,
-        then its tokens."""
+        then its tokens. ``step_in_step`` (in_step mode): the step with the copies inside,
+        as ``ModelRunner`` drives it (poll and execute deferred, the step takes them)."""
         kv, duplex = self.kv, self.duplex
+        defer = step_in_step is not None
         t = time.perf_counter()
         for _ in range(steps):
             if rotating:
-                self.pool, _ = duplex.poll(self.pool)
+                self.pool, _ = duplex.poll(self.pool, defer=defer)
                 if kv.is_resident(self.resident) and kv.residency_of(self.parked) == Residency.HOST:
                     moves_out = [kv.rotate_out(self.resident, 0)]  # 0: no shadows kept
-                    duplex.execute(self.pool, moves_out, [kv.rotate_in(self.parked)], [])
+                    duplex.execute(self.pool, moves_out, [kv.rotate_in(self.parked)], [],
+                                   defer=defer)
                     self.parked, self.resident = self.resident, self.parked
-            tok, self.pool = step(params, self.pool, self.x)
+            if defer and duplex.has_deferred:
+                num_out, num_in = duplex.in_step_pending(self.written)
+                self.pool, c = duplex.take_in_step(self.pool, num_out, num_in, self.written)
+                tok, self.pool, out_pages = step_in_step(params, self.pool, self.x, c.out_ids,
+                                                         c.in_ids, c.in_pages)
+                duplex.finish_in_step(out_pages)
+            else:
+                tok, self.pool = step(params, self.pool, self.x)
             tok.block_until_ready()
+        if rotating:  # the same inputs every step: every mode's tokens must be these
+            self.tokens = np.asarray(tok)
+        else:
+            self.alone_tokens = np.asarray(tok)
         duplex.wait_all()
         return (time.perf_counter() - t) / steps
 
@@ -485,24 +504,33 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     model = random_servable(preset("smollm2-135m"), dtype="float32")
     batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
     mode = default_copy_mode()
-    modes = [mode] + [m for m in ("device_put",) if m != mode]
+    modes = [mode] + [m for m in ("device_put", "fused", "in_step") if m != mode]
     rigs = {m: OverlapRig(model, batch, ctx, rot, m) for m in modes}
 
     def decode(params, kv, x):
         logits, kv = model.forward(params, kv, x)
         return jnp.argmax(logits, -1), kv
 
+    def decode_in_step(params, kv, x, out_ids, in_ids, in_pages):
+        kv = land_in_step(kv, in_ids, in_pages)  # as ModelRunner's in_step step
+        logits, kv = model.forward(params, kv, x)
+        return jnp.argmax(logits, -1), kv, gather_in_step(kv, out_ids)
+
     step = jax.jit(decode, donate_argnums=(1,))
+    host = rigs["in_step"].duplex.host
+    step_in = jax.jit(decode_in_step, donate_argnums=(1,), out_shardings=(
+        host.device_sharding, host.device_sharding, host.host_sharding))
+    in_step = {m: step_in if m == "in_step" else None for m in modes}
     n, rounds = 5, (4 if quick else 10)
-    for rig in rigs.values():
-        rig.run(step, model.params, True, 3)  # compile, warm both paths
+    for m, rig in rigs.items():
+        rig.run(step, model.params, True, 3, in_step[m])  # compile, warm both paths
     pages_before = {m: rig.duplex.stats.pages_in for m, rig in rigs.items()}
     alone: list[float] = []
     rotating: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(rounds):
         alone.append(rigs[mode].run(step, model.params, False, n))
         for m, rig in rigs.items():
-            rotating[m].append(rig.run(step, model.params, True, n))
+            rotating[m].append(rig.run(step, model.params, True, n, in_step[m]))
     med = statistics.median
     rig = rigs[mode]
     rot_bytes = rot * rig.layout.page_bytes
@@ -516,6 +544,17 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     row["copy_share_of_step"] = row["copy_ms_at_memcpy"] / row["step_alone_ms"]
     for m in modes[1:]:
         row[f"slowdown_{m}"] = med(rotating[m]) / med(alone) - 1
+    # Every mode against the floor: what rotating adds to a step, over one copy of the
+    # bytes each way at the run's memcpy rate (goal <= 1.2), and the pages in_step's
+    # step copied itself. The rigs run the same model on the same inputs: equal tokens.
+    row["modes"] = [{"copy_mode": m, "step_ms": 1e3 * med(rotating[m]),
+                     "added_ms": 1e3 * (med(rotating[m]) - med(alone)),
+                     "floor_ms": row["copy_ms_at_memcpy"],
+                     "added_over_floor": 1e3 * (med(rotating[m]) - med(alone))
+                     / row["copy_ms_at_memcpy"],
+                     "pages_in_step": rigs[m].duplex.pages_in_step} for m in modes]
+    row["tokens_equal"] = all(np.array_equal(r.tokens, rigs[mode].alone_tokens)
+                              for r in rigs.values())
     row["trials_ms"] = {"alone": [1e3 * a for a in alone],
                         **{m: [1e3 * r for r in rs] for m, rs in rotating.items()}}
     return row
@@ -573,8 +612,12 @@ def main(argv: list[str] | None = None) -> None:
         print_table(payload["layouts"], title="layouts")
     if not args.no_overlap:
         payload["overlap"] = overlap_row(args.quick, ceilings["memcpy_GBps"])
-        print_table([{k: v for k, v in payload["overlap"].items() if k != "trials_ms"}],
+        print_table([{k: v for k, v in payload["overlap"].items()
+                      if k not in ("trials_ms", "modes")}],
                     title="model step alone vs with a rotation running")
+        print_table(payload["overlap"]["modes"],
+                    title="what a rotation adds to a step, per copy mode, against the floor "
+                          "(one copy each way at memcpy; goal <= 1.2)")
     write_json(args.out, payload)
 
 
