@@ -552,6 +552,8 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
                      "floor_ms": row["copy_ms_at_memcpy"],
                      "added_over_floor": 1e3 * (med(rotating[m]) - med(alone))
                      / row["copy_ms_at_memcpy"],
+                     "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
+                     / (rounds * n),
                      "pages_in_step": rigs[m].duplex.pages_in_step} for m in modes]
     row["tokens_equal"] = all(np.array_equal(r.tokens, rigs[mode].alone_tokens)
                               for r in rigs.values())
