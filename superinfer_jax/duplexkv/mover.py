@@ -1,5 +1,5 @@
 """Jitted page gather and scatter on the device pool, over bucketed staging shapes, and the
-copies between the pool and the host tier in one of two modes.
+copies between the pool and the host tier in one of three modes.
 
 Gather: ``pool[ids]`` into ``B`` separate page arrays (one buffer per page, so each page
 is one array of its own on the host); ``B`` is a bucket (powers of 2 up to
@@ -29,6 +29,35 @@ Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
   inside a jitted function runs in the program on the compute stream, serialised with
   the model step (so it is on CPU too: XLA:CPU runs one program at a time per device, and
   only ``device_put`` copies run beside one; but there they add a second copy per page).
+- ``in_step`` (the CPU engine's default, ``engine_copy_mode``): the copies go *inside*
+  the model step's own program (``land_in_step`` first, ``gather_in_step`` last; the
+  runner and ``DuplexKV.take_in_step`` drive it), with the host pages as pinned_host
+  operands and the gathered pages as pinned_host outputs; copies the step does not take
+  go by ``fused`` mode's programs. Standalone (no step), it is ``fused``.
+
+Copies inside the step, revisited. The argument above kept copies out of the step so
+that they could run beside it; on CPU nothing runs beside it, so a separate copy program
+is only a second and third program per step (the scatter in ``poll``, the gather in
+``execute``), each dispatched and run in turn. Measured with ``python -m benchmarks.duplex``
+(overlap row, SmolLM2 random f32, batch 8, ctx 256, 32 pages = 23.6 MB each way every
+step, 10 rounds of 5 steps, the modes interleaved in one run) on the shared 2-core box
+under load average 7-10 (so every time is inflated and only the comparison holds): added
+step time fused +40.1 ms, device_put +62.6 ms, in_step +3.0 ms, against a floor (one copy
+each way at that run's memcpy rate, 6.7 GB/s under the load) of 7.1 ms, i.e. 5.7x, 8.9x
+and 0.43x the floor; tokens equal in every mode. (``--quick``, 16 pages, load 8: fused
++12.0 ms, device_put +6.2, in_step +7.8 against a 3.1 ms floor: too noisy to rank.)
+So ``in_step`` is the CPU engine's default. On GPU XLA turns pinned_host operands and
+outputs into asynchronous copy-start/copy-done, but this step gathers *last* (below), so
+the outbound copies can overlap nothing of their own step; the GPU default stays
+``device_put`` until in_step is measured on one (no GPU was available for it).
+
+Why the step gathers last: a gather of the pool the step *received* is unordered, in the
+dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
+whole donated pool twice per step to keep them apart (``optimization_barrier`` did not
+help). Gathered after the step's last write, the reads are ordered by data and the pool
+stays in place; ``duplexkv.rotation`` says why that still reads every page before it is
+reused. Compiles: one count bucket per direction (``EngineConfig.in_step_pages``) times
+the decode buckets, 3 programs each (out, in, both).
 
 On XLA:CPU, in-place updates of a bfloat16 array are upcast to float32 over the *whole*
 array (measured: 4 pages into a 256 MiB bf16 pool 125 ms, f32 0.6 ms), so a bf16 pool
@@ -53,9 +82,21 @@ HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write ho
 
 
 def default_copy_mode(platform: str | None = None) -> str:
-    """``fused`` on CPU (one copy per page each way, see the module docstring), else
-    ``device_put`` (copies on the transfer streams, overlapped with compute)."""
+    """A ``DuplexKV`` of its own (no model step to carry copies): ``fused`` on CPU (one
+    copy per page each way, see the module docstring), else ``device_put`` (copies on
+    the transfer streams, overlapped with compute)."""
     return "fused" if (platform or jax.default_backend()) == "cpu" else "device_put"
+
+
+def engine_copy_mode(platform: str | None = None, num_devices: int = 1) -> str:
+    """The engine's (``EngineConfig.copy_mode`` unset): ``in_step`` on a one-device CPU
+    engine (measured below: what a rotation adds to a step is several times smaller than
+    in ``fused`` mode), else ``default_copy_mode``. Tensor-parallel CPU engines keep
+    ``fused``: their in_step steps lower (``cuda_lowering_check``) but are not run in
+    tests. GPUs keep ``device_put``: nobody measured in_step on one."""
+    if (platform or jax.default_backend()) == "cpu" and num_devices == 1:
+        return "in_step"
+    return default_copy_mode(platform)
 
 
 def staging_buckets(max_pages: int) -> tuple[int, ...]:

@@ -252,7 +252,7 @@ class DuplexKV:
                 landing.append(f)
         self._flights = pending
         if landing:
-            ids = [d for f in landing for d in f.pages]  # none left: a step landed them
+            ids = [d for f in landing for d in f.pages]
             arrays = [a for f in landing for a in f.arrays]
             if defer and self.in_step:
                 self._landing += list(zip(ids, arrays, strict=True))

@@ -217,7 +217,7 @@ def test_in_step_mode_keeps_greedy_tokens(tiny, in_step_pages):
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     cfg = SMALL.replace(num_device_pages=12, num_host_pages=64)
-    reference = run_alone(LLMEngine(tiny, cfg), prompts, sp)  # the default mode (fused)
+    reference = run_alone(LLMEngine(tiny, cfg.replace(copy_mode="fused")), prompts, sp)
     engine = LLMEngine(tiny, cfg.replace(copy_mode="in_step", in_step_pages=in_step_pages))
     done = run_rotating(engine, prompts, sp, every=4)
     assert [r.output_token_ids for r in done] == reference
