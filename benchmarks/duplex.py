@@ -23,7 +23,10 @@ ceilings, batched over naive, and (c)'s wall time over (b)'s out time plus in ti
 <= 0.75), with (c)'s both-ways total against ``memcpy``. ``--layouts`` adds the layout
 measurements (block-first vs one array per layer; an in-place pinned_host pool) and
 ``overlap`` the slowdown of a model step (SmolLM2-shaped random model, decode batch 8)
-while the rotation engine moves pages both ways every step (goal <= 10%).
+while the rotation engine moves pages both ways every step (goal <= 10%), with one row
+per copy mode (``fused``, ``device_put``, ``in_step``: the copies inside the step's own
+program) of the time a rotation adds to a step over the floor, one copy of its bytes
+each way at memcpy speed (goal <= 1.2; CPU copies cannot be free).
 
     python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
 """
@@ -493,11 +496,13 @@ class OverlapRig:
 
 def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     """A model step alone vs with the rotation engine moving ``rot`` pages each way every
-    step, in the engine's copy mode (and, on CPU, in ``device_put`` mode too). Short runs
-    of each are interleaved and the median run is reported, so bursts of other work on
-    the machine hit all alike and fall out. ``copy_ms_at_memcpy``: one copy of the
-    pages each way at the run's memcpy rate, what the copies cost where nothing (no DMA
-    engine, no idle core) can run them beside the step for free."""
+    step, in the engine's copy mode (``engine_copy_mode``) and in every other mode
+    (``modes``: one row each). Short runs of each are interleaved and the median run is
+    reported, so bursts of other work on the machine hit all alike and fall out.
+    ``copy_ms_at_memcpy``: one copy of the pages each way at the run's memcpy rate, what
+    the copies cost where nothing (no DMA engine, no idle core) can run them beside the
+    step for free; ``floor_interleaved_ms``: the same bytes copied by numpy in every
+    round, beside the steps (the floor under the same load)."""
     from models.config import preset
     from models.servable import random_servable
 
@@ -527,13 +532,20 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     pages_before = {m: rig.duplex.stats.pages_in for m, rig in rigs.items()}
     alone: list[float] = []
     rotating: dict[str, list[float]] = {m: [] for m in modes}
+    # The floor again, timed in every round beside the steps: on a loaded machine the
+    # run's memcpy ceiling (measured once, before) and the steps see different loads.
+    rot_bytes = rot * rigs[mode].layout.page_bytes
+    src, dst = np.ones(2 * rot_bytes, np.uint8), np.ones(2 * rot_bytes, np.uint8)
+    floor: list[float] = []
     for _ in range(rounds):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        floor.append(time.perf_counter() - t)
         alone.append(rigs[mode].run(step, model.params, False, n))
         for m, rig in rigs.items():
             rotating[m].append(rig.run(step, model.params, True, n, in_step[m]))
     med = statistics.median
     rig = rigs[mode]
-    rot_bytes = rot * rig.layout.page_bytes
     row = {"model": "smollm2-135m (random, f32)", "batch": batch, "ctx": ctx,
            "copy_mode": mode, "rotation_MB_each_way": rot_bytes / 1e6,
            "pages_in_per_step": (rig.duplex.stats.pages_in - pages_before[mode]) / (rounds * n),
@@ -552,6 +564,9 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
                      "floor_ms": row["copy_ms_at_memcpy"],
                      "added_over_floor": 1e3 * (med(rotating[m]) - med(alone))
                      / row["copy_ms_at_memcpy"],
+                     "floor_interleaved_ms": 1e3 * med(floor),
+                     "added_over_floor_interleaved": (med(rotating[m]) - med(alone))
+                     / med(floor),
                      "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
                      / (rounds * n),
                      "pages_in_step": rigs[m].duplex.pages_in_step} for m in modes]
