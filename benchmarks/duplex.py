@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks.common import add_common_args, print_table, write_json
 from superinfer_jax import ops
-from superinfer_jax.duplexkv import DuplexKV, PageMover, default_copy_mode, engine_copy_mode
+from superinfer_jax.duplexkv import DuplexKV, PageMover, default_copy_mode
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from superinfer_jax.kv.host_pool import HostPool
 from superinfer_jax.kv.layout import PoolLayout
@@ -496,7 +496,7 @@ class OverlapRig:
 
 def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     """A model step alone vs with the rotation engine moving ``rot`` pages each way every
-    step, in the engine's copy mode (``engine_copy_mode``) and in every other mode
+    step, in the engine's copy mode (``default_copy_mode``) and in every other mode
     (``modes``: one row each). Short runs of each are interleaved and the median run is
     reported, so bursts of other work on the machine hit all alike and fall out.
     ``copy_ms_at_memcpy``: one copy of the pages each way at the run's memcpy rate, what
@@ -508,7 +508,7 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
 
     model = random_servable(preset("smollm2-135m"), dtype="float32")
     batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
-    mode = engine_copy_mode()  # the headline: what an engine on this backend runs
+    mode = default_copy_mode()  # the headline: what an engine on this backend runs
     modes = [mode] + [m for m in ("device_put", "fused", "in_step") if m != mode]
     rigs = {m: OverlapRig(model, batch, ctx, rot, m) for m in modes}
 

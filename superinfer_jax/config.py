@@ -206,8 +206,7 @@ class EngineConfig:
     copy_mode: str | None = knob(
         None, choices=COPY_MODES, section="duplex_kv", example="in_step",
         help="how pages are copied: device_put | fused | in_step (inside the model step); "
-             "default: in_step on one CPU device, fused on several, device_put on "
-             "GPU/TPU (duplexkv/mover.py)")
+             "default: fused on CPU, device_put on GPU/TPU (duplexkv/mover.py)")
     in_step_pages: int = knob(
         32, ge=1, section="duplex_kv",
         help="in_step mode: pages each way a decode step copies inside its own program "

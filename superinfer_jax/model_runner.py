@@ -42,7 +42,7 @@ from superinfer_jax.compilation import (
     ready_set,
 )
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
-from superinfer_jax.duplexkv import DuplexKV, RotationEvent, engine_copy_mode
+from superinfer_jax.duplexkv import DuplexKV, RotationEvent
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from superinfer_jax.duplexkv.rotation import StepCopies
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
@@ -222,12 +222,11 @@ class ModelRunner:
         if self.mesh is None:
             host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
             return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
-                            copy_mode=cfg.copy_mode or engine_copy_mode())
+                            copy_mode=cfg.copy_mode)
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
                         pool_sharding=parallel.pool_sharding(self.mesh),
-                        copy_mode=cfg.copy_mode or engine_copy_mode(
-                            num_devices=cfg.tensor_parallel_size))
+                        copy_mode=cfg.copy_mode)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens

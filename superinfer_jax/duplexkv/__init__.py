@@ -11,11 +11,10 @@ from superinfer_jax.duplexkv.mover import (
     COPY_MODES,
     PageMover,
     default_copy_mode,
-    engine_copy_mode,
     staging_buckets,
 )
 from superinfer_jax.duplexkv.rotation import DuplexKV, EventKind, RotationEvent
 from superinfer_jax.duplexkv.stats import TransferStats
 
 __all__ = ["COPY_MODES", "DuplexKV", "EventKind", "PageMover", "RotationEvent",
-           "TransferStats", "default_copy_mode", "engine_copy_mode", "staging_buckets"]
+           "TransferStats", "default_copy_mode", "staging_buckets"]

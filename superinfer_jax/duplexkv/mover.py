@@ -29,7 +29,7 @@ Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
   inside a jitted function runs in the program on the compute stream, serialised with
   the model step (so it is on CPU too: XLA:CPU runs one program at a time per device, and
   only ``device_put`` copies run beside one; but there they add a second copy per page).
-- ``in_step`` (the CPU engine's default, ``engine_copy_mode``): the copies go *inside*
+- ``in_step`` (opt-in, ``EngineConfig.copy_mode``): the copies go *inside*
   the model step's own program (``land_in_step`` first, ``gather_in_step`` last; the
   runner and ``DuplexKV.take_in_step`` drive it), with the host pages as pinned_host
   operands and the gathered pages as pinned_host outputs; copies the step does not take
@@ -38,18 +38,24 @@ Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
 Copies inside the step, revisited. The argument above kept copies out of the step so
 that they could run beside it; on CPU nothing runs beside it, so a separate copy program
 is only a second and third program per step (the scatter in ``poll``, the gather in
-``execute``), each dispatched and run in turn. Measured with ``python -m benchmarks.duplex``
-(overlap row, SmolLM2 random f32, batch 8, ctx 256, 32 pages = 23.6 MB each way every
-step, 10 rounds of 5 steps, the modes interleaved in one run) on the shared 2-core box
-under load average 7-10 (so every time is inflated and only the comparison holds): added
-step time fused +40.1 ms, device_put +62.6 ms, in_step +3.0 ms, against a floor (one copy
-each way at that run's memcpy rate, 6.7 GB/s under the load) of 7.1 ms, i.e. 5.7x, 8.9x
-and 0.43x the floor; tokens equal in every mode. (``--quick``, 16 pages, load 8: fused
-+12.0 ms, device_put +6.2, in_step +7.8 against a 3.1 ms floor: too noisy to rank.)
-So ``in_step`` is the CPU engine's default. On GPU XLA turns pinned_host operands and
-outputs into asynchronous copy-start/copy-done, but this step gathers *last* (below), so
-the outbound copies can overlap nothing of their own step; the GPU default stays
-``device_put`` until in_step is measured on one (no GPU was available for it).
+``execute``), each dispatched and run in turn, and ``in_step`` folds them into the step.
+Measured with ``python -m benchmarks.duplex`` (overlap rows: SmolLM2 random f32, batch 8,
+modes interleaved in one run) on the shared 2-core box under load average 5-10, which
+inflated a step alone from tens of ms to about 200-240 ms with +-50 ms between rounds.
+Added step time per mode (fused / device_put / in_step):
+  full (ctx 256, 32 pages = 23.6 MB each way, 10 rounds of 5 steps), two runs:
+  +40.1 / +62.6 / +3.0 ms and +39.7 / +41.1 / +35.9 ms; floor (one copy each way at
+  the run's memcpy, 6.6-6.7 GB/s under the load) 7.1 ms;
+  ``--quick`` (ctx 128, 16 pages, 4 rounds), two runs: +12.0 / +6.2 / +7.8 ms (floor
+  3.1) and +32.3 / +33.5 / +38.2 ms (floor 5.9; the same bytes copied beside the steps:
+  9.6 ms, so 3.4x / 3.5x / 4.0x of it).
+Tokens were equal in every mode and run. No mode wins beyond that noise, and none meets
+the 1.2x-of-floor goal under this load, so the defaults stay: ``fused`` on CPU (in_step
+would add three compiles per decode bucket for no measured gain), ``device_put`` on GPU
+(no GPU was available to measure in_step; there XLA turns pinned_host operands and
+outputs into asynchronous copy-start/copy-done, but this step gathers *last*, below, so
+its outbound copies cannot overlap its own compute). Rerun on a quiet machine (and on a
+GPU) before changing either.
 
 Why the step gathers last: a gather of the pool the step *received* is unordered, in the
 dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
@@ -82,21 +88,11 @@ HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write ho
 
 
 def default_copy_mode(platform: str | None = None) -> str:
-    """A ``DuplexKV`` of its own (no model step to carry copies): ``fused`` on CPU (one
-    copy per page each way, see the module docstring), else ``device_put`` (copies on
-    the transfer streams, overlapped with compute)."""
+    """``fused`` on CPU (one copy per page each way, see the module docstring), else
+    ``device_put`` (copies on the transfer streams, overlapped with compute). ``in_step``
+    is opt-in (``EngineConfig.copy_mode``): it did not measurably beat ``fused`` on CPU
+    (below) and costs three more compiles per decode bucket; unmeasured on GPU."""
     return "fused" if (platform or jax.default_backend()) == "cpu" else "device_put"
-
-
-def engine_copy_mode(platform: str | None = None, num_devices: int = 1) -> str:
-    """The engine's (``EngineConfig.copy_mode`` unset): ``in_step`` on a one-device CPU
-    engine (measured below: what a rotation adds to a step is several times smaller than
-    in ``fused`` mode), else ``default_copy_mode``. Tensor-parallel CPU engines keep
-    ``fused``: their in_step steps lower (``cuda_lowering_check``) but are not run in
-    tests. GPUs keep ``device_put``: nobody measured in_step on one."""
-    if (platform or jax.default_backend()) == "cpu" and num_devices == 1:
-        return "in_step"
-    return default_copy_mode(platform)
 
 
 def staging_buckets(max_pages: int) -> tuple[int, ...]:
