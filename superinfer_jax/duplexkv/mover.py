@@ -43,9 +43,10 @@ Measured with ``python -m benchmarks.duplex`` (overlap rows: SmolLM2 random f32,
 modes interleaved in one run) on the shared 2-core box under load average 5-10, which
 inflated a step alone from tens of ms to about 200-240 ms with +-50 ms between rounds.
 Added step time per mode (fused / device_put / in_step):
-  full (ctx 256, 32 pages = 23.6 MB each way, 10 rounds of 5 steps), two runs:
-  +40.1 / +62.6 / +3.0 ms and +39.7 / +41.1 / +35.9 ms; floor (one copy each way at
-  the run's memcpy, 6.6-6.7 GB/s under the load) 7.1 ms;
+  full (ctx 256, 32 pages = 23.6 MB each way, 10 rounds of 5 steps), three runs:
+  +40.1 / +62.6 / +3.0 ms and +39.7 / +41.1 / +35.9 ms (floor, one copy each way at the
+  run's memcpy of 6.6-6.7 GB/s under the load, 7.1 ms), then -0.8 / +13.0 / +17.8 ms
+  (floor 5.9 ms; copied beside the steps, 9.0 ms);
   ``--quick`` (ctx 128, 16 pages, 4 rounds), two runs: +12.0 / +6.2 / +7.8 ms (floor
   3.1) and +32.3 / +33.5 / +38.2 ms (floor 5.9; the same bytes copied beside the steps:
   9.6 ms, so 3.4x / 3.5x / 4.0x of it).
