@@ -23,7 +23,10 @@ ceilings, batched over naive, and (c)'s wall time over (b)'s out time plus in ti
 <= 0.75), with (c)'s both-ways total against ``memcpy``. ``--layouts`` adds the layout
 measurements (block-first vs one array per layer; an in-place pinned_host pool) and
 ``overlap`` the slowdown of a model step (SmolLM2-shaped random model, decode batch 8)
-while the rotation engine moves pages both ways every step (goal <= 10%).
+while the rotation engine moves pages both ways every step (goal <= 10%), with one row
+per copy mode (``fused``, ``device_put``, ``in_step``: the copies inside the step's own
+program) of the time a rotation adds to a step over the floor, one copy of its bytes
+each way at memcpy speed (goal <= 1.2; CPU copies cannot be free).
 
     python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
 """
@@ -43,6 +46,7 @@ import numpy as np
 from benchmarks.common import add_common_args, print_table, write_json
 from superinfer_jax import ops
 from superinfer_jax.duplexkv import DuplexKV, PageMover, default_copy_mode
+from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from superinfer_jax.kv.host_pool import HostPool
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.two_tier import Residency, TwoTierKVManager
@@ -450,62 +454,98 @@ class OverlapRig:
         self.duplex.wait_all()
         self.pool, _ = self.duplex.poll(self.pool)
         self.parked, self.resident = "y", "x"
+        # the pages the step writes KV to (in_step mode gathers none of them in it)
+        index = np.clip(self.x.positions // PAGE_TOKENS, 0, tables.shape[1] - 1)
+        self.written = set(np.take_along_axis(tables, index, axis=1).ravel().tolist())
+        self.tokens = self.alone_tokens = np.zeros(0, np.int32)  # the last run's
 
-    def run(self, step, params, rotating: bool, steps: int) -> float:
+    def run(self, step, params, rotating: bool, steps: int, step_in_step=None) -> float:
         """Mean seconds per step over ``steps`` steps, the wait for the copies still in
         flight after the last one included (so no copy spills into another run).
         Rotating, each step is driven as the engine drives it: ``poll`` (arrived pages
         land), bookkeeping, ``execute`` (copies issued), the step with the pool donated,
-        then its tokens."""
+        then its tokens. ``step_in_step`` (in_step mode): the step with the copies inside,
+        as ``ModelRunner`` drives it (poll and execute deferred, the step takes them)."""
         kv, duplex = self.kv, self.duplex
+        defer = step_in_step is not None
         t = time.perf_counter()
         for _ in range(steps):
             if rotating:
-                self.pool, _ = duplex.poll(self.pool)
+                self.pool, _ = duplex.poll(self.pool, defer=defer)
                 if kv.is_resident(self.resident) and kv.residency_of(self.parked) == Residency.HOST:
                     moves_out = [kv.rotate_out(self.resident, 0)]  # 0: no shadows kept
-                    duplex.execute(self.pool, moves_out, [kv.rotate_in(self.parked)], [])
+                    duplex.execute(self.pool, moves_out, [kv.rotate_in(self.parked)], [],
+                                   defer=defer)
                     self.parked, self.resident = self.resident, self.parked
-            tok, self.pool = step(params, self.pool, self.x)
+            if defer and duplex.has_deferred:
+                num_out, num_in = duplex.in_step_pending(self.written)
+                self.pool, c = duplex.take_in_step(self.pool, num_out, num_in, self.written)
+                tok, self.pool, out_pages = step_in_step(params, self.pool, self.x, c.out_ids,
+                                                         c.in_ids, c.in_pages)
+                duplex.finish_in_step(out_pages)
+            else:
+                tok, self.pool = step(params, self.pool, self.x)
             tok.block_until_ready()
+        if rotating:  # the same inputs every step: every mode's tokens must be these
+            self.tokens = np.asarray(tok)
+        else:
+            self.alone_tokens = np.asarray(tok)
         duplex.wait_all()
         return (time.perf_counter() - t) / steps
 
 
 def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     """A model step alone vs with the rotation engine moving ``rot`` pages each way every
-    step, in the engine's copy mode (and, on CPU, in ``device_put`` mode too). Short runs
-    of each are interleaved and the median run is reported, so bursts of other work on
-    the machine hit all alike and fall out. ``copy_ms_at_memcpy``: one copy of the
-    pages each way at the run's memcpy rate, what the copies cost where nothing (no DMA
-    engine, no idle core) can run them beside the step for free."""
+    step, in the engine's copy mode (``default_copy_mode``) and in every other mode
+    (``modes``: one row each). Short runs of each are interleaved and the median run is
+    reported, so bursts of other work on the machine hit all alike and fall out.
+    ``copy_ms_at_memcpy``: one copy of the pages each way at the run's memcpy rate, what
+    the copies cost where nothing (no DMA engine, no idle core) can run them beside the
+    step for free; ``floor_interleaved_ms``: the same bytes copied by numpy in every
+    round, beside the steps (the floor under the same load)."""
     from models.config import preset
     from models.servable import random_servable
 
     model = random_servable(preset("smollm2-135m"), dtype="float32")
     batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
-    mode = default_copy_mode()
-    modes = [mode] + [m for m in ("device_put",) if m != mode]
+    mode = default_copy_mode()  # the headline: what an engine on this backend runs
+    modes = [mode] + [m for m in ("device_put", "fused", "in_step") if m != mode]
     rigs = {m: OverlapRig(model, batch, ctx, rot, m) for m in modes}
 
     def decode(params, kv, x):
         logits, kv = model.forward(params, kv, x)
         return jnp.argmax(logits, -1), kv
 
+    def decode_in_step(params, kv, x, out_ids, in_ids, in_pages):
+        kv = land_in_step(kv, in_ids, in_pages)  # as ModelRunner's in_step step
+        logits, kv = model.forward(params, kv, x)
+        return jnp.argmax(logits, -1), kv, gather_in_step(kv, out_ids)
+
     step = jax.jit(decode, donate_argnums=(1,))
+    host = rigs["in_step"].duplex.host
+    step_in = jax.jit(decode_in_step, donate_argnums=(1,), out_shardings=(
+        host.device_sharding, host.device_sharding, host.host_sharding))
+    in_step = {m: step_in if m == "in_step" else None for m in modes}
     n, rounds = 5, (4 if quick else 10)
-    for rig in rigs.values():
-        rig.run(step, model.params, True, 3)  # compile, warm both paths
+    for m, rig in rigs.items():
+        rig.run(step, model.params, True, 3, in_step[m])  # compile, warm both paths
     pages_before = {m: rig.duplex.stats.pages_in for m, rig in rigs.items()}
     alone: list[float] = []
     rotating: dict[str, list[float]] = {m: [] for m in modes}
+    # The floor again, timed in every round beside the steps: on a loaded machine the
+    # run's memcpy ceiling (measured once, before) and the steps see different loads.
+    rot_bytes = rot * rigs[mode].layout.page_bytes
+    src, dst = np.ones(2 * rot_bytes, np.uint8), np.ones(2 * rot_bytes, np.uint8)
+    floor: list[float] = []
     for _ in range(rounds):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        floor.append(time.perf_counter() - t)
         alone.append(rigs[mode].run(step, model.params, False, n))
         for m, rig in rigs.items():
-            rotating[m].append(rig.run(step, model.params, True, n))
+            rotating[m].append(rig.run(step, model.params, True, n, in_step[m]))
     med = statistics.median
     rig = rigs[mode]
-    rot_bytes = rot * rig.layout.page_bytes
     row = {"model": "smollm2-135m (random, f32)", "batch": batch, "ctx": ctx,
            "copy_mode": mode, "rotation_MB_each_way": rot_bytes / 1e6,
            "pages_in_per_step": (rig.duplex.stats.pages_in - pages_before[mode]) / (rounds * n),
@@ -516,6 +556,22 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     row["copy_share_of_step"] = row["copy_ms_at_memcpy"] / row["step_alone_ms"]
     for m in modes[1:]:
         row[f"slowdown_{m}"] = med(rotating[m]) / med(alone) - 1
+    # Every mode against the floor: what rotating adds to a step, over one copy of the
+    # bytes each way at the run's memcpy rate (goal <= 1.2), and the pages in_step's
+    # step copied itself. The rigs run the same model on the same inputs: equal tokens.
+    row["modes"] = [{"copy_mode": m, "step_ms": 1e3 * med(rotating[m]),
+                     "added_ms": 1e3 * (med(rotating[m]) - med(alone)),
+                     "floor_ms": row["copy_ms_at_memcpy"],
+                     "added_over_floor": 1e3 * (med(rotating[m]) - med(alone))
+                     / row["copy_ms_at_memcpy"],
+                     "floor_interleaved_ms": 1e3 * med(floor),
+                     "added_over_floor_interleaved": (med(rotating[m]) - med(alone))
+                     / med(floor),
+                     "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
+                     / (rounds * n),
+                     "pages_in_step": rigs[m].duplex.pages_in_step} for m in modes]
+    row["tokens_equal"] = all(np.array_equal(r.tokens, rigs[mode].alone_tokens)
+                              for r in rigs.values())
     row["trials_ms"] = {"alone": [1e3 * a for a in alone],
                         **{m: [1e3 * r for r in rs] for m, rs in rotating.items()}}
     return row
@@ -573,8 +629,12 @@ def main(argv: list[str] | None = None) -> None:
         print_table(payload["layouts"], title="layouts")
     if not args.no_overlap:
         payload["overlap"] = overlap_row(args.quick, ceilings["memcpy_GBps"])
-        print_table([{k: v for k, v in payload["overlap"].items() if k != "trials_ms"}],
+        print_table([{k: v for k, v in payload["overlap"].items()
+                      if k not in ("trials_ms", "modes")}],
                     title="model step alone vs with a rotation running")
+        print_table(payload["overlap"]["modes"],
+                    title="what a rotation adds to a step, per copy mode, against the floor "
+                          "(one copy each way at memcpy; goal <= 1.2)")
     write_json(args.out, payload)
 
 

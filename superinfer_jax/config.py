@@ -17,6 +17,7 @@ from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 HOST_CACHE_EVICTIONS = ("lru", "fifo")
+COPY_MODES = ("device_put", "fused", "in_step")  # duplexkv.mover.COPY_MODES (no jax here)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -202,6 +203,14 @@ class EngineConfig:
     eager_shadowing: bool = knob(
         True, section="duplex_kv",
         help="copy full pages to host as they fill, so an eviction moves one page")
+    copy_mode: str | None = knob(
+        None, choices=COPY_MODES, section="duplex_kv", example="in_step",
+        help="how pages are copied: device_put | fused | in_step (inside the model step); "
+             "default: fused on CPU, device_put on GPU/TPU (duplexkv/mover.py)")
+    in_step_pages: int = knob(
+        32, ge=1, section="duplex_kv",
+        help="in_step mode: pages each way a decode step copies inside its own program "
+             "(one compiled count; the rest goes by the separate copy programs)")
     enable_prefix_caching: bool = knob(
         True, section="prefix_caching", name="enabled",
         help="share full KV pages between requests with the same prefix (and cache_salt); "

@@ -439,6 +439,7 @@ class LLMEngine:
             stats.host_time_s = time.perf_counter() - t0
             self.num_model_steps += 1
             self.total_host_time_s += stats.host_time_s
+        self._apply_rotation_events(self.runner.flush_rotations(), t0)  # in_step mode
         if self.config.async_scheduling:
             done, self.runner.inflight = self.runner.inflight, launched
         else:

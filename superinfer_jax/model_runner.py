@@ -43,6 +43,8 @@ from superinfer_jax.compilation import (
 )
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.duplexkv import DuplexKV, RotationEvent
+from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
+from superinfer_jax.duplexkv.rotation import StepCopies
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
@@ -62,6 +64,7 @@ from superinfer_jax.sampling import SamplingInputs, sample
 from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
+IN_STEP = "in_step"  # a Program kind: the decode step with DuplexKV's copies inside
 log = logging.getLogger(__name__)
 
 
@@ -145,6 +148,12 @@ class ModelRunner:
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         # Called like the jitted functions; each shape compiled ahead of time (warm-up).
         self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape)
+        # in_step copy mode: the step with page copies inside, per (step shape, pages
+        # out, pages in); see ``in_step_shapes``
+        self.in_step_programs = Programs(
+            self._jit_step_in_step(),
+            key=lambda a: (*a[2].tokens.shape, a[6].shape[0], a[7].shape[0]))
+        self._rotation_events: list[RotationEvent] = []  # from copies issued in calls
         self.resample_programs = Programs(jax.jit(self._resample, static_argnums=(0,)),
                                           key=lambda a: (a[0],), num_static=1)
         self._step_fn: Callable[..., Any] = self.step_programs
@@ -212,10 +221,12 @@ class ModelRunner:
         cfg = self.config
         if self.mesh is None:
             host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
-            return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages)
+            return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
+                            copy_mode=cfg.copy_mode)
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
-                        pool_sharding=parallel.pool_sharding(self.mesh))
+                        pool_sharding=parallel.pool_sharding(self.mesh),
+                        copy_mode=cfg.copy_mode)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
@@ -226,6 +237,28 @@ class ModelRunner:
         replicated = parallel.replicated(self.mesh)
         out = (replicated, replicated, replicated, parallel.pool_sharding(self.mesh))
         return jax.jit(self._step, donate_argnums=(1,), out_shardings=out)
+
+    def _jit_step_in_step(self):
+        """The jitted step with DuplexKV's copies inside (``in_step`` copy mode), pool
+        donated: the gathered pages are outputs in pinned_host (on GPU, XLA schedules
+        them as asynchronous copy-start/copy-done beside the compute), the landed pages
+        operands in pinned_host. Without a host tier it is never called."""
+        if self.duplex is None:
+            return jax.jit(self._step_in_step, donate_argnums=(1,))
+        const = self._constant_sharding()
+        pool = self.duplex.pool_sharding or self.kv_pool.sharding
+        out = (const, const, const, pool, self.duplex.host.host_sharding)
+        return jax.jit(self._step_in_step, donate_argnums=(1,), out_shardings=out)
+
+    def _step_in_step(self, param_leaves, kv_pool, inputs: StepInputs,
+                      sampling: SamplingInputs, logits_in: LogitsInputs,
+                      feedback: TokenFeedback, out_ids, in_ids, in_pages):
+        # Landed first (before the model could read them), gathered last, from pages
+        # this step does not write (``duplexkv.rotation``: read before write).
+        kv_pool = land_in_step(kv_pool, in_ids, in_pages)
+        *out, kv_pool = self._step(param_leaves, kv_pool, inputs, sampling, logits_in,
+                                   feedback)
+        return (*out, kv_pool, gather_in_step(kv_pool, out_ids))
 
     def _choose_num_pages(self) -> int:
         cfg = self.config
@@ -294,6 +327,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         duplex = self.duplex.mover.buckets if self.duplex is not None else ()
         order = compile_order(self.config, self.resample_buckets, duplex)
+        order += [Program(IN_STEP, shape) for shape in self.in_step_shapes()]  # last
         first = ready_set(self.config) if background else order
         bar = tqdm(total=len(first), desc="compiling step buckets",
                    disable=not self.config.show_progress)
@@ -370,12 +404,15 @@ class ModelRunner:
         elif program.kind == DUPLEX:
             assert self.duplex is not None  # only listed with a host tier
             self.duplex.mover.compile_ahead(self._pool_spec, program.shape[0])
+        elif program.kind == IN_STEP:
+            self.in_step_programs.compile(*self._in_step_specs(*program.shape))
         else:
             self.resample_programs.compile(*self._resample_specs(program.shape[0]))
 
     def _run_once(self, program: Program) -> None:
         """Run a compiled program once on empty inputs (its first run pays one-time
-        costs; it only writes the null page). DuplexKV's copies run in ``warm_duplex``."""
+        costs; it only writes the null page). DuplexKV's copies run in ``warm_duplex``;
+        in_step variants run first when a step takes copies."""
         if program.kind == STEP:
             rows, cols = program.shape
             self.call_step(self.empty_inputs(rows, cols),
@@ -393,6 +430,27 @@ class ModelRunner:
         return (self.step_params, self._pool_spec, self.empty_inputs(rows, cols),
                 SamplingInputs.greedy(rows), jax.tree.map(self._constant_spec, neutral),
                 TokenFeedback.none(rows, cast(jax.Array, no_tokens)))  # abstract, as is
+
+    def _in_step_specs(self, rows: int, cols: int, num_out: int, num_in: int) -> tuple:
+        assert self.duplex is not None  # only listed with a host tier
+        page = jax.ShapeDtypeStruct(self.kv_pool.shape[1:], self.kv_pool.dtype,
+                                    sharding=self.duplex.host.host_sharding)
+        return (*self._step_specs(rows, cols), np.zeros(num_out, np.int32),
+                np.zeros(num_in, np.int32), (page,) * num_in)
+
+    def in_step_shapes(self) -> list[tuple[int, int, int, int]]:
+        """The in_step variants compiled: (rows, 1, pages out, pages in) for every decode
+        bucket, with ``B = in_step_pages`` pages out, in, or both ways (3 per decode
+        bucket; 18 in the default config, compiled last, in the background). A step's
+        copies ride the step only when its first call is a decode call and a direction
+        has at least ``B`` pages; then ``B`` pages go in the step and the rest by the
+        separate programs. Every other step copies by the separate programs (as in
+        ``fused`` mode): one count bucket per direction keeps the compiles bounded."""
+        if self.duplex is None or not self.duplex.in_step:
+            return []
+        b = self.config.in_step_pages
+        return [(rows, 1, o, i) for rows in self.config.decode_buckets
+                for o, i in ((b, 0), (0, b), (b, b))]
 
     def _resample_specs(self, rows: int) -> tuple:
         zeros = np.zeros((rows, 1), np.int32)
@@ -559,9 +617,50 @@ class ModelRunner:
             feedback = TokenFeedback.none(rows, self.no_tokens)
         if logits_in is None:
             logits_in = self.neutral_logits_inputs(rows, cols)
-        sampled, self.last_logprobs, self.last_deferred_logits, self.kv_pool = self._step_fn(
-            self.step_params, self.kv_pool, inputs, sampling, logits_in, feedback)
+        copies = self._take_copies(inputs)
+        if copies is None:
+            sampled, self.last_logprobs, self.last_deferred_logits, self.kv_pool = (
+                self._step_fn(self.step_params, self.kv_pool, inputs, sampling, logits_in,
+                              feedback))
+            return sampled
+        assert self.duplex is not None
+        (sampled, self.last_logprobs, self.last_deferred_logits, self.kv_pool,
+         out_pages) = self.in_step_programs(self.step_params, self.kv_pool, inputs, sampling,
+                                            logits_in, feedback, copies.out_ids,
+                                            copies.in_ids, copies.in_pages)
+        self._rotation_events += self.duplex.finish_in_step(out_pages)
         return sampled
+
+    def _written_pages(self, inputs: StepInputs) -> set[int]:
+        """Every page a call on ``inputs`` may write KV to (a superset: every column of
+        every row, padding included): the pages of its positions in its page tables."""
+        tables, positions = np.asarray(inputs.page_tables), np.asarray(inputs.positions)
+        index = np.clip(positions // self.config.page_size, 0, tables.shape[1] - 1)
+        return set(np.take_along_axis(tables, index, axis=1).ravel().tolist())
+
+    def _take_copies(self, inputs: StepInputs) -> StepCopies | None:
+        """The copies the call about to be dispatched makes in its own program (in_step
+        mode), else None; copies left by ``poll_rotations`` and ``issue_rotations`` that
+        it does not take are made now, by the separate programs, before the call."""
+        if self.duplex is None or not self.duplex.has_deferred:
+            return None
+        rows, cols = inputs.tokens.shape
+        b = self.config.in_step_pages
+        written = self._written_pages(inputs)
+        num_out, num_in = self.duplex.in_step_pending(written)
+        shape = (rows, cols, b if num_out >= b else 0, b if num_in >= b else 0)
+        if shape[2:] != (0, 0) and self._in_step_ready(shape):
+            self.kv_pool, copies = self.duplex.take_in_step(self.kv_pool, *shape[2:], written)
+            return copies
+        self.flush_rotations(keep_events=True)
+        return None
+
+    def _in_step_ready(self, shape: tuple[int, int, int, int]) -> bool:
+        """Whether the in_step variant of ``shape`` may run: compiled ahead, or warm-up
+        is off (every call then compiles on first use, as the plain step does)."""
+        if shape in self.in_step_programs.compiled:
+            return True
+        return not self.config.warmup and shape in self.in_step_shapes()
 
     def neutral_logits_inputs(self, rows: int, cols: int) -> LogitsInputs:
         """Logits inputs that change nothing, committed once per shape (no transfer)."""
@@ -578,7 +677,7 @@ class ModelRunner:
         """Finished page copies, observed without waiting; arrived pages land in the pool."""
         if self.duplex is None:
             return []
-        self.kv_pool, events = self.duplex.poll(self.kv_pool)
+        self.kv_pool, events = self.duplex.poll(self.kv_pool, defer=self._defer_copies)
         return events
 
     def issue_rotations(self, moves_out: list[PageMoves], moves_in: list[PageMoves],
@@ -587,7 +686,27 @@ class ModelRunner:
         returns the copies that failed at once."""
         if self.duplex is None:
             return []
-        return self.duplex.execute(self.kv_pool, moves_out, moves_in, shadows)
+        return self.duplex.execute(self.kv_pool, moves_out, moves_in, shadows,
+                                   defer=self._defer_copies)
+
+    @property
+    def _defer_copies(self) -> bool:
+        """in_step mode: the step's copies wait for its first call, which may make them
+        in its own program (``flush_rotations`` makes what no call took). Not under
+        multi-host lockstep, which replays only the calls it records."""
+        return (self.duplex is not None and self.duplex.in_step
+                and self._step_fn is self.step_programs)
+
+    def flush_rotations(self, keep_events: bool = False) -> list[RotationEvent]:
+        """After a step's calls are dispatched: make the copies no call took (no call
+        ran), and return the failures of copies issued with the calls."""
+        if self.duplex is not None and self.duplex.has_deferred:
+            self.kv_pool, events = self.duplex.flush(self.kv_pool)
+            self._rotation_events += events
+        if keep_events:
+            return []
+        events, self._rotation_events = self._rotation_events, []
+        return events
 
     def cancel_rotations(self, req_id: str) -> None:
         if self.duplex is not None:

@@ -1,5 +1,5 @@
 """Jitted page gather and scatter on the device pool, over bucketed staging shapes, and the
-copies between the pool and the host tier in one of two modes.
+copies between the pool and the host tier in one of three modes.
 
 Gather: ``pool[ids]`` into ``B`` separate page arrays (one buffer per page, so each page
 is one array of its own on the host); ``B`` is a bucket (powers of 2 up to
@@ -29,6 +29,42 @@ Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
   inside a jitted function runs in the program on the compute stream, serialised with
   the model step (so it is on CPU too: XLA:CPU runs one program at a time per device, and
   only ``device_put`` copies run beside one; but there they add a second copy per page).
+- ``in_step`` (opt-in, ``EngineConfig.copy_mode``): the copies go *inside*
+  the model step's own program (``land_in_step`` first, ``gather_in_step`` last; the
+  runner and ``DuplexKV.take_in_step`` drive it), with the host pages as pinned_host
+  operands and the gathered pages as pinned_host outputs; copies the step does not take
+  go by ``fused`` mode's programs. Standalone (no step), it is ``fused``.
+
+Copies inside the step, revisited. The argument above kept copies out of the step so
+that they could run beside it; on CPU nothing runs beside it, so a separate copy program
+is only a second and third program per step (the scatter in ``poll``, the gather in
+``execute``), each dispatched and run in turn, and ``in_step`` folds them into the step.
+Measured with ``python -m benchmarks.duplex`` (overlap rows: SmolLM2 random f32, batch 8,
+modes interleaved in one run) on the shared 2-core box under load average 5-10, which
+inflated a step alone from tens of ms to about 200-240 ms with +-50 ms between rounds.
+Added step time per mode (fused / device_put / in_step):
+  full (ctx 256, 32 pages = 23.6 MB each way, 10 rounds of 5 steps), three runs:
+  +40.1 / +62.6 / +3.0 ms and +39.7 / +41.1 / +35.9 ms (floor, one copy each way at the
+  run's memcpy of 6.6-6.7 GB/s under the load, 7.1 ms), then -0.8 / +13.0 / +17.8 ms
+  (floor 5.9 ms; copied beside the steps, 9.0 ms);
+  ``--quick`` (ctx 128, 16 pages, 4 rounds), two runs: +12.0 / +6.2 / +7.8 ms (floor
+  3.1) and +32.3 / +33.5 / +38.2 ms (floor 5.9; the same bytes copied beside the steps:
+  9.6 ms, so 3.4x / 3.5x / 4.0x of it).
+Tokens were equal in every mode and run. No mode wins beyond that noise, and none meets
+the 1.2x-of-floor goal under this load, so the defaults stay: ``fused`` on CPU (in_step
+would add three compiles per decode bucket for no measured gain), ``device_put`` on GPU
+(no GPU was available to measure in_step; there XLA turns pinned_host operands and
+outputs into asynchronous copy-start/copy-done, but this step gathers *last*, below, so
+its outbound copies cannot overlap its own compute). Rerun on a quiet machine (and on a
+GPU) before changing either.
+
+Why the step gathers last: a gather of the pool the step *received* is unordered, in the
+dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
+whole donated pool twice per step to keep them apart (``optimization_barrier`` did not
+help). Gathered after the step's last write, the reads are ordered by data and the pool
+stays in place; ``duplexkv.rotation`` says why that still reads every page before it is
+reused. Compiles: one count bucket per direction (``EngineConfig.in_step_pages``) times
+the decode buckets, 3 programs each (out, in, both).
 
 On XLA:CPU, in-place updates of a bfloat16 array are upcast to float32 over the *whole*
 array (measured: 4 pages into a 256 MiB bf16 pool 125 ms, f32 0.6 ms), so a bf16 pool
@@ -48,12 +84,15 @@ import numpy as np
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
-COPY_MODES = ("device_put", "fused")
+COPY_MODES = ("device_put", "fused", "in_step")
+HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write host pages
 
 
 def default_copy_mode(platform: str | None = None) -> str:
     """``fused`` on CPU (one copy per page each way, see the module docstring), else
-    ``device_put`` (copies on the transfer streams, overlapped with compute)."""
+    ``device_put`` (copies on the transfer streams, overlapped with compute). ``in_step``
+    is opt-in (``EngineConfig.copy_mode``): it did not measurably beat ``fused`` on CPU
+    (below) and costs three more compiles per decode bucket; unmeasured on GPU."""
     return "fused" if (platform or jax.default_backend()) == "cpu" else "device_put"
 
 
@@ -86,6 +125,29 @@ def _scatter_from_host(pool: jax.Array, ids: jax.Array,
     return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
 
 
+def land_in_step(pool: jax.Array, in_ids: jax.Array,
+                 in_pages: tuple[jax.Array, ...]) -> jax.Array:
+    """``in_step`` mode, traced into the model step before the model: the host pages
+    ``in_pages`` (operands in pinned_host) written to ``pool[in_ids]``, so they are in
+    the pool before anything in the step could read them."""
+    return _scatter_from_host(pool, in_ids, in_pages) if in_pages else pool
+
+
+def gather_in_step(pool: jax.Array, out_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """``in_step`` mode, traced into the model step after the model, on the pool the
+    step returns: ``pool[out_ids]`` (the caller's ``out_shardings`` put them in
+    pinned_host). The step must not write these pages (``DuplexKV.take_in_step`` gives
+    it only pages it does not write), so they hold what they held before the step.
+
+    Why last and not first: a gather of the pool the step *received* is unordered, in
+    the dataflow, with the step's in-place writes of that pool, and XLA keeps them apart
+    by copying the whole donated pool (measured on XLA:CPU: two pool-sized copies per
+    step; ``jax.lax.optimization_barrier`` does not help, it is expanded to control
+    dependencies that are gone by copy insertion). Read after the last write, the
+    gather is ordered by data and the pool stays in place (no copy)."""
+    return _gather(pool, out_ids)
+
+
 class PageMover:
     """Batched whole-page gather/scatter over a block-first pool, and the copies between
     the pool and host page arrays (``to_host``, ``to_device``, ``scatter``)."""
@@ -107,12 +169,18 @@ class PageMover:
         self.device_sharding = device_sharding
         self.host_sharding = host_sharding
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
-        fused = self.copy_mode == "fused"
+        fused = self.host_operands
         gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
         self._gather = jax.jit(_gather, out_shardings=gather_out)
         self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
                                 out_shardings=pool_sharding or (
                                     device_sharding if fused else None))
+
+    @property
+    def host_operands(self) -> bool:
+        """Whether the separate gather/scatter programs take and return host pages
+        (``fused``, and ``in_step``'s fallback for copies the step does not take)."""
+        return self.copy_mode in HOST_OPERAND_MODES
 
     @property
     def max_pages(self) -> int:
@@ -139,14 +207,14 @@ class PageMover:
     def to_host(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
         """Host page arrays holding ``pool[page_ids]``, dispatched, not waited for."""
         pages = self.gather(pool, page_ids)
-        if self.copy_mode == "fused" or not pages:
+        if self.host_operands or not pages:
             return pages
         return list(jax.device_put(pages, self.host_sharding))
 
     def to_device(self, host_pages: list[jax.Array]) -> list[jax.Array]:
         """What ``scatter`` later lands for these host pages: device copies issued now
         (``device_put`` mode), or the host pages themselves (fused: the scatter copies)."""
-        if self.copy_mode == "fused" or not host_pages:
+        if self.host_operands or not host_pages:
             return list(host_pages)
         return list(jax.device_put(host_pages, self.device_sharding))
 
@@ -167,7 +235,7 @@ class PageMover:
         the thread that owns the pool does not compile them."""
         ids = np.full(bucket, NULL_PAGE, np.int32)
         self._gather.lower(pool, ids).compile()
-        sharding = self.host_sharding if self.copy_mode == "fused" else self.device_sharding
+        sharding = self.host_sharding if self.host_operands else self.device_sharding
         page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype, sharding=sharding)
         self._scatter.lower(pool, ids, (page,) * bucket).compile()
 

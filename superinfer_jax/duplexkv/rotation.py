@@ -16,7 +16,49 @@ How the copies are made depends on ``PageMover.copy_mode`` (``duplexkv.mover``):
 async ``device_put`` each way, as above; ``fused`` (CPU, where both memory kinds are the
 same RAM) gathers straight into pinned_host arrays in (3), and an inbound request's host
 pages are read straight into the pool by the scatter in (1): one copy per page each way
-instead of two. The orderings below hold in both modes; where they differ, it is said.
+instead of two. ``in_step`` makes the copies inside the model step's own program (the
+engine's runner defers them: ``poll(defer=True)``, ``execute(defer=True)``, then
+``take_in_step`` for the step's first call, ``finish_in_step`` with its outputs, and
+``flush`` for what no call took): arrived host pages are operands in pinned_host landed
+first thing in the program, before the model; outbound pages are gathered last, after
+the model, into outputs in pinned_host. What the call does not take (a count outside its
+compiled bucket, a page it writes, a step whose first call has no in_step variant) goes
+by ``fused`` mode's separate programs, dispatched before the call. The orderings below
+hold in every mode; where they differ, it is said.
+
+Read before write in ``in_step`` mode (pages reused in the same step). Within one
+program there is no dispatch order, only dataflow: XLA may schedule any read of the pool
+value the step received after an in-place write of it, or, as it does when it cannot
+prove the order, copy the whole donated pool first (measured on XLA:CPU: a gather of the
+received pool beside the step's writes cost two pool-sized copies per step;
+``optimization_barrier`` did not order them). So the step never reads the received pool:
+- *Outbound pages are gathered after every write of the step*, from the pool it
+  returns, so the dataflow orders them and the pool stays in place. That is only right
+  for pages the step does not write, and ``take_in_step`` gives it only those: the
+  runner passes the pages its call writes KV to (every column of every row looked up in
+  its page tables, padding included: a superset), and a page among them is gathered
+  before the call by the separate gather (dispatch order, as in ``fused`` mode).
+- *A page freed by a rotate-out and reused by a rotate-in of the same step* is not
+  written by that step: its inbound copy lands no earlier than the next step's first
+  call (``poll`` defers the landing; as in ``fused`` mode, where it lands in the next
+  ``poll``), whose program starts from the pool this step's program returned, after
+  this step's gather read it. The same holds for a page freed and given to a request
+  scheduled in the same step: the request's KV write makes it a written page, gathered
+  before the call.
+- *Arrived pages land before anything reads them.* The landing is the program's first
+  write and the model runs on its result; the request was made runnable by the
+  ``poll`` that deferred its landing, and its rows run in this same call or a later one
+  (a step's copies ride only its first call, so a later call of the step reads the pool
+  the first returned). If no call runs, ``flush`` lands them before the next step.
+- *A page that lands and leaves in one step* (its request made runnable by this step's
+  ``poll`` and rotated out again by this step's plan) is gathered after it landed: in
+  the program (landing first, gather last), or by the separate programs, which land
+  before they gather (as ``fused`` mode's ``poll`` lands before ``execute`` gathers); a
+  page gathered by the separate program (one the call writes) is landed by the separate
+  program too, never by the call that follows (``_eligible_in``).
+- *Host pages.* An inbound host page stays referenced by the deferred landing until the
+  program that reads it is dispatched (the dispatched program then holds it); the
+  outbound host pages are the step's own outputs, written once.
 
 How each ordering is guaranteed (by JAX data dependencies, on CPU and GPU alike):
 - *A page is read for eviction before a step that reuses it writes it.* The gather in
@@ -58,9 +100,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import jax
+import numpy as np
 
 from superinfer_jax.duplexkv.mover import PageMover
 from superinfer_jax.duplexkv.stats import CopyBatch, TransferStats
@@ -92,6 +137,38 @@ class _Flight:
     batch: CopyBatch
 
 
+@dataclass
+class _Deferred:
+    """Outbound copies ``execute(defer=True)`` left for the model step (in_step mode)."""
+
+    moves_out: list[PageMoves]
+    shadows: list[PageMoves]
+    t0: float
+
+
+@dataclass
+class _Taken:
+    """Outbound copies a step took: host pages ``rest`` gathered before it (for the
+    pages at ``rest_idx``); the step's own, for ``step_idx``, come with its outputs."""
+
+    deferred: _Deferred
+    rest: list[jax.Array]
+    step_idx: list[int]
+    rest_idx: list[int]
+
+
+@dataclass(frozen=True)
+class StepCopies:
+    """The page copies one model step makes inside its own program (in_step mode):
+    land ``in_pages`` (pinned_host) at ``pool[in_ids]`` before the model, gather
+    ``pool[out_ids]`` to pinned_host after it (``mover.land_in_step``,
+    ``mover.gather_in_step``)."""
+
+    out_ids: np.ndarray  # [num_out] int32
+    in_ids: np.ndarray  # [num_in] int32
+    in_pages: tuple[jax.Array, ...]  # num_in host pages
+
+
 def _arrived(arrays: list[jax.Array]) -> bool | None:
     """None while any copy is pending; then True, or False when one carries an error."""
     try:
@@ -121,6 +198,13 @@ class DuplexKV:
                                pool_sharding, copy_mode)
         self.stats = TransferStats()
         self._flights: list[_Flight] = []
+        # in_step mode, between ``execute(defer=True)`` and the step (``take_in_step``,
+        # ``finish_in_step``) or ``flush``
+        self._deferred: _Deferred | None = None
+        self._landing: list[tuple[int, jax.Array]] = []  # (device page, host page)
+        self._taken: _Taken | None = None
+        self._failed_out: list[RotationEvent] = []
+        self.pages_in_step = 0  # pages (both ways) a model step copied in its own program
 
     @property
     def num_in_flight(self) -> int:
@@ -137,8 +221,12 @@ class DuplexKV:
 
     # -- step (1): observe ---------------------------------------------------------------
 
-    def poll(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
-        """Observe finished copies and land arrived pages; returns the new pool."""
+    def poll(self, pool: jax.Array, defer: bool = False) -> tuple[jax.Array, list[RotationEvent]]:
+        """Observe finished copies and land arrived pages; returns the new pool.
+
+        ``defer`` (``in_step`` mode only): arrived pages are not landed here but by the
+        next call's program, first thing (``take_in_step``), or by ``flush``; the caller
+        must call one of them before anything reads or writes the pool."""
         self._drop_freed()
         now = time.perf_counter()
         events: list[RotationEvent] = []
@@ -165,7 +253,11 @@ class DuplexKV:
         self._flights = pending
         if landing:
             ids = [d for f in landing for d in f.pages]
-            pool = self.mover.scatter(pool, ids, [a for f in landing for a in f.arrays])
+            arrays = [a for f in landing for a in f.arrays]
+            if defer and self.in_step:
+                self._landing += list(zip(ids, arrays, strict=True))
+            else:
+                pool = self.mover.scatter(pool, ids, arrays)
             now = time.perf_counter()  # fused mode's in-copy is this scatter: count it
             for f in landing:
                 f.batch.done_one(now, self.stats)
@@ -176,38 +268,164 @@ class DuplexKV:
     # -- step (3): issue -----------------------------------------------------------------
 
     def execute(self, pool: jax.Array, moves_out: list[PageMoves], moves_in: list[PageMoves],
-                shadows: list[PageMoves]) -> list[RotationEvent]:
+                shadows: list[PageMoves], defer: bool = False) -> list[RotationEvent]:
         """Issue this step's copies; returns FAILED events for copies that failed to issue.
 
-        Must run after the plan's bookkeeping and before the step that donates ``pool``."""
+        Must run after the plan's bookkeeping and before the step that donates ``pool``.
+        ``defer`` (``in_step`` mode only; the caller then must call ``take_in_step`` or
+        ``flush`` before anything writes ``pool``): the outbound copies wait for the model
+        step, which may take some of them (``take_in_step``); the inbound ones are issued
+        as in ``fused`` mode (a later ``poll`` observes them)."""
         t0 = time.perf_counter()
         inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
         self._drop_freed()
         events: list[RotationEvent] = []
+        if self._deferred is not None:
+            raise RuntimeError("execute called again before the deferred copies were taken")
         # Inbound first: its copies need nothing from this step, and on CPU the gather
         # below runs in this thread (a copy-only program is run inline), so issued the
         # other way round the in-copy would wait for it instead of running beside it.
         if moves_in:
             events += self._issue_in(moves_in, inbound, t0)
         if moves_out or shadows:
-            events += self._issue_out(pool, moves_out, shadows, t0)
+            if defer and self.in_step:
+                self._deferred = _Deferred(moves_out, shadows, t0)
+            else:
+                events += self._issue_out(pool, moves_out, shadows, t0)
         self.stats.failures += len(events)
         self.stats.dispatch_s += time.perf_counter() - t0
         return events
+
+    # -- in_step mode: copies inside the model step ------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        return self.mover.copy_mode == "in_step"
+
+    @property
+    def has_deferred(self) -> bool:
+        """Whether copies wait for the next call (``take_in_step``) or ``flush``."""
+        return self._deferred is not None or bool(self._landing)
+
+    def in_step_pending(self, written: Collection[int] = ()) -> tuple[int, int]:
+        """Deferred pages a call writing KV to the pages ``written`` could copy in its
+        program: (out, in). An outbound page the call writes is not one: it is gathered
+        before the call (see ``take_in_step``)."""
+        return len(self._eligible_out(written)), len(self._eligible_in(written))
+
+    def _device_ids_out(self) -> list[int]:
+        if self._deferred is None:
+            return []
+        return [d for m in self._deferred.moves_out + self._deferred.shadows
+                for d in m.device_pages]
+
+    def _eligible_out(self, written: Collection[int]) -> list[int]:
+        """Indices (into ``_device_ids_out``) of the deferred outbound pages a call that
+        writes KV to ``written`` may gather after its model ran: those it does not write.
+        A page landing now may be one (a request made runnable by this step's ``poll``
+        and rotated out again by its plan): landed before the call or first thing in it,
+        it is gathered after the landing either way."""
+        written = set(written)
+        return [k for k, d in enumerate(self._device_ids_out()) if d not in written]
+
+    def _eligible_in(self, written: Collection[int]) -> list[int]:
+        """Indices (into ``_landing``) of the arrived pages a call that writes KV to
+        ``written`` may land: all but a page that also leaves in this step and is
+        gathered before the call (it must land before that gather, so before the call)."""
+        before = set(written) & set(self._device_ids_out())
+        return [k for k, (d, _) in enumerate(self._landing) if d not in before]
+
+    def take_in_step(self, pool: jax.Array, num_out: int, num_in: int,
+                     written: Collection[int] = ()) -> tuple[jax.Array, StepCopies]:
+        """Hand the call about to be dispatched on ``pool`` (which writes KV only to
+        pages in ``written``) the first ``num_in`` arrived pages to land before its model
+        and ``num_out`` deferred outbound pages to gather after it. What it does not take
+        is copied now, by the separate programs, before the call: the arrived rest landed,
+        then the outbound rest gathered (``_copy_out``, called even with no page, so a
+        copy failure fails the batch as in the other modes; after the landing, as in
+        ``fused`` mode, where ``poll`` lands before ``execute`` gathers: a page may land
+        and leave in one step). Returns the pool the call takes; ``finish_in_step``
+        takes its gathered host pages."""
+        eligible, eligible_in = self._eligible_out(written), self._eligible_in(written)
+        if len(eligible) < num_out or len(eligible_in) < num_in:
+            raise ValueError(f"{num_out} out / {num_in} in asked, {len(eligible)} / "
+                             f"{len(eligible_in)} may go in the step")
+        in_step_land = set(eligible_in[:num_in])
+        landing = [x for k, x in enumerate(self._landing) if k in in_step_land]
+        later = [x for k, x in enumerate(self._landing) if k not in in_step_land]
+        self._landing = []
+        if later:
+            pool = self.mover.scatter(pool, [d for d, _ in later], [a for _, a in later])
+        device_ids = self._device_ids_out()
+        deferred, self._deferred = self._deferred, None
+        self._taken = None
+        step_idx = eligible[:num_out]
+        chosen = set(step_idx)
+        rest_idx = [k for k in range(len(device_ids)) if k not in chosen]
+        if deferred is not None:
+            try:
+                rest = self._copy_out(pool, [device_ids[k] for k in rest_idx])
+            except Exception:  # noqa: BLE001 - nothing will reach the host
+                self.kv.drop_shadows([h for m in deferred.shadows for h in m.host_pages])
+                self._failed_out = [RotationEvent(m.req_id, EventKind.FAILED)
+                                    for m in deferred.moves_out]
+                self.stats.failures += len(self._failed_out)
+            else:
+                self._taken = _Taken(deferred, rest, step_idx, rest_idx)
+        self.pages_in_step += num_out + num_in
+        return pool, StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
+                                np.asarray([d for d, _ in landing], np.int32),
+                                tuple(a for _, a in landing))
+
+    def finish_in_step(self, out_pages: Sequence[jax.Array]) -> list[RotationEvent]:
+        """Register the outbound copies of a step dispatched with ``take_in_step``'s
+        copies: ``out_pages`` are its gathered host pages (not waited for)."""
+        events, self._failed_out = self._failed_out, []
+        taken, self._taken = self._taken, None
+        if taken is not None:
+            arrays: list[jax.Array | None] = [None] * (len(taken.step_idx) + len(taken.rest_idx))
+            for k, a in zip(taken.step_idx, out_pages, strict=True):
+                arrays[k] = a
+            for k, a in zip(taken.rest_idx, taken.rest, strict=True):
+                arrays[k] = a
+            d = taken.deferred
+            self._register_out(d.moves_out, d.shadows, cast(list[jax.Array], arrays), d.t0)
+        return events
+
+    def flush(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
+        """Copy what ``poll(defer=True)`` and ``execute(defer=True)`` left for a call
+        that did not take it, by the separate programs (before anything reads or writes
+        ``pool``); returns the new pool and the copies that failed to issue."""
+        events: list[RotationEvent] = []
+        landing, self._landing = self._landing, []
+        if landing:  # first: a page may land and leave in one step (see take_in_step)
+            pool = self.mover.scatter(pool, [d for d, _ in landing], [a for _, a in landing])
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            events = self._issue_out(pool, deferred.moves_out, deferred.shadows, deferred.t0)
+            self.stats.failures += len(events)
+        return pool, events
 
     def _issue_out(self, pool: jax.Array, moves_out: list[PageMoves],
                    shadows: list[PageMoves], t0: float) -> list[RotationEvent]:
         moves = moves_out + shadows
         device_ids = [d for m in moves for d in m.device_pages]
-        host_ids = [h for m in moves for h in m.host_pages]
         try:
             arrays = self._copy_out(pool, device_ids)
         except Exception:  # noqa: BLE001 - nothing reached the host
             self.kv.drop_shadows([h for m in shadows for h in m.host_pages])
             return [RotationEvent(m.req_id, EventKind.FAILED) for m in moves_out]
+        self._register_out(moves_out, shadows, arrays, t0)
+        return []
+
+    def _register_out(self, moves_out: list[PageMoves], shadows: list[PageMoves],
+                      arrays: list[jax.Array], t0: float) -> None:
+        """Outbound copies issued: ``arrays`` are the host pages of ``moves_out`` then
+        ``shadows``, in order."""
+        host_ids = [h for m in moves_out + shadows for h in m.host_pages]
         self.host.put(host_ids, arrays)
         num_shadow = sum(len(m) for m in shadows)
-        self._count_out(len(device_ids), num_shadow, len(moves_out))
+        self._count_out(len(host_ids), num_shadow, len(moves_out))
         batch = CopyBatch("out", t0)
         for m in moves_out:  # done when every host page of the request is, shadows too
             parked = self.host.get(self.kv.host_table(m.req_id))
@@ -215,7 +433,6 @@ class DuplexKV:
         if shadows:
             self._add(_Flight("", "shadow", arrays[len(arrays) - num_shadow:],
                               host_ids[len(host_ids) - num_shadow:], batch))
-        return []
 
     def _issue_in(self, moves_in: list[PageMoves], inbound: list[list[jax.Array]],
                   t0: float) -> list[RotationEvent]:

@@ -10,7 +10,11 @@ two KV heads, at tensor parallelism 1 and 2, and with both attention backends, i
   and deferred sampling's smallest row bucket;
 - DuplexKV's page gather and scatter at the smallest and largest staging bucket, in
   ``device_put`` mode (the GPU default) and ``fused`` mode (host pages as operands in
-  ``pinned_host`` memory, the form copies inside a step take).
+  ``pinned_host`` memory);
+- the decode step with in-step rotation (``in_step`` copy mode: rotated-in host pages as
+  ``pinned_host`` operands landed in the step, rotated-out pages gathered into
+  ``pinned_host`` outputs), at the smallest and largest decode bucket with pages both
+  ways, beside the plain step above (the engine runs in ``in_step`` mode here).
 
 Pallas is lowered as on a GPU, through the Triton backend (``default_interpret`` is made
 False for this process), so the report says whether the Triton kernel call is in the
@@ -53,7 +57,7 @@ def _engine(tp: int, backend: str):
     config = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                           max_prefill_chunk=64, page_size=16, num_device_pages=40,
                           num_host_pages=16, show_progress=False, warmup=False,
-                          tensor_parallel_size=tp,
+                          tensor_parallel_size=tp, copy_mode="in_step", in_step_pages=2,
                           attention_backend=backend)
     return LLMEngine(random_servable(cfg, seed=0), config)
 
@@ -76,6 +80,11 @@ def _step_cases(engine) -> dict[str, dict]:
                     TokenFeedback.none(rows, runner.no_tokens))
             out[f"step {kind} {rows}x{cols}"] = _summary(
                 _lower_text(runner.step_programs.jitted, *args))
+    for rows, cols, num_out, num_in in runner.in_step_shapes():
+        if rows in (decode[0][0], decode[-1][0]) and num_out and num_in:
+            args = runner._in_step_specs(rows, cols, num_out, num_in)
+            out[f"in_step decode {rows}x{cols} out{num_out} in{num_in}"] = _summary(
+                _lower_text(runner.in_step_programs.jitted, *args))
     rows = runner.resample_buckets[0]
     resample_args = (rows, runner._resample_warmup_logits(), runner.empty_inputs(rows, 1),
                      SamplingInputs.greedy(rows), runner.neutral_logits_inputs(rows, 1))

@@ -1,9 +1,10 @@
 """The GPU path checked without a GPU: the engine's programs lower for CUDA on CPU.
 
 ``cuda_lowering_check`` (its own process, two virtual CPU devices) lowers the model step
-at the smallest and largest buckets of each kind, deferred sampling, and DuplexKV's page
-gather and scatter in both copy modes, at tensor parallelism 1 and 2, with the XLA and
-the Pallas (Triton) attention. A construct with no CUDA lowering rule fails here.
+at the smallest and largest buckets of each kind, with and without in-step rotation
+(``in_step`` copy mode), deferred sampling, and DuplexKV's page gather and scatter in both
+separate-program copy modes, at tensor parallelism 1 and 2, with the XLA and the Pallas
+(Triton) attention. A construct with no CUDA lowering rule fails here.
 """
 
 from __future__ import annotations
@@ -69,3 +70,18 @@ def test_page_copies_lower_in_both_modes(report: dict, tp: int):
         copies = {n: c for n, c in cases.items() if f" {mode} " in n}
         assert {n.split()[0] for n in copies} == {"gather", "scatter"}
         assert all(c["pinned_host"] == host for c in copies.values()), copies
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_step_with_in_step_rotation_lowers(report: dict, run: str):
+    """The decode step with its page copies inside (smallest and largest decode bucket,
+    pages both ways): pinned_host operands and outputs in the module, on the mesh, with
+    the run's attention backend, as the plain step."""
+    cases = report[run]["cases"]
+    in_step = {n: c for n, c in cases.items() if n.startswith("in_step decode")}
+    assert len(in_step) == 2, sorted(cases)
+    plain = {n: c for n, c in cases.items() if n.startswith("step decode")}
+    assert all(c["pinned_host"] for c in in_step.values()), in_step
+    assert not any(c["pinned_host"] for c in plain.values()), plain
+    triton = {n: "__gpu$xla.gpu.triton" in c["custom_calls"] for n, c in in_step.items()}
+    assert all(v == run.endswith("pallas") for v in triton.values()), triton
