@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer_jax.config import BucketLimits, EngineConfig
+from superinfer_jax.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)
 
 STEP = "step"
 RESAMPLE = "resample"
 DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
+REFILL = "refill"  # compile for real what XLA's cache served (``ExecutableCache.refill``)
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
 # A background compile starts once the engine has been idle for QUIET_S, or busy for
 # BUSY_WAIT_S (a server that never idles still compiles): see BucketCompiler.
@@ -72,10 +74,14 @@ class Programs:
     (the jitted function's ``static_argnums``), part of the key and not passed to the
     executable."""
 
-    def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0):
+    def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0,
+                 cache: ExecutableCache | None = None, name: str = ""):
         self.jitted = jitted
         self._key = key
         self._num_static = num_static
+        # serialized executables on disk: a warm start skips tracing and lowering
+        self.cache = cache
+        self.name = name
         self._executables: dict[Hashable, Any] = {}
         self.num_fallback_calls = 0  # calls on a shape nobody compiled ahead
 
@@ -86,8 +92,13 @@ class Programs:
     def compile(self, *args: Any) -> None:
         """Compile the shape of ``args`` (abstract values will do; nothing runs)."""
         key = self._key(args)
-        if key not in self._executables:
+        if key in self._executables:
+            return
+        if self.cache is None:
             self._executables[key] = self.jitted.lower(*args).compile()
+        else:
+            self._executables[key] = self.cache.get_or_compile(
+                self.name, args, lambda: self.jitted.lower(*args))
 
     def __call__(self, *args: Any) -> Any:
         executable = self._executables.get(self._key(args))

@@ -28,9 +28,10 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from superinfer_jax import ops, parallel
+from superinfer_jax import executable_cache, ops, parallel
 from superinfer_jax.compilation import (
     DUPLEX,
+    REFILL,
     RESAMPLE,
     STEP,
     BucketCompiler,
@@ -43,6 +44,7 @@ from superinfer_jax.compilation import (
 )
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.duplexkv import DuplexKV, RotationEvent
+from superinfer_jax.executable_cache import ExecutableCache
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
@@ -144,9 +146,12 @@ class ModelRunner:
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         # Called like the jitted functions; each shape compiled ahead of time (warm-up).
-        self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape)
+        cache = self._executable_cache()
+        self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape,
+                                      cache=cache, name=STEP)
         self.resample_programs = Programs(jax.jit(self._resample, static_argnums=(0,)),
-                                          key=lambda a: (a[0],), num_static=1)
+                                          key=lambda a: (a[0],), num_static=1,
+                                          cache=cache, name=RESAMPLE)
         self._step_fn: Callable[..., Any] = self.step_programs
         self._resample_fn: Callable[..., Any] = self.resample_programs
         self.resample_buckets = tuple(b for b in config.decode_buckets
@@ -216,6 +221,29 @@ class ModelRunner:
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
                         pool_sharding=parallel.pool_sharding(self.mesh))
+
+    def _executable_cache(self) -> ExecutableCache | None:
+        """The serialized-executable cache (``superinfer_jax.executable_cache``) beside
+        the XLA cache, keyed also by what the step and resample close over: the engine
+        config (less what no program reads), the model's plain attributes and class, the
+        attention backend, the weights' tree and the mesh. None without a cache
+        directory, and for a multi-process group (each process loads its own devices'
+        programs; not validated there)."""
+        cfg = self.config
+        if not cfg.compilation_cache_dir or jax.process_count() > 1:
+            return None
+        model = self.model
+        context = {
+            "engine": cfg.replace(compilation_cache_dir=None, show_progress=True, warmup=True,
+                                  compile_in_background=False, seed=0),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "model": executable_cache.describe(model),
+            "backend": self.backend,
+            "feedback_width": self.feedback_width,
+            "params": str(self._params_treedef),
+            "mesh": repr(self.mesh),
+        }
+        return ExecutableCache.under(cfg.compilation_cache_dir, context)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
@@ -294,6 +322,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         duplex = self.duplex.mover.buckets if self.duplex is not None else ()
         order = compile_order(self.config, self.resample_buckets, duplex)
+        if background and self.step_programs.cache is not None:
+            order.append(Program(REFILL, ()))  # last: after every hit it may refill
         first = ready_set(self.config) if background else order
         bar = tqdm(total=len(first), desc="compiling step buckets",
                    disable=not self.config.show_progress)
@@ -370,6 +400,12 @@ class ModelRunner:
         elif program.kind == DUPLEX:
             assert self.duplex is not None  # only listed with a host tier
             self.duplex.mover.compile_ahead(self._pool_spec, program.shape[0])
+        elif program.kind == REFILL:
+            assert self.step_programs.cache is not None  # only listed with a cache
+            if self.step_programs.cache.num_pending:
+                log.info("executable cache: compiling %d programs XLA's cache served, to "
+                         "store them", self.step_programs.cache.num_pending)
+                self.step_programs.cache.refill()
         else:
             self.resample_programs.compile(*self._resample_specs(program.shape[0]))
 
