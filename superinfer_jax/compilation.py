@@ -165,7 +165,9 @@ class BucketCompiler:
     A compile that fails stops the rest; ``error`` holds it and ``wait_ready`` raises it.
     ``on_compiled(program)`` runs on the worker thread after each compile.
 
-    Background compiles wait for the engine: the next one starts once the engine has
+    No background compile starts before the ready set is compiled (a thread done with
+    its ready program waits), and then background compiles wait for the engine: the
+    next one starts once the engine has
     been idle (``set_busy(False)``) for ``quiet_s``, or busy (``set_busy(True)``: requests
     in flight) for ``busy_wait_s``; until the engine first says either (its first runs
     after the ready set), they wait. Nice 10 does not stop a compile from holding the GIL
@@ -271,8 +273,15 @@ class BucketCompiler:
     def _work(self) -> None:
         niced = False
         while True:
-            if self._background and self.ready.is_set():
-                self._wait_for_engine()
+            if self._background:
+                with self._lock:  # next is past the ready set: the ready set first
+                    past_ready = bool(self._queue) and self._queue[0][0] >= self._num_ready
+                if past_ready or self.ready.is_set():
+                    # A thread done with its ready program waits for the others: on a
+                    # cold start a background compile beside the last ready one took
+                    # CPU from it (on 2 shared cores, [1, 16] finished after duplex 1).
+                    self.ready.wait()
+                    self._wait_for_engine()
             with self._lock:
                 if not self._queue:
                     return

@@ -240,6 +240,35 @@ def test_cancel_waits_for_the_compile_under_way():
     assert compiled == [Program(STEP, (1, 1)), Program(STEP, (1, 16))]
 
 
+def test_no_background_compile_starts_before_the_ready_set_is_compiled():
+    """Two threads, two ready programs: the thread that finishes [1, 1] first does not
+    take [1, 32] while [1, 16] still compiles (it would take a core from it)."""
+    release = threading.Event()
+    started: list[Program] = []
+    ready_then: list[bool] = []
+    compiler: BucketCompiler | None = None
+
+    def compile_one(program: Program) -> None:
+        started.append(program)
+        if program.shape == (1, 16):
+            release.wait(600)
+        if compiler is not None:
+            ready_then.append(compiler.ready.is_set())
+
+    programs = [Program(STEP, (1, c)) for c in (1, 16, 32, 64)]
+    compiler = BucketCompiler(compile_one, programs, num_ready=2, num_threads=2,
+                              background=True, quiet_s=0.0, busy_wait_s=0.0)
+    compiler.set_busy(False)
+    deadline = time.monotonic() + 600
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # time for a thread that would not wait to start [1, 32]
+    assert started == programs[:2] and not compiler.ready.is_set()
+    release.set()
+    assert compiler.wait_done(timeout=600)
+    assert sorted(started[2:], key=str) == sorted(programs[2:], key=str)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_value_names_the_field(value):
     with pytest.raises(ConfigError) as e:
