@@ -141,12 +141,14 @@ class Server:
 
 
 _PHASES = {
+    "fronts_s": r"fronts listening ([\d.]+) s after the process started",
     "load_s": r"loaded in ([\d.]+) s",
     "step_buckets_s": r"step buckets ([\d.]+) s",
     "first_runs_s": r"first runs ([\d.]+) s",
     "duplex_s": r"DuplexKV copies ([\d.]+) s",
     "latency_profile_s": r"latency profile ([\d.]+) s",
     "engine_ready_s": r"ready in ([\d.]+) s",
+    "ready_cpu_s": r"ready [\d.]+ s after the process started \(([\d.]+) s CPU\)",
 }
 
 

@@ -61,6 +61,7 @@ class ExecutableCache:
         # programs XLA's cache served, to compile for real later (``refill``)
         self._pending: list[tuple[str, str, Callable[[], Any]]] = []
         self._lock = threading.Lock()
+        self.num_loaded = 0  # programs this process loaded from the cache
 
     @classmethod
     def under(cls, cache_dir: str, context: Mapping[str, Any]) -> ExecutableCache:
@@ -89,6 +90,8 @@ class ExecutableCache:
         executable = self.load(key, args)
         if executable is not None:
             log.debug("executable cache hit: %s", name)
+            with self._lock:
+                self.num_loaded += 1
             return executable
         _listen_for_xla_cache_hits()
         _thread.xla_cache_hit = False

@@ -128,11 +128,17 @@ class ModelRunner:
         # the pages it names.
         self.kv = TwoTierKVManager.for_config(config, self.num_device_pages,
                                               self.num_host_pages)
-        self.kv_pool = self._new_pool()
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
             self.duplex = self._new_duplex()
-            self.kv_pool = self.duplex.adopt(self.kv_pool)
+        self._pool_spec = jax.ShapeDtypeStruct(
+            self.layout.pool_shape(self.num_device_pages), jax.numpy.dtype(self.layout.dtype),
+            sharding=self._pool_sharding())
+        self._kv_pool: jax.Array | None = None
+        self._pool_error: BaseException | None = None
+        self._pool_thread = threading.Thread(target=self._allocate_pool, name="kv-pool",
+                                             daemon=True)
+        self._pool_thread.start()
         self.backend = ops.resolve_backend(config.attention_backend)
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
@@ -162,8 +168,6 @@ class ModelRunner:
         self.compiler: BucketCompiler | None = None
         self.duplex_warm = True  # DuplexKV's copy programs compiled (or none to compile)
         self._limits_lock = threading.Lock()
-        self._pool_spec = jax.ShapeDtypeStruct(self.kv_pool.shape, self.kv_pool.dtype,
-                                               sharding=self.kv_pool.sharding)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -191,6 +195,47 @@ class ModelRunner:
         parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
         return model
 
+    @property
+    def kv_pool(self) -> jax.Array:
+        """The device KV pool; the first read waits for ``_allocate_pool``."""
+        if self._kv_pool is None:
+            self._pool_thread.join()
+            if self._pool_error is not None:
+                raise RuntimeError(f"allocating the KV pool failed: {self._pool_error}"
+                                   ) from self._pool_error
+            assert self._kv_pool is not None
+        return self._kv_pool
+
+    @kv_pool.setter
+    def kv_pool(self, pool: jax.Array) -> None:
+        self._kv_pool = pool
+
+    def _allocate_pool(self) -> None:
+        """Build the zeroed pool on its own thread: zeroing it (2 GiB by default on CPU)
+        is ~1.5 s of CPU on the caller's thread (XLA:CPU runs the fill inline), which
+        now overlaps the loading or compiling of the ready set; the first read of
+        ``kv_pool`` (the warm-up's first run) waits for it. The pool's placement was
+        promised to the compiles (``_pool_spec``): a pool placed otherwise is an error
+        here, not a recompile in the serving path."""
+        try:
+            pool = self._new_pool()
+            if self.duplex is not None:
+                pool = self.duplex.adopt(pool)
+            if pool.sharding != self._pool_spec.sharding:
+                raise RuntimeError(f"the pool is placed {pool.sharding}, its programs are "
+                                   f"compiled for {self._pool_spec.sharding}")
+            self._kv_pool = pool
+        except BaseException as e:  # raised by the first read of kv_pool
+            self._pool_error = e
+
+    def _pool_sharding(self) -> jax.sharding.Sharding:
+        """Where ``_allocate_pool`` places the pool (known before it has run)."""
+        if self.duplex is not None:
+            return self.duplex.pool_sharding or self.duplex.host.device_sharding
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return parallel.pool_sharding(self.mesh)
+
     def _new_pool(self) -> jax.Array:
         """The zeroed device pool, committed: an uncommitted array is a different jit cache
         key, and the first real step would recompile a bucket warm-up already compiled.
@@ -216,7 +261,7 @@ class ModelRunner:
     def _new_duplex(self) -> DuplexKV:
         cfg = self.config
         if self.mesh is None:
-            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
+            host = HostPool(self.num_host_pages, jax.devices()[0])  # the pool's device
             return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages)
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
@@ -347,6 +392,10 @@ class ModelRunner:
         finally:
             bar.close()
         t1 = time.perf_counter()
+        cache = self.step_programs.cache
+        if cache is not None:
+            log.info("executable cache: %d programs loaded, %d compiled to ready",
+                     cache.num_loaded, len(first) - cache.num_loaded)
         try:
             for program in first:
                 self._run_once(program)

@@ -274,3 +274,29 @@ def test_bad_value_names_the_field(value):
     with pytest.raises(ConfigError) as e:
         EngineConfig(compile_in_background=value)
     assert e.value.key == "compile_in_background"
+
+
+@pytest.mark.parametrize("host_pages", [0, 16])
+def test_the_pool_is_zeroed_off_the_callers_thread_and_placed_as_compiled(tiny, host_pages):
+    """The pool is built on its own thread (its zeroing overlaps the ready set's
+    compiles); its first read waits for it: all zeros, placed as the programs were
+    compiled for (with and without DuplexKV's host tier, which re-places it)."""
+    engine = LLMEngine(tiny, CFG.replace(warmup=False, num_host_pages=host_pages))
+    runner = engine.runner
+    pool = runner.kv_pool
+    assert runner._pool_thread.name == "kv-pool" and not runner._pool_thread.is_alive()
+    assert pool.shape == runner._pool_spec.shape and pool.dtype == runner._pool_spec.dtype
+    assert pool.sharding == runner._pool_spec.sharding
+    assert not np.asarray(pool).any()
+
+
+def test_a_pool_that_failed_to_allocate_is_an_error_at_its_first_read(tiny, monkeypatch):
+    from superinfer_jax.model_runner import ModelRunner
+
+    def fail(self):
+        raise MemoryError("no room for the pool")
+
+    monkeypatch.setattr(ModelRunner, "_new_pool", fail)
+    engine = LLMEngine(tiny, CFG.replace(warmup=False))
+    with pytest.raises(RuntimeError, match="allocating the KV pool failed: no room"):
+        _ = engine.runner.kv_pool
