@@ -196,6 +196,7 @@ class BucketCompiler:
         self._ready_left = min(num_ready, len(programs))
         self.ready = threading.Event()
         self.done = threading.Event()
+        self.cancelled = threading.Event()  # ``cancel`` was called
         self.error: BaseException | None = None
         self.seconds: dict[Program, float] = {}  # each compiled program, wall clock
         if self._ready_left == 0:
@@ -261,6 +262,7 @@ class BucketCompiler:
         (the interpreter's exit tears down what it uses, and the process aborts with
         "terminate called ..." instead of its exit code). Returns whether every compile
         thread has ended."""
+        self.cancelled.set()
         with self._lock:
             self._queue.clear()
         with self._engine:

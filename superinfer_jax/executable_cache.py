@@ -32,7 +32,7 @@ import pickle
 import random
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,18 +113,23 @@ class ExecutableCache:
         with self._lock:
             return len(self._pending)
 
-    def refill(self) -> int:
+    def refill(self, keys: Collection[str] | None = None,
+               stop: Callable[[], bool] = lambda: False) -> int:
         """Compile for real, and store, the programs XLA's persistent cache served since
         the last call (a start after an edit of the source, or with a cache written by an
-        older version); returns how many were stored. Each compile passes an option that
-        only debug output reads, set to a random value, so that XLA's cache (whose key
-        includes the options) misses; run it in the background: it is a full compile."""
+        older version), only those of ``keys`` when given (the others are dropped);
+        returns how many were stored. Each compile passes an option that only debug
+        output reads, set to a random value, so that XLA's cache (whose key includes the
+        options) misses; run it in the background: it is a full compile. ``stop`` is
+        asked before each compile (a stopping server must not wait for them all)."""
         stored = 0
         while True:
             with self._lock:
-                if not self._pending:
+                if not self._pending or stop():
                     return stored
                 key, name, lower = self._pending.pop(0)
+            if keys is not None and key not in keys:
+                continue
             _listen_for_xla_cache_hits()
             _thread.xla_cache_hit = False
             options = {BYPASS_OPTION: random.randrange(1, 2**31)}

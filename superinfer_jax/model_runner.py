@@ -368,7 +368,7 @@ class ModelRunner:
         duplex = self.duplex.mover.buckets if self.duplex is not None else ()
         order = compile_order(self.config, self.resample_buckets, duplex)
         if background and self.step_programs.cache is not None:
-            order.append(Program(REFILL, ()))  # last: after every hit it may refill
+            order.append(Program(REFILL, ()))  # last: after the hits it may refill
         first = ready_set(self.config) if background else order
         bar = tqdm(total=len(first), desc="compiling step buckets",
                    disable=not self.config.show_progress)
@@ -450,11 +450,19 @@ class ModelRunner:
             assert self.duplex is not None  # only listed with a host tier
             self.duplex.mover.compile_ahead(self._pool_spec, program.shape[0])
         elif program.kind == REFILL:
-            assert self.step_programs.cache is not None  # only listed with a cache
-            if self.step_programs.cache.num_pending:
-                log.info("executable cache: compiling %d programs XLA's cache served, to "
-                         "store them", self.step_programs.cache.num_pending)
-                self.step_programs.cache.refill()
+            # Only the ready set, whose load is what a warm start waits for: after an
+            # edit of the source every program comes from XLA's cache, and compiling
+            # all ~20 again would be minutes of background CPU per edit.
+            cache = self.step_programs.cache
+            assert cache is not None  # only listed with a cache
+            ready = {cache.key(STEP, self._step_specs(*p.shape))
+                     for p in ready_set(self.config)}
+            compiler = self.compiler
+            stored = cache.refill(ready, stop=lambda: compiler is not None
+                                  and compiler.cancelled.is_set())
+            if stored:
+                log.info("executable cache: stored %d ready programs XLA's cache had "
+                         "served (compiled again)", stored)
         else:
             self.resample_programs.compile(*self._resample_specs(program.shape[0]))
 

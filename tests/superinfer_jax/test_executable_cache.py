@@ -185,7 +185,13 @@ def test_a_program_xla_cache_served_is_stored_by_refill(exe_dir, loads):
 
     want = cache.get_or_compile("f", (x, y), served_by_xla)(x, y)
     assert not cache.path(key).exists() and cache.num_pending == 1
-    assert cache.refill() == 1 and cache.num_pending == 0 and len(calls) == 2
+    assert cache.refill(stop=lambda: True) == 0 and cache.num_pending == 1  # stopping
+    assert cache.refill(keys={"another program"}) == 0 and cache.num_pending == 0
+    assert len(calls) == 1  # dropped: not compiled
+    calls.clear()
+    cache.get_or_compile("f", (x, y), served_by_xla)
+    assert cache.num_pending == 1 and not cache.path(key).exists()
+    assert cache.refill(keys={key}) == 1 and cache.num_pending == 0 and len(calls) == 2
     loaded = cache.load(key, (x, y))
     assert loaded is not None
     np.testing.assert_array_equal(loaded(x, y), want)
