@@ -138,7 +138,10 @@ class ModelRunner:
         self._pool_error: BaseException | None = None
         self._pool_thread = threading.Thread(target=self._allocate_pool, name="kv-pool",
                                              daemon=True)
-        self._pool_thread.start()
+        if jax.process_count() == 1:
+            self._pool_thread.start()
+        else:  # several processes issue their device programs in one order: inline
+            self._allocate_pool()
         self.backend = ops.resolve_backend(config.attention_backend)
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
@@ -199,7 +202,8 @@ class ModelRunner:
     def kv_pool(self) -> jax.Array:
         """The device KV pool; the first read waits for ``_allocate_pool``."""
         if self._kv_pool is None:
-            self._pool_thread.join()
+            if self._pool_thread.ident is not None:
+                self._pool_thread.join()
             if self._pool_error is not None:
                 raise RuntimeError(f"allocating the KV pool failed: {self._pool_error}"
                                    ) from self._pool_error
