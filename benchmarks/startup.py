@@ -11,12 +11,14 @@ background warm-up (its log says so), the same request is sent ``--repeats`` mor
 state. Background compilation on (``--compile-in-background``) and off (the baseline:
 every bucket compiled before ready) run in the same invocation.
 
-The phases each start logged (model load, buckets, first runs, DuplexKV, latency
-profile) are parsed from the server's log into the JSON. Wall-clock ratios mean
-something only on an idle machine.
+The phases each start logged (fronts listening, model load, buckets, first runs,
+DuplexKV, latency profile, and ``ready_cpu_s``: the server process's CPU seconds from
+its start to ready) are parsed from the server's log into the JSON. Wall-clock ratios
+mean something only on an idle machine; on a shared one, compare ``ready_cpu_s``.
 
 Run time: ``--quick`` (4 step buckets, 2 resample, DuplexKV copies of at most 8 pages)
-took 8 minutes for both modes under load ~12-14 on 2 cores (each of its two cold starts
+took 4 minutes for ``--modes on`` under load ~7 on 2 cores, 8 minutes for both modes
+under load ~12-14 (each of its two cold starts
 compiles everything once); a few minutes on an idle machine. The full run (default
 config: 15 step buckets, 4 resample, DuplexKV copies up to 64 pages, a 100-token prompt)
 compiles about 25 programs per cold start: expect 10-15 minutes idle on 2 cores, and far
@@ -141,12 +143,14 @@ class Server:
 
 
 _PHASES = {
+    "fronts_s": r"fronts listening ([\d.]+) s after the process started",
     "load_s": r"loaded in ([\d.]+) s",
     "step_buckets_s": r"step buckets ([\d.]+) s",
     "first_runs_s": r"first runs ([\d.]+) s",
     "duplex_s": r"DuplexKV copies ([\d.]+) s",
     "latency_profile_s": r"latency profile ([\d.]+) s",
     "engine_ready_s": r"ready in ([\d.]+) s",
+    "ready_cpu_s": r"ready [\d.]+ s after the process started \(([\d.]+) s CPU\)",
 }
 
 

@@ -22,6 +22,7 @@ drain and the exit codes are the same either way.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -32,6 +33,23 @@ from serving.deploy_config import DeploymentConfig
 from serving.runtime import Runtime, ServerState
 
 log = logging.getLogger("superinfer.serve")
+
+
+def since_start() -> tuple[float, float]:
+    """Wall-clock and CPU seconds since this process started (Linux: its start time in
+    /proc, so the interpreter's start and every import count; elsewhere wall is NaN).
+    Logged at each start-up milestone: on a shared machine the wall clock mostly says
+    how busy the others were, the CPU time what start-up itself cost."""
+    cpu = time.process_time()
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        return uptime - started, cpu
+    except (OSError, ValueError, IndexError):
+        return float("nan"), cpu
 
 
 class _Interrupted(Exception):
@@ -152,13 +170,15 @@ def serve(config: DeploymentConfig, factory: EngineFactory | None = None) -> int
     runtime = Runtime(config)
     stop = threading.Event()
     fronts = _start_fronts(runtime)
+    log.info("fronts listening %.1f s after the process started (%.1f s CPU)", *since_start())
     engine = kv_events = None
     code = 0
     try:
         _install_signals(stop, runtime)
         engine, model, kv_events = _build_engine(config, runtime, factory)
         runtime.set_serving(engine, model)
-        log.info("serving %s", runtime.served_name)
+        log.info("serving %s: ready %.1f s after the process started (%.1f s CPU)",
+                 runtime.served_name, *since_start())
         while not stop.wait(0.5):
             if engine.failure is not None:
                 log.error("exiting: %s", engine.failure)

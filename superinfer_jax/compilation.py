@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer_jax.config import BucketLimits, EngineConfig
+from superinfer_jax.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)
 
 STEP = "step"
 RESAMPLE = "resample"
 DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
+REFILL = "refill"  # compile for real what XLA's cache served (``ExecutableCache.refill``)
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
 # A background compile starts once the engine has been idle for QUIET_S, or busy for
 # BUSY_WAIT_S (a server that never idles still compiles): see BucketCompiler.
@@ -72,10 +74,14 @@ class Programs:
     (the jitted function's ``static_argnums``), part of the key and not passed to the
     executable."""
 
-    def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0):
+    def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0,
+                 cache: ExecutableCache | None = None, name: str = ""):
         self.jitted = jitted
         self._key = key
         self._num_static = num_static
+        # serialized executables on disk: a warm start skips tracing and lowering
+        self.cache = cache
+        self.name = name
         self._executables: dict[Hashable, Any] = {}
         self.num_fallback_calls = 0  # calls on a shape nobody compiled ahead
 
@@ -86,8 +92,13 @@ class Programs:
     def compile(self, *args: Any) -> None:
         """Compile the shape of ``args`` (abstract values will do; nothing runs)."""
         key = self._key(args)
-        if key not in self._executables:
+        if key in self._executables:
+            return
+        if self.cache is None:
             self._executables[key] = self.jitted.lower(*args).compile()
+        else:
+            self._executables[key] = self.cache.get_or_compile(
+                self.name, args, lambda: self.jitted.lower(*args))
 
     def __call__(self, *args: Any) -> Any:
         executable = self._executables.get(self._key(args))
@@ -154,7 +165,9 @@ class BucketCompiler:
     A compile that fails stops the rest; ``error`` holds it and ``wait_ready`` raises it.
     ``on_compiled(program)`` runs on the worker thread after each compile.
 
-    Background compiles wait for the engine: the next one starts once the engine has
+    No background compile starts before the ready set is compiled (a thread done with
+    its ready program waits), and then background compiles wait for the engine: the
+    next one starts once the engine has
     been idle (``set_busy(False)``) for ``quiet_s``, or busy (``set_busy(True)``: requests
     in flight) for ``busy_wait_s``; until the engine first says either (its first runs
     after the ready set), they wait. Nice 10 does not stop a compile from holding the GIL
@@ -183,6 +196,7 @@ class BucketCompiler:
         self._ready_left = min(num_ready, len(programs))
         self.ready = threading.Event()
         self.done = threading.Event()
+        self.cancelled = threading.Event()  # ``cancel`` was called
         self.error: BaseException | None = None
         self.seconds: dict[Program, float] = {}  # each compiled program, wall clock
         if self._ready_left == 0:
@@ -248,6 +262,7 @@ class BucketCompiler:
         (the interpreter's exit tears down what it uses, and the process aborts with
         "terminate called ..." instead of its exit code). Returns whether every compile
         thread has ended."""
+        self.cancelled.set()
         with self._lock:
             self._queue.clear()
         with self._engine:
@@ -260,8 +275,15 @@ class BucketCompiler:
     def _work(self) -> None:
         niced = False
         while True:
-            if self._background and self.ready.is_set():
-                self._wait_for_engine()
+            if self._background:
+                with self._lock:  # next is past the ready set: the ready set first
+                    past_ready = bool(self._queue) and self._queue[0][0] >= self._num_ready
+                if past_ready or self.ready.is_set():
+                    # A thread done with its ready program waits for the others: on a
+                    # cold start a background compile beside the last ready one took
+                    # CPU from it (on 2 shared cores, [1, 16] finished after duplex 1).
+                    self.ready.wait()
+                    self._wait_for_engine()
             with self._lock:
                 if not self._queue:
                     return

@@ -28,9 +28,10 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from superinfer_jax import ops, parallel
+from superinfer_jax import executable_cache, ops, parallel
 from superinfer_jax.compilation import (
     DUPLEX,
+    REFILL,
     RESAMPLE,
     STEP,
     BucketCompiler,
@@ -45,6 +46,7 @@ from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.duplexkv import DuplexKV, RotationEvent
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from superinfer_jax.duplexkv.rotation import StepCopies
+from superinfer_jax.executable_cache import ExecutableCache
 from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
@@ -129,11 +131,20 @@ class ModelRunner:
         # the pages it names.
         self.kv = TwoTierKVManager.for_config(config, self.num_device_pages,
                                               self.num_host_pages)
-        self.kv_pool = self._new_pool()
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
             self.duplex = self._new_duplex()
-            self.kv_pool = self.duplex.adopt(self.kv_pool)
+        self._pool_spec = jax.ShapeDtypeStruct(
+            self.layout.pool_shape(self.num_device_pages), jax.numpy.dtype(self.layout.dtype),
+            sharding=self._pool_sharding())
+        self._kv_pool: jax.Array | None = None
+        self._pool_error: BaseException | None = None
+        self._pool_thread = threading.Thread(target=self._allocate_pool, name="kv-pool",
+                                             daemon=True)
+        if jax.process_count() == 1:
+            self._pool_thread.start()
+        else:  # several processes issue their device programs in one order: inline
+            self._allocate_pool()
         self.backend = ops.resolve_backend(config.attention_backend)
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self._committed(np.zeros(self.feedback_width, np.int32))
@@ -147,7 +158,9 @@ class ModelRunner:
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         # Called like the jitted functions; each shape compiled ahead of time (warm-up).
-        self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape)
+        cache = self._executable_cache()
+        self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape,
+                                      cache=cache, name=STEP)
         # in_step copy mode: the step with page copies inside, per (step shape, pages
         # out, pages in); see ``in_step_shapes``
         self.in_step_programs = Programs(
@@ -155,7 +168,8 @@ class ModelRunner:
             key=lambda a: (*a[2].tokens.shape, a[6].shape[0], a[7].shape[0]))
         self._rotation_events: list[RotationEvent] = []  # from copies issued in calls
         self.resample_programs = Programs(jax.jit(self._resample, static_argnums=(0,)),
-                                          key=lambda a: (a[0],), num_static=1)
+                                          key=lambda a: (a[0],), num_static=1,
+                                          cache=cache, name=RESAMPLE)
         self._step_fn: Callable[..., Any] = self.step_programs
         self._resample_fn: Callable[..., Any] = self.resample_programs
         self.resample_buckets = tuple(b for b in config.decode_buckets
@@ -166,8 +180,6 @@ class ModelRunner:
         self.compiler: BucketCompiler | None = None
         self.duplex_warm = True  # DuplexKV's copy programs compiled (or none to compile)
         self._limits_lock = threading.Lock()
-        self._pool_spec = jax.ShapeDtypeStruct(self.kv_pool.shape, self.kv_pool.dtype,
-                                               sharding=self.kv_pool.sharding)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -195,6 +207,48 @@ class ModelRunner:
         parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
         return model
 
+    @property
+    def kv_pool(self) -> jax.Array:
+        """The device KV pool; the first read waits for ``_allocate_pool``."""
+        if self._kv_pool is None:
+            if self._pool_thread.ident is not None:
+                self._pool_thread.join()
+            if self._pool_error is not None:
+                raise RuntimeError(f"allocating the KV pool failed: {self._pool_error}"
+                                   ) from self._pool_error
+            assert self._kv_pool is not None
+        return self._kv_pool
+
+    @kv_pool.setter
+    def kv_pool(self, pool: jax.Array) -> None:
+        self._kv_pool = pool
+
+    def _allocate_pool(self) -> None:
+        """Build the zeroed pool on its own thread: zeroing it (2 GiB by default on CPU)
+        is ~1.5 s of CPU on the caller's thread (XLA:CPU runs the fill inline), which
+        now overlaps the loading or compiling of the ready set; the first read of
+        ``kv_pool`` (the warm-up's first run) waits for it. The pool's placement was
+        promised to the compiles (``_pool_spec``): a pool placed otherwise is an error
+        here, not a recompile in the serving path."""
+        try:
+            pool = self._new_pool()
+            if self.duplex is not None:
+                pool = self.duplex.adopt(pool)
+            if pool.sharding != self._pool_spec.sharding:
+                raise RuntimeError(f"the pool is placed {pool.sharding}, its programs are "
+                                   f"compiled for {self._pool_spec.sharding}")
+            self._kv_pool = pool
+        except BaseException as e:  # raised by the first read of kv_pool
+            self._pool_error = e
+
+    def _pool_sharding(self) -> jax.sharding.Sharding:
+        """Where ``_allocate_pool`` places the pool (known before it has run)."""
+        if self.duplex is not None:
+            return self.duplex.pool_sharding or self.duplex.host.device_sharding
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return parallel.pool_sharding(self.mesh)
+
     def _new_pool(self) -> jax.Array:
         """The zeroed device pool, committed: an uncommitted array is a different jit cache
         key, and the first real step would recompile a bucket warm-up already compiled.
@@ -220,13 +274,36 @@ class ModelRunner:
     def _new_duplex(self) -> DuplexKV:
         cfg = self.config
         if self.mesh is None:
-            host = HostPool(self.num_host_pages, next(iter(self.kv_pool.devices())))
+            host = HostPool(self.num_host_pages, jax.devices()[0])  # the pool's device
             return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
                             copy_mode=cfg.copy_mode)
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
                         pool_sharding=parallel.pool_sharding(self.mesh),
                         copy_mode=cfg.copy_mode)
+
+    def _executable_cache(self) -> ExecutableCache | None:
+        """The serialized-executable cache (``superinfer_jax.executable_cache``) beside
+        the XLA cache, keyed also by what the step and resample close over: the engine
+        config (less what no program reads), the model's plain attributes and class, the
+        attention backend, the weights' tree and the mesh. None without a cache
+        directory, and for a multi-process group (each process loads its own devices'
+        programs; not validated there)."""
+        cfg = self.config
+        if not cfg.compilation_cache_dir or jax.process_count() > 1:
+            return None
+        model = self.model
+        context = {
+            "engine": cfg.replace(compilation_cache_dir=None, show_progress=True, warmup=True,
+                                  compile_in_background=False, seed=0),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "model": executable_cache.describe(model),
+            "backend": self.backend,
+            "feedback_width": self.feedback_width,
+            "params": str(self._params_treedef),
+            "mesh": repr(self.mesh),
+        }
+        return ExecutableCache.under(cfg.compilation_cache_dir, context)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
@@ -328,6 +405,8 @@ class ModelRunner:
         duplex = self.duplex.mover.buckets if self.duplex is not None else ()
         order = compile_order(self.config, self.resample_buckets, duplex)
         order += [Program(IN_STEP, shape) for shape in self.in_step_shapes()]  # last
+        if background and self.step_programs.cache is not None:
+            order.append(Program(REFILL, ()))  # last: after the hits it may refill
         first = ready_set(self.config) if background else order
         bar = tqdm(total=len(first), desc="compiling step buckets",
                    disable=not self.config.show_progress)
@@ -351,6 +430,10 @@ class ModelRunner:
         finally:
             bar.close()
         t1 = time.perf_counter()
+        cache = self.step_programs.cache
+        if cache is not None:
+            log.info("executable cache: %d programs loaded, %d compiled to ready",
+                     cache.num_loaded, len(first) - cache.num_loaded)
         try:
             for program in first:
                 self._run_once(program)
@@ -406,6 +489,20 @@ class ModelRunner:
             self.duplex.mover.compile_ahead(self._pool_spec, program.shape[0])
         elif program.kind == IN_STEP:
             self.in_step_programs.compile(*self._in_step_specs(*program.shape))
+        elif program.kind == REFILL:
+            # Only the ready set, whose load is what a warm start waits for: after an
+            # edit of the source every program comes from XLA's cache, and compiling
+            # all ~20 again would be minutes of background CPU per edit.
+            cache = self.step_programs.cache
+            assert cache is not None  # only listed with a cache
+            ready = {cache.key(STEP, self._step_specs(*p.shape))
+                     for p in ready_set(self.config)}
+            compiler = self.compiler
+            stored = cache.refill(ready, stop=lambda: compiler is not None
+                                  and compiler.cancelled.is_set())
+            if stored:
+                log.info("executable cache: stored %d ready programs XLA's cache had "
+                         "served (compiled again)", stored)
         else:
             self.resample_programs.compile(*self._resample_specs(program.shape[0]))
 

@@ -240,8 +240,63 @@ def test_cancel_waits_for_the_compile_under_way():
     assert compiled == [Program(STEP, (1, 1)), Program(STEP, (1, 16))]
 
 
+def test_no_background_compile_starts_before_the_ready_set_is_compiled():
+    """Two threads, two ready programs: the thread that finishes [1, 1] first does not
+    take [1, 32] while [1, 16] still compiles (it would take a core from it)."""
+    release = threading.Event()
+    started: list[Program] = []
+    ready_then: list[bool] = []
+    compiler: BucketCompiler | None = None
+
+    def compile_one(program: Program) -> None:
+        started.append(program)
+        if program.shape == (1, 16):
+            release.wait(600)
+        if compiler is not None:
+            ready_then.append(compiler.ready.is_set())
+
+    programs = [Program(STEP, (1, c)) for c in (1, 16, 32, 64)]
+    compiler = BucketCompiler(compile_one, programs, num_ready=2, num_threads=2,
+                              background=True, quiet_s=0.0, busy_wait_s=0.0)
+    compiler.set_busy(False)
+    deadline = time.monotonic() + 600
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # time for a thread that would not wait to start [1, 32]
+    assert started == programs[:2] and not compiler.ready.is_set()
+    release.set()
+    assert compiler.wait_done(timeout=600)
+    assert sorted(started[2:], key=str) == sorted(programs[2:], key=str)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_value_names_the_field(value):
     with pytest.raises(ConfigError) as e:
         EngineConfig(compile_in_background=value)
     assert e.value.key == "compile_in_background"
+
+
+@pytest.mark.parametrize("host_pages", [0, 16])
+def test_the_pool_is_zeroed_off_the_callers_thread_and_placed_as_compiled(tiny, host_pages):
+    """The pool is built on its own thread (its zeroing overlaps the ready set's
+    compiles); its first read waits for it: all zeros, placed as the programs were
+    compiled for (with and without DuplexKV's host tier, which re-places it)."""
+    engine = LLMEngine(tiny, CFG.replace(warmup=False, num_host_pages=host_pages))
+    runner = engine.runner
+    pool = runner.kv_pool
+    assert runner._pool_thread.name == "kv-pool" and not runner._pool_thread.is_alive()
+    assert pool.shape == runner._pool_spec.shape and pool.dtype == runner._pool_spec.dtype
+    assert pool.sharding == runner._pool_spec.sharding
+    assert not np.asarray(pool).any()
+
+
+def test_a_pool_that_failed_to_allocate_is_an_error_at_its_first_read(tiny, monkeypatch):
+    from superinfer_jax.model_runner import ModelRunner
+
+    def fail(self):
+        raise MemoryError("no room for the pool")
+
+    monkeypatch.setattr(ModelRunner, "_new_pool", fail)
+    engine = LLMEngine(tiny, CFG.replace(warmup=False))
+    with pytest.raises(RuntimeError, match="allocating the KV pool failed: no room"):
+        _ = engine.runner.kv_pool
