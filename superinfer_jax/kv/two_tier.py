@@ -176,11 +176,17 @@ class TwoTierKVManager(KVCacheManager):
         Others' shadows are looked at only when the free host pages fall short, and only
         as many as are missing: listing every reclaimable shadow costs a pass over all of
         them, on every rotation the policies consider."""
+        return self._out_cost(req_id) is not None
+
+    def _out_cost(self, req_id: str) -> int | None:
+        """``rotation_cost_out`` when ``can_rotate_out``, else None (one pass for both:
+        a rotation asks both)."""
         table = self.page_table(req_id)
         if not self.is_resident(req_id) or not table:
-            return False
-        short = self.rotation_cost_out(req_id) - self.num_host_free_pages
-        return short <= 0 or len(self._reclaim(table, short)) == short
+            return None
+        cost = self.rotation_cost_out(req_id)
+        short = cost - self.num_host_free_pages
+        return cost if short <= 0 or len(self._reclaim(table, short)) == short else None
 
     def can_rotate_in(self, req_id: str) -> bool:
         return (self.residency_of(req_id) == Residency.HOST
@@ -230,26 +236,32 @@ class TwoTierKVManager(KVCacheManager):
     def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
         """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
         issue (dirty pages only) before any later step is dispatched."""
-        if not self.can_rotate_out(req_id):
+        cost = self._out_cost(req_id)
+        if cost is None:
             raise RuntimeError(f"cannot rotate out {req_id}")
-        short = self._free_host_cache(self.rotation_cost_out(req_id))
+        short = self._free_host_cache(cost)
         for d in self._reclaim(self.page_table(req_id), short):
             self._release_host([self._drop_shadow(d)])
         table = self.page_tables.pop(req_id)
         self._num_clean.pop(req_id, None)
         self._num_registered.pop(req_id, None)
-        moves_dev, moves_host, host_table = [], [], []
+        moves_dev: list[int] = []
+        moves_host: list[int] = []
+        host_table: list[int] = []
+        # bound once: a page table per rotation, several rotations a contended step
+        pop_shadow, owner, refcount = self.shadows.pop, self._shadow_owner, self.refcount
+        pop_free, add_dev, add_host = self._host_free.pop, moves_dev.append, moves_host.append
         for d in table:
-            h = self.shadows.pop(d, None)
+            h = pop_shadow(d, None)
             if h is not None:  # the host copy moves to req_id's host table
-                del self._shadow_owner[d]
-                if self.refcount[d] > 1:  # the others sharing d lose its shadow
+                del owner[d]
+                if refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
             else:
-                h = self._host_free.pop()
-                moves_dev.append(d)
-                moves_host.append(h)
+                h = pop_free()
+                add_dev(d)
+                add_host(h)
             host_table.append(h)
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
@@ -304,8 +316,8 @@ class TwoTierKVManager(KVCacheManager):
         out: list[PageMoves] = []
         shadows, clean = self.shadows, self._num_clean
         page_size = self.page_size
+        room = self.num_host_free_pages  # changes only where pages are taken below
         for req_id, n in num_computed.items():
-            room = self.num_host_free_pages
             if max_pages <= 0 or not room:
                 break
             start = clean.get(req_id, 0)
@@ -329,6 +341,7 @@ class TwoTierKVManager(KVCacheManager):
             self._shadow_owner.update(dict.fromkeys(dev, req_id))
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
             max_pages -= take
+            room = self.num_host_free_pages
         return out
 
     def take_spills(self) -> PageMoves | None:

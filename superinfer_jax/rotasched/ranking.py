@@ -49,7 +49,7 @@ import bisect
 
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
@@ -105,15 +105,22 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     k = p.min_residency_tokens
     protected: list[tuple[float, int, Request]] = []
     runners: list[tuple[float, float, int, Request]] = []
+    # ``is_protected`` and a runner's ``virtual_lag`` inlined (the same expressions, in
+    # the same order): this loop reads every runner of every contended step
+    running, bisect_left = RUNNING, bisect.bisect_left
     for i, r in enumerate(s.running):
-        if is_protected(r, k):
+        since, times = r.running_since, r.token_times
+        resident = 0 if since is None else len(times) - bisect_left(times, since)
+        if resident < k or r.max_tokens_left <= k or r.final_token_inflight:
             protected.append((r.arrival_time, i, r))
+        elif r.status == running:  # -virtual_lag: now - running_since (or now - now)
+            runners.append((now - (now if since is None else since), r.arrival_time, i, r))
         else:
             runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
     due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
     step_s = one_step_s(s)
-    for j, r in enumerate(q for q in s.rotary if q.status == RequestStatus.ROTARY):
+    for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
         if rotate_in_due(s, r, now, lag, step_s):
             due.append((-lag, r.arrival_time, j, r))
