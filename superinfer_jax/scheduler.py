@@ -78,9 +78,13 @@ class Ranking:
 
     head: list[Request]
     scheduler: Scheduler
+    # ids of the head's waiting and parked requests, when the policy has them at hand
+    # (None: taken from the head); the tail leaves them out, and only them: a runner is
+    # never in the tail, so the runners of a long head need not be listed each step
+    listed: set[int] | None = None
 
     def __iter__(self) -> Iterator[Request]:
-        return chain(self.head, self.scheduler.rest_by_arrival(self.head))
+        return chain(self.head, self.scheduler.rest_by_arrival(self.head, listed=self.listed))
 
 
 @dataclass
@@ -90,6 +94,10 @@ class Selection:
     keep: set[str] = field(default_factory=set)  # ids of the kept requests
     kept: list[Request] = field(default_factory=list)  # the kept requests, in rank order
     runners: list[Request] = field(default_factory=list)  # every runner, in rank order
+    # The same, split for the stages that read one part (a contended step has a runner
+    # for most of ``kept``, and passes over them would find nothing to do):
+    kept_other: list[Request] = field(default_factory=list)  # kept, not running: rank order
+    dropped: list[Request] = field(default_factory=list)  # runners not kept: rank order
 
 
 class Scheduler:
@@ -153,12 +161,14 @@ class Scheduler:
         parked = [r for r in self.rotary if r.status == ROTARY]
         return list(self.waiting) + parked + list(self.running)
 
-    def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None
-                        ) -> Iterator[Request]:
+    def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None,
+                        listed: set[int] | None = None) -> Iterator[Request]:
         """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With
         ``room`` (the device pages still free), the waiting requests known to need more
-        for their first chunk are left out (``WaitingQueue.walk``)."""
-        listed = {id(r) for r in head}
+        for their first chunk are left out (``WaitingQueue.walk``). ``listed``: the ids of
+        the head's waiting and parked requests, if known (``Ranking.listed``)."""
+        if listed is None:
+            listed = {id(r) for r in head}
         parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
             q for q in self.rotary if q.status == ROTARY) if id(r) not in listed)
         k = 0
@@ -297,13 +307,14 @@ class Scheduler:
         kept_tables: list[list[int]] = []  # of the kept runners
         if isinstance(ranked, Ranking):
             ranked = chain(ranked.head, self.rest_by_arrival(
-                ranked.head, room=lambda: capacity - used))
+                ranked.head, room=lambda: capacity - used, listed=ranked.listed))
         # This loop reads every runner of every contended step, so what it calls per
         # request is inlined: ``_pages_to_run`` (for everyone but a waiting request, whose
         # prefix hit counts) with ``Request.num_pending_tokens``, and the bound methods.
         running, rotary, waiting = RUNNING, ROTARY, WAITING
         page_size, max_chunk = kv.page_size, self.config.max_prefill_chunk
         keep_add, kept_append, runners_append = keep.add, sel.kept.append, runners.append
+        other_append, dropped_append = sel.kept_other.append, sel.dropped.append
         pages: tuple[int, ...] | list[int] = ()  # shared device pages of the request
         for req in ranked:
             status = req.status
@@ -311,6 +322,8 @@ class Scheduler:
                 runners_append(req)
                 runners_left -= 1
             if len(keep) >= seats:  # nobody else can be kept: no more look-ups
+                if status == running:
+                    dropped_append(req)
                 if not runners_left:
                     break
                 continue
@@ -338,12 +351,16 @@ class Scheduler:
             if used + need <= capacity and moving <= transfer:
                 keep_add(req.req_id)
                 kept_append(req)
+                if status != running:
+                    other_append(req)
                 if shared:
                     counted.update(pages)
                     if status == running:
                         kept_tables.append(kv.page_table(req.req_id))
                 used += need
                 transfer -= moving
+            elif status == running:
+                dropped_append(req)
             if used >= capacity and not runners_left and stop_when_full:
                 break
         return sel
@@ -353,9 +370,8 @@ class Scheduler:
         """Runners outside the selection leave, from the tail of the ranking."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
-        keep = sel.keep
-        for req in reversed(sel.runners):
-            if req.status != RUNNING or req.req_id in keep:
+        for req in reversed(sel.dropped):  # ``sel.runners`` outside ``sel.keep``
+            if req.status != RUNNING:
                 continue
             cost = kv.rotation_cost_out(req.req_id)
             if cost > budget.pages_out:
@@ -376,9 +392,18 @@ class Scheduler:
         token has landed (``ModelRunner.resample``). At most ``config.deferred_rows`` such
         rows a step; the others sit the step out."""
         if contended:
-            pending_of = [(r, r.num_pending_tokens) for r in self.running]
-            rows = ([r for r, n in pending_of if n == 1] + [r for r, n in pending_of if n > 1]
-                    + [r for r, n in pending_of if n == 0])
+            decoding: list[Request] = []
+            prefilling: list[Request] = []
+            ending: list[Request] = []
+            for r in self.running:  # ``Request.num_pending_tokens`` inlined (every runner)
+                n = 0 if r.final_token_inflight else r.num_tokens - r.num_computed_tokens
+                if n == 1:
+                    decoding.append(r)
+                elif n > 1:
+                    prefilling.append(r)
+                elif n == 0:
+                    ending.append(r)
+            rows = decoding + prefilling + ending
         else:
             rows = self.running
         i = 0
@@ -390,7 +415,8 @@ class Scheduler:
             budget.limits.decode_rows
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
-            pending = req.num_pending_tokens
+            pending = 0 if req.final_token_inflight \
+                else req.num_tokens - req.num_computed_tokens  # ``num_pending_tokens``
             if pending == 1 and req.grammar is None and len(plan.decode) < max_decode:
                 table = tables.get(req.req_id)
                 if table is not None and req.num_computed_tokens < len(table) * page_size:
@@ -429,7 +455,7 @@ class Scheduler:
                 self._start_rotate_in(req, plan, now)
                 budget.pages_in -= cost
             return self._rotating_in == len(self.rotary)
-        for req in sel.kept:
+        for req in sel.kept_other:  # a parked request is never running
             if req.status != ROTARY:
                 continue
             cost = self._host_pages(req)
@@ -453,7 +479,9 @@ class Scheduler:
                 if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
                     break  # the head waits for memory; nobody overtakes it
             return
-        for req in sel.kept:
+        # ``kept_other``: a kept runner that is waiting now was preempted this step, so
+        # the loop would pass it by (``plan.preempted``)
+        for req in sel.kept_other:
             if req.status != WAITING or budget.tokens <= 0:
                 continue
             if req.req_id in plan.preempted or self._num_seated() >= max_seqs:

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
+from typing import cast
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.events import KVEventLog
@@ -247,22 +248,26 @@ class TwoTierKVManager(KVCacheManager):
         self._num_registered.pop(req_id, None)
         moves_dev: list[int] = []
         moves_host: list[int] = []
-        host_table: list[int] = []
-        # bound once: a page table per rotation, several rotations a contended step
+        # A page table per rotation, several rotations a contended step, and most pages
+        # shadowed already: their host copies move to req_id's host table in one pass,
+        # then the dirty ones (None) get fresh host pages, in table order.
         pop_shadow, owner, refcount = self.shadows.pop, self._shadow_owner, self.refcount
-        pop_free, add_dev, add_host = self._host_free.pop, moves_dev.append, moves_host.append
-        for d in table:
-            h = pop_shadow(d, None)
-            if h is not None:  # the host copy moves to req_id's host table
+        hosts: list[int | None] = [pop_shadow(d, None) for d in table]
+        shared = self.prefix_cache is not None  # else every page has one reference
+        for d, h in zip(table, hosts, strict=True):
+            if h is not None:
                 del owner[d]
-                if refcount[d] > 1:  # the others sharing d lose its shadow
+                if shared and refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-            else:
-                h = pop_free()
-                add_dev(d)
-                add_host(h)
-            host_table.append(h)
+        if None in hosts:
+            pop_free = self._host_free.pop
+            for i, d in enumerate(table):
+                if hosts[i] is None:
+                    h = hosts[i] = pop_free()
+                    moves_dev.append(d)
+                    moves_host.append(h)
+        host_table = cast("list[int]", hosts)  # no None left
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))

@@ -104,7 +104,9 @@ class RotaSchedPolicy(SwapPolicy):
         if lm is None or not decoders or self._nobody_waits_for_memory(s, keep) \
                 or self._first_token_late(s, now, keep, prefilling):
             return budget
-        tbt = min(r.slo.tbt_s for r in decoders)
+        # ``min(r.slo.tbt_s ...)`` without a property call per decoder: ``tbt_s`` is
+        # ``tbt_ms / 1000``, and a rounded division by 1000 keeps the order, so the same float
+        tbt = min([r.slo.tbt_ms for r in decoders]) / 1000
         # the decode call as compiled: rows padded to a bucket, every row walking the
         # longest context (XLA attention; an upper bound for the Pallas kernel)
         rows = bucket(len(decoders), self.config.decode_buckets)

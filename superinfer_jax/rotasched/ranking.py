@@ -105,13 +105,16 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     k = p.min_residency_tokens
     protected: list[tuple[float, int, Request]] = []
     runners: list[tuple[float, float, int, Request]] = []
-    # ``is_protected`` and a runner's ``virtual_lag`` inlined (the same expressions, in
-    # the same order): this loop reads every runner of every contended step
-    running, bisect_left = RUNNING, bisect.bisect_left
+    # ``is_protected`` and a runner's ``virtual_lag`` inlined: this loop reads every
+    # runner of every contended step. ``resident_tokens(r) >= k`` without counting: the
+    # token times are in time order, so at least k of them are at or after
+    # ``running_since`` exactly when the k-th last one is (one look-up, not a bisection
+    # of a long array).
+    running = RUNNING
     for i, r in enumerate(s.running):
         since, times = r.running_since, r.token_times
-        resident = 0 if since is None else len(times) - bisect_left(times, since)
-        if resident < k or r.max_tokens_left <= k or r.final_token_inflight:
+        settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
+        if not settled or r.max_tokens_left <= k or r.final_token_inflight:
             protected.append((r.arrival_time, i, r))
         elif r.status == running:  # -virtual_lag: now - running_since (or now - now)
             runners.append((now - (now if since is None else since), r.arrival_time, i, r))
@@ -136,7 +139,9 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     runners.sort()
     head = [e[-1] for e in protected] + [e[-1] for e in due] + [e[-1] for e in late] \
         + [e[-1] for e in runners]
-    return Ranking(head, s)  # then group 3: the rest by arrival
+    listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
+    listed.update(id(e[-1]) for e in late)
+    return Ranking(head, s, listed)  # then group 3: the rest by arrival
 
 
 def one_step_s(s: Scheduler) -> float | None:
@@ -144,7 +149,7 @@ def one_step_s(s: Scheduler) -> float | None:
     lm = s.latency
     if lm is None:
         return None
-    return lm.decode_s(max(1, len(s.running)), sum(r.num_tokens for r in s.running))
+    return lm.decode_s(max(1, len(s.running)), sum([r.num_tokens for r in s.running]))
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
