@@ -624,10 +624,12 @@ class Scheduler:
     def _rotate_out(self, req: Request, plan: StepPlan, now: float) -> None:
         """Park a running request on the host, or recompute it when the host has no room."""
         kv = self.kv
-        if not isinstance(kv, TwoTierKVManager) or not kv.can_rotate_out(req.req_id):
+        moves = kv.try_rotate_out(req.req_id, req.num_computed_tokens) \
+            if isinstance(kv, TwoTierKVManager) else None
+        if moves is None:
             self._preempt(req, plan, now)
             return
-        plan.moves_out.append(kv.rotate_out(req.req_id, req.num_computed_tokens))
+        plan.moves_out.append(moves)
         plan.rotate_out.append(req.req_id)
         self.running.remove(req)
         self.rotary.append(req)

@@ -59,6 +59,12 @@ class Residency(enum.IntEnum):
     ROTATING_IN = 3
 
 
+# The members as module constants: on Python 3.11 ``Residency.X`` (an enum member looked
+# up on its class) costs several times a global, and every rotation asks a few of them.
+_DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
+    Residency.DEVICE, Residency.ROTATING_OUT, Residency.HOST, Residency.ROTATING_IN)
+
+
 @dataclass(frozen=True)
 class PageMoves:
     """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``."""
@@ -149,11 +155,11 @@ class TwoTierKVManager(KVCacheManager):
         return len(self._host_free) + self.num_host_cached_pages
 
     def residency_of(self, req_id: str) -> Residency:
-        return self.residency.get(req_id, Residency.DEVICE)
+        return self.residency.get(req_id, _DEVICE)
 
     def is_resident(self, req_id: str) -> bool:
         """KV fully on the device and usable by a step."""
-        return self.residency_of(req_id) == Residency.DEVICE
+        return self.residency_of(req_id) == _DEVICE
 
     def host_table(self, req_id: str) -> list[int]:
         return self.host_tables.get(req_id, [])
@@ -190,14 +196,14 @@ class TwoTierKVManager(KVCacheManager):
         return cost if short <= 0 or len(self._reclaim(table, short)) == short else None
 
     def can_rotate_in(self, req_id: str) -> bool:
-        return (self.residency_of(req_id) == Residency.HOST
+        return (self.residency_of(req_id) == _HOST
                 and self.rotation_cost_in(req_id) <= self.num_free_pages)
 
     # -- device tier (base class), guarded -----------------------------------------------
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
         state = self.residency.get(req_id)  # ``is_resident`` inlined: called every row
-        if state is not None and state != Residency.DEVICE:
+        if state is not None and state != _DEVICE:
             raise RuntimeError(f"{req_id} is {state.name}, not on device")
         return super().allocate_for(req_id, num_tokens)
 
@@ -237,9 +243,17 @@ class TwoTierKVManager(KVCacheManager):
     def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
         """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
         issue (dirty pages only) before any later step is dispatched."""
+        moves = self.try_rotate_out(req_id, num_computed_tokens)
+        if moves is None:
+            raise RuntimeError(f"cannot rotate out {req_id}")
+        return moves
+
+    def try_rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves | None:
+        """``rotate_out`` if ``can_rotate_out``, else None (the scheduler's question and
+        its rotation in one look at the page table)."""
         cost = self._out_cost(req_id)
         if cost is None:
-            raise RuntimeError(f"cannot rotate out {req_id}")
+            return None
         short = self._free_host_cache(cost)
         for d in self._reclaim(self.page_table(req_id), short):
             self._release_host([self._drop_shadow(d)])
@@ -271,12 +285,12 @@ class TwoTierKVManager(KVCacheManager):
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
-        self.residency[req_id] = Residency.ROTATING_OUT
+        self.residency[req_id] = _ROTATING_OUT
         return PageMoves(req_id, tuple(moves_dev), tuple(moves_host))
 
     def finish_rotate_out(self, req_id: str) -> None:
-        self._expect(req_id, Residency.ROTATING_OUT)
-        self.residency[req_id] = Residency.HOST
+        self._expect(req_id, _ROTATING_OUT)
+        self.residency[req_id] = _HOST
 
     def rotate_in(self, req_id: str) -> PageMoves:
         """Bring ``req_id`` back: reserves device pages now; returns every page to copy.
@@ -294,11 +308,11 @@ class TwoTierKVManager(KVCacheManager):
         self._shadow_owner.update(dict.fromkeys(device[:num_full], req_id))
         self._num_clean[req_id] = num_full
         self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
-        self.residency[req_id] = Residency.ROTATING_IN
+        self.residency[req_id] = _ROTATING_IN
         return PageMoves(req_id, tuple(device), tuple(host_table))
 
     def finish_rotate_in(self, req_id: str) -> None:
-        self._expect(req_id, Residency.ROTATING_IN)
+        self._expect(req_id, _ROTATING_IN)
         self._release_host(self.host_tables.pop(req_id))
         del self.residency[req_id]  # back to the default, DEVICE
         self._forget_arriving(req_id)
@@ -322,9 +336,9 @@ class TwoTierKVManager(KVCacheManager):
         shadows, clean = self.shadows, self._num_clean
         page_size = self.page_size
         room = self.num_host_free_pages  # changes only where pages are taken below
+        if max_pages <= 0 or not room:
+            return out
         for req_id, n in num_computed.items():
-            if max_pages <= 0 or not room:
-                break
             start = clean.get(req_id, 0)
             if start >= n // page_size:
                 continue  # every full page has its shadow: the common case
@@ -347,6 +361,8 @@ class TwoTierKVManager(KVCacheManager):
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
             max_pages -= take
             room = self.num_host_free_pages
+            if max_pages <= 0 or not room:
+                break
         return out
 
     def take_spills(self) -> PageMoves | None:
@@ -419,7 +435,7 @@ class TwoTierKVManager(KVCacheManager):
         self.shadows.update(zip(device, host_pages, strict=True))
         self._shadow_owner.update(dict.fromkeys(device, req_id))
         self.host_tables[req_id] = []  # no tail page to free on arrival
-        self.residency[req_id] = Residency.ROTATING_IN
+        self.residency[req_id] = _ROTATING_IN
         cache.hits += len(host_pages) * self.page_size
         return PageMoves(req_id, tuple(device), tuple(host_pages), prefix_hit=True)
 
@@ -438,7 +454,7 @@ class TwoTierKVManager(KVCacheManager):
         owner = self._shadow_owner
         yield from (d for d in self.shadows if owner[d] is None)
         arriving = {d for r, state in self.residency.items()
-                    if state == Residency.ROTATING_IN for d in self.page_tables[r]}
+                    if state == _ROTATING_IN for d in self.page_tables[r]}
         yield from (d for d in self.shadows
                     if owner[d] is not None and d not in keep and d not in arriving)
 

@@ -94,8 +94,8 @@ class RotaSchedPolicy(SwapPolicy):
         # one pass over the runners, each pending count read once (every contended step)
         decoders: list[Request] = []
         prefilling: list[Request] = []  # a prompt (or a recomputation) left
-        for r in s.running:
-            pending = r.num_pending_tokens
+        for r in s.running:  # ``Request.num_pending_tokens`` inlined
+            pending = 0 if r.final_token_inflight else r.num_tokens - r.num_computed_tokens
             if pending == 1:
                 decoders.append(r)
             elif pending > 1:
