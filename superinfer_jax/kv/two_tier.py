@@ -338,12 +338,16 @@ class TwoTierKVManager(KVCacheManager):
         room = self.num_host_free_pages  # changes only where pages are taken below
         if max_pages <= 0 or not room:
             return out
-        for req_id, n in num_computed.items():
-            start = clean.get(req_id, 0)
-            if start >= n // page_size:
-                continue  # every full page has its shadow: the common case
+        # Most requests have every full page shadowed (the common case): they are left out
+        # in one comprehension, not a turn of this loop each (the loop changes no other
+        # request's scan position, so the filter may run first).
+        get = clean.get
+        due = [(q, c) for q, c in num_computed.items() if c // page_size > get(q, 0)]
+        residency = self.residency
+        for req_id, n in due:
+            start = get(req_id, 0)
             table = self.page_tables.get(req_id)
-            if table is None or not self.is_resident(req_id):
+            if table is None or residency.get(req_id, _DEVICE) != _DEVICE:  # not resident
                 continue
             num_full = min(n // page_size, len(table))
             if start >= num_full:

@@ -44,7 +44,6 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import overload
 
 from superinfer_jax.config import EngineConfig
@@ -386,8 +385,23 @@ class _Run:
             t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total,
                                               max(ctx) + 1))
             self.num_decode += len(drows)
-            self._advance(zip(drows, repeat(1)), t)
+            self._advance_decode(drows, t)
         return t
+
+    def _advance_decode(self, rows: list[SimRequest], now: float) -> None:
+        """``_advance`` of decode rows (one token each), without a ``(req, 1)`` pair per
+        row: most rows of most steps are these."""
+        max_len = self.cfg.max_model_len
+        for req in rows:
+            req.num_computed_tokens += 1
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # short of its last pending token, as ``_advance`` checks
+            req.num_output += 1
+            req.num_tokens += 1
+            req.token_times.append(now)
+            # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
+            if req.num_output >= req.output_len or req.num_tokens >= max_len:
+                self._finish(req, now)
 
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
@@ -405,12 +419,16 @@ class _Run:
             req.token_times.append(now)
             # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
             if req.num_output >= req.output_len or req.num_tokens >= max_len:
-                self.sched.remove(req)
-                req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
-                req.set_status(RequestStatus.FINISHED_LENGTH, now)
-                self.last_token = max(self.last_token, now)
-                if self.progress is not None:
-                    self.progress(1)
+                self._finish(req, now)
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        """``req`` reached its length limit with the token landed at ``now``."""
+        self.sched.remove(req)
+        req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
+        req.set_status(RequestStatus.FINISHED_LENGTH, now)
+        self.last_token = max(self.last_token, now)
+        if self.progress is not None:
+            self.progress(1)
 
     # -- copies --------------------------------------------------------------------------
 
