@@ -48,7 +48,7 @@ from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import extend_block_hashes
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
-from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.request import ROTARY, ROTATING_IN, ROTATING_OUT, RUNNING, WAITING, Request
 from superinfer_jax.step_plan import (
     HOST,
     NO_HIT,
@@ -78,9 +78,13 @@ class Ranking:
 
     head: list[Request]
     scheduler: Scheduler
+    # ids of the head's waiting and parked requests, when the policy has them at hand
+    # (None: taken from the head); the tail leaves them out, and only them: a runner is
+    # never in the tail, so the runners of a long head need not be listed each step
+    listed: set[int] | None = None
 
     def __iter__(self) -> Iterator[Request]:
-        return chain(self.head, self.scheduler.rest_by_arrival(self.head))
+        return chain(self.head, self.scheduler.rest_by_arrival(self.head, listed=self.listed))
 
 
 @dataclass
@@ -90,6 +94,10 @@ class Selection:
     keep: set[str] = field(default_factory=set)  # ids of the kept requests
     kept: list[Request] = field(default_factory=list)  # the kept requests, in rank order
     runners: list[Request] = field(default_factory=list)  # every runner, in rank order
+    # The same, split for the stages that read one part (a contended step has a runner
+    # for most of ``kept``, and passes over them would find nothing to do):
+    kept_other: list[Request] = field(default_factory=list)  # kept, not running: rank order
+    dropped: list[Request] = field(default_factory=list)  # runners not kept: rank order
 
 
 class Scheduler:
@@ -142,7 +150,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req in self.rotary:
             self.rotary.remove(req)
-            self._rotating_in -= req.status == RequestStatus.ROTATING_IN
+            self._rotating_in -= req.status == ROTATING_IN
         self.force_rotate_out.discard(req.req_id)
         self._host_hits_in_flight.pop(req.req_id, None)
         self.kv.free(req.req_id)
@@ -150,17 +158,19 @@ class Scheduler:
     def candidates(self) -> list[Request]:
         """Every request that could run this step: waiting, parked, running (in that
         order; a stable sort keeps it among equals)."""
-        parked = [r for r in self.rotary if r.status == RequestStatus.ROTARY]
+        parked = [r for r in self.rotary if r.status == ROTARY]
         return list(self.waiting) + parked + list(self.running)
 
-    def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None
-                        ) -> Iterator[Request]:
+    def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None,
+                        listed: set[int] | None = None) -> Iterator[Request]:
         """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With
         ``room`` (the device pages still free), the waiting requests known to need more
-        for their first chunk are left out (``WaitingQueue.walk``)."""
-        listed = {id(r) for r in head}
+        for their first chunk are left out (``WaitingQueue.walk``). ``listed``: the ids of
+        the head's waiting and parked requests, if known (``Ranking.listed``)."""
+        if listed is None:
+            listed = {id(r) for r in head}
         parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
-            q for q in self.rotary if q.status == RequestStatus.ROTARY) if id(r) not in listed)
+            q for q in self.rotary if q.status == ROTARY) if id(r) not in listed)
         k = 0
         for a, _, r in self.waiting.walk(room):
             if id(r) in listed:
@@ -223,7 +233,7 @@ class Scheduler:
         then cache-only host pages, at most up to its last token (at least one token is
         computed, so the step that admits it samples from real logits). Looked up once
         per step for the ranking and the selection (policies price hits with it)."""
-        if req.status != RequestStatus.WAITING or not self._may_hit(req):
+        if req.status != WAITING or not self._may_hit(req):
             return NO_HIT
         hit = self._hits.get(req.req_id)
         if hit is None:
@@ -252,6 +262,8 @@ class Scheduler:
         return NO_HIT
 
     def _rotate_forced(self, plan: StepPlan, now: float) -> None:
+        if not self.force_rotate_out:
+            return  # the usual step: no pass over the runners
         for req in [r for r in self.running if r.req_id in self.force_rotate_out]:
             self._rotate_out(req, plan, now)
         self.force_rotate_out.clear()  # requests not running now are not rotated
@@ -273,11 +285,15 @@ class Scheduler:
         shared = kv.prefix_cache is not None
         capacity = kv.num_free_pages
         runners_shared: dict[str, list[int]] = {}
-        for r in self.running:
-            table = kv.page_table(r.req_id)
-            capacity += len(table)
-            if shared:  # sharing is by prefix: a table's shared pages lead it
+        tables = kv.page_tables  # ``page_table`` inlined: a look-up per runner per step
+        if shared:
+            for r in self.running:
+                table = tables.get(r.req_id, [])
+                capacity += len(table)
+                # sharing is by prefix: a table's shared pages lead it
                 runners_shared[r.req_id] = self._leading_shared(table)
+        else:
+            capacity += sum([len(tables.get(r.req_id, ())) for r in self.running])
         if runners_shared:  # a page two runners share is one page of the pool
             lead_pages = [p for lead in runners_shared.values() for p in lead]
             capacity -= len(lead_pages) - len(set(lead_pages))
@@ -291,23 +307,40 @@ class Scheduler:
         kept_tables: list[list[int]] = []  # of the kept runners
         if isinstance(ranked, Ranking):
             ranked = chain(ranked.head, self.rest_by_arrival(
-                ranked.head, room=lambda: capacity - used))
+                ranked.head, room=lambda: capacity - used, listed=ranked.listed))
+        # This loop reads every runner of every contended step, so what it calls per
+        # request is inlined: ``_pages_to_run`` (for everyone but a waiting request, whose
+        # prefix hit counts) with ``Request.num_pending_tokens``, and the bound methods.
+        running, rotary, waiting = RUNNING, ROTARY, WAITING
+        page_size, max_chunk = kv.page_size, self.config.max_prefill_chunk
+        keep_add, kept_append, runners_append = keep.add, sel.kept.append, runners.append
+        other_append, dropped_append = sel.kept_other.append, sel.dropped.append
+        pages: tuple[int, ...] | list[int] = ()  # shared device pages of the request
         for req in ranked:
-            if req.status == RequestStatus.RUNNING:
-                runners.append(req)
+            status = req.status
+            if status == running:
+                runners_append(req)
                 runners_left -= 1
             if len(keep) >= seats:  # nobody else can be kept: no more look-ups
+                if status == running:
+                    dropped_append(req)
                 if not runners_left:
                     break
                 continue
-            need = self._pages_to_run(req)
-            moving = self._host_pages(req) if req.status == RequestStatus.ROTARY else 0
-            pages: tuple[int, ...] | list[int] = ()
+            if status == waiting:
+                need, moving = self._pages_to_run(req), 0
+            else:
+                pending = 0 if req.final_token_inflight \
+                    else req.num_tokens - req.num_computed_tokens
+                need = -(-(req.num_computed_tokens + (1 if pending == 1 else min(
+                    pending, max_chunk))) // page_size)
+                moving = self._host_pages(req) if status == rotary else 0
             if shared:
-                if req.status == RequestStatus.RUNNING:
+                pages = ()
+                if status == running:
                     pages = runners_shared.get(req.req_id, ())
                     need -= sum(p in counted for p in pages)
-                elif req.status == RequestStatus.WAITING:
+                elif status == waiting:
                     hit = self.prefix_hit(req)
                     pages, moving = hit.device, min(len(hit.host), transfer)
                     # pages a kept runner holds are counted already: a runner holds a
@@ -316,13 +349,18 @@ class Scheduler:
                         if pages and kv.refcount[pages[0]] > 0 else 0
                     need -= held + sum(p in counted for p in pages[held:])
             if used + need <= capacity and moving <= transfer:
-                keep.add(req.req_id)
-                sel.kept.append(req)
-                counted.update(pages)
-                if shared and req.status == RequestStatus.RUNNING:
-                    kept_tables.append(kv.page_table(req.req_id))
+                keep_add(req.req_id)
+                kept_append(req)
+                if status != running:
+                    other_append(req)
+                if shared:
+                    counted.update(pages)
+                    if status == running:
+                        kept_tables.append(kv.page_table(req.req_id))
                 used += need
                 transfer -= moving
+            elif status == running:
+                dropped_append(req)
             if used >= capacity and not runners_left and stop_when_full:
                 break
         return sel
@@ -332,9 +370,8 @@ class Scheduler:
         """Runners outside the selection leave, from the tail of the ranking."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
-        keep = sel.keep
-        for req in reversed(sel.runners):
-            if req.status != RequestStatus.RUNNING or req.req_id in keep:
+        for req in reversed(sel.dropped):  # ``sel.runners`` outside ``sel.keep``
+            if req.status != RUNNING:
                 continue
             cost = kv.rotation_cost_out(req.req_id)
             if cost > budget.pages_out:
@@ -355,9 +392,18 @@ class Scheduler:
         token has landed (``ModelRunner.resample``). At most ``config.deferred_rows`` such
         rows a step; the others sit the step out."""
         if contended:
-            pending_of = [(r, r.num_pending_tokens) for r in self.running]
-            rows = ([r for r, n in pending_of if n == 1] + [r for r, n in pending_of if n > 1]
-                    + [r for r, n in pending_of if n == 0])
+            decoding: list[Request] = []
+            prefilling: list[Request] = []
+            ending: list[Request] = []
+            for r in self.running:  # ``Request.num_pending_tokens`` inlined (every runner)
+                n = 0 if r.final_token_inflight else r.num_tokens - r.num_computed_tokens
+                if n == 1:
+                    decoding.append(r)
+                elif n > 1:
+                    prefilling.append(r)
+                elif n == 0:
+                    ending.append(r)
+            rows = decoding + prefilling + ending
         else:
             rows = self.running
         i = 0
@@ -369,7 +415,8 @@ class Scheduler:
             budget.limits.decode_rows
         while i < len(rows) and budget.tokens > 0:
             req = rows[i]
-            pending = req.num_pending_tokens
+            pending = 0 if req.final_token_inflight \
+                else req.num_tokens - req.num_computed_tokens  # ``num_pending_tokens``
             if pending == 1 and req.grammar is None and len(plan.decode) < max_decode:
                 table = tables.get(req.req_id)
                 if table is not None and req.num_computed_tokens < len(table) * page_size:
@@ -398,7 +445,7 @@ class Scheduler:
         Returns whether admissions may follow: contended, always; uncontended, only when
         nobody is left parked or on the way out (the parked ones are older, go first)."""
         if sel is None:
-            for req in [r for r in self.rotary if r.status == RequestStatus.ROTARY]:
+            for req in [r for r in self.rotary if r.status == ROTARY]:
                 kv = self.kv
                 assert isinstance(kv, TwoTierKVManager)
                 cost = kv.rotation_cost_in(req.req_id)
@@ -408,8 +455,8 @@ class Scheduler:
                 self._start_rotate_in(req, plan, now)
                 budget.pages_in -= cost
             return self._rotating_in == len(self.rotary)
-        for req in sel.kept:
-            if req.status != RequestStatus.ROTARY:
+        for req in sel.kept_other:  # a parked request is never running
+            if req.status != ROTARY:
                 continue
             cost = self._host_pages(req)
             if self._num_seated() >= self.config.max_num_seqs:
@@ -432,8 +479,10 @@ class Scheduler:
                 if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
                     break  # the head waits for memory; nobody overtakes it
             return
-        for req in sel.kept:
-            if req.status != RequestStatus.WAITING or budget.tokens <= 0:
+        # ``kept_other``: a kept runner that is waiting now was preempted this step, so
+        # the loop would pass it by (``plan.preempted``)
+        for req in sel.kept_other:
+            if req.status != WAITING or budget.tokens <= 0:
                 continue
             if req.req_id in plan.preempted or self._num_seated() >= max_seqs:
                 continue
@@ -489,7 +538,7 @@ class Scheduler:
         can give it (the budget is not known yet when the selection asks); a waiting
         request's prefix hit is computed already."""
         computed, pending = req.num_computed_tokens, req.num_pending_tokens
-        if req.status == RequestStatus.WAITING:
+        if req.status == WAITING:
             hit = self.prefix_hit(req).num_pages * self.kv.page_size
             computed, pending = computed + hit, pending - hit
         chunk = next_chunk(pending, self.config.max_prefill_chunk)
@@ -539,7 +588,7 @@ class Scheduler:
 
     def _host_pages(self, req: Request) -> int:
         """Pages ``req`` must move in before it can run (0 unless parked)."""
-        if req.status == RequestStatus.ROTARY:
+        if req.status == ROTARY:
             assert isinstance(self.kv, TwoTierKVManager)  # only it parks requests
             return self.kv.rotation_cost_in(req.req_id)
         return 0
@@ -575,22 +624,24 @@ class Scheduler:
     def _rotate_out(self, req: Request, plan: StepPlan, now: float) -> None:
         """Park a running request on the host, or recompute it when the host has no room."""
         kv = self.kv
-        if not isinstance(kv, TwoTierKVManager) or not kv.can_rotate_out(req.req_id):
+        moves = kv.try_rotate_out(req.req_id, req.num_computed_tokens) \
+            if isinstance(kv, TwoTierKVManager) else None
+        if moves is None:
             self._preempt(req, plan, now)
             return
-        plan.moves_out.append(kv.rotate_out(req.req_id, req.num_computed_tokens))
+        plan.moves_out.append(moves)
         plan.rotate_out.append(req.req_id)
         self.running.remove(req)
         self.rotary.append(req)
         req.num_rotations += 1
-        req.set_status(RequestStatus.ROTATING_OUT, now)
+        req.set_status(ROTATING_OUT, now)
 
     def _start_rotate_in(self, req: Request, plan: StepPlan, now: float) -> None:
         """Bring a parked request back (device pages reserved now, runnable on arrival)."""
         assert isinstance(self.kv, TwoTierKVManager)
         plan.moves_in.append(self.kv.rotate_in(req.req_id))
         plan.rotate_in.append(req.req_id)
-        req.set_status(RequestStatus.ROTATING_IN, now)
+        req.set_status(ROTATING_IN, now)
         self._rotating_in += 1
 
     def _admit_one(self, req: Request, plan: StepPlan, budget: StepBudget,
@@ -625,7 +676,7 @@ class Scheduler:
         kv.allocate_for(req.req_id, total)
         self.waiting.remove(req)
         self.running.append(req)
-        req.set_status(RequestStatus.RUNNING, now)
+        req.set_status(RUNNING, now)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         self._add_row(plan, req.req_id, n, pending == 1)
@@ -665,7 +716,7 @@ class Scheduler:
         self._host_hits_in_flight[req.req_id] = (len(host) * kv.page_size, first)
         self.waiting.remove(req)
         self.rotary.append(req)
-        req.set_status(RequestStatus.ROTATING_IN, now)
+        req.set_status(ROTATING_IN, now)
         self._rotating_in += 1
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -686,20 +737,20 @@ class Scheduler:
         req.num_recomputed_tokens += req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.set_status(RequestStatus.WAITING, now)
+        req.set_status(WAITING, now)
         self.waiting.appendleft(req)
 
     # -- what the engine reports ------------------------------------------------------
 
     def on_rotated_out(self, req: Request, now: float) -> None:
-        req.set_status(RequestStatus.ROTARY, now)
+        req.set_status(ROTARY, now)
 
     def on_rotated_in(self, req: Request, now: float) -> None:
         self._host_hits_in_flight.pop(req.req_id, None)
         self.rotary.remove(req)
-        self._rotating_in -= req.status == RequestStatus.ROTATING_IN
+        self._rotating_in -= req.status == ROTATING_IN
         self.running.append(req)
-        req.set_status(RequestStatus.RUNNING, now)
+        req.set_status(RUNNING, now)
 
     def on_rotation_failed(self, req: Request, now: float) -> None:
         """A copy failed: drop both tiers' pages and recompute, never serve wrong KV. A
@@ -711,7 +762,7 @@ class Scheduler:
             assert isinstance(self.kv, TwoTierKVManager) and self.kv.host_cache is not None
             self.kv.host_cache.hits -= host_tokens
         self.rotary.remove(req)
-        self._rotating_in -= req.status == RequestStatus.ROTATING_IN
+        self._rotating_in -= req.status == ROTATING_IN
         self.kv.free(req.req_id)
         self._requeue_for_recompute(req, now)
 

@@ -42,7 +42,8 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        pop = self._free.pop
+        return [pop() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
@@ -181,8 +182,9 @@ class KVCacheManager:
         while len(pages) < n:
             assert cache is not None
             pages.append(self._evict(cache))
+        refcount = self.refcount
         for p in pages:
-            self.refcount[p] = 1
+            refcount[p] = 1
         return pages
 
     def _evict(self, cache: PrefixCache) -> int:

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
+from typing import cast
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.events import KVEventLog
@@ -56,6 +57,12 @@ class Residency(enum.IntEnum):
     ROTATING_OUT = 1
     HOST = 2
     ROTATING_IN = 3
+
+
+# The members as module constants: on Python 3.11 ``Residency.X`` (an enum member looked
+# up on its class) costs several times a global, and every rotation asks a few of them.
+_DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
+    Residency.DEVICE, Residency.ROTATING_OUT, Residency.HOST, Residency.ROTATING_IN)
 
 
 @dataclass(frozen=True)
@@ -148,11 +155,11 @@ class TwoTierKVManager(KVCacheManager):
         return len(self._host_free) + self.num_host_cached_pages
 
     def residency_of(self, req_id: str) -> Residency:
-        return self.residency.get(req_id, Residency.DEVICE)
+        return self.residency.get(req_id, _DEVICE)
 
     def is_resident(self, req_id: str) -> bool:
         """KV fully on the device and usable by a step."""
-        return self.residency_of(req_id) == Residency.DEVICE
+        return self.residency_of(req_id) == _DEVICE
 
     def host_table(self, req_id: str) -> list[int]:
         return self.host_tables.get(req_id, [])
@@ -176,21 +183,27 @@ class TwoTierKVManager(KVCacheManager):
         Others' shadows are looked at only when the free host pages fall short, and only
         as many as are missing: listing every reclaimable shadow costs a pass over all of
         them, on every rotation the policies consider."""
+        return self._out_cost(req_id) is not None
+
+    def _out_cost(self, req_id: str) -> int | None:
+        """``rotation_cost_out`` when ``can_rotate_out``, else None (one pass for both:
+        a rotation asks both)."""
         table = self.page_table(req_id)
         if not self.is_resident(req_id) or not table:
-            return False
-        short = self.rotation_cost_out(req_id) - self.num_host_free_pages
-        return short <= 0 or len(self._reclaim(table, short)) == short
+            return None
+        cost = self.rotation_cost_out(req_id)
+        short = cost - self.num_host_free_pages
+        return cost if short <= 0 or len(self._reclaim(table, short)) == short else None
 
     def can_rotate_in(self, req_id: str) -> bool:
-        return (self.residency_of(req_id) == Residency.HOST
+        return (self.residency_of(req_id) == _HOST
                 and self.rotation_cost_in(req_id) <= self.num_free_pages)
 
     # -- device tier (base class), guarded -----------------------------------------------
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
         state = self.residency.get(req_id)  # ``is_resident`` inlined: called every row
-        if state is not None and state != Residency.DEVICE:
+        if state is not None and state != _DEVICE:
             raise RuntimeError(f"{req_id} is {state.name}, not on device")
         return super().allocate_for(req_id, num_tokens)
 
@@ -230,36 +243,54 @@ class TwoTierKVManager(KVCacheManager):
     def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
         """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
         issue (dirty pages only) before any later step is dispatched."""
-        if not self.can_rotate_out(req_id):
+        moves = self.try_rotate_out(req_id, num_computed_tokens)
+        if moves is None:
             raise RuntimeError(f"cannot rotate out {req_id}")
-        short = self._free_host_cache(self.rotation_cost_out(req_id))
+        return moves
+
+    def try_rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves | None:
+        """``rotate_out`` if ``can_rotate_out``, else None (the scheduler's question and
+        its rotation in one look at the page table)."""
+        cost = self._out_cost(req_id)
+        if cost is None:
+            return None
+        short = self._free_host_cache(cost)
         for d in self._reclaim(self.page_table(req_id), short):
             self._release_host([self._drop_shadow(d)])
         table = self.page_tables.pop(req_id)
         self._num_clean.pop(req_id, None)
         self._num_registered.pop(req_id, None)
-        moves_dev, moves_host, host_table = [], [], []
-        for d in table:
-            h = self.shadows.pop(d, None)
-            if h is not None:  # the host copy moves to req_id's host table
-                del self._shadow_owner[d]
-                if self.refcount[d] > 1:  # the others sharing d lose its shadow
+        moves_dev: list[int] = []
+        moves_host: list[int] = []
+        # A page table per rotation, several rotations a contended step, and most pages
+        # shadowed already: their host copies move to req_id's host table in one pass,
+        # then the dirty ones (None) get fresh host pages, in table order.
+        pop_shadow, owner, refcount = self.shadows.pop, self._shadow_owner, self.refcount
+        hosts: list[int | None] = [pop_shadow(d, None) for d in table]
+        shared = self.prefix_cache is not None  # else every page has one reference
+        for d, h in zip(table, hosts, strict=True):
+            if h is not None:
+                del owner[d]
+                if shared and refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-            else:
-                h = self._host_free.pop()
-                moves_dev.append(d)
-                moves_host.append(h)
-            host_table.append(h)
+        if None in hosts:
+            pop_free = self._host_free.pop
+            for i, d in enumerate(table):
+                if hosts[i] is None:
+                    h = hosts[i] = pop_free()
+                    moves_dev.append(d)
+                    moves_host.append(h)
+        host_table = cast("list[int]", hosts)  # no None left
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
-        self.residency[req_id] = Residency.ROTATING_OUT
+        self.residency[req_id] = _ROTATING_OUT
         return PageMoves(req_id, tuple(moves_dev), tuple(moves_host))
 
     def finish_rotate_out(self, req_id: str) -> None:
-        self._expect(req_id, Residency.ROTATING_OUT)
-        self.residency[req_id] = Residency.HOST
+        self._expect(req_id, _ROTATING_OUT)
+        self.residency[req_id] = _HOST
 
     def rotate_in(self, req_id: str) -> PageMoves:
         """Bring ``req_id`` back: reserves device pages now; returns every page to copy.
@@ -277,11 +308,11 @@ class TwoTierKVManager(KVCacheManager):
         self._shadow_owner.update(dict.fromkeys(device[:num_full], req_id))
         self._num_clean[req_id] = num_full
         self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
-        self.residency[req_id] = Residency.ROTATING_IN
+        self.residency[req_id] = _ROTATING_IN
         return PageMoves(req_id, tuple(device), tuple(host_table))
 
     def finish_rotate_in(self, req_id: str) -> None:
-        self._expect(req_id, Residency.ROTATING_IN)
+        self._expect(req_id, _ROTATING_IN)
         self._release_host(self.host_tables.pop(req_id))
         del self.residency[req_id]  # back to the default, DEVICE
         self._forget_arriving(req_id)
@@ -304,15 +335,19 @@ class TwoTierKVManager(KVCacheManager):
         out: list[PageMoves] = []
         shadows, clean = self.shadows, self._num_clean
         page_size = self.page_size
-        for req_id, n in num_computed.items():
-            room = self.num_host_free_pages
-            if max_pages <= 0 or not room:
-                break
-            start = clean.get(req_id, 0)
-            if start >= n // page_size:
-                continue  # every full page has its shadow: the common case
+        room = self.num_host_free_pages  # changes only where pages are taken below
+        if max_pages <= 0 or not room:
+            return out
+        # Most requests have every full page shadowed (the common case): they are left out
+        # in one comprehension, not a turn of this loop each (the loop changes no other
+        # request's scan position, so the filter may run first).
+        get = clean.get
+        due = [(q, c) for q, c in num_computed.items() if c // page_size > get(q, 0)]
+        residency = self.residency
+        for req_id, n in due:
+            start = get(req_id, 0)
             table = self.page_tables.get(req_id)
-            if table is None or not self.is_resident(req_id):
+            if table is None or residency.get(req_id, _DEVICE) != _DEVICE:  # not resident
                 continue
             num_full = min(n // page_size, len(table))
             if start >= num_full:
@@ -329,6 +364,9 @@ class TwoTierKVManager(KVCacheManager):
             self._shadow_owner.update(dict.fromkeys(dev, req_id))
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
             max_pages -= take
+            room = self.num_host_free_pages
+            if max_pages <= 0 or not room:
+                break
         return out
 
     def take_spills(self) -> PageMoves | None:
@@ -401,7 +439,7 @@ class TwoTierKVManager(KVCacheManager):
         self.shadows.update(zip(device, host_pages, strict=True))
         self._shadow_owner.update(dict.fromkeys(device, req_id))
         self.host_tables[req_id] = []  # no tail page to free on arrival
-        self.residency[req_id] = Residency.ROTATING_IN
+        self.residency[req_id] = _ROTATING_IN
         cache.hits += len(host_pages) * self.page_size
         return PageMoves(req_id, tuple(device), tuple(host_pages), prefix_hit=True)
 
@@ -420,7 +458,7 @@ class TwoTierKVManager(KVCacheManager):
         owner = self._shadow_owner
         yield from (d for d in self.shadows if owner[d] is None)
         arriving = {d for r, state in self.residency.items()
-                    if state == Residency.ROTATING_IN for d in self.page_tables[r]}
+                    if state == _ROTATING_IN for d in self.page_tables[r]}
         yield from (d for d in self.shadows
                     if owner[d] is not None and d not in keep and d not in arriving)
 

@@ -16,15 +16,15 @@ is the request's priority-class weight.
 from __future__ import annotations
 
 from superinfer_jax.config import RotaSchedConfig
-from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.request import ROTARY, ROTATING_OUT, RUNNING, Request
 
 
 def virtual_lag(req: Request, now: float, p: RotaSchedConfig) -> float:
     weight = p.priority_weights[req.slo.priority_class]
-    if req.status == RequestStatus.RUNNING:
+    if req.status == RUNNING:
         since = req.running_since if req.running_since is not None else now
         return -(now - since)
-    if req.status in (RequestStatus.ROTARY, RequestStatus.ROTATING_OUT) and req.token_times:
+    if req.status in (ROTARY, ROTATING_OUT) and req.token_times:
         overdue = now - req.token_times[-1] - p.beta_b * req.slo.tbt_ms / 1000
         return weight * p.alpha * max(0.0, overdue)
     overdue = now - req.arrival_time - p.beta_f * req.slo.ttft_ms / 1000

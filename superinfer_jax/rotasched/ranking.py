@@ -49,7 +49,7 @@ import bisect
 
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
@@ -105,15 +105,25 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     k = p.min_residency_tokens
     protected: list[tuple[float, int, Request]] = []
     runners: list[tuple[float, float, int, Request]] = []
+    # ``is_protected`` and a runner's ``virtual_lag`` inlined: this loop reads every
+    # runner of every contended step. ``resident_tokens(r) >= k`` without counting: the
+    # token times are in time order, so at least k of them are at or after
+    # ``running_since`` exactly when the k-th last one is (one look-up, not a bisection
+    # of a long array).
+    running = RUNNING
     for i, r in enumerate(s.running):
-        if is_protected(r, k):
+        since, times = r.running_since, r.token_times
+        settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
+        if not settled or r.max_tokens_left <= k or r.final_token_inflight:
             protected.append((r.arrival_time, i, r))
+        elif r.status == running:  # -virtual_lag: now - running_since (or now - now)
+            runners.append((now - (now if since is None else since), r.arrival_time, i, r))
         else:
             runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
     due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
     step_s = one_step_s(s)
-    for j, r in enumerate(q for q in s.rotary if q.status == RequestStatus.ROTARY):
+    for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
         if rotate_in_due(s, r, now, lag, step_s):
             due.append((-lag, r.arrival_time, j, r))
@@ -129,7 +139,9 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     runners.sort()
     head = [e[-1] for e in protected] + [e[-1] for e in due] + [e[-1] for e in late] \
         + [e[-1] for e in runners]
-    return Ranking(head, s)  # then group 3: the rest by arrival
+    listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
+    listed.update(id(e[-1]) for e in late)
+    return Ranking(head, s, listed)  # then group 3: the rest by arrival
 
 
 def one_step_s(s: Scheduler) -> float | None:
@@ -137,7 +149,7 @@ def one_step_s(s: Scheduler) -> float | None:
     lm = s.latency
     if lm is None:
         return None
-    return lm.decode_s(max(1, len(s.running)), sum(r.num_tokens for r in s.running))
+    return lm.decode_s(max(1, len(s.running)), sum([r.num_tokens for r in s.running]))
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,

@@ -44,14 +44,12 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import overload
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.prefix_cache import isolation_key
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.latency import LatencyModel
-from superinfer_jax.output_processor import at_length_limit
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.registry import make_scheduler
 from superinfer_jax.scheduler import StepPlan
@@ -381,19 +379,36 @@ class _Run:
             self.num_prefill += sum(n for _, n in rows)
             self._advance(rows, t)
         if plan.decode:
-            drows = [reqs[r] for r in plan.decode]
-            ctx = [q.num_computed_tokens + 1 for q in drows]
-            total = sum(ctx)
-            t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total, max(ctx)))
+            drows = list(map(reqs.__getitem__, plan.decode))
+            ctx = [q.num_computed_tokens for q in drows]  # before the call; +1 after it
+            total = sum(ctx) + len(ctx)
+            t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total,
+                                              max(ctx) + 1))
             self.num_decode += len(drows)
-            self._advance(zip(drows, repeat(1)), t)
+            self._advance_decode(drows, t)
         return t
+
+    def _advance_decode(self, rows: list[SimRequest], now: float) -> None:
+        """``_advance`` of decode rows (one token each), without a ``(req, 1)`` pair per
+        row: most rows of most steps are these."""
+        max_len = self.cfg.max_model_len
+        for req in rows:
+            req.num_computed_tokens += 1
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # short of its last pending token, as ``_advance`` checks
+            req.num_output += 1
+            req.num_tokens += 1
+            req.token_times.append(now)
+            # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
+            if req.num_output >= req.output_len or req.num_tokens >= max_len:
+                self._finish(req, now)
 
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
         final row samples one. One call per call of the model, not per row: this is the
         simulator's innermost loop (a row per running request per step). The length
-        decision is the engine's own (``output_processor.at_length_limit``)."""
+        decision is the engine's own (``output_processor.at_length_limit``), written out:
+        its prompt plus outputs are ``num_tokens`` here."""
         max_len = self.cfg.max_model_len
         for req, n in rows:
             req.num_computed_tokens += n
@@ -402,14 +417,18 @@ class _Run:
             req.num_output += 1
             req.num_tokens += 1
             req.token_times.append(now)
-            if at_length_limit(req.num_tokens - req.num_output, req.num_output,
-                               req.output_len, max_len):
-                self.sched.remove(req)
-                req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
-                req.set_status(RequestStatus.FINISHED_LENGTH, now)
-                self.last_token = max(self.last_token, now)
-                if self.progress is not None:
-                    self.progress(1)
+            # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
+            if req.num_output >= req.output_len or req.num_tokens >= max_len:
+                self._finish(req, now)
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        """``req`` reached its length limit with the token landed at ``now``."""
+        self.sched.remove(req)
+        req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
+        req.set_status(RequestStatus.FINISHED_LENGTH, now)
+        self.last_token = max(self.last_token, now)
+        if self.progress is not None:
+            self.progress(1)
 
     # -- copies --------------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+"""The parts the selection and the lag ranking keep for the later stages are what a plain
+pass over their whole lists would find.
+
+``Selection.kept_other`` and ``Selection.dropped`` let the rotate-ins, the admissions and
+the victims skip the runners (most of a contended step's selection); ``Ranking.listed``
+lets the ranking's tail skip listing every runner of the head. Each is checked against a
+recomputation from ``kept``, ``runners``, ``keep`` and the head, on the random scheduler
+states of ``test_incremental_rank``; the plans they lead to are checked step for step by
+``tests/superinfer_jax/sim/plan_trace`` and ``test_incremental_rank``'s simulated run.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from superinfer_jax.request import RequestStatus
+from superinfer_jax.scheduler import Ranking
+from superinfer_jax.step_plan import StepBudget
+from tests.superinfer_jax.rotasched.test_incremental_rank import random_state
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_selection_parts_are_the_plain_passes(seed):
+    sched, now = random_state(random.Random(seed))
+    running_before = {id(r) for r in sched.running}
+    sel = sched._select(sched.policy.rank(sched, now), StepBudget.full(sched.config, None))
+    assert sel.kept_other == [r for r in sel.kept if id(r) not in running_before]
+    assert sel.dropped == [r for r in sel.runners if r.req_id not in sel.keep]
+    assert all(r.status == RequestStatus.RUNNING for r in sel.dropped)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_ranking_listed_is_the_heads_waiting_and_parked(seed):
+    sched, now = random_state(random.Random(seed))
+    ranking = sched.policy.rank(sched, now)
+    assert isinstance(ranking, Ranking) and ranking.listed is not None
+    assert ranking.listed == {id(r) for r in ranking.head
+                              if r.status != RequestStatus.RUNNING}
+    plain = Ranking(ranking.head, sched)  # listed None: every id of the head
+    assert [r.req_id for r in ranking] == [r.req_id for r in plain]
