@@ -74,16 +74,24 @@ def paged_attention(
     block_tokens = ppb * page_size
 
     qg = q.reshape(batch, cols, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    qg = qg.transpose(0, 2, 3, 1, 4)  # [B, K, G, C, D]: batch dims first, as the dot wants
     q_pos = (context_lens - query_lens)[:, None] + jnp.arange(cols)[None, :]  # [B, C]
     num_blocks = (jnp.max(context_lens) + block_tokens - 1) // block_tokens
+    heads = jnp.arange(num_kv_heads)[None, :, None]  # [1, K, 1]
+
+    def gather(ids: jax.Array, kv_index: int) -> jax.Array:
+        # [B, 1, ppb] pages x [1, K, 1] heads -> [B, K, ppb, S, D]: the gather writes each
+        # head's keys contiguously, so the dots below read them with (B, K) as their batch
+        # dims. Gathering [B, ppb, S, K, D] instead made XLA:CPU add a transpose copy of
+        # every gathered K and V block (two extra passes over the block per layer).
+        kv = kv_pool[ids[:, None, :], layer, kv_index, :, heads]
+        return kv.reshape(batch, num_kv_heads, block_tokens, head_dim).astype(jnp.float32)
 
     def body(i, carry):
         m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(page_tables, i * ppb, ppb, axis=1)  # [B, ppb]
-        kv = kv_pool[ids, layer]  # [B, ppb, 2, S, K, D]
-        k = kv[:, :, 0].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        v = kv[:, :, 1].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        s = jnp.einsum("bckgd,btkd->bkgct", qg, k.astype(jnp.float32))
+        k, v = gather(ids, 0), gather(ids, 1)  # [B, K, T, D]
+        s = jnp.einsum("bkgcd,bktd->bkgct", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = i * block_tokens + jnp.arange(block_tokens)
@@ -95,7 +103,7 @@ def paged_attention(
         p = jnp.exp(s - m_new[..., None])
         correction = jnp.exp(m - m_new)
         denom_new = denom * correction + p.sum(axis=-1)
-        pv = jnp.einsum("bkgct,btkd->bkgcd", p, v.astype(jnp.float32))
+        pv = jnp.einsum("bkgct,bktd->bkgcd", p, v)
         acc_new = acc * correction[..., None] + pv
         return m_new, denom_new, acc_new
 
