@@ -39,7 +39,8 @@ def api_schema(server):
 def _steer(body: object, repair: bool) -> None:
     """Aim a generated body at the served model and cap its in-range token budget. With
     ``repair``, also undo what the schema allows but the server refuses by design (a null
-    user message, stream_options without stream, an empty prompt, tool calls), so that
+    user message, stream_options without stream, an empty prompt, tool calls, top_logprobs
+    without logprobs, two structured-output kinds, min_tokens over max_tokens), so that
     about half of the positive cases reach the engine with random sampling values."""
     if not isinstance(body, dict):
         return
@@ -56,12 +57,24 @@ def _steer(body: object, repair: bool) -> None:
         body["stop"] = [s for s in body.get("stop") or [] if s] or None
         if body["stop"] is None:
             body.pop("stop")
+        if not body.get("logprobs"):
+            body.pop("top_logprobs", None)  # only allowed with logprobs: true
+        structured = body.get("structured_outputs")
+        if structured is not None and (body.get("response_format") is not None
+                                       or not isinstance(structured, dict)
+                                       or len(structured) != 1):
+            body.pop("structured_outputs")  # exactly one kind, and not beside response_format
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 4 < value <= INT32_MAX:
             body[key] = 4
+    if repair:
+        budget = body.get("max_tokens", body.get("max_completion_tokens"))
+        low = body.get("min_tokens")
+        if isinstance(low, int) and isinstance(budget, int) and low > budget:
+            body.pop("min_tokens")  # min_tokens may not exceed the token budget
 
 
 def _required(api_schema, route: str) -> set[str]:
