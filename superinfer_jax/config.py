@@ -17,7 +17,7 @@ from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 HOST_CACHE_EVICTIONS = ("lru", "fifo")
-COPY_MODES = ("device_put", "fused", "in_step")  # duplexkv.mover.COPY_MODES (no jax here)
+COPY_MODES = ("device_put", "fused", "in_step")  # DuplexKV's (duplexkv/mover.py)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:

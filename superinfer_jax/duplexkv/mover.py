@@ -81,10 +81,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from superinfer_jax.config import COPY_MODES
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
-COPY_MODES = ("device_put", "fused", "in_step")
 HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write host pages
 
 
