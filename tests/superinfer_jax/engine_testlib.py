@@ -17,6 +17,10 @@ TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_siz
 SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                      max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                      show_progress=False, warmup=False)
+# SMALL for the real SmolLM2 (30 layers, about 7 s per compiled step program): every
+# SmolLM2 engine test (rotation, policy and prefix-cache invariance) uses these shapes,
+# so the persistent XLA cache compiles them once per suite run. 7 usable pages of 16.
+SMOLLM2_SMALL = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
 
 
 def run_jobs(engine, jobs, rotate_every: int = 0) -> list:

@@ -23,7 +23,7 @@ from superinfer_jax.kv.two_tier import PageMoves
 from superinfer_jax.request import FieldError, RequestStatus
 from superinfer_jax.step_plan import StepPlan
 from tests.numerics import assert_close, f32_tolerance, max_abs_diff
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -439,7 +439,7 @@ def test_one_token_is_always_computed(tiny):
 def smollm2_engines(smollm2):
     """SmolLM2 engines with caching off and on, with the shapes of the SmolLM2 rotation
     test (the persistent XLA cache serves both); built once, they compile once."""
-    cfg = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
+    cfg = SMOLLM2_SMALL
     return (LLMEngine(smollm2, cfg.replace(enable_prefix_caching=False)),
             LLMEngine(smollm2, cfg))
 

@@ -13,7 +13,7 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import RequestStatus
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
 
 
 def run_alone(engine: LLMEngine, prompts, sp) -> list[list[int]]:
@@ -155,7 +155,7 @@ def test_smollm2_rotation_keeps_greedy_tokens(smollm2):
              "import numpy as np\nx ="]
     prompts = [model.tokenizer.encode(t) for t in texts]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    cfg = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
+    cfg = SMOLLM2_SMALL
     engine = LLMEngine(model, cfg)  # 7 usable pages; the batch needs 18
     reference = run_alone(engine, prompts, sp)
     done = run_rotating(engine, prompts, sp, every=3)

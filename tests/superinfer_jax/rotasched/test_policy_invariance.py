@@ -15,7 +15,7 @@ from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.request import SLO
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
 
 # Tight SLOs make lag grow quickly, so rotasched rotates a lot.
 TIGHT = SLO(ttft_ms=20, tbt_ms=5)
@@ -83,9 +83,8 @@ def test_smollm2_under_pressure(smollm2, policy):
     rng = np.random.default_rng(6)
     prompts = [rng.integers(10, 49000, size=int(n)).tolist() for n in (9, 30, 17, 41, 5, 24)]
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
-    cfg = SMALL.replace(max_model_len=96, page_size=16, num_device_pages=9,
-                        num_host_pages=64, policy=policy,
-                        rotasched=RotaSchedConfig(high_water_mark=0.5))
+    cfg = SMOLLM2_SMALL.replace(num_host_pages=64, policy=policy,
+                                rotasched=RotaSchedConfig(high_water_mark=0.5))
     want = alone("smollm2", smollm2, prompts, sp, cfg)
     done = constrained(smollm2, prompts, sp, cfg)
     assert [r.output_token_ids for r in done] == want
