@@ -35,7 +35,11 @@ def run_batch(model: Path, cache: Path, inp: Path, out: Path) -> subprocess.Comp
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [sys.executable, "-m", "serving.cli", "batch", "--model", str(model),
             "--compilation-cache", str(cache), "--input", str(inp), "--output", str(out),
-            *ENGINE_FLAGS, "--max-num-seqs", "8"]
+            *ENGINE_FLAGS, "--max-num-seqs", "8",
+            # Compile only the shapes these lines run: warm-up compiles all 21 step buckets
+            # (about 4/5 of this test's CPU); it is tested by test_compilation and by every
+            # server the serving tests start.
+            "--set", "engine.warmup=false"]
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
