@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -33,19 +35,15 @@ def tiny():
     return random_servable(TINY, seed=2)
 
 
-@pytest.fixture
-def exe_dir(tmp_path, monkeypatch) -> Path:
-    """The executables in a fresh directory, and XLA's persistent cache off: the engine
-    points it at ``compilation_cache_dir`` (the suite's, so it changes nothing), and a
-    program it serves is not stored (``ExecutableCache.refill`` compiles it later)."""
-    path = tmp_path / "executables"
-    monkeypatch.setattr(ec, "SUBDIR", str(path))  # os.path.join keeps an absolute path
-    monkeypatch.setattr(jax_compilation_cache, "is_cache_used", lambda backend: False)
-    return path
+def _isolate(mp: pytest.MonkeyPatch, path: Path) -> None:
+    """Executables under ``path``, and XLA's persistent cache off: the engine points it
+    at ``compilation_cache_dir`` (the suite's, so it changes nothing), and a program it
+    serves is not stored (``ExecutableCache.refill`` compiles it later)."""
+    mp.setattr(ec, "SUBDIR", str(path))  # os.path.join keeps an absolute path
+    mp.setattr(jax_compilation_cache, "is_cache_used", lambda backend: False)
 
 
-@pytest.fixture
-def loads(monkeypatch) -> list[bool]:
+def _record_loads(mp: pytest.MonkeyPatch) -> list[bool]:
     """Whether each ``ExecutableCache.load`` returned an executable, in call order."""
     seen: list[bool] = []
     load = ExecutableCache.load
@@ -55,7 +53,7 @@ def loads(monkeypatch) -> list[bool]:
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(ExecutableCache, "load", recorded)
+    mp.setattr(ExecutableCache, "load", recorded)
     return seen
 
 
@@ -73,6 +71,43 @@ def _tokens(engine: LLMEngine) -> list[list[int]]:
     return [r.output_token_ids for r in run_jobs(engine, _jobs())]
 
 
+@dataclass(frozen=True)
+class Filled:
+    """One engine's start over an empty directory, shared by the tests below (each
+    works on its own copy): what it loaded, the entries it wrote, its tokens, and the
+    tokens of an engine with no executable cache."""
+
+    path: Path
+    loads: tuple[bool, ...]
+    tokens: list[list[int]]
+    want: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def filled(tiny, tmp_path_factory) -> Filled:
+    want = _tokens(LLMEngine(tiny, CFG))  # no executable cache: the reference
+    path = tmp_path_factory.mktemp("filled") / "executables"
+    with pytest.MonkeyPatch.context() as mp:
+        _isolate(mp, path)
+        loads = _record_loads(mp)
+        first = LLMEngine(tiny, _config())
+        return Filled(path, tuple(loads), _tokens(first), want)
+
+
+@pytest.fixture
+def exe_dir(filled, tmp_path, monkeypatch) -> Path:
+    """A copy of the filled directory, the engine pointed at it, XLA's cache off."""
+    path = tmp_path / "executables"
+    shutil.copytree(filled.path, path)
+    _isolate(monkeypatch, path)
+    return path
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[bool]:
+    return _record_loads(monkeypatch)
+
+
 def _no_lowering(engine: LLMEngine) -> None:
     """Make any tracing of the engine's programs fail (a hit must not lower)."""
     def refuse(*args, **kwargs):
@@ -82,42 +117,39 @@ def _no_lowering(engine: LLMEngine) -> None:
         programs.jitted = type("NoLower", (), {"lower": staticmethod(refuse)})()
 
 
-def test_a_hit_loads_every_program_and_gives_identical_greedy_tokens(tiny, exe_dir, loads):
-    want = _tokens(LLMEngine(tiny, CFG))  # no cache at all: the reference
-    first = LLMEngine(tiny, _config())
-    assert loads == [False] * NUM_PROGRAMS  # empty directory: compiled and stored
-    assert len(list(exe_dir.glob("*.exe"))) == NUM_PROGRAMS
-    assert _tokens(first) == want
-    loads.clear()
+def test_a_hit_loads_every_program_and_gives_identical_greedy_tokens(tiny, filled, exe_dir,
+                                                                     loads):
+    assert filled.loads == (False,) * NUM_PROGRAMS  # empty directory: compiled and stored
+    assert len(list(filled.path.glob("*.exe"))) == NUM_PROGRAMS
+    assert filled.tokens == filled.want
     second = LLMEngine(tiny, _config().replace(warmup=False))
     _no_lowering(second)
     second.warmup()
     assert loads == [True] * NUM_PROGRAMS
-    assert _tokens(second) == want
+    assert _tokens(second) == filled.want
     assert second.runner.step_programs.num_fallback_calls == 0
 
 
-def test_a_corrupt_entry_is_compiled_again_with_a_warning(tiny, exe_dir, loads, caplog):
-    want = _tokens(LLMEngine(tiny, _config()))
+def test_a_corrupt_entry_is_compiled_again_with_a_warning(tiny, filled, exe_dir, loads,
+                                                          caplog):
     entries = sorted(exe_dir.glob("*.exe"))
     entries[0].write_bytes(b"not a pickle")
     entries[1].write_bytes(entries[1].read_bytes()[:1000])  # truncated
-    loads.clear()
     with caplog.at_level(logging.WARNING, logger=ec.__name__):
         engine = LLMEngine(tiny, _config())
     warned = [r.getMessage() for r in caplog.records if "unusable entry" in r.getMessage()]
     assert sorted(w.split()[4] for w in warned) == sorted(str(p) for p in entries[:2])
     assert loads.count(False) == 2 and loads.count(True) == NUM_PROGRAMS - 2
-    assert _tokens(engine) == want
+    assert _tokens(engine) == filled.want
     loads.clear()
     LLMEngine(tiny, _config())  # the two entries were rewritten
     assert loads == [True] * NUM_PROGRAMS
 
 
-def test_a_mismatched_entry_is_compiled_again_with_a_warning(tiny, exe_dir, loads, caplog):
+def test_a_mismatched_entry_is_compiled_again_with_a_warning(tiny, filled, exe_dir, loads,
+                                                             caplog):
     """An entry under another key's name, and an entry whose key matches but whose
     executable takes other shapes (the [1, 16] prefill program filed as [1, 1])."""
-    want = _tokens(LLMEngine(tiny, _config()))
     runner = LLMEngine(tiny, _config().replace(warmup=False)).runner
     cache = runner.step_programs.cache
     assert cache is not None
@@ -134,7 +166,7 @@ def test_a_mismatched_entry_is_compiled_again_with_a_warning(tiny, exe_dir, load
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "argument signature differs" in warned and "written for another key" in warned
     assert loads.count(False) == 2
-    assert _tokens(engine) == want
+    assert _tokens(engine) == filled.want
 
 
 def test_the_key_follows_what_determines_the_program(tiny):
@@ -165,12 +197,13 @@ def test_the_context_holds_the_model_and_engine_config(tiny, tmp_path):
     assert LLMEngine(tiny, CFG.replace(warmup=False)).runner.step_programs.cache is None
 
 
-def test_a_program_xla_cache_served_is_stored_by_refill(exe_dir, loads):
+def test_a_program_xla_cache_served_is_stored_by_refill(tmp_path, monkeypatch):
     """XLA:CPU re-serializes an executable it loaded from its own cache without its
     fused kernels, so such a program is not stored at once but compiled again later."""
     def f(x, y):
         return jnp.tanh(x @ y + 1.0).sum(0) + jnp.where(x[0] > 0, 1.0, 2.0).sum()
 
+    _isolate(monkeypatch, tmp_path / "executables")
     x, y = jnp.ones((8, 8)), jnp.full((8, 8), 0.5)
     cache = ExecutableCache.under("/unused", {"test": "refill"})
     key = cache.key("f", (x, y))
