@@ -569,7 +569,7 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
                      / med(floor),
                      "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
                      / (rounds * n),
-                     "pages_in_step": rigs[m].duplex.pages_in_step} for m in modes]
+                     "pages_in_step": rigs[m].duplex.stats.pages_in_step} for m in modes]
     row["tokens_equal"] = all(np.array_equal(r.tokens, rigs[mode].alone_tokens)
                               for r in rigs.values())
     row["trials_ms"] = {"alone": [1e3 * a for a in alone],

@@ -204,7 +204,6 @@ class DuplexKV:
         self._landing: list[tuple[int, jax.Array]] = []  # (device page, host page)
         self._taken: _Taken | None = None
         self._failed_out: list[RotationEvent] = []
-        self.pages_in_step = 0  # pages (both ways) a model step copied in its own program
 
     @property
     def num_in_flight(self) -> int:
@@ -372,7 +371,7 @@ class DuplexKV:
                 self.stats.failures += len(self._failed_out)
             else:
                 self._taken = _Taken(deferred, rest, step_idx, rest_idx)
-        self.pages_in_step += num_out + num_in
+        self.stats.pages_in_step += num_out + num_in
         return pool, StepCopies(np.asarray([device_ids[k] for k in step_idx], np.int32),
                                 np.asarray([d for d, _ in landing], np.int32),
                                 tuple(a for _, a in landing))

@@ -24,6 +24,9 @@ class TransferStats:
     rotations_in: int = 0
     prefix_hits_in: int = 0  # host-tier prefix hits brought in (their pages are in pages_in)
     failures: int = 0  # copies that failed: the request fell back to recomputation
+    # of pages_out + pages_in: copied inside a model step's own program (copy_mode
+    # in_step); the rest went by the separate gather and scatter programs
+    pages_in_step: int = 0
     time_out_s: float = 0.0
     time_in_s: float = 0.0
     dispatch_s: float = 0.0  # host time spent issuing copies (the step loop's cost)

@@ -89,7 +89,7 @@ def test_step_copies_are_byte_exact_across_same_step_reuse(dtype, land):
     # the next step: a's pages arrived, landed first thing (by the step or before it)
     _, landed = run_step(rig, step, c_page, num_in=None if land == "in_step" else 0)
     assert sorted(landed) == (sorted(in_a.device_pages) if land == "in_step" else [])
-    assert rig.duplex.pages_in_step == 3 + len(landed)
+    assert rig.duplex.stats.pages_in_step == 3 + len(landed)
     assert {e.kind for e in rig.events[-2:]} == {EventKind.ROTATED_OUT, EventKind.ROTATED_IN}
     assert_bytes_equal(host_contents(rig, "b"), rig.expect["b"])
     assert_bytes_equal(rig.device_contents("a"), rig.expect["a"])
@@ -225,7 +225,11 @@ def test_in_step_mode_keeps_greedy_tokens(tiny):
     done = run_rotating(engine, prompts, sp, every=4)
     assert [r.output_token_ids for r in done] == reference
     assert sum(r.num_rotations for r in done) >= 4
-    assert engine.duplex.pages_in_step > 0  # some copies rode the step
+    assert engine.duplex.stats.pages_in_step > 0  # some copies rode the step
     assert engine.duplex.stats.failures == 0
     stats = engine.stats()
     assert stats["device_pages_free"] == 11 and stats["host_pages_free"] == 64
+    # the engine's stats report the in-step copies (a part of all copies made)
+    assert 0 < stats["transfer_pages_in_step"] == engine.duplex.stats.pages_in_step
+    assert stats["transfer_pages_in_step"] <= stats["transfer_pages_out"] + stats[
+        "transfer_pages_in"]
