@@ -25,8 +25,10 @@ from tests.serving.serving_testlib import API_KEY, ServerProcess, free_port
 START_S = 600  # both processes compile every bucket on a loaded 2-core box: a bound
 EXIT_S = 60
 # Small shapes: a group compiles every bucket before it serves (no background compiles
-# across processes), each process on the same two cores.
-GROUP_FLAGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+# across processes), each process on the same two cores. One sequence (the test sends one
+# request): decode and resample compile one row count each, not two (with 2, each process
+# compiled 3 steps and 2 resamples at warm-up; with 1, 2 and 1).
+GROUP_FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                "--set", "model.tensor_parallel_size=4",
                "--set", "duplex_kv.host_memory_gb=0",
                "--group-step-timeout-s", "600"]
@@ -41,7 +43,7 @@ def _tp1_reference(model_dir: Path) -> tuple[list[int], list[int], list[float], 
     model = load_model(str(model_dir))
     prompt = model.tokenizer.encode("The capital of France is")
     engine = LLMEngine(model, EngineConfig(
-        max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16, max_prefill_chunk=16,
+        max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16, max_prefill_chunk=16,
         policy="fcfs",
         num_host_pages=0, warmup=False, show_progress=False, attention_backend="xla"))
     req_id = engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS,
