@@ -51,10 +51,11 @@ def engine_config(tp: int, max_num_seqs: int = 2):
     # 10 device pages of 8 tokens (one of them the null page) for 4 requests of up to 39
     # tokens, 2 running at a time: rotations happen on their own besides the forced ones.
     # No warm-up: steps compile at first use (a compile call is a recorded call like any
-    # other). Two rows, not four: decode compiles 2 row buckets (1, 2) instead of 3, in
-    # each of the three engines (TP=1 and both processes of the pair); a batch of 2 is as
-    # much a batch for the group's protocol as one of 4 (TP=1 here: 18 rotations, 66
-    # pages in).
+    # other). Two rows, not four: decode compiles at most 2 row buckets (1, 2), not 3;
+    # the TP=1 reference in test_multihost compiled 4 step shapes with 4 rows, 3 with 2
+    # (the pair's first batch compiled 3 either way: it never ran 3 or 4 rows at once).
+    # A batch of 2 is as much a batch for the group's protocol as one of 4 (TP=1 here:
+    # 18 rotations, 66 pages in).
     return EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
                         max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                         num_device_pages=10, num_host_pages=64, transfer_budget_pages=16,
