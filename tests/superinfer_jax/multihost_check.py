@@ -45,12 +45,17 @@ def prompts() -> list[list[int]]:
     return [rng.integers(0, 256, size=int(k)).tolist() for k in (9, 21, 14, 27)]
 
 
-def engine_config(tp: int, max_num_seqs: int = 4):
+def engine_config(tp: int, max_num_seqs: int = 2):
     from superinfer_jax import EngineConfig
 
-    # 10 device pages of 8 tokens for 4 requests of up to 39 tokens: rotations happen on
-    # their own besides the forced ones. No warm-up: steps compile at first use (a
-    # compile call is a recorded call like any other).
+    # 10 device pages of 8 tokens (one of them the null page) for 4 requests of up to 39
+    # tokens, 2 running at a time: rotations happen on their own besides the forced ones.
+    # No warm-up: steps compile at first use (a compile call is a recorded call like any
+    # other). Two rows, not four: decode compiles at most 2 row buckets (1, 2), not 3;
+    # the TP=1 reference in test_multihost compiled 4 step shapes with 4 rows, 3 with 2
+    # (the pair's first batch compiled 3 either way: it never ran 3 or 4 rows at once).
+    # A batch of 2 is as much a batch for the group's protocol as one of 4 (TP=1 here:
+    # 18 rotations, 66 pages in).
     return EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
                         max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                         num_device_pages=10, num_host_pages=64, transfer_budget_pages=16,
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-processes", type=int, required=True)
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--scenario", default="tokens", choices=("tokens", "endless", "idle"))
-    ap.add_argument("--max-num-seqs", type=int, default=4, help="differs: a config mismatch")
+    ap.add_argument("--max-num-seqs", type=int, default=2, help="differs: a config mismatch")
     ap.add_argument("--init-timeout", type=int, default=30)
     ap.add_argument("--liveness-timeout", type=float, default=4.0)
     ap.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")

@@ -2,7 +2,16 @@
 subprocess (``tp_check``): TP=2 and TP=4 give TP=1's greedy tokens with rotations
 running and with prefix-cache hits in either tier, host pages are split per device in
 pinned host memory, and the compiled step holds the Megatron collectives and nothing
-that moves the KV pool."""
+that moves the KV pool.
+
+Each sharded engine is a set of step compiles (seconds each, 30 layers for SmolLM2), so
+each model runs only the sizes that check something of its own (``tp_check.CASE_TPS``):
+the Llama with 8 KV heads (a plain split) at TP=2 and TP=4; SmolLM2 (padded heads) at
+TP=4, loaded from GGUF into the sharded layout, with the one-device model converted to
+that layout compared to it tensor by tensor; the replicated-KV model at TP=4 (at TP=2 it
+is a plain split, its QKV bias covered there by the sink case's logits). SmolLM2 and the
+replicated model run one request at a time, a token per step: one compiled step shape
+per engine; llama8 batches four and prefills in chunks."""
 
 from __future__ import annotations
 
@@ -24,7 +33,8 @@ from superinfer_jax import EngineConfig, LLMEngine
 from superinfer_jax.parallel import make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = ("smollm2", "llama8", "replicated")
+# (case, TP size) of every sharded engine tp_check runs.
+SHARDED = [("smollm2", 4), ("llama8", 2), ("llama8", 4), ("replicated", 4)]
 
 
 def _config(heads: int, kv_heads: int, ffn: int = 64) -> ModelConfig:
@@ -130,12 +140,13 @@ def tp_run(tmp_path_factory) -> dict:
         cmd += ["--cache-dir", cache]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # Kept beside the result: per-case seconds, and the compiles with JAX_LOG_COMPILES=1.
+    out.with_name("tp_check.stderr").write_text(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("tp", ["2", "4"])
+@pytest.mark.parametrize("case, tp", [(c, str(t)) for c, t in SHARDED])
 def test_greedy_tokens_equal_tp1_with_rotations(tp_run, case, tp):
     runs = tp_run[case]
     assert tp_run["devices"] == 4
@@ -169,15 +180,30 @@ def test_host_tier_prefix_hits_keep_greedy_tokens(tp_run, tp):
 
 
 def test_padding_and_replication_layouts(tp_run):
+    """SmolLM2's 3 KV heads padded to 4 at TP=4 (in the engine, and converted); at TP=2
+    its layout is checked in-process (``test_preset_layouts_on_common_sizes``)."""
+    assert tp_run["smollm2"]["4"]["kv_heads"] == 4  # 3 padded to 4
+    assert tp_run["smollm2"]["shard_vs_load"]["kv_heads"] == 4
+    assert "1 zero" in tp_run["smollm2"]["4"]["layout"]
     for tp in ("2", "4"):
-        assert tp_run["smollm2"][tp]["kv_heads"] == 4  # 3 padded to 4
         assert tp_run["llama8"][tp]["kv_heads"] == 8
     assert "x2 replicas" in tp_run["replicated"]["4"]["layout"]
     assert tp_run["replicated"]["4"]["kv_heads"] == 4
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("tp", [2, 4])
+def test_converted_model_equals_the_one_loaded_sharded(tp_run):
+    """SmolLM2 converted from the one-device model (``base.shard(make_mesh(4))``) holds
+    the same tensors, byte for byte, in the same placements, as SmolLM2 loaded straight
+    from GGUF into the sharded layout, whose engine gives TP=1's tokens above: the same
+    model, so the same tokens, without compiling its 30-layer step a second time."""
+    cmp = tp_run["smollm2"]["shard_vs_load"]
+    assert cmp["tp"] == 4 and cmp["tensors"] > 30 * 9  # every layer's tensors, and more
+    assert cmp["mismatched"] == []
+    assert cmp["configs_equal"] and cmp["layouts"][0] == cmp["layouts"][1]
+    assert cmp["layouts"][0] == tp_run["smollm2"]["4"]["layout"]
+
+
+@pytest.mark.parametrize("case, tp", SHARDED)
 def test_pool_and_host_pages_are_split_over_kv_heads(tp_run, case, tp):
     run = tp_run[case][str(tp)]
     pool, shard = run["pool_shape"], run["pool_shard_shape"]
@@ -188,8 +214,7 @@ def test_pool_and_host_pages_are_split_over_kv_heads(tp_run, case, tp):
     assert host["shard_shape"] == shard[1:]  # one page: each device its own heads
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("case, tp", SHARDED)
 def test_step_has_megatron_collectives_and_never_moves_the_pool(tp_run, case, tp):
     """Two all-reduces per layer (after wo, after w_down), one all-gather of the embedded
     tokens [B, C, hidden], one of the logits [B, vocab], and one of every column's logits
@@ -208,10 +233,9 @@ def test_step_has_megatron_collectives_and_never_moves_the_pool(tp_run, case, tp
     assert all(int(np.prod(o["shape"])) < pool_shard for o in ops)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_page_moves_stay_on_each_device(tp_run, case):
-    for tp in ("2", "4"):
-        assert tp_run[case][tp]["mover_collectives"] == []
+@pytest.mark.parametrize("case, tp", SHARDED)
+def test_page_moves_stay_on_each_device(tp_run, case, tp):
+    assert tp_run[case][str(tp)]["mover_collectives"] == []
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])

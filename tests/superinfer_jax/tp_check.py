@@ -11,11 +11,17 @@ fixed when JAX starts, so ``test_tensor_parallel`` runs this module in a subproc
 - for each sharded engine: the collectives in its compiled decode step and in the page
   mover's gather and scatter, with their shapes, and the pool's shape per device.
 
-Models: the embedded SmolLM2-135M (3 KV heads, 9 query heads: padded), loaded straight
-from its GGUF file into the sharded layout at TP=2 and converted from the one-device
-model at TP=4; a random Llama-3-style model with 8 KV heads (split as is); and a tiny
-random model with QKV bias, 2 KV heads and 3 query heads per group (KV heads replicated
-at TP=4), saved with Orbax and restored onto the mesh.
+Models: the embedded SmolLM2-135M (3 KV heads, 9 query heads: padded), run at TP=1 and
+at TP=4 loaded straight from its GGUF file into the sharded layout; the same model
+converted from the one-device model (``base.shard``) is compared with that one tensor by
+tensor (bytes, dtype, placement) instead of compiling the 30-layer step a second time;
+a random Llama-3-style model with 8 KV heads (split as is, TP=2 and TP=4); and a tiny
+random model with QKV bias, 2 KV heads and 3 query heads per group, saved with Orbax and
+restored onto the mesh at TP=4, where its KV heads are replicated (at TP=2 it would be a
+plain split like the Llama's, and the sink case covers QKV bias at TP=2).
+
+``--tp`` lists the sizes every case may run; each case runs the ones it needs of them
+(``CASE_TPS``): each engine is a full set of step compiles, the suite's dominant cost.
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# The tensor-parallel sizes each case runs (intersected with ``--tp``); see the module
+# docstring for why SmolLM2 and the replicated model skip TP=2.
+CASE_TPS = {"smollm2": (1, 4), "llama8": (1, 2, 4), "replicated": (1, 4), "sink": (2, 4)}
+# The size at which SmolLM2's two loading paths are compared (the size its engine runs).
+SMOLLM2_TP = 4
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute",
                "reduce-scatter")
@@ -114,18 +126,20 @@ def run_second_wave(engine, first: list, wave, max_tokens: int, every: int
     return out
 
 
-def step_hlo(engine) -> str:
-    """Compiled HLO of the engine's widest decode step (compiled already by the run)."""
-    from superinfer_jax.sampling import SamplingInputs
-    from superinfer_jax.token_feedback import TokenFeedback
+def compile_widest_step(engine) -> tuple[int, int]:
+    """Compile the engine's widest decode step ahead, as warm-up does (the step's
+    arguments as the engine passes them), before the run: the run's calls of that shape
+    use this executable, and ``step_hlo`` reads it back. Lowering the step again after the
+    run from other arguments compiled it a second time (a whole 30-layer compile for
+    SmolLM2). Returns the shape, the key ``step_hlo`` takes."""
+    shape = (engine.config.decode_buckets[-1], 1)
+    engine.runner.step_programs.compile(*engine.runner._step_specs(*shape))
+    return shape
 
-    rows = engine.config.decode_buckets[-1]
-    inputs = engine.runner.empty_inputs(rows, 1)
-    lowered = engine.runner.step_programs.jitted.lower(
-        engine.runner.step_params, engine.kv_pool, inputs, SamplingInputs.greedy(rows),
-        engine.runner.neutral_logits_inputs(rows, 1),
-        TokenFeedback.none(rows, engine.runner.no_tokens))
-    return lowered.compile().as_text()
+
+def step_hlo(engine, shape: tuple[int, int]) -> str:
+    """Compiled HLO of the step ``compile_widest_step`` compiled (and the run used)."""
+    return engine.runner.step_programs._executables[shape].as_text()
 
 
 def mover_hlo(engine) -> str:
@@ -166,6 +180,7 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
         loaded = time.perf_counter() - t0
         config = _engine_config(tp, page_size, device_pages, max_num_seqs, chunk, backend)
         engine = LLMEngine(model, config)
+        widest = compile_widest_step(engine) if tp > 1 else None
         seen: dict[str, Any] = {}
         done = run_rotating(engine, prompts, max_tokens, every, seen)
         row: dict[str, Any] = {
@@ -181,7 +196,8 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
             row["layout"] = engine.model.plan.describe()
             row["pool_shard_shape"] = list(engine.kv_pool.addressable_shards[0].data.shape)
             row["pool_shape"] = list(engine.kv_pool.shape)
-            row["step_collectives"] = collectives(step_hlo(engine))
+            assert widest is not None
+            row["step_collectives"] = collectives(step_hlo(engine, widest))
             row["mover_collectives"] = collectives(mover_hlo(engine))
             row["num_layers"] = engine.model.kv_spec.num_layers
         if second_wave is not None:
@@ -227,6 +243,34 @@ def _random_prompts(seed: int, vocab: int, n: int) -> list[list[int]]:
     return [rng.integers(0, vocab, size=int(k)).tolist() for k in rng.integers(5, 30, n)]
 
 
+def compare_params(a, b) -> dict[str, Any]:
+    """Two servables' parameters, tensor by tensor: paths, dtypes, shapes, placements
+    (sharding equivalence) and bytes. ``mismatched`` names every tensor that differs."""
+    import numpy as np
+
+    from models.sharding import flat_state
+
+    def same_bytes(x, y) -> bool:  # device by device, as uint8 views: no global copies
+        xs = sorted(x.addressable_shards, key=lambda s: s.device.id)
+        ys = sorted(y.addressable_shards, key=lambda s: s.device.id)
+        return [s.device for s in xs] == [s.device for s in ys] and all(
+            np.array_equal(np.asarray(u.data).view(np.uint8), np.asarray(v.data).view(np.uint8))
+            for u, v in zip(xs, ys, strict=True))
+
+    fa, fb = flat_state(a.params), flat_state(b.params)
+    mismatched = sorted({str(p) for p in fa.keys() ^ fb.keys()})
+    for path in fa.keys() & fb.keys():
+        x, y = fa[path], fb[path]
+        same = (x.dtype == y.dtype and x.shape == y.shape
+                and x.sharding.is_equivalent_to(y.sharding, x.ndim) and same_bytes(x, y))
+        if not same:
+            mismatched.append(str(path))
+    return {"tensors": len(fa), "mismatched": mismatched,
+            "layouts": [a.plan.describe(), b.plan.describe()],
+            "configs_equal": a.config == b.config and a.dtype == b.dtype
+            and a.compute_dtype == b.compute_dtype}
+
+
 def smollm2_case(tps, backend: str) -> dict[str, Any]:
     from models import load_model
     from superinfer_jax.parallel import make_mesh
@@ -235,16 +279,24 @@ def smollm2_case(tps, backend: str) -> dict[str, Any]:
     base = load_model("smollm2-135m")
     prompts = [base.tokenizer.encode(t) for t in texts]
 
-    def load(tp):  # TP=2 straight from the GGUF file; TP=4 converted from the TP=1 model
-        if tp == 2:
-            return load_model("smollm2-135m", tensor_parallel_size=tp)
-        return base if tp == 1 else base.shard(make_mesh(tp))
+    def load(tp):  # sharded: straight from the GGUF file
+        return base if tp == 1 else load_model("smollm2-135m", tensor_parallel_size=tp)
 
     # The 30-layer compiles dominate, so one compiled shape: one request, its prompt fed
     # one token per step (prefill chunks of 1 are [1, 1] like decode), parked and brought
-    # back every third step. The small models below batch four and prefill in chunks.
-    return run_case("smollm2", load, prompts, tps, page_size=16, device_pages=6,
-                    max_tokens=24, every=3, max_num_seqs=1, backend=backend, chunk=1)
+    # back every third step. llama8 below batches four and prefills in chunks.
+    loaded: dict[int, Any] = {}
+    out = run_case("smollm2", lambda tp: loaded.setdefault(tp, load(tp)), prompts, tps,
+                   page_size=16, device_pages=6, max_tokens=24, every=3, max_num_seqs=1,
+                   backend=backend, chunk=1)
+    if SMOLLM2_TP in loaded:
+        # The other path to the same layout: the one-device model converted on device. The
+        # same tensors in the same places make the same engine, whose tokens are checked.
+        converted = base.shard(make_mesh(SMOLLM2_TP))
+        out["shard_vs_load"] = compare_params(converted, loaded[SMOLLM2_TP])
+        out["shard_vs_load"]["tp"] = SMOLLM2_TP
+        out["shard_vs_load"]["kv_heads"] = converted.kv_spec.num_kv_heads
+    return out
 
 
 def llama8_case(tps, backend: str) -> dict[str, Any]:
@@ -254,9 +306,10 @@ def llama8_case(tps, backend: str) -> dict[str, Any]:
     from superinfer_jax.parallel import make_mesh
 
     cfg = _llama8_config()
+    base = random_servable(cfg, seed=3)
 
-    def load(tp):
-        return random_servable(cfg, seed=3, mesh=make_mesh(tp) if tp > 1 else None)
+    def load(tp):  # what random_servable(cfg, seed=3, mesh=...) does, drawn once
+        return base if tp == 1 else base.shard(make_mesh(tp))
 
     # Two more requests that find cached pages (prefix caching is on by default): the
     # second repeats the first (admitted while the first runs), the last extends another;
@@ -291,9 +344,14 @@ def replicated_case(tps, backend: str, workdir: Path) -> dict[str, Any]:
     def load(tp):
         return base if tp == 1 else load_model(path, tensor_parallel_size=tp)
 
+    # Like SmolLM2, one compiled step shape, [1, 1]: one request at a time, prompts fed a
+    # token per step, rotated every third step. What this model adds is its layout (KV
+    # heads replicated at TP=4, QKV bias, restored from Orbax onto the mesh), not batching
+    # or chunked prefill, which llama8 covers at TP=2 and TP=4; batched, each engine
+    # compiled 3 step shapes (4 with the widest compiled ahead at TP=4).
     return run_case("replicated", load, _random_prompts(1, cfg.vocab_size, 4), tps,
-                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
-                    backend=backend)
+                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=1,
+                    backend=backend, chunk=1)
 
 
 def sink_case(tps) -> dict[str, Any]:
@@ -314,7 +372,12 @@ def sink_case(tps) -> dict[str, Any]:
                       tie_word_embeddings=True)
     base = random_servable(cfg, seed=2)
     embed = np.asarray(base.params["embed"][...])
-    ids = np.arange(1, 21)
+    # 20 tokens in two chunks of 10 over pages of 8: the second chunk starts inside a
+    # page and reads the first's KV, the last page is partly filled. One chunk shape, so
+    # one compile per model and backend (chunks of 8 left a tail of 4: two shapes).
+    ids, chunk = np.arange(1, 21), 10
+    refs = {b: base.logits(ids, page_size=8, chunk_size=chunk, attention_backend=b)
+            for b in ("xla", "pallas")}  # the same for every TP size
     out: dict[str, Any] = {}
     for tp in [t for t in tps if t > 1]:
         sink = ParamSink(cfg, "float32", make_mesh(tp))
@@ -331,8 +394,8 @@ def sink_case(tps) -> dict[str, Any]:
         model = sink.servable("random", None)
         row["layout"] = model.plan.describe()
         for backend in ("xla", "pallas"):
-            ref = base.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
-            got = model.logits(ids, page_size=8, chunk_size=8, attention_backend=backend)
+            ref = refs[backend]
+            got = model.logits(ids, page_size=8, chunk_size=chunk, attention_backend=backend)
             # The all-reduces after wo and w_down sum per-shard partial products: another
             # summation order, so the float32 bound of a model's logits (tests/numerics).
             bound = logits_tolerance(cfg, ref, ids.size)
@@ -363,11 +426,13 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"devices": len(jax.devices()), "backend": jax.default_backend()}
     with tempfile.TemporaryDirectory() as tmp:
         b = args.backend
-        cases = {"smollm2": lambda: smollm2_case(tps, b), "llama8": lambda: llama8_case(tps, b),
-                 "replicated": lambda: replicated_case(tps, b, Path(tmp)),
-                 "sink": lambda: sink_case(tps)}
+        cases = {"smollm2": lambda t: smollm2_case(t, b), "llama8": lambda t: llama8_case(t, b),
+                 "replicated": lambda t: replicated_case(t, b, Path(tmp)), "sink": sink_case}
         for name in args.cases.split(","):
-            result[name] = cases[name]()
+            t0 = time.perf_counter()
+            result[name] = cases[name]([t for t in tps if t in CASE_TPS[name]])
+            print(f"{name}: {time.perf_counter() - t0:.1f} s in all", file=sys.stderr,
+                  flush=True)
     text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)
