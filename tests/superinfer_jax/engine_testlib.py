@@ -22,9 +22,10 @@ SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32
 
 # For tiny random models over a real 49,152-token vocabulary (``tiny_with_tokenizer``):
 # structured outputs, the offline LLM API. One config for all of them, so the persistent
-# XLA cache serves each step shape once: decode 1/2/4 rows, prefill 1 row x 16 or 32.
+# XLA cache serves each step shape once: decode 1/2/4 rows, prefill 1 row x 16 (longer
+# prompts in chunks of 16: one prefill shape, the tail of one token is a decode row).
 VOCAB_CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_prefill_chunk=32, max_prefill_rows=1, page_size=16,
+                            max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
                             show_progress=False, num_device_pages=96, num_host_pages=96,
                             warmup=False)  # compile only the shapes the requests run
 
