@@ -886,8 +886,18 @@ class _LogitsRows:
                 array[b] = np.asarray(getattr(neutral, name))[0]
 
     def build(self) -> LogitsInputs:
+        """The call's inputs. What stands in for a committed constant (the wide arrays,
+        ``deferred_rows``) is committed too, so every call of a shape passes its arguments
+        committed alike whichever features its rows use: jit keys its cache on that, and
+        without an executable per shape (warm-up off) each mix compiled the step again."""
         neutral = self.runner.neutral_logits_inputs(self.rows, self.cols)
-        return dataclasses.replace(neutral, **self.small, **self.wide)
+        small = dict(self.small)
+        placed = dict(self.wide)
+        if "deferred_rows" in small:
+            placed["deferred_rows"] = small.pop("deferred_rows")
+        if placed:
+            placed = jax.device_put(placed, self.runner._constant_sharding())
+        return dataclasses.replace(neutral, **small, **placed)
 
 
 

@@ -21,17 +21,19 @@ from tests.serving.serving_testlib import API_KEY, ServerProcess, pb2_grpc
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from models import ModelConfig, load_model, random_servable, save_orbax
+def tiny_model_dir(smollm2_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's tokenizer, vocabulary size and special ids come from the embedded GGUF's
+    metadata (``smollm2_tokenizer``): its weights are not read."""
+    from models import ModelConfig, random_servable, save_orbax
 
-    smol = load_model("smollm2-135m")
+    tok = smollm2_tokenizer
     cfg = ModelConfig(
-        name="tiny", vocab_size=smol.config.vocab_size, hidden_size=64, intermediate_size=128,
+        name="tiny", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=smol.config.bos_token_id,
-        eos_token_ids=smol.config.eos_token_ids)
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+        eos_token_ids=tuple(tok.eos_token_ids))
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    save_orbax(random_servable(cfg, tokenizer=smol.tokenizer, seed=0), path)
+    save_orbax(random_servable(cfg, tokenizer=tok, seed=0), path)
     return path
 
 

@@ -8,6 +8,7 @@ to the compiled step shapes reaches both (and the persistent XLA cache serves bo
 from __future__ import annotations
 
 from models.config import ModelConfig
+from models.servable import random_servable
 from superinfer_jax import EngineConfig
 
 TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -21,6 +22,27 @@ SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32
 # SmolLM2 engine test (rotation, policy and prefix-cache invariance) uses these shapes,
 # so the persistent XLA cache compiles them once per suite run. 7 usable pages of 16.
 SMOLLM2_SMALL = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=32)
+
+
+# For tiny random models over a real 49,152-token vocabulary (``tiny_with_tokenizer``):
+# structured outputs, the offline LLM API. One config for all of them, so the persistent
+# XLA cache serves each step shape once: decode 1/2/4 rows, prefill 1 row x 16 (longer
+# prompts in chunks of 16: one prefill shape, the tail of one token is a decode row).
+VOCAB_CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                            max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
+                            show_progress=False, num_device_pages=96, num_host_pages=96,
+                            warmup=False)  # compile only the shapes the requests run
+
+
+def tiny_with_tokenizer(tokenizer, seed: int = 0):
+    """A tiny random Llama (2 layers, hidden 64) over ``tokenizer``'s vocabulary (SmolLM2's
+    from the ``smollm2_tokenizer`` fixture), with its EOS ids and chat template."""
+    config = ModelConfig(
+        name="tiny-smollm2-vocab", vocab_size=tokenizer.vocab_size, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=VOCAB_CONFIG.max_model_len, tie_word_embeddings=True,
+        eos_token_ids=tuple(tokenizer.eos_token_ids))
+    return random_servable(config, seed=seed, tokenizer=tokenizer)
 
 
 def run_jobs(engine, jobs, rotate_every: int = 0) -> list:

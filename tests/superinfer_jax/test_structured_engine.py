@@ -17,35 +17,25 @@ import re
 import jsonschema
 import pytest
 
-from models import ModelConfig, random_servable
-from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import FieldError
 from superinfer_jax.structured import StructuredOutputSpec
 from tests.numerics import logits_tolerance
-from tests.superinfer_jax.engine_testlib import run_jobs
+from tests.superinfer_jax.engine_testlib import VOCAB_CONFIG, run_jobs, tiny_with_tokenizer
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                      max_prefill_chunk=32, max_prefill_rows=1, page_size=16,
-                      show_progress=False, num_device_pages=96, num_host_pages=96,
-                      disable_any_whitespace=True,
-                      warmup=False)  # compile only the shapes these requests run
+# compile only the shapes these requests run (shared with the LLM API test)
+CONFIG = VOCAB_CONFIG.replace(disable_any_whitespace=True)
 # largest |logit| of the tiny model bounds its float32 error (far above what it reaches)
 LOGIT_SCALE = 30.0
 
 
 @pytest.fixture(scope="module")
 def model(smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    config = ModelConfig(
-        name="tiny-smollm2-vocab", vocab_size=tok.vocab_size, hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        max_position_embeddings=CONFIG.max_model_len, tie_word_embeddings=True,
-        eos_token_ids=tuple(tok.eos_token_ids))
-    return random_servable(config, seed=0, tokenizer=tok)
+    return tiny_with_tokenizer(smollm2_tokenizer, seed=0)
 
 
 @pytest.fixture(scope="module")
