@@ -139,8 +139,11 @@ class ModelRunner:
             sharding=self._pool_sharding())
         self._kv_pool: jax.Array | None = None
         self._pool_error: BaseException | None = None
+        # Not a daemon: the interpreter joins it at exit. A daemon thread still inside
+        # XLA's fill when a short script ended (an engine never read, warmup=False) was
+        # torn down mid-call and aborted the process ("FATAL: exception not rethrown").
         self._pool_thread = threading.Thread(target=self._allocate_pool, name="kv-pool",
-                                             daemon=True)
+                                             daemon=False)
         if jax.process_count() == 1:
             self._pool_thread.start()
         else:  # several processes issue their device programs in one order: inline

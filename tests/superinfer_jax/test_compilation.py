@@ -5,10 +5,14 @@ engine that compiled everything first."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import jax.monitoring
 import numpy as np
@@ -29,6 +33,8 @@ from superinfer_jax.compilation import (
 from superinfer_jax.config import BucketLimits
 from superinfer_jax.config_schema import ConfigError
 from tests.superinfer_jax.engine_testlib import TINY, run_jobs
+
+REPO = Path(__file__).resolve().parents[2]
 
 # decode 1/2/4 rows; prefill [1, 16], [2, 16], [1, 32]; deferred sampling 1/2/4 rows
 CFG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
@@ -300,3 +306,25 @@ def test_a_pool_that_failed_to_allocate_is_an_error_at_its_first_read(tiny, monk
     engine = LLMEngine(tiny, CFG.replace(warmup=False))
     with pytest.raises(RuntimeError, match="allocating the KV pool failed: no room"):
         _ = engine.runner.kv_pool
+
+
+def test_a_script_that_never_reads_the_pool_exits_cleanly(tmp_path):
+    """A short script builds an engine (no warm-up, so nothing waits for the pool) and
+    ends: the interpreter joins the pool thread instead of tearing it down inside XLA's
+    fill, which aborted the process (exit 134, "FATAL: exception not rethrown")."""
+    script = tmp_path / "build_and_exit.py"
+    script.write_text(
+        "from models.servable import random_servable\n"
+        "from superinfer_jax import EngineConfig, LLMEngine\n"
+        "from tests.superinfer_jax.engine_testlib import TINY\n"
+        "LLMEngine(random_servable(TINY, seed=1), EngineConfig(\n"
+        "    max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,\n"
+        "    max_prefill_chunk=16, page_size=8, num_device_pages=4096,\n"
+        "    show_progress=False, warmup=False))\n"
+        "print('built', flush=True)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "built"
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FATAL" not in proc.stderr and "terminate called" not in proc.stderr
