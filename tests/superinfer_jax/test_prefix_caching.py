@@ -67,7 +67,7 @@ def workload(tiny):
 
 
 @pytest.mark.parametrize("async_scheduling,rotate_every,pages", [
-    (True, 0, 40), (False, 0, 40), (True, 3, 16), (False, 4, 16)])
+    (True, 0, None), (False, 0, None), (True, 3, 16), (False, 4, 16)])
 def test_greedy_tokens_equal_with_caching_on(tiny, workload, async_scheduling, rotate_every,
                                              pages):
     first, ref_first, second, ref_second = workload
@@ -91,7 +91,8 @@ def test_greedy_tokens_equal_with_caching_on(tiny, workload, async_scheduling, r
     host = stats["prefix_cache_host_hits"]
     assert stats["prefix_cache_hits"] + host >= cached and host % SMALL.page_size == 0
     assert (host > 0) == (stats["transfer_prefix_hits_in"] > 0)
-    if pages == 40:  # the device never reclaims a cached page: every hit is a device hit
+    # SMALL's own pool holds every cached page: none reclaimed, every hit a device hit
+    if pages is None:
         assert engine.kv.prefix_cache.evictions == 0 and not engine.kv.host_cache
         assert host == stats["transfer_prefix_hits_in"] == 0
         assert stats["prefix_cache_hits"] == cached  # and no request was admitted twice
@@ -172,7 +173,7 @@ def test_greedy_tokens_equal_with_host_tier_hits(tiny, workload, async_schedulin
 
 
 def test_salts_isolate_and_found_pages_hold_their_kv(tiny):
-    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=40))
+    engine = LLMEngine(tiny, SMALL)
     prompt = list(range(30, 50))  # two full pages and 4 tokens
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
     x = engine.add_request(prompt, sp, cache_salt="tenant-x")
@@ -427,7 +428,7 @@ def test_salts_isolate_the_host_tier(tiny, workload):
 def test_one_token_is_always_computed(tiny):
     """A prompt of exactly two pages, repeated: one page is a hit, the second is computed
     (its last token gives the first output token's logits)."""
-    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=40))
+    engine = LLMEngine(tiny, SMALL)
     prompt = list(range(60, 76))
     first = drain(engine, [engine.add_request(prompt, SP)])[0]
     again = drain(engine, [engine.add_request(prompt, SP)])[0]
