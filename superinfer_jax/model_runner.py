@@ -575,29 +575,24 @@ class ModelRunner:
         with self._limits_lock:  # two compiles may finish at once: the later set wins
             self.limits = self._compiled_limits()
 
-    def empty_inputs(self, rows: int, cols: int) -> StepInputs:
+    def empty_inputs(self, rows: int, cols: int, num_tokens: int = 0) -> StepInputs:
+        """A call on the null page only (which only padding reads or writes), each row
+        with ``num_tokens`` real tokens: 0, every row padding (argument specs, lowering);
+        ``cols``, what warm-up's first runs use (``null_page_inputs``)."""
         return StepInputs.from_numpy(
             tokens=np.zeros((rows, cols)),
-            positions=np.zeros((rows, cols)),
-            query_lens=np.zeros(rows),
-            context_lens=np.zeros(rows),
+            positions=np.broadcast_to(np.arange(cols) if num_tokens else 0, (rows, cols)),
+            query_lens=np.full(rows, num_tokens),
+            context_lens=np.full(rows, num_tokens),
             page_tables=np.full((rows, self.config.max_pages_per_seq), NULL_PAGE),
         )
 
     def null_page_inputs(self, rows: int, cols: int) -> StepInputs:
-        """A call whose every row runs ``cols`` real tokens, all of them on the null page
-        (which only padding reads or writes): the warm-up's first run goes through the
-        attention's page loop, so the first request does not pay for entering it the
-        first time (XLA:CPU: ~70 ms of SmolLM2's first real prefill after a run with no
-        context)."""
-        positions = np.broadcast_to(np.arange(cols), (rows, cols))
-        return StepInputs.from_numpy(
-            tokens=np.zeros((rows, cols)),
-            positions=positions,
-            query_lens=np.full(rows, cols),
-            context_lens=np.full(rows, cols),
-            page_tables=np.full((rows, self.config.max_pages_per_seq), NULL_PAGE),
-        )
+        """Every row runs ``cols`` real tokens on the null page: warm-up's first run goes
+        through the attention's page loop, so the first request does not pay for entering
+        it the first time (XLA:CPU: ~70 ms of SmolLM2's first real prefill after a run
+        with no context)."""
+        return self.empty_inputs(rows, cols, num_tokens=cols)
 
     # -- dispatch ------------------------------------------------------------------------
 
