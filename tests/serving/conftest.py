@@ -18,22 +18,20 @@ import grpc
 import pytest
 
 from tests.serving.serving_testlib import API_KEY, ServerProcess, pb2_grpc
+from tests.superinfer_jax.engine_testlib import tiny_with_tokenizer
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's tokenizer, vocabulary size and special ids come from the embedded GGUF's
     metadata (``smollm2_tokenizer``): its weights are not read."""
-    from models import ModelConfig, random_servable, save_orbax
+    from models import save_orbax
 
     tok = smollm2_tokenizer
-    cfg = ModelConfig(
-        name="tiny", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-        eos_token_ids=tuple(tok.eos_token_ids))
+    model = tiny_with_tokenizer(tok, seed=0, name="tiny", max_position_embeddings=512,
+                                bos_token_id=tok.bos_token_id)
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    save_orbax(random_servable(cfg, tokenizer=tok, seed=0), path)
+    save_orbax(model, path)
     return path
 
 

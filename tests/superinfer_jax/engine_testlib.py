@@ -34,15 +34,33 @@ VOCAB_CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_t
                             warmup=False)  # compile only the shapes the requests run
 
 
-def tiny_with_tokenizer(tokenizer, seed: int = 0):
+def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
     """A tiny random Llama (2 layers, hidden 64) over ``tokenizer``'s vocabulary (SmolLM2's
-    from the ``smollm2_tokenizer`` fixture), with its EOS ids and chat template."""
-    config = ModelConfig(
-        name="tiny-smollm2-vocab", vocab_size=tokenizer.vocab_size, hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        max_position_embeddings=VOCAB_CONFIG.max_model_len, tie_word_embeddings=True,
-        eos_token_ids=tuple(tokenizer.eos_token_ids))
+    from the ``smollm2_tokenizer`` fixture), with its EOS ids and chat template;
+    ``fields`` override ``ModelConfig`` fields (the servers' model: its name, BOS id and
+    a longer context)."""
+    config = ModelConfig(**{
+        "name": "tiny-smollm2-vocab", "vocab_size": tokenizer.vocab_size, "hidden_size": 64,
+        "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "head_dim": 16, "max_position_embeddings": VOCAB_CONFIG.max_model_len,
+        "tie_word_embeddings": True, "eos_token_ids": tuple(tokenizer.eos_token_ids),
+        **fields})
     return random_servable(config, seed=seed, tokenizer=tokenizer)
+
+
+def run_alone(engine, prompts, sp) -> list[list[int]]:
+    """Each prompt's tokens with the engine to itself, one after another: the reference
+    of the invariance tests (no batch, and no pressure: one request always fits their
+    pools, which this asserts)."""
+    out = []
+    for p in prompts:
+        rid = engine.add_request(p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        done = engine.release(rid)
+        assert done.num_preemptions == done.num_rotations == 0
+        out.append(done.output_token_ids)
+    return out
 
 
 def run_jobs(engine, jobs, rotate_every: int = 0) -> list:

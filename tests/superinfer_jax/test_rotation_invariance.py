@@ -13,17 +13,7 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import RequestStatus
-from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
-
-
-def run_alone(engine: LLMEngine, prompts, sp) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        rid = engine.add_request(p, sp)
-        while engine.has_unfinished_requests():
-            engine.step()
-        out.append(engine.release(rid).output_token_ids)
-    return out
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY, run_alone
 
 
 def run_rotating(engine: LLMEngine, prompts, sp, every: int) -> list:

@@ -20,8 +20,8 @@ from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.duplexkv import EventKind
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
 from tests.superinfer_jax.duplexkv.test_rotation import Rig, assert_bytes_equal
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
-from tests.superinfer_jax.test_rotation_invariance import run_alone, run_rotating
+from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone
+from tests.superinfer_jax.test_rotation_invariance import run_rotating
 
 JUNK = 7.0
 

@@ -15,7 +15,7 @@ from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.request import SLO
-from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY, run_alone
 
 # Tight SLOs make lag grow quickly, so rotasched rotates a lot.
 TIGHT = SLO(ttft_ms=20, tbt_ms=5)
@@ -28,16 +28,7 @@ def alone(key: str, model, prompts, sp, config) -> list[list[int]]:
     """Each prompt's greedy tokens with the engine to itself (no pressure, no batch), in
     the pressured engines' shapes; memoised under ``key`` for the module."""
     if key not in _ALONE:
-        engine = LLMEngine(model, config.replace(policy="fcfs"))
-        out = []
-        for p in prompts:
-            rid = engine.add_request(p, sp)
-            while engine.has_unfinished_requests():
-                engine.step()
-            done = engine.release(rid)
-            assert done.num_preemptions == done.num_rotations == 0
-            out.append(done.output_token_ids)
-        _ALONE[key] = out
+        _ALONE[key] = run_alone(LLMEngine(model, config.replace(policy="fcfs")), prompts, sp)
     return _ALONE[key]
 
 
