@@ -127,7 +127,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         # computation of one page (``blob_hash``: the tokens it is the KV of).
         self.blob: dict[tuple[str, int], int] = {}
         self.blob_hash: dict[int, bytes] = {}
-        self.host_order: list[int] = []  # host cache pages, oldest entry first (lru)
+        # host cache entries (page, hash), oldest first (lru): by page and hash, since a
+        # page evicted in one action may hold a new entry by its end (freed, then reused)
+        self.host_order: list[tuple[int, bytes]] = []
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -155,9 +157,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def _host_sync(self, taken: tuple[int, ...] = ()) -> None:
         """Host cache pages that left other than by a hit (``taken``) are the oldest."""
         cache = self.kv.host_cache
-        now = list(cache.hash_of)
-        before = [p for p in self.host_order if p not in taken]
-        gone = [p for p in before if p not in cache.hash_of]
+        now = list(cache.hash_of.items())
+        entries = set(now)
+        before = [e for e in self.host_order if e[0] not in taken]
+        gone = [e for e in before if e not in entries]
         assert gone == before[:len(gone)], "host cache evicted out of order"
         self.host_order = now
 
@@ -408,6 +411,56 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 PrefixCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50,
                                                 deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+# A run Hypothesis found (CI-like suite, 2026-12-02): a flood with spills evicted the
+# oldest host cache entry, then reused its freed page for a spilled page's new entry in
+# the same action; the machine keyed entries by page alone and read that as the oldest
+# entry surviving and a younger one evicted. Kept as a fixed replay.
+PAGE_REUSE_RUN: tuple[tuple[str, dict], ...] = (
+    ('arrive', {'cut': 1, 'salted': False, 'stem': 0, 'tail': []}),
+    ('arrive', {'cut': 7, 'salted': True, 'stem': 0, 'tail': [10, 10, 10, 10, 10]}),
+    ('admit', {'i': 1}),
+    ('rotate_out', {'i': 0}),
+    ('arrive_again', {'i': 0, 'more': [10]}),
+    ('admit', {'i': 1}),
+    ('admit', {'i': 0}),
+    ('preempt', {'i': 0}),
+    ('rotate_in', {'i': 0}),
+    ('admit', {'i': 0}),
+    ('arrive', {'cut': 1, 'salted': True, 'stem': 0, 'tail': [10, 10, 10]}),
+    ('admit', {'i': 0}),
+    ('preempt', {'i': 2}),
+    ('preempt', {'i': 1}),
+    ('shadows', {'budget': 1}),
+    ('admit', {'i': 0}),
+    ('preempt', {'i': 0}),
+    ('admit', {'i': 0}),
+    ('admit', {'i': 0}),
+    ('preempt', {'i': 0}),
+    ('preempt', {'i': 0}),
+    ('rotate_out', {'i': 0}),
+    ('arrive_again', {'i': 0, 'more': []}),
+    ('decode', {'i': 0, 'token': 10}),
+    ('decode', {'i': 0, 'token': 10}),
+    ('decode', {'i': 0, 'token': 10}),
+    ('flood', {'pages': 99, 'spill': 0}),
+    ('shadows', {'budget': 0}),
+    ('arrive', {'cut': 8, 'salted': False, 'stem': 0, 'tail': [10, 10, 10, 10]}),
+    ('admit', {'i': 3}),
+    ('preempt', {'i': 1}),
+    ('rotate_out', {'i': 0}),
+    ('flood', {'pages': 13, 'spill': 99}),
+)
+
+
+def test_a_host_page_evicted_and_reused_in_one_action_is_a_new_entry():
+    machine = PrefixCacheMachine()
+    machine.consistent()
+    for rule_name, args in PAGE_REUSE_RUN:
+        getattr(machine, rule_name)(**args)
+        machine.consistent()
+    machine.teardown()
 
 
 def test_host_cache_lru_renews_on_hit_fifo_does_not():
