@@ -108,6 +108,15 @@ class Subscriber:
                 for h in e["block_hashes"]:
                     self.sets[e["medium"]].remove(h)  # KeyError: removed, never stored
 
+    def drain_through(self, last_seq: int, timeout_s: float = 10.0) -> None:
+        """Receive until batch ``last_seq`` has arrived. A short poll alone can end before
+        a busy machine delivers what ``flush`` sent (a full suite run failed so: one
+        block missing from the view, the next poll would have had it)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.seqs or self.seqs[-1] < last_seq:
+            assert time.monotonic() < deadline, f"batch {last_seq} never arrived"
+            self.drain(50)
+
     def drain(self, timeout_ms: int = 20) -> int:
         n = 0
         while self.sock.poll(timeout_ms):
@@ -163,7 +172,7 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
                 dup = sum(len(p) > 1 for p in engine.kv.prefix_cache.pages_of.values())
                 duplicates = max(duplicates, dup)
                 assert pub.flush()
-                sub.drain(5)
+                sub.drain_through(pub.next_seq - 1)
                 assert sub.sets == engine_view(engine), f"wave {wave} step {steps}"
             done += [engine.release(i) for i in ids]
         stats = engine.stats()
