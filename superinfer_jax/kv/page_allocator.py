@@ -14,7 +14,6 @@ empty, so it is room like a free one.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from superinfer_jax.kv.events import KVEventLog
@@ -23,13 +22,14 @@ from superinfer_jax.kv.prefix_cache import PrefixCache, page_tokens
 
 
 class PageAllocator:
-    """LIFO free list: recently freed pages are reused first (warm in cache)."""
+    """LIFO free list: recently freed pages are reused first (warm in cache). A list, not
+    a deque: a batch of pages is taken from its end in one slice (a rotation takes tens)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages - 1, NULL_PAGE, -1))
+        self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))
 
     @property
     def num_free(self) -> int:
@@ -40,10 +40,15 @@ class PageAllocator:
         return self.num_pages - 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
-        pop = self._free.pop
-        return [pop() for _ in range(n)]
+        free = self._free
+        if n > len(free):
+            raise MemoryError(f"asked for {n} pages, {len(free)} free")
+        if n <= 0:
+            return []
+        pages = free[-n:]  # popped one by one, the last first
+        pages.reverse()
+        del free[-n:]
+        return pages
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
@@ -196,13 +201,16 @@ class KVCacheManager:
         lost their last one. Those go to the cache when registered, else to the free list
         (in the order the allocator has always been given them)."""
         refcount, cache = self.refcount, self.prefix_cache
+        if cache is None:  # nothing shared: each page is in this one table (docstring)
+            for p in pages:
+                refcount[p] = 0
+            unref = pages[::-1]
+            self.allocator._free.extend(unref)
+            return unref
         unref: list[int] = []
         for p in reversed(pages):
             refcount[p] -= 1
             if refcount[p] == 0:
                 unref.append(p)
-        if cache is None:
-            self.allocator._free.extend(unref)
-        else:
-            self.allocator._free.extend(p for p in unref if not cache.on_released(p))
+        self.allocator._free.extend(p for p in unref if not cache.on_released(p))
         return unref

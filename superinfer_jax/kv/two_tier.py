@@ -39,7 +39,6 @@ Invariants (``check_invariants``, property-tested here and in ``test_prefix_cach
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -102,7 +101,7 @@ class TwoTierKVManager(KVCacheManager):
         # belongs to the copy (in ``_spills``): not findable, not reclaimable.
         self.spill_budget = 0
         self._spills: list[tuple[int, int, bytes]] = []  # (device page, host page, hash)
-        self._host_free: deque[int] = deque(range(num_host_pages, 0, -1))
+        self._host_free: list[int] = list(range(num_host_pages, 0, -1))  # LIFO
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
         self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
         self.residency: dict[str, Residency] = {}
@@ -267,20 +266,20 @@ class TwoTierKVManager(KVCacheManager):
         # then the dirty ones (None) get fresh host pages, in table order.
         pop_shadow, owner, refcount = self.shadows.pop, self._shadow_owner, self.refcount
         hosts: list[int | None] = [pop_shadow(d, None) for d in table]
-        shared = self.prefix_cache is not None  # else every page has one reference
-        for d, h in zip(table, hosts, strict=True):
-            if h is not None:
-                del owner[d]
-                if shared and refcount[d] > 1:  # the others sharing d lose its shadow
+        shadowed = [d for d, h in zip(table, hosts, strict=True) if h is not None]
+        for d in shadowed:
+            del owner[d]
+        if self.prefix_cache is not None:  # else every page has one reference
+            for d in shadowed:
+                if refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-        if None in hosts:
-            pop_free = self._host_free.pop
-            for i, d in enumerate(table):
-                if hosts[i] is None:
-                    h = hosts[i] = pop_free()
-                    moves_dev.append(d)
-                    moves_host.append(h)
+        if len(shadowed) < len(table):
+            dirty = [i for i, h in enumerate(hosts) if h is None]
+            moves_dev = [table[i] for i in dirty]
+            moves_host = self._take_host(len(dirty))
+            for i, h in zip(dirty, moves_host, strict=True):
+                hosts[i] = h
         host_table = cast("list[int]", hosts)  # no None left
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
@@ -359,7 +358,7 @@ class TwoTierKVManager(KVCacheManager):
                 continue
             dev = [table[i] for i in dirty[:take]]
             self._free_host_cache(take)
-            host = [self._host_free.pop() for _ in dev]
+            host = self._take_host(take)
             shadows.update(zip(dev, host, strict=True))
             self._shadow_owner.update(dict.fromkeys(dev, req_id))
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
@@ -523,6 +522,18 @@ class TwoTierKVManager(KVCacheManager):
         """Requests whose page table holds ``device_page`` (a pass over every table: only
         asked about shared pages, when their shadow changes hands)."""
         return [r for r, t in self.page_tables.items() if device_page in t]
+
+    def _take_host(self, n: int) -> list[int]:
+        """``n`` free host pages, as ``n`` pops of the free list (the caller checked)."""
+        free = self._host_free
+        if n > len(free):
+            raise MemoryError(f"asked for {n} host pages, {len(free)} free")
+        if n <= 0:
+            return []
+        pages = free[-n:]
+        pages.reverse()
+        del free[-n:]
+        return pages
 
     def _release_host(self, pages: list[int]) -> None:
         self._host_free.extend(reversed(pages))
