@@ -14,6 +14,9 @@ Scenarios (``--scenarios``, default both):
   10,000 requests over a 100,000-request run and every step of RotaSched ranks.
 - ``light``: Llama-3-8B on ShareGPT at 40 req/s on gh200-96g, no contention: the cost of
   the step loop itself.
+- ``overload`` (not in the default list): the ``knee`` preset at 20 req/s, where the queue
+  passes 10,000 requests for every policy (RotaSched serves more, so its queue grows
+  slowest: about 10,000 after 50,000 requests), for the ``sched_us_q10000`` column.
 
 Wall time on a shared machine is an upper bound (the CPU column is this process's
 time); the goal is 100,000 requests under 60 s for every policy in the ``knee`` scenario.
@@ -49,6 +52,7 @@ class Scenario:
 SCENARIOS = {s.name: s for s in (
     Scenario("knee", "paper-qwen32b-sharegpt", "gh200-96g", 13.0),
     Scenario("light", "paper-llama8b-sharegpt", "gh200-96g", 40.0),
+    Scenario("overload", "paper-qwen32b-sharegpt", "gh200-96g", 20.0),
 )}
 
 
