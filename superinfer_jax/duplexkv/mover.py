@@ -84,8 +84,9 @@ keeps 1.78 of the 2 cores busy: numpy copies on a thread added 2.6 ms quick / 7.
 against 3.2 / 6.7 serial); two threads per copy (cold pages 6.2 GB/s vs 7.0 on one, with
 the other core shared); other codegen (a flat page view makes XLA copy the whole pool;
 ``xla_cpu_use_fusion_emitters``, ``xla_cpu_prefer_vector_width=512``: no change); a
-memmove custom call (0.67 ms less on the ``--quick`` row's added 4.85 ms, but only
-through the untyped custom-call API, which XLA:CPU reports as deprecated).
+memmove custom call (0.67 ms less on the ``--quick`` row's added 4.85 ms, 1.12 ms less
+on the full row's 10.03 ms: still 2.8x the floor, and only through the untyped
+custom-call API, which XLA:CPU reports as deprecated).
 
 Why the step gathers last: a gather of the pool the step *received* is unordered, in the
 dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
