@@ -29,6 +29,7 @@ program) of the time a rotation adds to a step over the floor, one copy of its b
 each way at memcpy speed (goal <= 1.2; CPU copies cannot be free).
 
     python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
+    python -m benchmarks.duplex --only-overlap [--quick]   # memcpy ceiling + overlap rows
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import ctypes
 import statistics
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -458,6 +460,11 @@ class OverlapRig:
         index = np.clip(self.x.positions // PAGE_TOKENS, 0, tables.shape[1] - 1)
         self.written = set(np.take_along_axis(tables, index, axis=1).ravel().tolist())
         self.tokens = self.alone_tokens = np.zeros(0, np.int32)  # the last run's
+        # per rotating run (``run``), host seconds per step in each piece: the rotation's
+        # calls (poll, bookkeeping, execute; in_step: take_in_step and finish_in_step),
+        # which on CPU include the copy programs (run inline in the calling thread), and
+        # the step's call and wait
+        self.pieces: list[dict[str, float]] = []
 
     def run(self, step, params, rotating: bool, steps: int, step_in_step=None) -> float:
         """Mean seconds per step over ``steps`` steps, the wait for the copies still in
@@ -468,8 +475,11 @@ class OverlapRig:
         as ``ModelRunner`` drives it (poll and execute deferred, the step takes them)."""
         kv, duplex = self.kv, self.duplex
         defer = step_in_step is not None
-        t = time.perf_counter()
+        clock = time.perf_counter
+        pieces = {"rotation": 0.0, "step": 0.0}
+        t = clock()
         for _ in range(steps):
+            t0 = clock()
             if rotating:
                 self.pool, _ = duplex.poll(self.pool, defer=defer)
                 if kv.is_resident(self.resident) and kv.residency_of(self.parked) == Residency.HOST:
@@ -480,14 +490,22 @@ class OverlapRig:
             if defer and duplex.has_deferred:
                 num_out, num_in = duplex.in_step_pending(self.written)
                 self.pool, c = duplex.take_in_step(self.pool, num_out, num_in, self.written)
+                t1 = clock()
                 tok, self.pool, out_pages = step_in_step(params, self.pool, self.x, c.out_ids,
                                                          c.in_ids, c.in_pages)
+                t2 = clock()
                 duplex.finish_in_step(out_pages)
             else:
+                t1 = clock()
                 tok, self.pool = step(params, self.pool, self.x)
+                t2 = clock()
+            t3 = clock()
             tok.block_until_ready()
+            pieces["rotation"] += (t1 - t0) + (t3 - t2)
+            pieces["step"] += (t2 - t1) + (clock() - t3)
         if rotating:  # the same inputs every step: every mode's tokens must be these
             self.tokens = np.asarray(tok)
+            self.pieces.append({k: v / steps for k, v in pieces.items()})
         else:
             self.alone_tokens = np.asarray(tok)
         duplex.wait_all()
@@ -502,7 +520,16 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     ``copy_ms_at_memcpy``: one copy of the pages each way at the run's memcpy rate, what
     the copies cost where nothing (no DMA engine, no idle core) can run them beside the
     step for free; ``floor_interleaved_ms``: the same bytes copied by numpy in every
-    round, beside the steps (the floor under the same load)."""
+    round, beside the steps (the floor under the same load).
+
+    The two floors are different copies, not only different loads: the ceiling copies
+    0.25-1 GiB, which glibc's memcpy does with non-temporal stores (above
+    ``glibc.cpu.x86_non_temporal_threshold``: 190 MB on the 2-core box), while the
+    interleaved floor copies the rotation's 24-47 MB, right after steps that streamed the
+    weights through the caches: regular stores into cold lines (each line read before it
+    is written), about half the ceiling's rate there. That is what any copy of these
+    bytes meets in the step loop. Per mode, ``rotation_calls_ms`` and
+    ``step_over_alone_ms`` say where the added time goes (see ``OverlapRig.run``)."""
     from models.config import preset
     from models.servable import random_servable
 
@@ -530,6 +557,8 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     for m, rig in rigs.items():
         rig.run(step, model.params, True, 3, in_step[m])  # compile, warm both paths
     pages_before = {m: rig.duplex.stats.pages_in for m, rig in rigs.items()}
+    for rig in rigs.values():  # the timed rounds' pieces only
+        rig.pieces = []
     alone: list[float] = []
     rotating: dict[str, list[float]] = {m: [] for m in modes}
     # The floor again, timed in every round beside the steps: on a loaded machine the
@@ -569,12 +598,29 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
                      / med(floor),
                      "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
                      / (rounds * n),
-                     "pages_in_step": rigs[m].duplex.stats.pages_in_step} for m in modes]
+                     "pages_in_step": rigs[m].duplex.stats.pages_in_step,
+                     # where the added time goes (medians over runs of the per-step
+                     # means): the rotation's calls (the copy programs included: on CPU
+                     # they run inline in the calling thread), and the step's call and
+                     # wait over the step alone (in_step: the copies in it; otherwise what
+                     # the copies cost the step after them: caches, the pool's wait)
+                     "rotation_calls_ms": 1e3 * med(p["rotation"] for p in rigs[m].pieces),
+                     "step_over_alone_ms": 1e3 * (med(p["step"] for p in rigs[m].pieces)
+                                                  - med(alone)),
+                     } for m in modes]
     row["tokens_equal"] = all(np.array_equal(r.tokens, rigs[mode].alone_tokens)
                               for r in rigs.values())
     row["trials_ms"] = {"alone": [1e3 * a for a in alone],
                         **{m: [1e3 * r for r in rs] for m, rs in rotating.items()}}
     return row
+
+
+def print_overlap(row: Any) -> None:
+    print_table([{k: v for k, v in row.items() if k not in ("trials_ms", "modes")}],
+                title="model step alone vs with a rotation running")
+    print_table(row["modes"],
+                title="what a rotation adds to a step, per copy mode, against the floor "
+                      "(one copy each way at memcpy; goal <= 1.2)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -584,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--layouts", action="store_true", help="add layout measurements")
     parser.add_argument("--no-overlap", action="store_true", help="skip the model-step part")
+    parser.add_argument("--only-overlap", action="store_true",
+                        help="only the memcpy ceiling and the model-step part (no transfer "
+                             "rows: minutes less)")
     parser.add_argument("--glibc-default", action="store_true",
                         help="CPU: keep glibc's default trimming (see keep_freed_memory)")
     args = parser.parse_args(argv)
@@ -594,6 +643,15 @@ def main(argv: list[str] | None = None) -> None:
     num_pages = max(1, int(gib * (1 << 30)) // layout.page_bytes)
     host = HostPool(2 * num_pages)
     nbytes = num_pages * layout.page_bytes
+    if args.only_overlap:
+        ceilings = memcpy_gbps(nbytes)
+        print_table([{"ceiling": k, "GBps": v} for k, v in ceilings.items()],
+                    title=f"ceilings ({nbytes / 2**30:.2f} GiB, {jax.default_backend()})")
+        overlap = overlap_row(args.quick, ceilings["memcpy_GBps"])
+        print_overlap(overlap)
+        write_json(args.out, {"ceilings": ceilings, "malloc_no_trim": malloc_tuned,
+                              "overlap": overlap})
+        return
     ceilings = {**memcpy_gbps(nbytes), **pinned_peak(nbytes, host)}
     rows, extra = transfer_rows(num_pages, repeats, host)
     for r in rows:
@@ -629,12 +687,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table(payload["layouts"], title="layouts")
     if not args.no_overlap:
         payload["overlap"] = overlap_row(args.quick, ceilings["memcpy_GBps"])
-        print_table([{k: v for k, v in payload["overlap"].items()
-                      if k not in ("trials_ms", "modes")}],
-                    title="model step alone vs with a rotation running")
-        print_table(payload["overlap"]["modes"],
-                    title="what a rotation adds to a step, per copy mode, against the floor "
-                          "(one copy each way at memcpy; goal <= 1.2)")
+        print_overlap(payload["overlap"])
     write_json(args.out, payload)
 
 

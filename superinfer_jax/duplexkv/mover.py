@@ -58,6 +58,36 @@ outputs into asynchronous copy-start/copy-done, but this step gathers *last*, be
 its outbound copies cannot overlap its own compute). Rerun on a quiet machine (and on a
 GPU) before changing either.
 
+Where a rotation's added step time goes on CPU (issue #16; SmolLM2 random f32, batch 8,
+``python -m benchmarks.duplex_attribution`` and ``benchmarks.duplex --only-overlap``,
+2-core box with another engineer's jobs beside, load average 0.7-3.7). Full row, 32
+pages (23.6 MB) each way, fused: the scatter program (inline in ``poll``) 4.3-4.7 ms,
+the gather program (inline in ``execute``, on two threads) 2.6-3.0 ms, host Python
+around them ~0.9 ms (``_arrived`` 0.25; dropping, registering and issuing pages ~0.45),
+page bookkeeping 0.1 ms, the step after them -0.1 to +0.9 ms: 7.9-8.9 ms added, 2.1-2.3x
+the goal's floor (3.65-3.83 ms: one copy each way at the run's memcpy ceiling, 12-13
+GB/s). The same pages copied by numpy in the same loop cost 5.3-6.7 ms (1.4-2.1x that
+floor), the benchmark's interleaved floor 6.6-7.2 ms (the rotation is 1.1-1.3x of it;
+``in_step`` 1.04x once). Why even a perfect copy stays well above the floor: the ceiling
+copies 1 GiB, which glibc does with non-temporal stores (above its 190 MB threshold),
+while the rotation's pages are cold after a step that streamed the weights through the
+caches and are copied with regular stores, each line read before it is written: about 7
+GB/s, numpy or XLA, against 12.8-13.9 GB/s for the same 12-24 MB with non-temporal
+stores forced (``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold``). XLA:CPU cannot
+be asked for those: every page copy, dynamic or static slice, gather or in-place update,
+compiles to a loop kernel (no memcpy), the dynamic ones to scalar 4-byte moves
+(objdump); alone on cold pages they copy 4.1-6.0 GB/s (numpy 6.8), inside the step loop
+1.2-1.4x the time numpy takes for the same pages (the scatter most: one thread). Ruled
+out, measured: page faults (0-0.5 per copy call; the same added time with or without the
+benchmark's ``mallopt``); copying beside the step on another thread (the step already
+keeps 1.78 of the 2 cores busy: numpy copies on a thread added 2.6 ms quick / 7.0 full
+against 3.2 / 6.7 serial); two threads per copy (cold pages 6.2 GB/s vs 7.0 on one, with
+the other core shared); other codegen (a flat page view makes XLA copy the whole pool;
+``xla_cpu_use_fusion_emitters``, ``xla_cpu_prefer_vector_width=512``: no change); a
+memmove custom call (0.67 ms less on the ``--quick`` row's added 4.85 ms, 1.12 ms less
+on the full row's 10.03 ms: still 2.8x the floor, and only through the untyped
+custom-call API, which XLA:CPU reports as deprecated).
+
 Why the step gathers last: a gather of the pool the step *received* is unordered, in the
 dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
 whole donated pool twice per step to keep them apart (``optimization_barrier`` did not
