@@ -13,8 +13,12 @@ over all their requests and gaps, throughput over the summed durations. One 64-r
 run moves TBT attainment by several points from run to run, so one draw does not decide
 the goal. The table ends with the verdict (``knee_verdict``): at the knee, the first rate
 where ``fcfs`` TTFT attainment is at most 60%, attainment, throughput and P99 TBT against
-fcfs; at the rates where fcfs meets its TTFT SLO, mean and P99 TTFT against fcfs. The
-defaults take about 16 minutes on 2 cores.
+fcfs; at the rates where fcfs meets its TTFT SLO, mean and P99 TTFT against fcfs.
+
+Default rates 1, 2, 3, 4: rate 1 is the light-load check (fcfs at 0.995 TTFT attainment,
+3 seeds, idle, SLOs from an unloaded TTFT of 151 ms), 2 to 4 are past the knee, and the
+knee is the first of them where fcfs falls to 60% or less. Rate 5 added only deeper
+overload. The defaults take about 30 minutes on 2 cores.
 
 ``--workload multiturn``: instead of the trace, ShareGPT conversations replayed turn by
 turn in closed loop (``benchmarks.multiturn``): ``--rates`` are conversations/s (Poisson
@@ -83,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policies", default="fcfs,swap,rotasched",
                         help="comma-separated registered names or package.module:Class "
                              "plug-ins (examples.edf_policy:EDFPolicy)")
-    parser.add_argument("--rates", default="2,3,4,5", help="requests per second "
+    parser.add_argument("--rates", default="1,2,3,4", help="requests per second "
                         "(--workload multiturn: conversations per second)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--trace", default="azure_conv")
