@@ -21,6 +21,20 @@ from superinfer_jax.kv.layout import NULL_PAGE
 from superinfer_jax.kv.prefix_cache import PrefixCache, page_tokens
 
 
+def pop_many(free: list[int], n: int, what: str = "pages") -> list[int]:
+    """``n`` items off the end of the LIFO list ``free``, in the order ``n`` pops would give
+    them, in one slice (a rotation takes tens of pages: one ``pop`` each cost more than the
+    rest of the rotation's bookkeeping). MemoryError when fewer are left."""
+    if n > len(free):
+        raise MemoryError(f"asked for {n} {what}, {len(free)} free")
+    if n <= 0:
+        return []
+    taken = free[-n:]
+    taken.reverse()
+    del free[-n:]
+    return taken
+
+
 class PageAllocator:
     """LIFO free list: recently freed pages are reused first (warm in cache). A list, not
     a deque: a batch of pages is taken from its end in one slice (a rotation takes tens)."""
@@ -40,15 +54,7 @@ class PageAllocator:
         return self.num_pages - 1
 
     def allocate(self, n: int) -> list[int]:
-        free = self._free
-        if n > len(free):
-            raise MemoryError(f"asked for {n} pages, {len(free)} free")
-        if n <= 0:
-            return []
-        pages = free[-n:]  # popped one by one, the last first
-        pages.reverse()
-        del free[-n:]
-        return pages
+        return pop_many(self._free, n)
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
@@ -204,9 +210,8 @@ class KVCacheManager:
         if cache is None:  # nothing shared: each page is in this one table (docstring)
             for p in pages:
                 refcount[p] = 0
-            unref = pages[::-1]
-            self.allocator._free.extend(unref)
-            return unref
+            self.allocator._free.extend(reversed(pages))
+            return pages[::-1]
         unref: list[int] = []
         for p in reversed(pages):
             refcount[p] -= 1

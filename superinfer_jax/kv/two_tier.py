@@ -47,7 +47,7 @@ from typing import cast
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.events import KVEventLog
 from superinfer_jax.kv.host_cache import HostCache
-from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.page_allocator import KVCacheManager, pop_many
 from superinfer_jax.kv.prefix_cache import PrefixCache
 
 
@@ -525,15 +525,7 @@ class TwoTierKVManager(KVCacheManager):
 
     def _take_host(self, n: int) -> list[int]:
         """``n`` free host pages, as ``n`` pops of the free list (the caller checked)."""
-        free = self._host_free
-        if n > len(free):
-            raise MemoryError(f"asked for {n} host pages, {len(free)} free")
-        if n <= 0:
-            return []
-        pages = free[-n:]
-        pages.reverse()
-        del free[-n:]
-        return pages
+        return pop_many(self._host_free, n, "host pages")
 
     def _release_host(self, pages: list[int]) -> None:
         self._host_free.extend(reversed(pages))
