@@ -210,8 +210,9 @@ class KVCacheManager:
         if cache is None:  # nothing shared: each page is in this one table (docstring)
             for p in pages:
                 refcount[p] = 0
-            self.allocator._free.extend(reversed(pages))
-            return pages[::-1]
+            freed = pages[::-1]
+            self.allocator._free.extend(freed)
+            return freed
         unref: list[int] = []
         for p in reversed(pages):
             refcount[p] -= 1
