@@ -512,6 +512,23 @@ class OverlapRig:
         return (time.perf_counter() - t) / steps
 
 
+def overlap_setup(quick: bool) -> tuple[Any, int, int, int, Any]:
+    """The overlap rows' model (SmolLM2-shaped, random, float32), decode batch, context,
+    pages each way per step, and its jitted greedy decode step (pool donated); shared with
+    ``benchmarks.duplex_attribution``, which times the same row piece by piece."""
+    from models.config import preset
+    from models.servable import random_servable
+
+    model = random_servable(preset("smollm2-135m"), dtype="float32")
+
+    def decode(params, kv, x):
+        logits, kv = model.forward(params, kv, x)
+        return jnp.argmax(logits, -1), kv
+
+    step = jax.jit(decode, donate_argnums=(1,))
+    return model, 8, (128 if quick else 256), (16 if quick else 32), step
+
+
 def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     """A model step alone vs with the rotation engine moving ``rot`` pages each way every
     step, in the engine's copy mode (``default_copy_mode``) and in every other mode
@@ -530,25 +547,16 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     is written), about half the ceiling's rate there. That is what any copy of these
     bytes meets in the step loop. Per mode, ``rotation_calls_ms`` and
     ``step_over_alone_ms`` say where the added time goes (see ``OverlapRig.run``)."""
-    from models.config import preset
-    from models.servable import random_servable
-
-    model = random_servable(preset("smollm2-135m"), dtype="float32")
-    batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
+    model, batch, ctx, rot, step = overlap_setup(quick)
     mode = default_copy_mode()  # the headline: what an engine on this backend runs
     modes = [mode] + [m for m in ("device_put", "fused", "in_step") if m != mode]
     rigs = {m: OverlapRig(model, batch, ctx, rot, m) for m in modes}
-
-    def decode(params, kv, x):
-        logits, kv = model.forward(params, kv, x)
-        return jnp.argmax(logits, -1), kv
 
     def decode_in_step(params, kv, x, out_ids, in_ids, in_pages):
         kv = land_in_step(kv, in_ids, in_pages)  # as ModelRunner's in_step step
         logits, kv = model.forward(params, kv, x)
         return jnp.argmax(logits, -1), kv, gather_in_step(kv, out_ids)
 
-    step = jax.jit(decode, donate_argnums=(1,))
     host = rigs["in_step"].duplex.host
     step_in = jax.jit(decode_in_step, donate_argnums=(1,), out_shardings=(
         host.device_sharding, host.device_sharding, host.host_sharding))

@@ -28,13 +28,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import superinfer_jax.duplexkv.rotation as rotation
 from benchmarks.common import add_common_args, print_table, write_json
-from benchmarks.duplex import OverlapRig, keep_freed_memory, memcpy_gbps
+from benchmarks.duplex import OverlapRig, keep_freed_memory, memcpy_gbps, overlap_setup
 
 
 def timed(fn: Callable[..., Any], acc: dict[str, float], key: str) -> Callable[..., Any]:
@@ -48,18 +46,8 @@ def timed(fn: Callable[..., Any], acc: dict[str, float], key: str) -> Callable[.
 
 
 def attribution(quick: bool, rounds: int, memcpy_GBps: float) -> dict[str, Any]:
-    from models.config import preset
-    from models.servable import random_servable
-
-    model = random_servable(preset("smollm2-135m"), dtype="float32")
-    batch, ctx, rot = 8, (128 if quick else 256), (16 if quick else 32)
+    model, batch, ctx, rot, step = overlap_setup(quick)
     rig = OverlapRig(model, batch, ctx, rot, "fused")
-
-    def decode(params, kv, x):
-        logits, kv = model.forward(params, kv, x)
-        return jnp.argmax(logits, -1), kv
-
-    step = jax.jit(decode, donate_argnums=(1,))
     rig.run(step, model.params, True, 3)  # compile, warm both paths
     rig.run(step, model.params, False, 3)
     acc: dict[str, float] = defaultdict(float)
