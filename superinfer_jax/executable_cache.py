@@ -39,6 +39,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from superinfer_jax.ops import native
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -248,8 +250,9 @@ def _sharding_text(sharding: Any) -> str:
 @functools.cache
 def environment_fingerprint() -> str:
     """What, outside this repository's code and the call, an executable depends on: JAX
-    and jaxlib, the backend, its devices, the CPU's features, XLA_FLAGS and the source
-    of ``SOURCE_PACKAGES``."""
+    and jaxlib, the backend, its devices, the CPU's features, XLA_FLAGS, the source
+    of ``SOURCE_PACKAGES`` and the native ops' library (which this registers, so that a
+    loaded executable finds its custom-call targets)."""
     import jaxlib
 
     devices = jax.devices()
@@ -264,6 +267,7 @@ def environment_fingerprint() -> str:
         f"precision={jax.config.values.get('jax_default_matmul_precision')}",
         f"cpu={_cpu_features()}",
         f"source={source_hash(SOURCE_PACKAGES)}",
+        f"native={native.fingerprint()}",
     ]
     return "\n".join(parts)
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.ops import native
 from superinfer_jax.ops.paging import pad_page_table
 
 _MASKED = -1e30
@@ -48,8 +49,14 @@ def paged_attention(
     scale: float,
     pages_per_block: int | None = None,
     soft_cap: float | None = None,
+    gather_impl: str = "auto",
 ) -> jax.Array:
     """Causal attention of each row's queries over its paged past plus its new tokens.
+
+    On CPU the block's pages are gathered by ``native.gather_kv`` (a memcpy custom call)
+    when it is available: XLA:CPU's own gather moves scalars, at a third or less of the
+    speed (measured, SmolLM2 batch 32, 30 layers: the gather took 72 of ~85 ms). Both give
+    the same bytes, so the result does not depend on which ran.
 
     Query column ``c`` of row ``b`` sits at position ``context_lens[b] - query_lens[b] + c``
     and sees keys at positions ``<=`` its own. Returns [B, C, H, D] in q's dtype; padded
@@ -60,7 +67,14 @@ def paged_attention(
     pages runs the layer's attention 1.3-1.9x faster than 8, because it gathers and
     masks half as many padding keys past the context while the loop's per-block cost
     stays small.
+
+    ``gather_impl``: ``"auto"`` (the native gather on CPU where available, else XLA's) or
+    ``"xla"`` (XLA's everywhere: the reference the native one is tested against).
     """
+    if gather_impl not in ("auto", "xla"):
+        raise ValueError(f"gather_impl must be 'auto' or 'xla', got {gather_impl!r}")
+    if gather_impl == "auto" and not native.available():
+        gather_impl = "xla"
     batch, cols, num_heads, head_dim = q.shape
     if pages_per_block is None:
         pages_per_block = 4 if cols == 1 else 8
@@ -79,18 +93,29 @@ def paged_attention(
     num_blocks = (jnp.max(context_lens) + block_tokens - 1) // block_tokens
     heads = jnp.arange(num_kv_heads)[None, :, None]  # [1, K, 1]
 
-    def gather(ids: jax.Array, kv_index: int) -> jax.Array:
+    def xla_gather(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         # [B, 1, ppb] pages x [1, K, 1] heads -> [B, K, ppb, S, D]: the gather writes each
         # head's keys contiguously, so the dots below read them with (B, K) as their batch
         # dims. Gathering [B, ppb, S, K, D] instead made XLA:CPU add a transpose copy of
         # every gathered K and V block (two extra passes over the block per layer).
-        kv = kv_pool[ids[:, None, :], layer, kv_index, :, heads]
-        return kv.reshape(batch, num_kv_heads, block_tokens, head_dim).astype(jnp.float32)
+        return (kv_pool[ids[:, None, :], layer, 0, :, heads],
+                kv_pool[ids[:, None, :], layer, 1, :, heads])
+
+    def native_gather(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return native.gather_kv(kv_pool, ids, layer)
+
+    def gather(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if gather_impl == "xla":
+            k, v = xla_gather(ids)
+        else:
+            k, v = jax.lax.platform_dependent(ids, cpu=native_gather, default=xla_gather)
+        shape = (batch, num_kv_heads, block_tokens, head_dim)
+        return k.reshape(shape).astype(jnp.float32), v.reshape(shape).astype(jnp.float32)
 
     def body(i, carry):
         m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(page_tables, i * ppb, ppb, axis=1)  # [B, ppb]
-        k, v = gather(ids, 0), gather(ids, 1)  # [B, K, T, D]
+        k, v = gather(ids)  # [B, K, T, D]
         s = jnp.einsum("bkgcd,bktd->bkgct", qg, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

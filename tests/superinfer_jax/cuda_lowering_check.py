@@ -127,7 +127,11 @@ def main() -> None:
     from superinfer_jax.ops import attention_pallas
 
     attention_pallas.default_interpret = lambda: False  # lower Pallas as on a GPU: Triton
-    report: dict[str, dict] = {}
+    from superinfer_jax.ops import native
+
+    # The XLA attention picks its CPU-only native gather by platform: with it available
+    # here, the CUDA lowering below shows that the choice reaches the GPU's branch.
+    report: dict[str, dict] = {"native": {"available": native.available()}}
     for tp in (1, 2):
         for backend in ("xla", "pallas"):
             name = f"tp{tp} {backend}"

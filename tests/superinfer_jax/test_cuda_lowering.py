@@ -46,6 +46,19 @@ def test_every_program_lowers_for_cuda(report: dict, run: str):
 
 
 @pytest.mark.parametrize("run", RUNS)
+def test_no_cpu_custom_call_reaches_the_gpu_module(report: dict, run: str):
+    """The XLA attention's native page gather is a CPU-only custom call, chosen by
+    ``platform_dependent``; a CUDA program must take the XLA gather instead. The check
+    process had the native gather registered, so the CPU branch was there to leak."""
+    from superinfer_jax.ops import native
+
+    assert report["native"]["available"] == native.available()
+    leaked = {n: c["custom_calls"] for n, c in report[run]["cases"].items()
+              if native.KV_GATHER_TARGET in c["custom_calls"]}
+    assert not leaked, leaked
+
+
+@pytest.mark.parametrize("run", RUNS)
 def test_attention_backend_reaches_the_gpu_module(report: dict, run: str):
     """Pallas lowers to a Triton kernel call in every step; the XLA path has none."""
     steps = {n: c for n, c in report[run]["cases"].items() if n.startswith("step")}

@@ -1,0 +1,149 @@
+"""Native CPU copy ops as typed XLA FFI custom calls, compiled from C++ source here.
+
+Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves (about 5 GB/s),
+and the paged attention's page gather was most of a batch-32 decode step's attention
+(see ``kv_gather.cc``). A memcpy per head-row, in the order the pool stores them, on the
+caller's and XLA's intra-op threads, is the same bytes at memory speed.
+
+The library is built from ``kv_gather.cc`` with the system C++ compiler (``$CXX``, else
+``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
+``python -m superinfer_jax.ops.native`` (``make install`` runs it). The result is cached
+under ``$SUPERINFER_NATIVE_CACHE`` (default ``~/.cache/superinfer_jax/native``), named by
+a hash of the source, the compile command and jaxlib's version, and written to a
+temporary file then renamed, so parallel builders (test workers) never load half a file.
+No flag targets the build CPU: memcpy is glibc's, which picks its code per CPU at run
+time, so a cache copied to another x86-64 machine still runs.
+
+Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
+callers use their plain-XLA path (byte-identical results, slower); the reason is logged
+once. Only the CPU platform gets the custom call: callers select it with
+``jax.lax.platform_dependent``, so a program lowered for CUDA never contains it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kv_gather.cc")
+KV_GATHER_TARGET = "superinfer_kv_gather"
+_SYMBOL = "SuperinferKvGather"
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+_DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
+_CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
+
+
+class NativeBuildError(RuntimeError):
+    """The library could not be built or loaded; the message says why."""
+
+
+def enabled() -> bool:
+    """False when ``SUPERINFER_NATIVE_OPS`` is ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(_DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "superinfer_jax"
+    return Path(os.environ.get(_CACHE_ENV) or default / "native")
+
+
+def _compiler() -> list[str]:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise NativeBuildError("no C++ compiler: set CXX or install g++")
+    return shlex.split(cxx)
+
+
+def library_path() -> Path:
+    """Where the library for this source, compile command and jaxlib lives."""
+    import jaxlib
+
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join(_compiler() + list(_FLAGS)).encode())
+    digest.update(jaxlib.__version__.encode())
+    return cache_dir() / f"kv_gather-{digest.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The library's path, compiled first unless already cached."""
+    target = library_path()
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        cmd = [*_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+               str(partial)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise NativeBuildError(f"{shlex.join(cmd)}: {e}") from e
+        if done.returncode != 0:
+            raise NativeBuildError(f"{shlex.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, target)
+    log.info("built native KV gather: %s", target)
+    return target
+
+
+@functools.cache
+def _register() -> str | None:
+    """Build, load and register the custom call once per process; the library's path, or
+    None (with the reason logged) when the plain-XLA path must be used."""
+    if not enabled():
+        log.info("native CPU ops off (%s=0): plain XLA page gathers", _DISABLE_ENV)
+        return None
+    try:
+        path = build()
+        library = ctypes.cdll.LoadLibrary(str(path))
+        handler = getattr(library, _SYMBOL)
+    except (NativeBuildError, OSError, AttributeError) as e:
+        log.warning("native KV gather unavailable, using XLA's gather (slower): %s", e)
+        return None
+    jax.ffi.register_ffi_target(KV_GATHER_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    log.info("native KV gather: %s", path)
+    return str(path)
+
+
+def available() -> bool:
+    """Whether the native KV gather is registered (building it on first call)."""
+    return _register() is not None
+
+
+def fingerprint() -> str:
+    """What a compiled program using these ops depends on, for executable caches: the
+    library file, or ``off``. Registers the custom call, so that an executable loaded
+    from a cache (without tracing) finds its target."""
+    path = _register()
+    return Path(path).name if path else "off"
+
+
+def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
+    """``pool[ids, layer, kv]`` with heads first, for K and V, through the custom call.
+
+    pool [N, L, 2, S, K, D]; ids [B, P] (clamped to [0, N)); returns two [B, K, P, S, D]
+    arrays in the pool's dtype, equal byte for byte to
+    ``pool[ids[:, None, :], layer, kv, :, arange(K)[None, :, None]]``. CPU only: call it
+    from a ``jax.lax.platform_dependent`` branch after ``available()``.
+    """
+    _, num_layers, two, page_size, kv_heads, head_dim = pool.shape
+    if two != 2 or not 0 <= layer < num_layers:
+        raise ValueError(f"gather_kv: pool {pool.shape} and layer {layer} do not match")
+    batch, pages = ids.shape
+    out = jax.ShapeDtypeStruct((batch, kv_heads, pages, page_size, head_dim), pool.dtype)
+    call = jax.ffi.ffi_call(KV_GATHER_TARGET, (out, out))
+    k, v = call(pool, ids.astype(np.int32), layer=np.int64(layer))
+    return k, v
