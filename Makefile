@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 
 $(DEV_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
+	-$(BIN)/python -m superinfer_jax.compiled_build  # mypyc scheduler (~5 min); else Python
 	touch $(DEV_STAMP)
 
 install: $(DEV_STAMP)

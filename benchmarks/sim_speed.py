@@ -20,6 +20,9 @@ Scenarios (``--scenarios``, default both):
 
 Wall time on a shared machine is an upper bound (the CPU column is this process's
 time); the goal is 100,000 requests under 60 s for every policy in the ``knee`` scenario.
+The ``compiled`` column says whether the mypyc build of the scheduler, KV and simulator
+modules ran (``superinfer_jax.compiled``; ``SUPERINFER_COMPILED=0`` runs plain Python,
+the baseline to compare with in the same session).
 
     python -m benchmarks.sim_speed [--quick] [--scenarios knee] [--policies rotasched]
     python -m benchmarks.sim_speed --preset paper-llama8b-sharegpt --rate 40 \\
@@ -37,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.common import add_common_args, print_table, write_json
+from superinfer_jax import compiled
 
 QUEUE_SIZES = (100, 1_000, 10_000)  # waiting requests at which a schedule call is timed
 
@@ -119,7 +123,8 @@ def run_one(scenario: Scenario, policy: str, specs, args) -> tuple[dict, str | N
            "wall_s": wall, "cpu_s": cpu, "req_per_s": len(specs) / wall,
            "steps": result.num_steps, "us_per_step": 1e6 * wall / max(1, result.num_steps),
            "max_queue": max(queue, default=0), **queue_columns(queue, took),
-           "rotations": s["num_rotations"], "ttft_att": s["ttft_attainment"]}
+           "rotations": s["num_rotations"], "ttft_att": s["ttft_attainment"],
+           "compiled": compiled.active() is not None}
     profile = None
     if prof is not None:
         out = io.StringIO()
@@ -134,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     from superinfer_jax.sim.presets import get_preset
 
     args = parse_args(argv)
+    print("scheduler and simulator modules: " + (
+        f"compiled (mypyc, {compiled.active()})" if compiled.active() else
+        "plain Python (no mypyc build for this source, or SUPERINFER_COMPILED=0)"))
     rows, profiles = [], {}
     for scenario in args.scenario_list:
         preset = get_preset(scenario.preset)

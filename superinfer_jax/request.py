@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,7 +285,7 @@ class Request:
     """One generation request and its progress. Host-side only: no arrays in here."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a range in the simulator
     sampling: SamplingParams
     slo: SLO = field(default_factory=SLO)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -296,7 +297,7 @@ class Request:
     # were known; the step takes them from the device), not in ``output_token_ids``.
     num_inflight_tokens: int = 0
     final_token_inflight: bool = False  # the in-flight tokens surely end the request
-    token_times: list[float] = field(default_factory=list)  # one per output token
+    token_times: MutableSequence[float] = field(default_factory=list)  # one per output token
     transitions: list[tuple[float, RequestStatus]] = field(default_factory=list)
     num_preemptions: int = 0
     num_rotations: int = 0
@@ -331,7 +332,7 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         """The tokens the host knows: in-flight ones are not in here yet."""
-        return self.prompt_token_ids + self.output_token_ids
+        return list(self.prompt_token_ids) + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

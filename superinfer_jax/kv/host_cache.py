@@ -57,6 +57,11 @@ class HostCache:
     def __len__(self) -> int:
         return len(self.hash_of)
 
+    def __bool__(self) -> bool:
+        # Explicit, because mypyc-compiled code tests a native object's truth without
+        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        return len(self) > 0
+
     def __contains__(self, h: bytes) -> bool:
         return h in self.page_of
 

@@ -100,6 +100,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.page_hash)
 
+    def __bool__(self) -> bool:
+        # Explicit, because mypyc-compiled code tests a native object's truth without
+        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        return len(self) > 0
+
     def register(self, page: int, h: bytes, parent: bytes | None = None,
                  token_ids: Sequence[int] | None = None) -> None:
         """``page`` (referenced, full, its KV written or being written by a dispatched

@@ -76,6 +76,11 @@ class PageMoves:
     def __len__(self) -> int:
         return len(self.device_pages)
 
+    def __bool__(self) -> bool:
+        # Explicit, because mypyc-compiled code tests a native object's truth without
+        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        return len(self) > 0
+
 
 class TwoTierKVManager(KVCacheManager):
     """Device and host page tables of every request, and the host shadows."""
@@ -465,7 +470,7 @@ class TwoTierKVManager(KVCacheManager):
         """Evict cache-only host pages until ``need`` host pages are free (they go first,
         before any shadow); returns how many are still missing."""
         cache, free = self.host_cache, self._host_free
-        while len(free) < need and cache:
+        while len(free) < need and cache is not None and len(cache) > 0:
             self._release_host([cache.evict()])
         return need - len(free)
 

@@ -95,6 +95,11 @@ class HashIdTokens(Sequence[int]):
     def __len__(self) -> int:
         return self.length
 
+    def __bool__(self) -> bool:
+        # Explicit, because mypyc-compiled code tests a native object's truth without
+        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        return len(self) > 0
+
     @overload
     def __getitem__(self, index: int) -> int: ...
 
@@ -137,10 +142,10 @@ class SimRequest(Request):
     def __init__(self, req_id: str, spec: RequestSpec):
         prompt: Sequence[int] = range(spec.prompt_len) if spec.hash_ids is None else \
             HashIdTokens(spec.hash_ids, spec.block_tokens, spec.prompt_len)
-        super().__init__(req_id, prompt,  # type: ignore[arg-type]
+        super().__init__(req_id, prompt,
                          _SAMPLING, slo=spec.slo,
                          arrival_time=spec.arrival_s)
-        self.token_times = array("d")  # type: ignore[assignment]
+        self.token_times = array("d")
         self.num_tokens = spec.prompt_len
         self.output_len = spec.output_len
         self.num_output = 0

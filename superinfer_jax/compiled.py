@@ -1,0 +1,170 @@
+"""The scheduler, KV manager and simulator compiled to C with mypyc, used only when they
+match the source exactly.
+
+Why: RotaSched's host work is Python (ranking, rotation bookkeeping, page tables), and a
+paper-scale simulation runs it for 100k requests. mypyc compiles these typed modules as
+they are, with no change to what they compute: measured with ``benchmarks.sim_speed``
+(knee, 20k requests, a 2-core AMD EPYC box, idle) rotasched went from 58.0 s to about
+30 s, and the seeded simulator outputs of ``tests.superinfer_jax.sim.plan_trace
+--outputs-only`` hash the same as plain Python's on all 7 cases.
+
+Build: ``python -m superinfer_jax.compiled_build`` (``make install`` runs it; it needs mypy,
+from the dev extra, and a C compiler, about 5 minutes on 2 cores). The result goes under
+``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a folder
+named by a hash of every ``.py`` file of this package and the Python version.
+
+Use: importing ``superinfer_jax`` calls ``install()``, which puts an import finder in
+front for exactly ``MODULES`` when a build for the current hash exists. Any edit to the
+package changes the hash, so an edited tree runs as plain Python until it is rebuilt:
+a stale compiled module is never imported. ``SUPERINFER_COMPILED=0`` turns it off.
+
+Where compiled code differs from Python, and what this code base does about it:
+- the truth of a compiled object ignores ``__len__`` (``if cache:`` is ``cache is not
+  None``): found by the prefix-cache state-machine test (``HostCache.evict`` on an empty
+  heap); classes with ``__len__`` define ``__bool__``, and tests of emptiness say so;
+- compiled classes take no instance attributes beyond those declared, cannot be
+  subclassed by interpreted classes, and compiled callers ignore methods monkeypatched
+  onto instances: ``plan_trace`` needs plain Python for its step trace;
+- ``rotasched/policies.py`` is not compiled: mypyc 2.4.1 stops with an internal error
+  there (its classes extend the interpreted ``Policy``), so ranking and selection, a
+  third of RotaSched's host time at the knee, still run as Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+MODULES = (
+    "superinfer_jax.request",
+    "superinfer_jax.waiting_queue",
+    "superinfer_jax.step_plan",
+    "superinfer_jax.scheduler",
+    "superinfer_jax.kv.page_allocator",
+    "superinfer_jax.kv.prefix_cache",
+    "superinfer_jax.kv.host_cache",
+    "superinfer_jax.kv.two_tier",
+    "superinfer_jax.rotasched.lag",
+    "superinfer_jax.rotasched.ranking",
+    "superinfer_jax.sim.cost",
+    "superinfer_jax.sim.simulator",
+)
+_SWITCH_ENV = "SUPERINFER_COMPILED"
+_CACHE_ENV = "SUPERINFER_COMPILED_CACHE"
+PACKAGE_DIR = Path(__file__).resolve().parent
+_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+
+_active: Path | None = None
+
+
+def enabled() -> bool:
+    """False when ``SUPERINFER_COMPILED`` is ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get(_SWITCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def source_key() -> str:
+    """A hash of every ``.py`` file of the package (paths and contents) and the Python."""
+    h = hashlib.sha256(sys.version.encode())
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        h.update(str(path.relative_to(PACKAGE_DIR)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def build_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "superinfer_jax"
+    root = Path(os.environ.get(_CACHE_ENV) or default / "compiled")
+    return root / source_key()
+
+
+def _module_file(root: Path, name: str) -> Path:
+    return root.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[-1] + _SUFFIX)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds ``MODULES`` (and mypyc's shared library beside them) in one build folder."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname in MODULES:
+            file = _module_file(self.root, fullname)
+        elif fullname.endswith("__mypyc") and "." not in fullname:
+            file = self.root / (fullname + _SUFFIX)
+        else:
+            return None
+        if not file.exists():
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(file))
+        return importlib.util.spec_from_file_location(fullname, file, loader=loader)
+
+
+def install() -> Path | None:
+    """Use the build for this source, if there is one and nothing is imported yet; returns
+    its folder, or None (plain Python)."""
+    global _active
+    if _active is not None or not enabled():
+        return _active
+    try:
+        root = build_dir()
+        complete = (root / "COMPLETE").exists()
+    except OSError:
+        return None
+    if not complete or any(name in sys.modules for name in MODULES):
+        return None
+    sys.meta_path.insert(0, _Finder(root))
+    _active = root
+    return root
+
+
+def active() -> Path | None:
+    """The build folder in use, or None when these modules run as plain Python."""
+    return _active
+
+
+def build() -> Path:
+    """Compile ``MODULES`` with mypyc into ``build_dir()``; returns it (existing: as is)."""
+    import shutil
+    import tempfile
+
+    target = build_dir()
+    if (target / "COMPLETE").exists():
+        return target
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    repo = PACKAGE_DIR.parent
+    paths = [str(Path(*name.split(".")).with_suffix(".py")) for name in MODULES]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + "-", dir=target.parent))
+    cwd = os.getcwd()
+    try:
+        os.chdir(repo)  # mypyc names modules by their paths from here
+        with tempfile.TemporaryDirectory() as tmp:
+            extensions = mypycify(paths, opt_level="3", target_dir=str(Path(tmp) / "c"))
+            setup(name="superinfer-jax-compiled", ext_modules=extensions,
+                  script_args=["--quiet", "build_ext", "--build-lib", str(staging),
+                               "--build-temp", str(Path(tmp) / "o")])
+        (staging / "COMPLETE").write_text(" ".join(MODULES) + "\n")
+        if target.exists():  # another builder finished first: keep theirs
+            shutil.rmtree(staging)
+        else:
+            os.replace(staging, target)
+    finally:
+        os.chdir(cwd)
+        if staging.exists() and staging != target:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+install()  # on import: ``superinfer_jax/__init__.py`` imports this module first
