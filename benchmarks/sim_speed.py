@@ -22,7 +22,8 @@ Wall time on a shared machine is an upper bound (the CPU column is this process'
 time); the goal is 100,000 requests under 60 s for every policy in the ``knee`` scenario.
 The ``compiled`` column says whether the mypyc build of the scheduler, KV and simulator
 modules ran (``superinfer_jax.compiled``; ``SUPERINFER_COMPILED=0`` runs plain Python,
-the baseline to compare with in the same session).
+the baseline: ``--baseline-plain`` runs each row again that way, in a subprocess after
+it, and adds ``plain_wall_s`` and ``speedup``).
 
     python -m benchmarks.sim_speed [--quick] [--scenarios knee] [--policies rotasched]
     python -m benchmarks.sim_speed --preset paper-llama8b-sharegpt --rate 40 \\
@@ -34,8 +35,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -74,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default="fcfs,swap,rotasched")
     p.add_argument("--profile", action="store_true", help="cProfile each run (slower)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline-plain", action="store_true",
+                   help="also run each row as plain Python (SUPERINFER_COMPILED=0, in a "
+                        "subprocess, one after the other) and report the speed-up")
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = min(args.num_requests, 5000)
@@ -133,6 +142,25 @@ def run_one(scenario: Scenario, policy: str, specs, args) -> tuple[dict, str | N
     return row, profile
 
 
+def plain_python_wall_s(scenario: Scenario, policy: str, num_requests: int, seed: int,
+                        dataset: str | None) -> float:
+    """Wall seconds of the same row with the mypyc build off, in its own process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "plain.json")
+        cmd = [sys.executable, "-m", "benchmarks.sim_speed", "--preset", scenario.preset,
+               "--hardware", scenario.hardware, "--rate", str(scenario.rate),
+               "--num-requests", str(num_requests), "--policies", policy,
+               "--seed", str(seed), "--out", out]
+        if dataset:
+            cmd += ["--dataset", dataset]
+        subprocess.run(cmd, env=dict(os.environ, SUPERINFER_COMPILED="0"), check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            row = json.load(f)["rows"][0]
+    assert not row["compiled"]
+    return float(row["wall_s"])
+
+
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.simulate import to_specs
     from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
@@ -152,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         specs = to_specs(work)
         for policy in args.policies.split(","):
             row, profile = run_one(scenario, policy, specs, args)
+            if args.baseline_plain:
+                row["plain_wall_s"] = plain_python_wall_s(
+                    scenario, policy, args.num_requests, args.seed, args.dataset)
+                row["speedup"] = row["plain_wall_s"] / row["wall_s"]
             rows.append(row)
             print_table([row])
             if profile is not None:
