@@ -22,6 +22,9 @@ Where compiled code differs from Python, and what this code base does about it:
 - the truth of a compiled object ignores ``__len__`` (``if cache:`` is ``cache is not
   None``): found by the prefix-cache state-machine test (``HostCache.evict`` on an empty
   heap); classes with ``__len__`` define ``__bool__``, and tests of emptiness say so;
+- a value typed ``float`` is a C double when compiled, so an int there is converted
+  (``2**64 - 1`` becomes ``2**64``): found by the gRPC seed-bound test; fields that hold
+  exact ints say ``int | float``;
 - compiled classes take no instance attributes beyond those declared, cannot be
   subclassed by interpreted classes, and compiled callers ignore methods monkeypatched
   onto instances: ``plan_trace`` needs plain Python for its step trace;

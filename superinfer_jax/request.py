@@ -84,8 +84,10 @@ class Range:
     same bounds in the HTTP front's OpenAPI document. Integer fields that reach a
     fixed-width device array have an upper bound too, so no value can overflow it."""
 
-    low: float
-    high: float
+    # ``int | float``, not ``float``: compiled (superinfer_jax.compiled), a ``float`` field
+    # is a C double, and 2**64 - 1 would become 2**64 there.
+    low: int | float
+    high: int | float
     integer: bool = False
     low_open: bool = False  # (low, high] instead of [low, high]
 
@@ -114,14 +116,14 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _finite(value: float) -> bool:
+def _finite(value: int | float) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float (10**400)
         return False
 
 
-def _num(x: float) -> str:
+def _num(x: int | float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
