@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 PROMPT ?= The capital of France is
 
-.PHONY: run generate test lint install bench clean
+.PHONY: run generate test lint install bench clean compiled
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -21,10 +21,14 @@ $(STAMP): pyproject.toml
 
 $(DEV_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
-	-$(BIN)/python -m superinfer_jax.compiled_build  # mypyc scheduler (~5 min); else Python
 	touch $(DEV_STAMP)
 
 install: $(DEV_STAMP)
+
+# Opt-in, for simulations: the scheduler, KV and simulator modules compiled with mypyc
+# (superinfer_jax/compiled.py says when they are used).
+compiled: $(DEV_STAMP)
+	$(BIN)/python -m superinfer_jax.compiled_build
 
 run: $(STAMP)
 	$(BIN)/superinfer serve --config superinfer_config.yaml

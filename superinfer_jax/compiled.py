@@ -8,8 +8,14 @@ they are, with no change to what they compute: measured with ``benchmarks.sim_sp
 30 s, and the seeded simulator outputs of ``tests.superinfer_jax.sim.plan_trace
 --outputs-only`` hash the same as plain Python's on all 7 cases.
 
-Build: ``python -m superinfer_jax.compiled_build`` (``make install`` runs it; it needs mypy,
-from the dev extra, and a C compiler, about 5 minutes on 2 cores). The result goes under
+Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; it needs
+mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
+simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
+build it, so the test suite and serving run the modules as Python unless a build exists.
+Why opt-in: run under it, the suite fails where tests hook instances (below), and
+``request.py`` stays Python because a compiled dataclass type-checks its fields in
+``__init__`` (``SamplingParams(max_tokens="7")`` raised ``TypeError``, not the
+``FieldError`` naming the field that the API promises). The result goes under
 ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a folder
 named by a hash of every ``.py`` file of this package and the Python version.
 
@@ -26,8 +32,11 @@ Where compiled code differs from Python, and what this code base does about it:
   (``2**64 - 1`` becomes ``2**64``): found by the gRPC seed-bound test; fields that hold
   exact ints say ``int | float``;
 - compiled classes take no instance attributes beyond those declared, cannot be
-  subclassed by interpreted classes, and compiled callers ignore methods monkeypatched
-  onto instances: ``plan_trace`` needs plain Python for its step trace;
+  subclassed by interpreted classes, and their methods cannot be replaced on an instance
+  (``AttributeError: ... is read-only``; compiled callers would not see it anyway): the
+  tests that hook ``Scheduler.schedule``, ``Scheduler._run_rows`` or
+  ``TwoTierKVManager.page_table`` on an instance fail under a build, and ``plan_trace``
+  needs plain Python for its step trace;
 - ``rotasched/policies.py`` is not compiled: mypyc 2.4.1 stops with an internal error
   there (its classes extend the interpreted ``Policy``), so ranking and selection, a
   third of RotaSched's host time at the knee, still run as Python.
@@ -47,7 +56,6 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
-    "superinfer_jax.request",
     "superinfer_jax.waiting_queue",
     "superinfer_jax.step_plan",
     "superinfer_jax.scheduler",
