@@ -12,10 +12,7 @@ Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; i
 mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
 simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
 build it, so the test suite and serving run the modules as Python unless a build exists.
-Why opt-in: run under it, the suite fails where tests hook instances (below), and
-``request.py`` stays Python because a compiled dataclass type-checks its fields in
-``__init__`` (``SamplingParams(max_tokens="7")`` raised ``TypeError``, not the
-``FieldError`` naming the field that the API promises). The result goes under
+Why opt-in: run under it, the suite fails where tests hook instances (below). The result goes under
 ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a folder
 named by a hash of every ``.py`` file of this package and the Python version.
 
@@ -37,6 +34,10 @@ Where compiled code differs from Python, and what this code base does about it:
   tests that hook ``Scheduler.schedule``, ``Scheduler._run_rows`` or
   ``TwoTierKVManager.page_table`` on an instance fail under a build, and ``plan_trace``
   needs plain Python for its step trace;
+- a compiled dataclass type-checks its fields in ``__init__``: ``SamplingParams(
+  max_tokens="7")`` raised ``TypeError``, not the ``FieldError`` naming the field that the
+  API promises, so ``SamplingParams`` is a plain Python class (``mypyc_attr(native_class=
+  False)``) inside the compiled module;
 - ``rotasched/policies.py`` is not compiled: mypyc 2.4.1 stops with an internal error
   there (its classes extend the interpreted ``Policy``), so ranking and selection, a
   third of RotaSched's host time at the knee, still run as Python.
@@ -56,6 +57,7 @@ from pathlib import Path
 from types import ModuleType
 
 MODULES = (
+    "superinfer_jax.request",  # with the simulator: its SimRequest extends Request
     "superinfer_jax.waiting_queue",
     "superinfer_jax.step_plan",
     "superinfer_jax.scheduler",
