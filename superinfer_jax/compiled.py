@@ -12,9 +12,9 @@ Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; i
 mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
 simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
 build it, so the test suite and serving run the modules as Python unless a build exists.
-Why opt-in: run under it, the suite fails where tests hook instances (below). The result goes under
-``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a folder
-named by a hash of every ``.py`` file of this package and the Python version.
+Why opt-in: under a build, the tests that hook instances fail (below). The result goes
+under ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a
+folder named by a hash of every ``.py`` file of this package and the Python version.
 
 Use: importing ``superinfer_jax`` calls ``install()``, which puts an import finder in
 front for exactly ``MODULES`` when a build for the current hash exists. Any edit to the
@@ -56,6 +56,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from superinfer_jax.local_cache import cache_root, switched_on
+
 MODULES = (
     "superinfer_jax.request",  # with the simulator: its SimRequest extends Request
     "superinfer_jax.waiting_queue",
@@ -80,7 +82,7 @@ _active: Path | None = None
 
 def enabled() -> bool:
     """False when ``SUPERINFER_COMPILED`` is ``0``, ``false``, ``no`` or ``off``."""
-    return os.environ.get(_SWITCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(_SWITCH_ENV)
 
 
 def source_key() -> str:
@@ -93,8 +95,7 @@ def source_key() -> str:
 
 
 def build_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "superinfer_jax"
-    root = Path(os.environ.get(_CACHE_ENV) or default / "compiled")
+    root = Path(os.environ.get(_CACHE_ENV) or cache_root() / "compiled")
     return root / source_key()
 
 

@@ -1,5 +1,5 @@
 """``python -m superinfer_jax.compiled_build``: compile the scheduler, KV and simulator
-modules with mypyc now (see ``superinfer_jax.compiled``; ``make install`` runs it) and print
+modules with mypyc now (see ``superinfer_jax.compiled``; ``make compiled`` runs it) and print
 the build folder. A failure is not fatal: those modules then run as plain Python."""
 
 import sys

@@ -348,7 +348,7 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         """The tokens the host knows: in-flight ones are not in here yet."""
-        return list(self.prompt_token_ids) + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]  # one copy, any Sequence
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from superinfer_jax.local_cache import cache_root, switched_on
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kv_gather.cc")
@@ -52,12 +54,11 @@ class NativeBuildError(RuntimeError):
 
 def enabled() -> bool:
     """False when ``SUPERINFER_NATIVE_OPS`` is ``0``, ``false``, ``no`` or ``off``."""
-    return os.environ.get(_DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(_DISABLE_ENV)
 
 
 def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "superinfer_jax"
-    return Path(os.environ.get(_CACHE_ENV) or default / "native")
+    return Path(os.environ.get(_CACHE_ENV) or cache_root() / "native")
 
 
 def _compiler() -> list[str]:

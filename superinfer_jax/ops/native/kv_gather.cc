@@ -59,7 +59,7 @@ struct GatherJob {
     }
   }
 
-  // Claims chunks until none is left; returns how many this thread copied.
+  // Claims chunks until none is left, counting each one it finishes in ``done``.
   void Work() {
     for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
       CopyRows(c * batch / num_chunks, (c + 1) * batch / num_chunks);

@@ -1,0 +1,22 @@
+"""Where this package keeps what it builds on the user's machine, and how an environment
+switch reads: shared by the native ops (``ops/native``) and the mypyc build
+(``compiled``), so both live under one folder and turn off the same way. Standard library
+only: ``compiled`` imports it before anything else of the package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_OFF = ("0", "false", "no", "off")
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/superinfer_jax`` (default ``~/.cache/superinfer_jax``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "superinfer_jax"
+
+
+def switched_on(variable: str) -> bool:
+    """False when ``variable`` is ``0``, ``false``, ``no`` or ``off`` (any case); true when
+    unset or anything else."""
+    return os.environ.get(variable, "1").strip().lower() not in _OFF
