@@ -3,10 +3,11 @@ match the source exactly.
 
 Why: RotaSched's host work is Python (ranking, rotation bookkeeping, page tables), and a
 paper-scale simulation runs it for 100k requests. mypyc compiles these typed modules as
-they are, with no change to what they compute: measured with ``benchmarks.sim_speed``
-(knee, 20k requests, a 2-core AMD EPYC box, idle) rotasched went from 58.0 s to about
-30 s, and the seeded simulator outputs of ``tests.superinfer_jax.sim.plan_trace
---outputs-only`` hash the same as plain Python's on all 7 cases.
+they are, with no change to what they compute: measured with ``benchmarks.sim_speed
+--baseline-plain`` (knee, 20k requests, a 2-core AMD EPYC box, idle) rotasched took
+24.2 s against 44.0 s as plain Python (fcfs 3.5 against 7.6 s), and the seeded
+simulator outputs of ``tests.superinfer_jax.sim.plan_trace --outputs-only`` hash the same
+as plain Python's on all 7 cases.
 
 Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; it needs
 mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
@@ -38,9 +39,12 @@ Where compiled code differs from Python, and what this code base does about it:
   max_tokens="7")`` raised ``TypeError``, not the ``FieldError`` naming the field that the
   API promises, so ``SamplingParams`` is a plain Python class (``mypyc_attr(native_class=
   False)``) inside the compiled module;
-- ``rotasched/policies.py`` is not compiled: mypyc 2.4.1 stops with an internal error
-  there (its classes extend the interpreted ``Policy``), so ranking and selection, a
-  third of RotaSched's host time at the knee, still run as Python.
+- a class with a decorator is compiled as a plain Python class, which a native class
+  cannot extend ("Non-extension classes may not inherit from extension classes"): the
+  built-in policies are registered after their definitions, not by ``@register_policy``;
+- a native class is closed to interpreted subclasses unless it is marked
+  ``mypyc_attr(allow_interpreted_subclasses=True)``, as every built-in policy is (plug-ins
+  and tests subclass them).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ MODULES = (
     "superinfer_jax.kv.two_tier",
     "superinfer_jax.rotasched.lag",
     "superinfer_jax.rotasched.ranking",
+    "superinfer_jax.rotasched.policy",  # open to interpreted subclasses (plug-ins)
+    "superinfer_jax.rotasched.policies",
     "superinfer_jax.sim.cost",
     "superinfer_jax.sim.simulator",
 )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.request import RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.rotasched.policy import HOST, Policy
+from superinfer_jax.rotasched.policy import HOST, Policy, mypyc_attr
 from superinfer_jax.rotasched.ranking import is_protected, late_window, missed_ttft, rank_by_lag
 from superinfer_jax.rotasched.registry import make_scheduler, register_policy
 from superinfer_jax.step_plan import StepBudget
@@ -39,12 +39,15 @@ if TYPE_CHECKING:
 __all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy", "make_scheduler"]
 
 
-@register_policy("fcfs")
+# Registered at the end of the module, not by a class decorator: compiled with mypyc
+# (``superinfer_jax.compiled``), a decorated class is a plain Python class, and native
+# classes cannot extend one.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FCFSPolicy(Policy):
     """vLLM V1: never contended; a victim is recomputed."""
 
 
-@register_policy("swap")
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SwapPolicy(FCFSPolicy):
     """vLLM V0 swap preemption: the victim's KV goes to host memory, not away."""
 
@@ -52,7 +55,7 @@ class SwapPolicy(FCFSPolicy):
         return HOST
 
 
-@register_policy("rotasched")
+@mypyc_attr(allow_interpreted_subclasses=True)
 class RotaSchedPolicy(SwapPolicy):
     """The paper's policy: lag (or slack) ranking and a TBT-sized token budget, under
     contention; FCFS otherwise."""
@@ -138,15 +141,10 @@ class RotaSchedPolicy(SwapPolicy):
         selected to run. A hopeless or unselected request would not get the tokens, and
         the decoders would pay."""
         beta = self.params.beta_f
-
-        def late(r: Request) -> bool:
-            # ``beta * ttft_ms / 1000``, not ``beta * ttft_s``: the same float as always
-            return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
-                    and not missed_ttft(r, now))
-
         # a late waiting request lies in the queue's late window (``ranking.late_window``)
-        return any(late(r) for r in prefilling) or any(
-            late(r) for _, _, r in late_window(s.waiting, now, beta) if r.req_id in keep)
+        return any(_late_first_token(r, now, beta) for r in prefilling) or any(
+            _late_first_token(r, now, beta) for _, _, r in late_window(s.waiting, now, beta)
+            if r.req_id in keep)
 
     # -- ranking --------------------------------------------------------------------------
 
@@ -223,3 +221,15 @@ class RotaSchedPolicy(SwapPolicy):
             return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
         return sorted(s.candidates(), key=key)
+
+
+def _late_first_token(r: Request, now: float, beta: float) -> bool:
+    """No first token yet, past ``beta`` of its TTFT budget, and not past the budget."""
+    # ``beta * ttft_ms / 1000``, not ``beta * ttft_s``: the same float as always
+    return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
+            and not missed_ttft(r, now))
+
+
+register_policy("fcfs")(FCFSPolicy)
+register_policy("swap")(SwapPolicy)
+register_policy("rotasched")(RotaSchedPolicy)

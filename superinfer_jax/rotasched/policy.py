@@ -31,12 +31,20 @@ or name it by path, ``package.module:Class``, wherever a policy is named.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.request import Request
 from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget
+
+_C = TypeVar("_C")
+
+try:  # mypy_extensions comes with mypy (the dev extra); without it nothing is compiled
+    from mypy_extensions import mypyc_attr
+except ImportError:  # pragma: no cover - serving-only installs
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_C], _C]:
+        return lambda cls: cls
 
 if TYPE_CHECKING:
     from superinfer_jax.scheduler import Scheduler
@@ -46,6 +54,10 @@ __all__ = ["HOST", "POLICY_METHODS", "RECOMPUTE", "Policy"]
 POLICY_METHODS = ("contended", "rank", "evict_to", "token_budget")
 
 
+# Compiled with mypyc (``superinfer_jax.compiled``), a class is closed to interpreted
+# subclasses unless it says otherwise; policies are meant to be subclassed (plug-ins,
+# tests), so every built-in one allows it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Policy:
     """FCFS decisions: never contended, evicted requests are recomputed."""
 

@@ -39,6 +39,7 @@ not known, so output pages are never shared.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from array import array
@@ -235,9 +236,22 @@ class Simulator:
             progress: Callable[[int], None] | None = None,
             time_schedule: bool = False) -> SimResult:
         """Simulate ``specs`` (sorted by arrival) until every request finished.
-        ``time_schedule``: record each ``schedule`` call's queue length and host time."""
+        ``time_schedule``: record each ``schedule`` call's queue length and host time.
+
+        The cyclic garbage collector is off while it runs (and back on after, if it was
+        on): every step allocates thousands of short-lived tuples and lists, which
+        reference counting frees, and each allocation burst made the collector walk the
+        run's live requests again. At the ``sim_speed`` knee (20,000 requests,
+        rotasched) that was 16% of the run's time (31.2 s against 26.1 s), for 22
+        objects of cyclic garbage at the end."""
         _check_specs(specs, self.config)
-        return _Run(self, specs, progress, time_schedule).play()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return _Run(self, specs, progress, time_schedule).play()
+        finally:
+            if was_enabled:
+                gc.enable()
 
 
 def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:

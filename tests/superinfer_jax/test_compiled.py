@@ -19,7 +19,7 @@ def test_compiled_modules_are_in_use_exactly_when_a_matching_build_exists():
         module = importlib.import_module(name)
         assert module.__file__ is not None
         assert module.__file__.endswith(".py") != built, (name, module.__file__)
-    for name in ("superinfer_jax.engine", "superinfer_jax.rotasched.policies"):
+    for name in ("superinfer_jax.engine", "superinfer_jax.rotasched.registry"):
         assert importlib.import_module(name).__file__.endswith(".py")
 
 
