@@ -120,6 +120,12 @@ class RotaSchedConfig:
     # TBT attainment, for TTFT attainment within about 8 points either way.
     min_residency_tokens: int = knob(
         16, ge=1, help="tokens a request runs before it may rotate out (and near its end)")
+    # Each of the two protected windows (settling, near the end) is at most this share of
+    # the request's max_tokens: with k-token windows at both ends, a request of at most
+    # 2k tokens could never be rotated out (the multi-turn sweep's replies are at most 32).
+    residency_share: float = knob(
+        0.25, gt=0, le=1, help="most of a request's max_tokens that each protected "
+                                 "window (settling, near its end) may cover")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

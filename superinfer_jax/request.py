@@ -370,6 +370,11 @@ class Request:
         return self.num_pending_tokens == 1
 
     @property
+    def max_output_tokens(self) -> int:
+        """Output tokens it may produce in all (``max_tokens``)."""
+        return self.sampling.max_tokens
+
+    @property
     def max_tokens_left(self) -> int:
         """Output tokens still to come at most, by ``max_tokens`` (in-flight ones count as
         produced): a request this close to its end frees its pages soon by itself."""

@@ -29,7 +29,13 @@ from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.request import RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policy import HOST, Policy, mypyc_attr
-from superinfer_jax.rotasched.ranking import is_protected, late_window, missed_ttft, rank_by_lag
+from superinfer_jax.rotasched.ranking import (
+    is_protected,
+    late_window,
+    missed_ttft,
+    rank_by_lag,
+    residency_window,
+)
 from superinfer_jax.rotasched.registry import make_scheduler, register_policy
 from superinfer_jax.step_plan import StepBudget
 
@@ -213,7 +219,7 @@ class RotaSchedPolicy(SwapPolicy):
         def key(r: Request) -> tuple[int, float, float]:
             urgency = self.urgency(s, r, now)
             if r.status == RUNNING:
-                if is_protected(r, k):
+                if is_protected(r, residency_window(r, k, self.params.residency_share)):
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, -urgency, r.arrival_time)
             if urgency > 0 and not missed_ttft(r, now):

@@ -54,7 +54,8 @@ from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
 
-__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "resident_tokens"]
+__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "residency_window",
+           "resident_tokens"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -67,6 +68,14 @@ def resident_tokens(req: Request) -> int:
     if req.running_since is None:
         return 0
     return len(req.token_times) - bisect.bisect_left(req.token_times, req.running_since)
+
+
+def residency_window(req: Request, k: int, share: float) -> int:
+    """Tokens of ``req``'s settling window and of its end window: ``k``
+    (``min_residency_tokens``), but at most ``share`` of its ``max_tokens`` (at least 1),
+    so that a short request has tokens between the two windows where it may rotate out
+    (k-token windows at both ends cover a request of at most 2k tokens whole)."""
+    return min(k, max(1, int(share * req.max_output_tokens)))
 
 
 def is_protected(req: Request, k: int) -> bool:
@@ -102,7 +111,7 @@ def late_window(waiting: WaitingQueue, now: float, beta_f: float
 def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     """Every candidate of ``s``, in the order of the sort described in the module
     docstring: groups 0 and 1 listed, group 2 the ``Ranking``'s tail by arrival."""
-    k = p.min_residency_tokens
+    k0, share = p.min_residency_tokens, p.residency_share
     protected: list[tuple[float, int, Request]] = []
     runners: list[tuple[float, float, int, Request]] = []
     # ``is_protected`` and a runner's ``virtual_lag`` inlined: this loop reads every
@@ -113,6 +122,7 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     running = RUNNING
     for i, r in enumerate(s.running):
         since, times = r.running_since, r.token_times
+        k = min(k0, max(1, int(share * r.max_output_tokens)))  # ``residency_window``
         settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
         if not settled or r.max_tokens_left <= k or r.final_token_inflight:
             protected.append((r.arrival_time, i, r))

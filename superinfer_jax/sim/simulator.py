@@ -152,6 +152,10 @@ class SimRequest(Request):
         self.num_output = 0
 
     @property
+    def max_output_tokens(self) -> int:
+        return self.output_len
+
+    @property
     def max_tokens_left(self) -> int:
         return self.output_len - self.num_output
 
