@@ -101,6 +101,8 @@ class RotaSchedConfig:
     produces after it is admitted or rotated in before it may be rotated out again, so
     every rotation buys progress and overload does not turn into a rotation storm; a
     request within that many tokens of its ``max_tokens`` is not rotated out either.
+    ``residency_share``: each of those two windows covers at most this share of the
+    request's ``max_tokens`` (at least one token).
     ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
     (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.

@@ -189,7 +189,10 @@ class RotaSchedPolicy(SwapPolicy):
         Four rules keep rotation productive:
         - a running request that has produced fewer than ``min_residency_tokens`` since it
           was admitted or rotated in, or is within that many tokens of its ``max_tokens``
-          (or whose token in flight ends it), ranks first: evicting it moves pages for
+          (or whose token in flight ends it), ranks first (each window at most
+          ``residency_share`` of its ``max_tokens``: 16-token windows at both ends would
+          never let a reply of at most 32 tokens, the multi-turn sweep's, rotate out, and
+          RotaSched would be FCFS there): evicting it moves pages for
           little progress (two requests could swap places every step forever, a
           livelock), or for pages it frees by itself within a few steps, and every
           rotation of a decoding request costs it a TBT miss (calibrated simulator, 16

@@ -3,7 +3,8 @@
 The order (``RotaSchedPolicy.rank``) is a stable sort of every candidate (waiting, parked,
 running, in that order) by ``(group, value, arrival)``:
 
-    group 0  protected runners (settling, near their end, or ending): value 0
+    group 0  protected runners (settling, near their end, or ending; the windows are
+             ``residency_window`` tokens): value 0
     group 1  parked requests whose rotate-in is due (``rotate_in_due``): value -lag
     group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
              the other runners: value -lag = time since they started running (>= 0)
@@ -80,7 +81,8 @@ def residency_window(req: Request, k: int, share: float) -> int:
 
 def is_protected(req: Request, k: int) -> bool:
     """A runner that ranks first whatever its lag: settling (fewer than ``k`` tokens since
-    it started running), within ``k`` tokens of its end, or ending with its token in flight."""
+    it started running), within ``k`` tokens of its end, or ending with its token in flight
+    (``k``: its ``residency_window``)."""
     return resident_tokens(req) < k or req.max_tokens_left <= k or req.final_token_inflight
 
 

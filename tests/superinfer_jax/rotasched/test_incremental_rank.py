@@ -29,7 +29,9 @@ SLOS = (SLO(1000, 100), SLO(1000, 100, "critical"), SLO(400, 50, "batch"), SLO(2
 
 def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
     """RotaSched's order before it was incremental: the specification."""
-    k = p.min_residency_tokens
+
+    def window(r: Request) -> int:  # k tokens, at most a share of its max_tokens (>= 1)
+        return min(p.min_residency_tokens, max(1, int(p.residency_share * r.max_output_tokens)))
 
     def resident(r: Request) -> int:
         if r.running_since is None:
@@ -49,6 +51,7 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
     def key(r: Request) -> tuple[int, float, float]:
         lag = virtual_lag(r, now, p)
         if r.status == RequestStatus.RUNNING:
+            k = window(r)
             if resident(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
                 return (0, 0.0, r.arrival_time)
             return (2, -lag, r.arrival_time)
@@ -71,12 +74,14 @@ class SortedLagPolicy(RotaSchedPolicy):
 
 def random_state(rng: random.Random) -> tuple[Scheduler, float]:
     cfg = EngineConfig(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
-                       rotasched=RotaSchedConfig(min_residency_tokens=rng.choice((1, 4))))
+                       rotasched=RotaSchedConfig(min_residency_tokens=rng.choice((1, 4, 16)),
+                                                 residency_share=rng.choice((0.1, 0.25, 1.0))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     now = 10.0
     arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]
     for i in range(rng.randint(0, 60)):
-        r = Request(f"r{i}", [1] * rng.randint(1, 40), SamplingParams(max_tokens=40),
+        r = Request(f"r{i}", [1] * rng.randint(1, 40),
+                    SamplingParams(max_tokens=rng.choice((12, 40, 64))),
                     slo=rng.choice(SLOS), arrival_time=rng.choice(arrivals)
                     if rng.random() < 0.3 else rng.uniform(0.0, 10.0))
         kind = rng.random()

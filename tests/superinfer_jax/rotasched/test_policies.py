@@ -19,8 +19,9 @@ PAGE = 4
 
 
 def make(policy: str, device_pages: int = 64, host_pages: int = 64, **kw):
-    """Scenarios are a few tokens long: residency 4 (not the default 16) lets them rotate."""
-    kw.setdefault("rotasched", RotaSchedConfig(min_residency_tokens=4))
+    """Scenarios are a few tokens long: residency 4 (not the default 16) lets them rotate,
+    in windows of 4 tokens whatever the request's max_tokens (``residency_share`` 1)."""
+    kw.setdefault("rotasched", RotaSchedConfig(min_residency_tokens=4, residency_share=1.0))
     cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False, policy=policy,
                        max_num_batched_tokens=64, max_prefill_chunk=32, **kw)
     kv = TwoTierKVManager(device_pages, PAGE, host_pages)
@@ -226,6 +227,24 @@ def test_runner_near_its_end_is_not_rotated_out():
         d = Driver(sched, kv)
         d.add(req("runner", 24, arrival=0.0, max_tokens=max_tokens))
         for t in range(6):
+            d.step(t * 0.1)
+        d.add(req("new", 8, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+        plan = d.step(1.2)  # "new" is late (past 0.5 + 0.5 * 1 s); the pool is full
+        assert (plan.rotate_out == ["runner"]) is displaces
+        assert ("new" in [r for r, _ in plan.prefill]) is displaces
+
+
+def test_a_short_reply_may_rotate_between_its_protected_windows():
+    """Windows of ``min_residency_tokens`` (16) at both ends would protect a 24-token reply
+    from its first token to its last, so a late request could never displace it; capped
+    at a quarter of its max_tokens (6 tokens each), it may rotate out once it has run 6
+    tokens and while more than 6 are left."""
+    for share, displaces in ((1.0, False), (0.25, True)):
+        sched, kv = make("rotasched", device_pages=9, host_pages=64, rotasched=RotaSchedConfig(
+            min_residency_tokens=16, residency_share=share))
+        d = Driver(sched, kv)
+        d.add(req("runner", 24, arrival=0.0, max_tokens=24))
+        for t in range(6):  # 6 tokens produced, 18 left
             d.step(t * 0.1)
         d.add(req("new", 8, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
         plan = d.step(1.2)  # "new" is late (past 0.5 + 0.5 * 1 s); the pool is full
