@@ -64,9 +64,11 @@ _DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
     Residency.DEVICE, Residency.ROTATING_OUT, Residency.HOST, Residency.ROTATING_IN)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PageMoves:
-    """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``."""
+    """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Not
+    frozen, but never changed once made: compiled, a frozen dataclass took 0.6 us to
+    make against 0.2 us, and a paper-scale step makes tens of them."""
 
     req_id: str
     device_pages: tuple[int, ...]
@@ -108,19 +110,31 @@ class TwoTierKVManager(KVCacheManager):
         self._spills: list[tuple[int, int, bytes]] = []  # (device page, host page, hash)
         self._host_free: list[int] = list(range(num_host_pages, 0, -1))  # LIFO
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
-        self.shadows: dict[int, int] = {}  # device page -> host page; oldest first
+        # Shadows, indexed by device page: lists, not dicts, because a rotation moves
+        # tens of pages and indexing a list costs a fraction of a dict operation (in the
+        # paper-scale simulation, per-page dict work was a third of RotaSched's run).
+        # ``_shadow_host[d]``: the host page holding d's copy (0: no shadow); when it
+        # was made (``_reclaimable`` takes the oldest first): ``_shadow_batch[d]``, the
+        # number of the ``_add_shadows`` call, and ``_shadow_pos[d]``, d's place in it;
+        # ``_shadow_owner[d]`` below. All three are stale where ``_shadow_host[d]`` is 0.
+        # (A batch number is one int object shared by the batch's pages, stored as
+        # ``object``: mypyc would box a typed int again for every page.)
+        self._shadow_host: list[int] = [0] * num_pages
+        self._shadow_batch: list[object] = [0] * num_pages
+        self._shadow_pos: list[int] = [0] * num_pages
+        self._num_batches = 0
         self.residency: dict[str, Residency] = {}
         self._num_full: dict[str, int] = {}  # full pages of a parked request
         self._freed_host: list[int] = []  # freed since the last take_freed_host_pages
         # Scan positions, so that the per-step shadow planning and dirty counts do not
         # rescan every page table: ``_num_clean[r] = k`` promises that the first k device
         # pages of r are shadowed (absent: 0; a lower bound is always safe). Dropping a
-        # shadow finds its request in ``_shadow_owner`` (device page -> req_id of every
+        # shadow finds its request in ``_shadow_owner`` (device page -> req_id of its
         # shadow) and forgets that promise.
         self._num_clean: dict[str, int] = {}
         # None: the shadow of a cached device page (registered, no reference). It stays,
         # so that when the device evicts the page, the page stays findable on the host.
-        self._shadow_owner: dict[int, str | None] = {}
+        self._shadow_owner: list[str | None] = [None] * num_pages
 
     @classmethod
     def for_config(cls, config: EngineConfig, num_pages: int, num_host_pages: int
@@ -151,12 +165,20 @@ class TwoTierKVManager(KVCacheManager):
         hash) and the shadows of cached device pages. Reclaimable, so free in the
         reports, as the device tier's cached pages are."""
         cache_only = 0 if self.host_cache is None else len(self.host_cache)
-        return cache_only + sum(owner is None for owner in self._shadow_owner.values())
+        owner = self._shadow_owner
+        return cache_only + sum(owner[d] is None for d in self._shadowed_pages())
 
     @property
     def num_host_unused_pages(self) -> int:
         """Host pages in use by no request: free or cached (what reports call free)."""
         return len(self._host_free) + self.num_host_cached_pages
+
+    @property
+    def shadows(self) -> dict[int, int]:
+        """Device page -> host page of every shadow, oldest first (a copy, for reports
+        and tests: the manager keeps them in lists indexed by device page)."""
+        host = self._shadow_host
+        return {d: host[d] for d in self._shadows_oldest_first()}
 
     def residency_of(self, req_id: str) -> Residency:
         return self.residency.get(req_id, _DEVICE)
@@ -171,8 +193,8 @@ class TwoTierKVManager(KVCacheManager):
     def dirty_pages(self, req_id: str) -> list[int]:
         """Device pages of ``req_id`` whose host copy is missing or stale."""
         table = self.page_table(req_id)
-        shadows = self.shadows
-        return [d for d in table[self._num_clean.get(req_id, 0):] if d not in shadows]
+        host = self._shadow_host
+        return [d for d in table[self._num_clean.get(req_id, 0):] if not host[d]]
 
     def rotation_cost_out(self, req_id: str) -> int:
         """Pages a rotate_out of ``req_id`` would copy (the rest are shadowed already)."""
@@ -220,21 +242,22 @@ class TwoTierKVManager(KVCacheManager):
         evicted from the device later, it stays findable on the host. Otherwise its
         shadow is freed."""
         table = self.page_tables.get(req_id, [])
-        shadowed = [d for d in table if d in self.shadows]
+        host, owner = self._shadow_host, self._shadow_owner
+        shadowed = [d for d in table if host[d]]
         last = [d for d in shadowed if self.refcount[d] == 1]
         registered = self.prefix_cache.page_hash if self.prefix_cache is not None else {}
         keep = self.host_cache is not None
         dropped = []
         for d in last:
             if keep and d in registered:
-                self._shadow_owner[d] = None
+                owner[d] = None
             else:
-                del self._shadow_owner[d]
-                dropped.append(self.shadows.pop(d))
+                dropped.append(host[d])
+                host[d] = 0
         self._release_host(dropped)  # one batch: the free list's order as it has been
         for d in shadowed:
-            if self.refcount[d] > 1 and self._shadow_owner[d] == req_id:
-                self._shadow_owner[d] = next(r for r in self._holders(d) if r != req_id)
+            if self.refcount[d] > 1 and owner[d] == req_id:
+                owner[d] = next(r for r in self._holders(d) if r != req_id)
         self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
         self._forget_arriving(req_id)
@@ -269,23 +292,23 @@ class TwoTierKVManager(KVCacheManager):
         # A page table per rotation, several rotations a contended step, and most pages
         # shadowed already: their host copies move to req_id's host table in one pass,
         # then the dirty ones (None) get fresh host pages, in table order.
-        pop_shadow, owner, refcount = self.shadows.pop, self._shadow_owner, self.refcount
-        hosts: list[int | None] = [pop_shadow(d, None) for d in table]
-        shadowed = [d for d, h in zip(table, hosts, strict=True) if h is not None]
-        for d in shadowed:
-            del owner[d]
+        shadow_host, refcount = self._shadow_host, self.refcount
+        hosts = [shadow_host[d] for d in table]  # 0: dirty
+        for d in table:
+            shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
-            for d in shadowed:
-                if refcount[d] > 1:  # the others sharing d lose its shadow
+            for d, h in zip(table, hosts, strict=True):
+                if h and refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-        if len(shadowed) < len(table):
-            dirty = [i for i, h in enumerate(hosts) if h is None]
+        num_dirty = hosts.count(0)
+        if num_dirty:
+            dirty = [i for i, h in enumerate(hosts) if not h]
             moves_dev = [table[i] for i in dirty]
-            moves_host = self._take_host(len(dirty))
+            moves_host = self._take_host(num_dirty)
             for i, h in zip(dirty, moves_host, strict=True):
                 hosts[i] = h
-        host_table = cast("list[int]", hosts)  # no None left
+        host_table = hosts
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
@@ -308,8 +331,7 @@ class TwoTierKVManager(KVCacheManager):
         device = self._take(len(host_table))  # pages of its own, never shared ones
         self.page_tables[req_id] = device
         num_full = self._num_full.pop(req_id)
-        self.shadows.update(zip(device[:num_full], host_table[:num_full], strict=True))
-        self._shadow_owner.update(dict.fromkeys(device[:num_full], req_id))
+        self._add_shadows(device[:num_full], host_table[:num_full], req_id)
         self._num_clean[req_id] = num_full
         self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
         self.residency[req_id] = _ROTATING_IN
@@ -337,7 +359,7 @@ class TwoTierKVManager(KVCacheManager):
         This runs every step over every running request, so a request whose full pages
         are all shadowed costs a dict look-up, not a pass over its page table."""
         out: list[PageMoves] = []
-        shadows, clean = self.shadows, self._num_clean
+        shadow_host, clean = self._shadow_host, self._num_clean
         page_size = self.page_size
         room = self.num_host_free_pages  # changes only where pages are taken below
         if max_pages <= 0 or not room:
@@ -356,7 +378,7 @@ class TwoTierKVManager(KVCacheManager):
             num_full = min(n // page_size, len(table))
             if start >= num_full:
                 continue
-            dirty = [i for i in range(start, num_full) if table[i] not in shadows]
+            dirty = [i for i in range(start, num_full) if not shadow_host[table[i]]]
             take = min(len(dirty), max_pages, room)
             clean[req_id] = dirty[take] if take < len(dirty) else num_full
             if not take:
@@ -364,8 +386,7 @@ class TwoTierKVManager(KVCacheManager):
             dev = [table[i] for i in dirty[:take]]
             self._free_host_cache(take)
             host = self._take_host(take)
-            shadows.update(zip(dev, host, strict=True))
-            self._shadow_owner.update(dict.fromkeys(dev, req_id))
+            self._add_shadows(dev, host, req_id)
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
             max_pages -= take
             room = self.num_host_free_pages
@@ -389,8 +410,9 @@ class TwoTierKVManager(KVCacheManager):
         failed copy that reached the host cache (its device page was evicted since) is
         forgotten there too: a hit must never read it."""
         gone = set(host_pages)
-        for d, h in list(self.shadows.items()):
-            if h in gone:
+        shadow_host = self._shadow_host
+        for d in self._shadows_oldest_first():
+            if shadow_host[d] in gone:
                 self._release_host([self._drop_shadow(d)])
         cache = self.host_cache
         if cache is not None:
@@ -404,9 +426,9 @@ class TwoTierKVManager(KVCacheManager):
     def take_prefix(self, req_id: str, prefix: list[int]) -> None:
         """Device hit: as the base class; a cached page's shadow gets ``req_id`` as owner."""
         super().take_prefix(req_id, prefix)
-        owner = self._shadow_owner
+        host, owner = self._shadow_host, self._shadow_owner
         for p in prefix:
-            if p in owner and owner[p] is None:
+            if host[p] and owner[p] is None:
                 owner[p] = req_id
 
     def match_host_prefix(self, hashes: list[bytes], start: int, max_pages: int) -> list[int]:
@@ -440,8 +462,7 @@ class TwoTierKVManager(KVCacheManager):
         new = self._take(self.pages_needed(req_id, num_tokens))
         self.page_tables[req_id].extend(new)
         device = new[:len(host_pages)]
-        self.shadows.update(zip(device, host_pages, strict=True))
-        self._shadow_owner.update(dict.fromkeys(device, req_id))
+        self._add_shadows(device, host_pages, req_id)
         self.host_tables[req_id] = []  # no tail page to free on arrival
         self.residency[req_id] = _ROTATING_IN
         cache.hits += len(host_pages) * self.page_size
@@ -460,11 +481,39 @@ class TwoTierKVManager(KVCacheManager):
         DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use),
         oldest first. Lazy: callers take only the few they are short of."""
         owner = self._shadow_owner
-        yield from (d for d in self.shadows if owner[d] is None)
+        shadowed = self._shadows_oldest_first()
+        yield from (d for d in shadowed if owner[d] is None)
         arriving = {d for r, state in self.residency.items()
                     if state == _ROTATING_IN for d in self.page_tables[r]}
-        yield from (d for d in self.shadows
+        yield from (d for d in shadowed
                     if owner[d] is not None and d not in keep and d not in arriving)
+
+    def _shadowed_pages(self) -> list[int]:
+        """Device pages with a shadow, by page id (a pass over the device pages)."""
+        host = self._shadow_host
+        return [d for d in range(len(host)) if host[d]]
+
+    def _shadows_oldest_first(self) -> list[int]:
+        """Device pages with a shadow, the oldest shadow first."""
+        batch, pos = self._shadow_batch, self._shadow_pos
+        return sorted(self._shadowed_pages(), key=lambda d: (cast(int, batch[d]), pos[d]))
+
+    def _add_shadows(self, device_pages: list[int], host_pages: list[int],
+                     owner: str) -> None:
+        """Host pages ``host_pages`` become the shadows of ``device_pages`` (which have
+        none), owned by ``owner``, newest last."""
+        if len(device_pages) != len(host_pages):
+            raise ValueError(f"{len(device_pages)} device pages, {len(host_pages)} host")
+        shadow_host, shadow_owner, shadow_batch, shadow_pos = \
+            self._shadow_host, self._shadow_owner, self._shadow_batch, self._shadow_pos
+        batch: object = self._num_batches
+        self._num_batches += 1
+        for i in range(len(device_pages)):  # indexed: mypyc runs a zip generically
+            d = device_pages[i]
+            shadow_host[d] = host_pages[i]
+            shadow_owner[d] = owner
+            shadow_batch[d] = batch
+            shadow_pos[d] = i
 
     def _free_host_cache(self, need: int) -> int:
         """Evict cache-only host pages until ``need`` host pages are free (they go first,
@@ -481,15 +530,15 @@ class TwoTierKVManager(KVCacheManager):
         page = next(iter(cache.evictable))
         h = cache.page_hash[page]
         cache.evict()
-        host = self.shadows.pop(page, None)
+        host = self._shadow_host[page]
         hc = self.host_cache
-        if host is None:
+        if not host:
             if hc is not None and self.spill_budget > 0 and h not in hc \
                     and self._free_host_cache(1) <= 0:
                 self.spill_budget -= 1
                 self._spills.append((page, self._host_free.pop(), h))
             return page
-        del self._shadow_owner[page]
+        self._shadow_host[page] = 0
         self._cache_on_host(host, h)
         return page
 
@@ -515,13 +564,17 @@ class TwoTierKVManager(KVCacheManager):
     def _drop_shadow(self, device_page: int) -> int:
         """Forget one shadow (its owner's scan restarts at 0, and so does every other
         request sharing the page); returns its host page."""
-        owner = self._shadow_owner.pop(device_page)
+        host = self._shadow_host[device_page]
+        if not host:
+            raise KeyError(f"device page {device_page} has no shadow")
+        owner = self._shadow_owner[device_page]
         if owner is not None:
             self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
             for r in self._holders(device_page):
                 self._num_clean.pop(r, None)
-        return self.shadows.pop(device_page)
+        self._shadow_host[device_page] = 0
+        return host
 
     def _holders(self, device_page: int) -> list[str]:
         """Requests whose page table holds ``device_page`` (a pass over every table: only
@@ -569,24 +622,27 @@ class TwoTierKVManager(KVCacheManager):
             len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
             "device pages: some page is lost, or both free and owned"
         host_cached = [] if self.host_cache is None else list(self.host_cache.hash_of)
-        host_owned = list(self.shadows.values()) + [h for t in self.host_tables.values()
+        shadows = self.shadows
+        shadow_owner = {d: self._shadow_owner[d] for d in shadows}
+        host_owned = list(shadows.values()) + [h for t in self.host_tables.values()
                                                     for h in t] + [h for _, h, _ in self._spills]
         assert sorted(host_owned + list(self._host_free) + host_cached) == \
             list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
         if self.host_cache is not None:
             self.host_cache.check_invariants()
             assert len(self.host_cache) <= self.host_cache_max_pages, "host cache over its cap"
-        assert set(self.shadows) <= set(dev_owned) | set(cached), \
+        assert set(shadows) <= set(dev_owned) | set(cached), \
             "a shadow of a free device page"
-        assert self._shadow_owner.keys() == self.shadows.keys(), "shadow owners out of step"
-        for d, r in self._shadow_owner.items():
+        assert len({(self._shadow_batch[d], self._shadow_pos[d]) for d in shadows}) == \
+            len(shadows), "two shadows made at once"
+        for d, r in shadow_owner.items():
             if r is None:
                 assert d in cached, f"unowned shadow of {d}, not a cached page"
             else:
                 assert d in self.page_tables.get(r, ()), \
                     f"shadow of {d} owned by {r}, not its table"
         for r, k in self._num_clean.items():
-            assert all(d in self.shadows for d in self.page_tables[r][:k]), f"{r} clean prefix"
+            assert all(d in shadows for d in self.page_tables[r][:k]), f"{r} clean prefix"
         for req_id, state in self.residency.items():
             parked = state in (Residency.ROTATING_OUT, Residency.HOST)
             assert (req_id in self.page_tables) == (not parked), f"{req_id} {state.name}"

@@ -114,24 +114,27 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     """Every candidate of ``s``, in the order of the sort described in the module
     docstring: groups 0 and 1 listed, group 2 the ``Ranking``'s tail by arrival."""
     k0, share = p.min_residency_tokens, p.residency_share
-    protected: list[tuple[float, int, Request]] = []
-    runners: list[tuple[float, float, int, Request]] = []
+    protected: list[Request] = []  # in running order
+    others: list[Request] = []  # the other runners, in running order
+    values: list[float] = []  # their -virtual_lag
     # ``is_protected`` and a runner's ``virtual_lag`` inlined: this loop reads every
     # runner of every contended step. ``resident_tokens(r) >= k`` without counting: the
     # token times are in time order, so at least k of them are at or after
     # ``running_since`` exactly when the k-th last one is (one look-up, not a bisection
     # of a long array).
     running = RUNNING
-    for i, r in enumerate(s.running):
+    for r in s.running:
         since, times = r.running_since, r.token_times
         k = min(k0, max(1, int(share * r.max_output_tokens)))  # ``residency_window``
         settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
         if not settled or r.max_tokens_left <= k or r.final_token_inflight:
-            protected.append((r.arrival_time, i, r))
+            protected.append(r)
         elif r.status == running:  # -virtual_lag: now - running_since (or now - now)
-            runners.append((now - (now if since is None else since), r.arrival_time, i, r))
+            others.append(r)
+            values.append(now - (now if since is None else since))
         else:
-            runners.append((-virtual_lag(r, now, p), r.arrival_time, i, r))
+            others.append(r)
+            values.append(-virtual_lag(r, now, p))
     due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
     step_s = one_step_s(s)
@@ -145,15 +148,45 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
         lag = virtual_lag(r, now, p)
         if lag > 0 and not missed_ttft(r, now):
             late.append((-lag, a, 0, pos, r))
-    protected.sort()
+    protected.sort(key=_arrival)  # stable: by (arrival, running order)
     due.sort()
     late.sort()
-    runners.sort()
-    head = [e[-1] for e in protected] + [e[-1] for e in due] + [e[-1] for e in late] \
-        + [e[-1] for e in runners]
+    head = protected + [e[-1] for e in due] + [e[-1] for e in late] \
+        + by_value(others, values)
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
     listed.update(id(e[-1]) for e in late)
     return Ranking(head, s, listed)  # then group 3: the rest by arrival
+
+
+def _arrival(r: Request) -> float:
+    return r.arrival_time
+
+
+def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
+    """``reqs`` sorted by ``(value, arrival, position)``, without sorting them all when
+    the values do not increase along the list: runners join ``Scheduler.running`` at the
+    end as they start running, so their ``now - running_since`` falls along it, and the
+    order is the list reversed, with each run of equal values sorted by arrival (stable:
+    position breaks ties). Otherwise (a runner whose value does not come from its start
+    time), the plain sort."""
+    n = len(values)
+    for i in range(1, n):
+        if values[i] > values[i - 1]:
+            order = sorted(range(n), key=lambda j: (values[j], reqs[j].arrival_time, j))
+            return [reqs[j] for j in order]
+    out: list[Request] = []
+    end = n
+    while end > 0:
+        start = end - 1
+        v = values[start]
+        while start > 0 and values[start - 1] == v:
+            start -= 1
+        run = reqs[start:end]
+        if len(run) > 1:
+            run.sort(key=_arrival)
+        out.extend(run)
+        end = start
+    return out
 
 
 def one_step_s(s: Scheduler) -> float | None:

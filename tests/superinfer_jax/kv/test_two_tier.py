@@ -172,6 +172,25 @@ def test_rotate_out_with_enough_free_host_pages_keeps_other_shadows():
     kv.check_invariants()
 
 
+def test_shadows_are_reclaimed_oldest_first_across_requests():
+    """Room on a full host tier comes from the oldest shadows first, whoever owns them,
+    in the order they were made (pages shadowed in one batch: in table order)."""
+    kv = TwoTierKVManager(num_pages=16, page_size=PAGE, num_host_pages=6)
+    for r in "abc":
+        kv.allocate_for(r, 8)
+    kv.plan_shadows({"b": 8}, max_pages=8)  # b's shadows are the oldest
+    kv.plan_shadows({"a": 8}, max_pages=8)
+    kv.allocate_for("d", 8)
+    kv.plan_shadows({"d": 8}, max_pages=8)  # the host tier is full: b, a, d
+    assert list(kv.shadows) == kv.page_table("b") + kv.page_table("a") + kv.page_table("d")
+    kv.rotate_out("c", 8)  # two dirty pages: b's two shadows go
+    assert kv.dirty_pages("b") == kv.page_table("b") and not kv.dirty_pages("a")
+    kv.allocate_for("e", 4)
+    kv.rotate_out("e", 4)  # one more: a's first page, the oldest left
+    assert kv.dirty_pages("a") == kv.page_table("a")[:1]
+    kv.check_invariants()
+
+
 def test_a_reclaimed_shadow_is_planned_again():
     """The per-request scan position of ``plan_shadows`` must forget pages whose shadow
     another request's rotate_out reclaimed, or they would stay dirty for good."""

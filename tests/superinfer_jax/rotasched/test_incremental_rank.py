@@ -135,3 +135,23 @@ def test_simulated_plans_equal_the_plain_sort():
                         [(r.num_rotations, tuple(r.token_times)) for r in result.requests])
     assert sum(n for n, _ in runs["rotasched"][3]) > 20  # it rotated: the ranking mattered
     assert runs["rotasched"] == runs[plain]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_runners_by_value_is_the_sort_with_and_without_the_order_hint(seed):
+    """``by_value`` reads a list whose values fall along it (runners in the order they
+    started running) without sorting it; it must give the sort's order exactly, with
+    runs of equal values (started in the same step) ordered by arrival, then position,
+    and fall back to the sort when the values do not fall."""
+    from superinfer_jax.rotasched.ranking import by_value
+
+    rng = random.Random(seed)
+    n = rng.randint(0, 30)
+    reqs = [Request(f"r{i}", [1], SamplingParams(), arrival_time=float(rng.randint(0, 5)))
+            for i in range(n)]
+    values = sorted((float(rng.randint(0, 6)) for _ in range(n)), reverse=True)
+    if seed % 2 and n > 1:  # not falling: the sort
+        values[rng.randrange(n)] = 99.0
+    want = [reqs[j] for j in sorted(range(n), key=lambda j: (values[j],
+                                                               reqs[j].arrival_time, j))]
+    assert by_value(reqs, values) == want
