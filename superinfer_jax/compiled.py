@@ -56,11 +56,23 @@ import importlib.util
 import os
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 from superinfer_jax.local_cache import cache_root, switched_on
+
+_C = TypeVar("_C")
+
+# The compiled modules' class options (``mypyc_attr``), from here, for every module: where
+# mypy_extensions is missing (it comes with mypy, the dev extra; serving-only installs
+# lack it) nothing is compiled, and the decorator leaves the class as it is.
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # pragma: no cover - serving-only installs
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_C], _C]:
+        return lambda cls: cls
 
 MODULES = (
     "superinfer_jax.request",  # with the simulator: its SimRequest extends Request

@@ -13,6 +13,8 @@ from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from superinfer_jax.compiled import mypyc_attr
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0  # queued, no KV on the device (new, or preempted for recomputation)
@@ -46,18 +48,6 @@ WAITING, RUNNING, ROTATING_OUT, ROTARY, ROTATING_IN = (
 _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 
 PRIORITY_CLASSES = ("critical", "standard", "batch")
-
-try:  # mypy_extensions comes with mypy (the dev extra); without it nothing is compiled
-    from mypy_extensions import mypyc_attr
-
-    # Compiled (superinfer_jax.compiled), a native dataclass type-checks its fields in
-    # ``__init__`` and raises TypeError; the API promises a FieldError naming the field,
-    # which ``__post_init__`` raises, so this class stays a plain Python class.
-    _python_class = mypyc_attr(native_class=False)
-except ImportError:  # pragma: no cover - serving-only installs
-    def _python_class(cls: Any) -> Any:
-        return cls
-
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**64 - 1  # seeds are unsigned 64-bit; the engine folds them into the sampler's 32
@@ -190,7 +180,10 @@ class SLO:
         return self.tbt_ms / 1000
 
 
-@_python_class
+# Compiled (superinfer_jax.compiled), a native dataclass type-checks its fields in
+# ``__init__`` and raises TypeError; the API promises a FieldError naming the field, which
+# ``__post_init__`` raises, so this class stays a plain Python class.
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy.

@@ -25,10 +25,11 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.request import RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.rotasched.policy import HOST, Policy, mypyc_attr
+from superinfer_jax.rotasched.policy import HOST, Policy
 from superinfer_jax.rotasched.ranking import (
     is_protected,
     late_window,

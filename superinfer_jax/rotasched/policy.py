@@ -31,20 +31,13 @@ or name it by path, ``package.module:Class``, wherever a policy is named.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
+from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.request import Request
 from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget
-
-_C = TypeVar("_C")
-
-try:  # mypy_extensions comes with mypy (the dev extra); without it nothing is compiled
-    from mypy_extensions import mypyc_attr
-except ImportError:  # pragma: no cover - serving-only installs
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_C], _C]:
-        return lambda cls: cls
 
 if TYPE_CHECKING:
     from superinfer_jax.scheduler import Scheduler
