@@ -376,9 +376,13 @@ class Request:
     def set_status(self, status: RequestStatus, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.status = status
-        self.transitions.append((now, status))
+        self._log_transition(now, status)
         if status == RUNNING:
             self.running_since = now
+
+    def _log_transition(self, now: float, status: RequestStatus) -> None:
+        """Append to ``transitions`` (the simulator's requests keep no log)."""
+        self.transitions.append((now, status))
 
     @property
     def ttft(self) -> float | None:

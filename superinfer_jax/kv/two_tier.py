@@ -291,7 +291,7 @@ class TwoTierKVManager(KVCacheManager):
         moves_host: list[int] = []
         # A page table per rotation, several rotations a contended step, and most pages
         # shadowed already: their host copies move to req_id's host table in one pass,
-        # then the dirty ones (None) get fresh host pages, in table order.
+        # then the dirty ones (0) get fresh host pages, in table order.
         shadow_host, refcount = self._shadow_host, self.refcount
         hosts = [shadow_host[d] for d in table]  # 0: dirty
         for d in table:
@@ -301,11 +301,10 @@ class TwoTierKVManager(KVCacheManager):
                 if h and refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-        num_dirty = hosts.count(0)
-        if num_dirty:
-            dirty = [i for i, h in enumerate(hosts) if not h]
+        dirty = [i for i, h in enumerate(hosts) if not h]
+        if dirty:
             moves_dev = [table[i] for i in dirty]
-            moves_host = self._take_host(num_dirty)
+            moves_host = self._take_host(len(dirty))
             for i, h in zip(dirty, moves_host, strict=True):
                 hosts[i] = h
         host_table = hosts
