@@ -12,8 +12,9 @@ as plain Python's on all 7 cases.
 Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; it needs
 mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
 simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
-build it, so the test suite and serving run the modules as Python unless a build exists.
-Why opt-in: under a build, the tests that hook instances fail (below). The result goes
+build it, so serving runs the modules as Python unless a build exists. Why opt-in: under a
+build, the tests that hook instances fail (below), so the test suite turns it off
+(``tests/conftest.py``) unless ``SUPERINFER_COMPILED`` is set. The result goes
 under ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a
 folder named by a hash of every ``.py`` file of this package and the Python version.
 

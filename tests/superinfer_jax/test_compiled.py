@@ -11,8 +11,9 @@ from superinfer_jax import compiled
 
 
 def test_compiled_modules_are_in_use_exactly_when_a_matching_build_exists():
-    """Where ``make install`` built them (CI), the listed modules are the compiled ones;
-    where no build matches this source (an edited tree), every one is plain Python."""
+    """Where a build matches this source and is switched on, the listed modules are the
+    compiled ones; otherwise (an edited tree, or the suite's default
+    ``SUPERINFER_COMPILED=0``) every one is plain Python."""
     built = compiled.enabled() and (compiled.build_dir() / "COMPLETE").exists()
     assert (compiled.active() is not None) == built
     for name in compiled.MODULES:
