@@ -17,6 +17,12 @@ Per trace, at a device capacity of ``--pages`` KV pages:
   engine's pool also holds the pages of running requests (their partial tail pages and
   generated tokens), so at equal capacity it has less room for cached pages than the
   reference.
+- engine, prompt pages only (mode ``on-prompt``, ``prefix_cache_generated=False``): the
+  same, caching only pages wholly inside a prompt, as the LRU reference does. The
+  replay's generated tokens are random, never resent (a later turn's trace blocks are
+  other tokens), so here a cached generated page is room taken from prompt pages; in
+  real chat the next turn resends the reply and the default (on) hits it.
+  ``engine_prompt_only_vs_lru`` compares like with like.
 - LRU reference: ``lru_hits``, an ordered dict of ``--pages`` block keys (and, as
   ``hit_lru_ref_less_running``, of ``--pages`` less the most the running requests can
   hold: ``--max-num-seqs`` x the pages of ``--max-prompt + --max-output`` tokens; and,
@@ -230,7 +236,8 @@ def bench_trace(name: str, args, model) -> dict:
                           max_prefill_chunk=256, max_prefill_rows=2, show_progress=False,
                           compilation_cache_dir=args.compilation_cache or None)
     evictions = [e for e in args.host_evictions.split(",") if e]
-    modes = {"off": config.replace(enable_prefix_caching=False), "on": config}
+    modes = {"off": config.replace(enable_prefix_caching=False), "on": config,
+             "on-prompt": config.replace(prefix_cache_generated=False)}
     for e in evictions:
         modes[f"host-{e}"] = config.replace(num_host_pages=host_pages, host_cache_eviction=e)
     timed = ("off", "on", f"host-{evictions[0]}") if evictions else ("off", "on")
@@ -275,6 +282,9 @@ def bench_trace(name: str, args, model) -> dict:
     row["hit_engine"] = on["hit_rate"]
     row["engine_vs_lru"] = on["hit_rate"] / lru if lru else float("nan")
     row["engine_vs_lru_with_outputs"] = on["hit_rate"] / lru_out if lru_out else float("nan")
+    prompt_only = row["modes"]["on-prompt"]["hit_rate"]
+    row["hit_engine_prompt_only"] = prompt_only
+    row["engine_prompt_only_vs_lru"] = prompt_only / lru if lru else float("nan")
     if evictions:
         host = row["modes"][f"host-{evictions[0]}"]
         row["hit_dev+host"] = host["hit_rate"]
@@ -396,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
     cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
             "hit_lru_ref_with_outputs", "engine_vs_lru_with_outputs",
+            "hit_engine_prompt_only", "engine_prompt_only_vs_lru",
             "hit_lru_ref_less_running", "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
             "hit_dev+host_lru_incl", "hit_dev+host_lru_excl", "host_vs_device_only")
     print_table([{c: r.get(c, "") for c in cols} for r in rows],

@@ -227,6 +227,11 @@ class EngineConfig:
         True, section="prefix_caching", name="enabled",
         help="share full KV pages between requests with the same prefix (and cache_salt); "
              "with a host tier, pages evicted from the device stay findable on the host")
+    prefix_cache_generated: bool = knob(
+        True, section="prefix_caching", name="cache_generated",
+        help="also cache full pages of generated tokens (vLLM and SGLang do: a chat client "
+             "resends the reply in the next turn); false caches prompt pages only "
+             "(LMCache's save_decode_cache default), for traffic that never resends replies")
     host_cache_eviction: str = knob(
         "lru", choices=HOST_CACHE_EVICTIONS, section="prefix_caching", name="host_eviction",
         help="which cache-only host page goes first: lru (least recently used) | fifo "

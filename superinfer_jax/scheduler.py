@@ -218,14 +218,19 @@ class Scheduler:
     def _register_full_pages(self) -> None:
         """Prefix caching: the runners' pages that filled since the last step, and whose
         KV a dispatched step writes, become findable by hash (the device runs steps in
-        order, so a later step reading them sees the KV)."""
+        order, so a later step reading them sees the KV). Without
+        ``prefix_cache_generated`` only pages that lie wholly in the prompt: a page that
+        holds a generated token is never registered, so it is freed, not cached."""
         kv, page_size = self.kv, self.kv.page_size
+        generated = self.config.prefix_cache_generated
         for req in self.running:
             if req.cache_key is None:
                 continue
             extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
                                 page_size, req.cache_key)
-            kv.register_full_pages(req.req_id, req.block_hashes, req.num_computed_tokens,
+            computed = req.num_computed_tokens if generated \
+                else min(req.num_computed_tokens, len(req.prompt_token_ids))
+            kv.register_full_pages(req.req_id, req.block_hashes, computed,
                                    req.prompt_token_ids, req.output_token_ids)
 
     def prefix_hit(self, req: Request) -> PrefixHit:

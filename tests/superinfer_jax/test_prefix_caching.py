@@ -436,6 +436,31 @@ def test_one_token_is_always_computed(tiny):
     assert again.output_token_ids == first.output_token_ids
 
 
+@pytest.mark.parametrize("generated", [True, False])
+def test_generated_pages_are_cached_only_when_asked(tiny, workload, generated):
+    """``prefix_cache_generated``: on (vLLM's way), a finished request's full pages of
+    generated tokens are findable and the next turn of a conversation hits them; off
+    (prompt pages only), only pages wholly inside a prompt are, and the next turn hits its
+    history's prompt pages and computes the rest, with the same tokens."""
+    first, ref_first, second, ref_second = workload
+    engine = LLMEngine(tiny, SMALL.replace(prefix_cache_generated=generated))
+    done1 = drain(engine, [engine.add_request(p, SP) for p in first])
+    assert [r.output_token_ids for r in done1] == ref_first
+    page = SMALL.page_size
+    # first: 25, 20 and 24 prompt tokens plus 12 outputs each, KV for all but the last
+    # output (36, 31 and 35 tokens); the first two share the 2-page stem. Pages wholly in
+    # a prompt: 3 + 0 + 3 of their own; every full page: 4 + 1 + 4.
+    assert [len(p) for p in first] == [25, 20, 24]
+    assert len(engine.kv.prefix_cache.pages_of) == (9 if generated else 6)
+    done = drain(engine, [engine.add_request(p, SP) for p in second])
+    assert [r.output_token_ids for r in done] == ref_second
+    # turn 2 = first[0] (25) + its 12 outputs + 3: its history fills 4 pages, of which 3
+    # lie wholly in the first turn's prompt
+    assert done[3].num_cached_tokens == (4 if generated else 3) * page
+    assert done[0].num_cached_tokens == 3 * page  # a repeated prompt hits either way
+    assert engine.kv.num_free_pages == engine.kv.allocator.num_usable
+
+
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2):
     """SmolLM2 engines with caching off and on, with the shapes of the SmolLM2 rotation
