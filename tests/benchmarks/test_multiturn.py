@@ -491,3 +491,14 @@ def test_cli_mooncake_blocks_against_a_scripted_server(fake_grpc, tmp_path, caps
                    "--out", str(out), "--no-progress"])
     assert rc == 2 and "--mooncake-block-tokens needs a Mooncake trace" in \
         capsys.readouterr().err
+
+
+def test_policy_sweep_rotates_the_run_order_per_seed():
+    """Every policy runs first, second and third equally often over three seeds, and every
+    seed runs each policy once."""
+    orders = [policy_sweep.run_order(["fcfs", "swap", "rotasched"], t) for t in range(3)]
+    assert orders[0] == ["fcfs", "swap", "rotasched"]
+    for position in range(3):
+        assert sorted(o[position] for o in orders) == ["fcfs", "rotasched", "swap"]
+    assert all(sorted(o) == ["fcfs", "rotasched", "swap"] for o in orders)
+    assert policy_sweep.run_order(["fcfs"], 5) == ["fcfs"]
