@@ -326,7 +326,10 @@ class ModelRunner:
         if self.duplex is None:
             return jax.jit(self._step_in_step, donate_argnums=(1,))
         const = self._constant_sharding()
-        pool = self.duplex.pool_sharding or self.kv_pool.sharding
+        # the placement promised to the compiles, not the pool's own: reading
+        # ``kv_pool`` here would wait for its zeroing (2.7 s of a 6 s warm start)
+        # before the ready set could even load
+        pool = self.duplex.pool_sharding or self._pool_spec.sharding
         out = (const, const, const, pool, self.duplex.host.host_sharding)
         return jax.jit(self._step_in_step, donate_argnums=(1,), out_shardings=out)
 
