@@ -127,6 +127,9 @@ class Scheduler:
         # waiting request per step, not one per question); admission looks up again, as
         # evictions earlier in the step may have reclaimed pages since.
         self._hits: dict[str, PrefixHit] = {}
+        # Hashes of prompt pages the runners are prefilling this step (allocated, KV not
+        # computed yet), built at this step's first look-up (``_computing_hashes``).
+        self._computing: dict[bytes, None] | None = None
         # Host-tier hits in flight: req_id -> (host tokens, counted as the request's
         # cached tokens). A failed copy takes them back: those tokens are prefilled.
         self._host_hits_in_flight: dict[str, tuple[int, bool]] = {}
@@ -194,6 +197,7 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         plan, budget = StepPlan(), StepBudget.full(self.config, limits)
         self._hits.clear()
+        self._computing = None
         if self.kv.prefix_cache is not None:
             self._register_full_pages()
         kv = self.kv
@@ -258,13 +262,48 @@ class Scheduler:
         max_pages = (req.num_tokens - 1) // page_size
         device = kv.match_prefix(req.block_hashes, max_pages)
         if not isinstance(kv, TwoTierKVManager):
-            return PrefixHit(tuple(device)) if device else NO_HIT
+            computing = len(device) < min(max_pages, len(req.block_hashes)) \
+                and req.block_hashes[len(device)] in self._computing_hashes()
+            return PrefixHit(tuple(device), (), True) if computing \
+                else PrefixHit(tuple(device)) if device else NO_HIT
         host = kv.match_host_prefix(req.block_hashes, len(device), max_pages)
-        arriving = not host and len(device) < max_pages and bool(kv.arriving) \
-            and req.block_hashes[len(device)] in kv.arriving
+        # (a simulated request's hashes may stop short of its tokens: its trace's blocks)
+        arriving = not host and len(device) < min(max_pages, len(req.block_hashes)) and (
+            bool(kv.arriving) and req.block_hashes[len(device)] in kv.arriving
+            or req.block_hashes[len(device)] in self._computing_hashes())
         if device or host or arriving:
             return PrefixHit(tuple(device), tuple(host), arriving)
         return NO_HIT
+
+    def _computing_hashes(self) -> dict[bytes, None]:
+        """Hashes of the prompt pages that running requests are prefilling: allocated,
+        their KV not computed yet. A waiting request whose cached prefix continues in one
+        of them waits (``PrefixHit.arriving``) until that runner has computed it and it is
+        a device hit, instead of prefilling the same tokens again at the same time: prefill
+        once, then share (``_fork_waits`` does this for the choices of one request). On
+        the Mooncake conversation trace, offline with 8 seats, concurrent prefills of a
+        shared prefix were the whole gap between the engine and an offline LRU of the
+        same capacity (94.7% of its hits; 99.9% with one seat). A runner that leaves
+        (finished, rotated out, preempted) is not in the next step's map, so nobody waits
+        on it for long."""
+        computing = self._computing
+        if computing is None:
+            computing = self._computing = {}
+            for r in self.running:
+                self._note_computing(r)
+        return computing
+
+    def _note_computing(self, req: Request) -> None:
+        """Add running ``req``'s prompt pages still to compute to this step's map (if
+        built: one admitted after the map was built is added by ``_admit_one``)."""
+        computing = self._computing
+        if computing is None or req.cache_key is None:
+            return
+        page_size = self.kv.page_size
+        full = len(req.prompt_token_ids) // page_size
+        hashes = req.block_hashes
+        for i in range(req.num_computed_tokens // page_size, min(full, len(hashes))):
+            computing[hashes[i]] = None
 
     def _rotate_forced(self, plan: StepPlan, now: float) -> None:
         if not self.force_rotate_out:
@@ -681,6 +720,7 @@ class Scheduler:
         kv.allocate_for(req.req_id, total)
         self.waiting.remove(req)
         self.running.append(req)
+        self._note_computing(req)
         req.set_status(RUNNING, now)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
