@@ -75,3 +75,13 @@ def run_jobs(engine, jobs, rotate_every: int = 0) -> list:
             for rid in ids:
                 engine.force_rotate_out(rid)
     return [engine.release(rid) for rid in ids]
+
+
+def drain_prefilled(engine) -> int:
+    """Step ``engine`` until nothing is unfinished; the prompt tokens it prefilled (what a
+    prefix hit saves shows here)."""
+    prefilled = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        prefilled += engine.last_stats.num_prefill_tokens
+    return prefilled

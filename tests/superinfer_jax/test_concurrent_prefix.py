@@ -9,7 +9,7 @@ import pytest
 
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, TINY, drain_prefilled
 
 PROMPT = np.random.default_rng(5).integers(0, 250, 45).tolist()  # 5 full pages of 8, + 5
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -23,20 +23,12 @@ def model():
     return random_servable(TINY, seed=1)
 
 
-def _drain(engine: LLMEngine) -> int:
-    prefilled = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        prefilled += engine.last_stats.num_prefill_tokens
-    return prefilled
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
                                                                          async_scheduling):
     engine = LLMEngine(model, CONFIG.replace(async_scheduling=async_scheduling))
     ids = [engine.add_request(PROMPT, GREEDY, cache_salt="together") for _ in range(3)]
-    prefilled = _drain(engine)
+    prefilled = drain_prefilled(engine)
     reqs = [engine.release(r) for r in ids]
     full = len(PROMPT) // 8 * 8
     assert [r.num_cached_tokens for r in reqs] == [0, full, full]
@@ -46,7 +38,7 @@ def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
     off = LLMEngine(model, CONFIG.replace(enable_prefix_caching=False,
                                          async_scheduling=async_scheduling))
     alone = off.add_request(PROMPT, GREEDY)
-    _drain(off)
+    drain_prefilled(off)
     expected = off.release(alone).output_token_ids
     assert [r.output_token_ids for r in reqs] == [expected] * 3
 
@@ -54,5 +46,5 @@ def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
 def test_different_salts_do_not_wait_for_each_other(model):
     engine = LLMEngine(model, CONFIG)
     ids = [engine.add_request(PROMPT, GREEDY, cache_salt=f"tenant-{i}") for i in range(2)]
-    _drain(engine)
+    drain_prefilled(engine)
     assert [engine.release(r).num_cached_tokens for r in ids] == [0, 0]

@@ -9,7 +9,7 @@ import pytest
 
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL, TINY, drain_prefilled
 
 PROMPT = np.random.default_rng(3).integers(0, 250, 45).tolist()  # 5 full pages of 8, + 5
 
@@ -22,14 +22,6 @@ def engine():
     return LLMEngine(random_servable(TINY, seed=1), SMALL.replace(async_scheduling=True))
 
 
-def _drain(engine: LLMEngine) -> int:
-    prefilled = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        prefilled += engine.last_stats.num_prefill_tokens
-    return prefilled
-
-
 def _sample(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)
 
@@ -38,14 +30,14 @@ def test_forks_prefill_the_prompt_once_and_sample_as_alone(engine):
     alone = []
     for seed in range(4):
         rid = engine.add_request(PROMPT, _sample(seed), cache_salt=f"alone-{seed}")
-        _drain(engine)
+        drain_prefilled(engine)
         alone.append(engine.release(rid).output_token_ids)
     assert len({tuple(a) for a in alone}) > 1  # the seeds give different samples
 
     first = engine.add_request(PROMPT, _sample(0), cache_salt="n4")
     rest = [engine.add_request(PROMPT, _sample(seed), cache_salt="n4", fork_of=first)
             for seed in (1, 2, 3)]
-    prefilled = _drain(engine)
+    prefilled = drain_prefilled(engine)
     reqs = [engine.release(r) for r in [first, *rest]]
     assert [r.output_token_ids for r in reqs] == alone
     full = len(PROMPT) // 8 * 8
@@ -60,5 +52,5 @@ def test_fork_of_must_name_a_request_with_the_same_prompt(engine):
     first = engine.add_request(PROMPT, _sample(0))
     with pytest.raises(ValueError, match="fork_of"):
         engine.add_request(PROMPT[:-1], _sample(1), fork_of=first)
-    _drain(engine)
+    drain_prefilled(engine)
     engine.release(first)
