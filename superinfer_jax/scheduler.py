@@ -260,17 +260,19 @@ class Scheduler:
         extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
                             page_size, req.cache_key)
         max_pages = (req.num_tokens - 1) // page_size
-        device = kv.match_prefix(req.block_hashes, max_pages)
-        if not isinstance(kv, TwoTierKVManager):
-            computing = len(device) < min(max_pages, len(req.block_hashes)) \
-                and req.block_hashes[len(device)] in self._computing_hashes()
-            return PrefixHit(tuple(device), (), True) if computing \
-                else PrefixHit(tuple(device)) if device else NO_HIT
-        host = kv.match_host_prefix(req.block_hashes, len(device), max_pages)
-        # (a simulated request's hashes may stop short of its tokens: its trace's blocks)
-        arriving = not host and len(device) < min(max_pages, len(req.block_hashes)) and (
-            bool(kv.arriving) and req.block_hashes[len(device)] in kv.arriving
-            or req.block_hashes[len(device)] in self._computing_hashes())
+        hashes = req.block_hashes
+        device = kv.match_prefix(hashes, max_pages)
+        two_tier = kv if isinstance(kv, TwoTierKVManager) else None
+        host = two_tier.match_host_prefix(hashes, len(device), max_pages) \
+            if two_tier is not None else []
+        # the page after the hit, unless the hit ends the prompt (a simulated request's
+        # hashes may stop short of its tokens: its trace's blocks); its KV is on the way
+        # if a host hit is bringing it in or a runner is prefilling it
+        after = hashes[len(device)] if not host and len(device) < min(max_pages, len(hashes)) \
+            else None
+        arriving = after is not None and (
+            two_tier is not None and after in two_tier.arriving
+            or after in self._computing_hashes())
         if device or host or arriving:
             return PrefixHit(tuple(device), tuple(host), arriving)
         return NO_HIT
@@ -280,12 +282,10 @@ class Scheduler:
         their KV not computed yet. A waiting request whose cached prefix continues in one
         of them waits (``PrefixHit.arriving``) until that runner has computed it and it is
         a device hit, instead of prefilling the same tokens again at the same time: prefill
-        once, then share (``_fork_waits`` does this for the choices of one request). On
-        the Mooncake conversation trace, offline with 8 seats, concurrent prefills of a
-        shared prefix were the whole gap between the engine and an offline LRU of the
-        same capacity (94.7% of its hits; 99.9% with one seat). A runner that leaves
-        (finished, rotated out, preempted) is not in the next step's map, so nobody waits
-        on it for long."""
+        once, then share (``_fork_waits`` does this for the choices of one request, and
+        also while the first choice still waits). A burst of requests with one system
+        prompt prefills it once. A runner that leaves (finished, rotated out, preempted)
+        is not in the next step's map, so nobody waits on it for long."""
         computing = self._computing
         if computing is None:
             computing = self._computing = {}
