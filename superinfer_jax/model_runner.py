@@ -61,6 +61,7 @@ from superinfer_jax.logits import (
     sampled_logprobs,
 )
 from superinfer_jax.model_api import ServableModel, StepInputs
+from superinfer_jax.ops import native
 from superinfer_jax.request import Request
 from superinfer_jax.sampling import SamplingInputs, sample
 from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
@@ -227,9 +228,9 @@ class ModelRunner:
         self._kv_pool = pool
 
     def _allocate_pool(self) -> None:
-        """Build the zeroed pool on its own thread: zeroing it (2 GiB by default on CPU)
-        is ~1.5 s of CPU on the caller's thread (XLA:CPU runs the fill inline), which
-        now overlaps the loading or compiling of the ready set; the first read of
+        """Build the zeroed pool on its own thread: zeroing it where XLA must fill it (a
+        sharded pool; 2 GiB by default) is seconds of CPU (XLA:CPU runs the fill inline),
+        which then overlaps the loading or compiling of the ready set; the first read of
         ``kv_pool`` (the warm-up's first run) waits for it. The pool's placement was
         promised to the compiles (``_pool_spec``): a pool placed otherwise is an error
         here, not a recompile in the serving path."""
@@ -255,9 +256,19 @@ class ModelRunner:
     def _new_pool(self) -> jax.Array:
         """The zeroed device pool, committed: an uncommitted array is a different jit cache
         key, and the first real step would recompile a bucket warm-up already compiled.
-        Sharded, each device allocates only its own slice."""
+        Sharded, each device allocates only its own slice.
+
+        On one CPU device the zeros come from the kernel (``native.lazy_zeros``): XLA's
+        fill of the default 2 GiB pool faults in and writes every page, 1.5-3.5 s of CPU
+        on the way to ready; zero pages cost nothing until a step first writes them."""
+        device = jax.devices()[0]
         if self.mesh is None:
-            return jax.device_put(self.layout.zeros(self.num_device_pages), jax.devices()[0])
+            if device.platform == "cpu" and native.available():
+                shape = self.layout.pool_shape(self.num_device_pages)
+                fill = jax.jit(lambda: native.lazy_zeros(shape, self.layout.dtype),
+                               out_shardings=jax.sharding.SingleDeviceSharding(device))
+                return fill()
+            return jax.device_put(self.layout.zeros(self.num_device_pages), device)
         zeros = jax.jit(lambda: self.layout.zeros(self.num_device_pages),
                         out_shardings=parallel.pool_sharding(self.mesh))
         return zeros()

@@ -1,12 +1,14 @@
-"""Native CPU copy ops as typed XLA FFI custom calls, compiled from C++ source here.
+"""Native CPU memory ops as typed XLA FFI custom calls, compiled from C++ source here.
 
 Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves (about 5 GB/s),
 and the paged attention's page gather was most of a batch-32 decode step's attention
 (see ``kv_gather.cc``). A memcpy per head-row, in the order the pool stores them, on the
-caller's and XLA's intra-op threads, is the same bytes at memory speed.
+caller's and XLA's intra-op threads, is the same bytes at memory speed. And XLA fills a
+zeroed KV pool by faulting in and writing every page of it, seconds of a server's start
+for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``).
 
-The library is built from ``kv_gather.cc`` with the system C++ compiler (``$CXX``, else
-``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
+The library is built from the ``.cc`` files here with the system C++ compiler (``$CXX``,
+else ``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
 ``python -m superinfer_jax.ops.native`` (``make install`` runs it). The result is cached
 under ``$SUPERINFER_NATIVE_CACHE`` (default ``~/.cache/superinfer_jax/native``), named by
 a hash of the source, the compile command and jaxlib's version, and written to a
@@ -15,7 +17,7 @@ No flag targets the build CPU: memcpy is glibc's, which picks its code per CPU a
 time, so a cache copied to another x86-64 machine still runs.
 
 Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
-callers use their plain-XLA path (byte-identical results, slower); the reason is logged
+callers use their plain-XLA paths (byte-identical results, slower); the reason is logged
 once. Only the CPU platform gets the custom call: callers select it with
 ``jax.lax.platform_dependent``, so a program lowered for CUDA never contains it.
 """
@@ -40,9 +42,10 @@ from superinfer_jax.local_cache import cache_root, switched_on
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kv_gather.cc")
+SOURCES = (Path(__file__).with_name("kv_gather.cc"), Path(__file__).with_name("lazy_zeros.cc"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
-_SYMBOL = "SuperinferKvGather"
+LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
+_TARGETS = {KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
 _CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
@@ -73,10 +76,11 @@ def library_path() -> Path:
     import jaxlib
 
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join(_compiler() + list(_FLAGS)).encode())
     digest.update(jaxlib.__version__.encode())
-    return cache_dir() / f"kv_gather-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"native_ops-{digest.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -87,8 +91,8 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        cmd = [*_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
-               str(partial)]
+        cmd = [*_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES),
+               "-o", str(partial)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -96,7 +100,7 @@ def build() -> Path:
         if done.returncode != 0:
             raise NativeBuildError(f"{shlex.join(cmd)} failed:\n{done.stderr[-2000:]}")
         os.replace(partial, target)
-    log.info("built native KV gather: %s", target)
+    log.info("built native CPU ops: %s", target)
     return target
 
 
@@ -110,17 +114,18 @@ def _register() -> str | None:
     try:
         path = build()
         library = ctypes.cdll.LoadLibrary(str(path))
-        handler = getattr(library, _SYMBOL)
+        handlers = {target: getattr(library, symbol) for target, symbol in _TARGETS.items()}
     except (NativeBuildError, OSError, AttributeError) as e:
-        log.warning("native KV gather unavailable, using XLA's gather (slower): %s", e)
+        log.warning("native CPU ops unavailable, using XLA's gather and fill (slower): %s", e)
         return None
-    jax.ffi.register_ffi_target(KV_GATHER_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    log.info("native KV gather: %s", path)
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    log.info("native CPU ops: %s", path)
     return str(path)
 
 
 def available() -> bool:
-    """Whether the native KV gather is registered (building it on first call)."""
+    """Whether the native CPU ops are registered (building them on first call)."""
     return _register() is not None
 
 
@@ -148,3 +153,13 @@ def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, j
     call = jax.ffi.ffi_call(KV_GATHER_TARGET, (out, out))
     k, v = call(pool, ids.astype(np.int32), layer=np.int64(layer))
     return k, v
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array:
+    """An all-zero array whose memory is not written now: large page-aligned spans are
+    released to the kernel (``madvise``), which maps zero pages until they are first
+    written, so the cost of a zeroed KV pool moves from start-up to the pages' first
+    writes. Byte-identical to ``jnp.zeros``. CPU only, one device (call it inside
+    ``jax.jit`` after ``available()``): a sharded pool keeps XLA's fill."""
+    out = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+    return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, out)()
