@@ -9,6 +9,11 @@
 // page by page, as the pool fills). Asking for transparent huge pages (MADV_HUGEPAGE)
 // first makes those first writes one fault per 2 MiB instead of per 4 KiB.
 //
+// Memory is committed as the pool fills, not at start-up: on a machine short of memory a
+// pool too large for it fails when its pages are first written (the kernel's OOM), where
+// XLA's fill failed at start. The CPU pool has a fixed default size (2 GiB,
+// ``num_device_pages`` overrides it), so size it for the machine.
+//
 // Safety: DONTNEED zeroes only private anonymous memory; a file-backed or shared mapping
 // would re-read its file. Every heap allocator XLA uses hands out private anonymous
 // memory, and this is checked on the buffer itself: its first and last whole pages are
