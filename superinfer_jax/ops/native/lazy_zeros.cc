@@ -5,12 +5,17 @@
 // and every 4 KiB page of it is a page fault before it is a memset: 1.5-3.5 s of CPU at
 // start-up, on the path to ready. Linux already knows how to hand out zeros for free: a
 // private anonymous page released with madvise(MADV_DONTNEED) reads as zero again, and
-// is backed by memory only when first written (which the step's KV writes then pay,
-// page by page, as the pool fills). Asking for transparent huge pages (MADV_HUGEPAGE)
-// first makes those first writes one fault per 2 MiB instead of per 4 KiB.
+// is backed by memory only when first written (which the step's KV writes then pay, page
+// by page, as the pool fills: about 0.3 ms per MiB on this machine, the cost XLA's fill
+// paid up front). No MADV_HUGEPAGE: with THP's default ``defrag=madvise`` a huge-page
+// fault compacts memory synchronously (2.9 s to populate 2 GiB here once, against
+// 0.65 s in 4 KiB pages), a stall that would land in a step. Backing the pool from a
+// background thread (MADV_POPULATE_WRITE) was tried: started with the pool it took
+// 0.5-1 s from a warm start's ready, started at ready it slowed the first request
+// 1.5x, so the steps pay as they go.
 //
-// Memory is committed as the pool fills, not at start-up: on a machine short of memory a
-// pool too large for it fails when its pages are first written (the kernel's OOM), where
+// Memory is committed as the pool fills, not at start-up: on a
+// machine short of memory a pool too large for it fails then (the kernel's OOM), where
 // XLA's fill failed at start. The CPU pool has a fixed default size (2 GiB,
 // ``num_device_pages`` overrides it), so size it for the machine.
 //
@@ -44,9 +49,6 @@ namespace {
 bool ReleaseToZeroPages(char* lo, char* hi, size_t page) {
   lo[0] = 1;
   hi[-1] = 1;
-#if defined(MADV_HUGEPAGE)
-  madvise(lo, hi - lo, MADV_HUGEPAGE);  // advice only: without THP, 4 KiB pages
-#endif
   if (madvise(lo, hi - lo, MADV_DONTNEED) != 0) return false;
   return lo[0] == 0 && hi[-1] == 0 && lo[page - 1] == 0;
 }
