@@ -16,6 +16,7 @@ pads the row instead of raising, so the rest of the batch runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -261,17 +262,14 @@ class ModelRunner:
         On one CPU device the zeros come from the kernel (``native.lazy_zeros``): XLA's
         fill of the default 2 GiB pool faults in and writes every page, 1.5-3.5 s of CPU
         on the way to ready; zero pages cost nothing until a step first writes them."""
-        device = jax.devices()[0]
-        if self.mesh is None:
-            if device.platform == "cpu" and native.available():
-                shape = self.layout.pool_shape(self.num_device_pages)
-                fill = jax.jit(lambda: native.lazy_zeros(shape, self.layout.dtype),
-                               out_shardings=jax.sharding.SingleDeviceSharding(device))
-                return fill()
-            return jax.device_put(self.layout.zeros(self.num_device_pages), device)
-        zeros = jax.jit(lambda: self.layout.zeros(self.num_device_pages),
-                        out_shardings=parallel.pool_sharding(self.mesh))
-        return zeros()
+        n, device = self.num_device_pages, jax.devices()[0]
+        sharding = parallel.pool_sharding(self.mesh) if self.mesh is not None \
+            else jax.sharding.SingleDeviceSharding(device)
+        zeros: Callable[[], jax.Array] = functools.partial(self.layout.zeros, n)
+        if self.mesh is None and device.platform == "cpu" and native.available():
+            zeros = functools.partial(native.lazy_zeros, self.layout.pool_shape(n),
+                                      self.layout.dtype)
+        return jax.jit(zeros, out_shardings=sharding)()
 
     def _committed(self, value: np.ndarray) -> jax.Array:
         """``value`` placed where the step's outputs live (replicated under TP), so it

@@ -18,8 +18,9 @@ time, so a cache copied to another x86-64 machine still runs.
 
 Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
 callers use their plain-XLA paths (byte-identical results, slower); the reason is logged
-once. Only the CPU platform gets the custom call: callers select it with
-``jax.lax.platform_dependent``, so a program lowered for CUDA never contains it.
+once. Only the CPU platform gets the custom calls: the gather's callers select it with
+``jax.lax.platform_dependent``, so a program lowered for CUDA never contains it, and the
+pool's lazy zeros are used only when the pool's device is a CPU.
 """
 
 from __future__ import annotations

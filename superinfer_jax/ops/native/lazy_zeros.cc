@@ -14,10 +14,10 @@
 // 0.5-1 s from a warm start's ready, started at ready it slowed the first request
 // 1.5x, so the steps pay as they go.
 //
-// Memory is committed as the pool fills, not at start-up: on a
-// machine short of memory a pool too large for it fails then (the kernel's OOM), where
-// XLA's fill failed at start. The CPU pool has a fixed default size (2 GiB,
-// ``num_device_pages`` overrides it), so size it for the machine.
+// Memory is committed as the pool fills, not at start-up: on a machine short of memory
+// a pool too large for it fails then (the kernel's OOM), where XLA's fill failed at
+// start. The CPU pool has a fixed default size (2 GiB, ``num_device_pages`` overrides
+// it), so size it for the machine.
 //
 // Safety: DONTNEED zeroes only private anonymous memory; a file-backed or shared mapping
 // would re-read its file. Every heap allocator XLA uses hands out private anonymous

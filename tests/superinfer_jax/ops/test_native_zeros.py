@@ -35,7 +35,7 @@ def test_fresh_buffer_is_all_zero(shape, dtype):
 
 @pytest.mark.parametrize("shape", _SHAPES)
 def test_dirty_buffer_it_reuses_reads_as_zero(shape):
-    """The output aliases a donated buffer of ones, so the call must zero memory that
+    """The output aliases a donated buffer of -1.5s, so the call must zero memory that
     really held data (fresh allocations are usually zero already)."""
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     zero_in_place = jax.jit(
