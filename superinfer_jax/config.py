@@ -31,8 +31,9 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class BucketLimits:
     """The largest call shapes that are compiled, each a bucket whose smaller buckets are
-    compiled too, so a step the scheduler keeps within them pads only to compiled
-    shapes (``superinfer_jax.warmup``). Zero: nothing of that kind may run yet."""
+    compiled too (prefill chunks: down to ``min_prefill_chunk``), so a step the scheduler
+    keeps within them pads only to compiled shapes (``superinfer_jax.compilation``).
+    Zero: nothing of that kind may run yet."""
 
     decode_rows: int  # rows of a decode call
     prefill_rows: int  # rows of a prefill call (1 or max_prefill_rows)
@@ -41,6 +42,15 @@ class BucketLimits:
     # DuplexKV's page copies compiled and run once: until then no eager shadow (nor spill)
     # is planned, so the first steps after a cold ready never compile the gather inline
     copies: bool = True
+    # The shortest compiled prefill chunk when the ready set's chunk is not the smallest
+    # bucket and the ones below it are still compiling: a shorter chunk is padded to it.
+    # 0: every chunk bucket up to ``prefill_chunk`` is compiled (no padding floor).
+    min_prefill_chunk: int = 0
+
+    def prefill_columns(self, chunk_bucket: int) -> int:
+        """The compiled column count a prefill call whose longest chunk pads to
+        ``chunk_bucket`` runs at."""
+        return max(chunk_bucket, self.min_prefill_chunk)
 
 
 def _pow2_buckets(low: int, high: int) -> tuple[int, ...]:
@@ -198,6 +208,11 @@ class EngineConfig:
         False, section="engine",
         help="ready once the smallest step buckets are compiled; the rest compile in the "
              "background while calls are capped to compiled buckets (with warmup)")
+    ready_prefill_chunk: int = knob(
+        32, ge=1, section="engine",
+        help="with compile_in_background: the prefill chunk compiled before ready (rounded "
+             "up to a chunk bucket, at most max_prefill_chunk); until the shorter chunk "
+             "buckets compile, shorter chunks are padded to it")
     compilation_cache_dir: str | None = knob(
         None, section="hardware",
         help="persistent XLA cache: later starts skip the compiler")
@@ -290,6 +305,13 @@ class EngineConfig:
         median of the policy sweep) ran as 256 columns; in the calibrated simulator
         powers of 2 gave every policy 4-5% more throughput for a few more compiles."""
         return _pow2_buckets(min(16, self.max_prefill_chunk), self.max_prefill_chunk)
+
+    @property
+    def ready_chunk_bucket(self) -> int:
+        """The prefill chunk bucket of the ready set (``ready_prefill_chunk``, rounded up
+        to a bucket, at most ``max_prefill_chunk``; ``compilation.ready_set``)."""
+        return bucket(min(self.ready_prefill_chunk, self.max_prefill_chunk),
+                      self.prefill_chunk_buckets)
 
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:

@@ -600,9 +600,10 @@ class Scheduler:
             return 0
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
+        limits = budget.limits
         fits = [c for c in cfg.prefill_chunk_buckets
-                if row_bucket * c <= budget.prefill_slots and longest <= c
-                and c <= budget.limits.prefill_chunk]
+                if row_bucket * limits.prefill_columns(c) <= budget.prefill_slots
+                and longest <= c and c <= limits.prefill_chunk]
         if fits:
             return fits[-1]
         # one row always makes progress

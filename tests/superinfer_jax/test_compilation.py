@@ -33,14 +33,17 @@ from superinfer_jax.compilation import (
 from superinfer_jax.config import BucketLimits
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.ops import native
 from tests.superinfer_jax.engine_testlib import TINY, run_jobs
 
 REPO = Path(__file__).resolve().parents[2]
 
-# decode 1/2/4 rows; prefill [1, 16], [2, 16], [1, 32]; deferred sampling 1/2/4 rows
+# decode 1/2/4 rows; prefill [1, 16], [2, 16], [1, 32]; deferred sampling 1/2/4 rows;
+# ready: [1, 1] and [1, 32] (the default ready_prefill_chunk)
 CFG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                    max_prefill_chunk=32, max_prefill_rows=2, page_size=8,
                    show_progress=False)
+CFG16 = CFG.replace(ready_prefill_chunk=16)  # ready with the shortest chunk
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +80,55 @@ def jobs() -> list:
     return [(rng.integers(0, 250, size=int(n)).tolist(), sp) for n in (45, 3, 20, 31, 9)]
 
 
-def test_order_starts_with_the_ready_set_and_covers_every_program():
-    order = compile_order(CFG, (1, 2, 4))
-    assert order[:2] == ready_set(CFG) == [Program(STEP, (1, 1)), Program(STEP, (1, 16))]
+@pytest.mark.parametrize("cfg,chunk", [(CFG, 32), (CFG16, 16)])
+def test_order_starts_with_the_ready_set_and_covers_every_program(cfg, chunk):
+    order = compile_order(cfg, (1, 2, 4))
+    assert order[:2] == ready_set(cfg) == [Program(STEP, (1, 1)), Program(STEP, (1, chunk))]
     steps = [p.shape for p in order if p.kind == STEP]
-    assert sorted(steps) == sorted([(b, 1) for b in CFG.decode_buckets]
-                                   + list(CFG.prefill_shapes))
+    assert sorted(steps) == sorted([(b, 1) for b in cfg.decode_buckets]
+                                   + list(cfg.prefill_shapes))
     assert [p.shape for p in order if p.kind == RESAMPLE] == [(1,), (2,), (4,)]
     assert len(set(order)) == len(order)
 
 
+@pytest.mark.parametrize("ready,want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64),
+                                        (256, 256), (10_000, 256)])
+def test_the_ready_chunk_is_a_bucket_no_longer_than_the_longest_chunk(ready, want):
+    cfg = EngineConfig(ready_prefill_chunk=ready)  # chunk buckets 16 ... 256
+    assert cfg.ready_chunk_bucket == want
+    assert ready_set(cfg)[1] == Program(STEP, (1, want))
+
+
+def test_a_bad_ready_chunk_names_the_field():
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(ready_prefill_chunk=0)
+    assert e.value.key == "ready_prefill_chunk"
+
+
+def test_limits_grow_around_a_ready_chunk_that_is_not_the_shortest():
+    """Ready with [1, 64] of 16 ... 256: chunks from 64 up, padded to 64, until [1, 16]
+    and [1, 32] are compiled; the run must hold the ready chunk and have no gap."""
+    cfg = EngineConfig(ready_prefill_chunk=64, max_num_seqs=4)
+    resample = (1, 2, 4)
+
+    def limits(steps):
+        return bucket_limits(cfg, frozenset(steps), frozenset(), resample)
+
+    assert limits([(1, 1), (1, 64)]) == BucketLimits(1, 1, 64, 0, min_prefill_chunk=64)
+    assert limits([(1, 1), (1, 64)]).prefill_columns(16) == 64
+    assert limits([(1, 1), (1, 64)]).prefill_columns(128) == 128
+    # [1, 16] without [1, 32] leaves a gap: a 20-token chunk would pad to a missing 32
+    assert limits([(1, 1), (1, 16), (1, 64), (1, 128)]) == BucketLimits(
+        1, 1, 128, 0, min_prefill_chunk=64)
+    done = limits([(1, 1), (1, 16), (1, 32), (1, 64)])
+    assert done == BucketLimits(1, 1, 64, 0) and done.prefill_columns(16) == 16
+    # no ready chunk (a caller compiling its own shapes): the run from the shortest
+    assert limits([(1, 1), (1, 16), (1, 32)]) == BucketLimits(1, 1, 32, 0)
+
+
 def test_limits_are_the_compiled_buckets_below_the_first_gap():
     def limits(steps, resamples=()):
-        return bucket_limits(CFG, frozenset(steps), frozenset(resamples), (1, 2, 4))
+        return bucket_limits(CFG16, frozenset(steps), frozenset(resamples), (1, 2, 4))
 
     assert limits([]) == BucketLimits(0, 0, 0, 0)
     assert limits([(1, 1), (1, 16)]) == BucketLimits(1, 1, 16, 0)  # [2, 16] still missing
@@ -98,15 +137,15 @@ def test_limits_are_the_compiled_buckets_below_the_first_gap():
     assert limits([(1, 1), (4, 1), (1, 16), (1, 32)]).decode_rows == 1
     assert limits([(1, 1), (1, 16), (1, 32)]) == BucketLimits(1, 1, 32, 0)
     full = [(1, 1), (2, 1), (4, 1), (1, 16), (2, 16), (1, 32)]
-    assert limits(full, [(1,), (2,), (4,)]) == CFG.bucket_limits
+    assert limits(full, [(1,), (2,), (4,)]) == CFG16.bucket_limits
     assert limits(full, [(2,)]).deferred_rows == 0
 
 
 def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
     """Compiles past the ready set are held until the requests are done: every call
-    stays within [1, 1] and [1, 16] (prompts split into 16-token chunks, one decode row a
-    step), nothing compiles on the engine's thread, and the greedy tokens equal those of
-    an engine that compiled every bucket first."""
+    is [1, 1] or [1, 32] (prompts split into 32-token chunks, shorter chunks padded to
+    32, one decode row a step), nothing compiles on the engine's thread, and the greedy
+    tokens equal those of an engine that compiled every bucket first."""
     want = run_jobs(LLMEngine(tiny, CFG), jobs())
     engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True))
     gate = threading.Event()
@@ -119,8 +158,16 @@ def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
 
     engine.runner._compile = held  # type: ignore[method-assign]
     engine.warmup()
+    shapes: list[tuple[int, int]] = []
+    step_fn = engine.runner._step_fn
+
+    def recorded_call(*args):
+        shapes.append(args[2].tokens.shape)
+        return step_fn(*args)
+
+    engine.runner._step_fn = recorded_call
     try:
-        assert engine.runner.limits == BucketLimits(1, 1, 16, 0)
+        assert engine.runner.limits == BucketLimits(1, 1, 32, 0, min_prefill_chunk=32)
         assert engine.warmup_pending
         seen = []
         step = engine.step
@@ -135,13 +182,68 @@ def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
         with compiles_on() as events:
             got = run_jobs(engine, jobs())
         assert events == []
-        assert max(p for p, _ in seen) == 16 and max(d for _, d in seen) == 1
+        assert max(p for p, _ in seen) == 32 and max(d for _, d in seen) == 1
+        assert set(shapes) == {(1, 1), (1, 32)}  # the 3- and 9-token prompts padded
         assert engine.runner.step_programs.num_fallback_calls == 0
     finally:
         gate.set()
+        engine.runner._step_fn = step_fn
     engine.runner.compiler.wait_done(timeout=600)
     assert engine.runner.limits == CFG.bucket_limits
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+
+
+@pytest.mark.skipif(not native.available(), reason="the scratch pool needs lazy zeros "
+                    "(native ops not built on this machine)")
+def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(tiny):
+    """Each step program compiled past the ready set is run once on a scratch pool on its
+    compile thread, before its bucket enters the limits (a loaded executable's first run
+    is twice its steady one); the engine's pool is not touched, the scratch pool is
+    dropped with the last program, and a failed scratch run still publishes its bucket."""
+    engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True))
+    runner = engine.runner
+    runs: list[tuple[tuple[int, int], BucketLimits, str]] = []
+    first_run, inputs = runner._first_run_on_scratch, runner.null_page_inputs
+
+    def recorded(rows: int, cols: int) -> None:
+        runs.append(((rows, cols), runner.limits, threading.current_thread().name))
+        first_run(rows, cols)
+
+    def failing(rows: int, cols: int):
+        if (rows, cols) == (2, 1):  # only its scratch run asks for it (the engine idles)
+            raise RuntimeError("no inputs")
+        return inputs(rows, cols)
+
+    runner._first_run_on_scratch = recorded  # type: ignore[method-assign]
+    runner.null_page_inputs = failing  # type: ignore[method-assign]
+    gate = threading.Event()
+    compile_one = runner._compile
+
+    def held(program: Program) -> None:
+        if program not in ready_set(CFG):
+            gate.wait()
+        compile_one(program)
+
+    runner._compile = held  # type: ignore[method-assign]
+    engine.warmup()
+    pool = np.asarray(runner.kv_pool).copy()
+    gate.set()
+    runner.set_busy(False)
+    assert runner.compiler.wait_done(timeout=600)
+    background = [p.shape for p in compile_order(CFG, runner.resample_buckets)
+                  if p.kind == STEP and p not in ready_set(CFG)]
+    assert sorted(shape for shape, _, _ in runs) == sorted(background)
+    for (rows, cols), limits, thread in runs:
+        assert thread.startswith("compile-")
+        if cols == 1:
+            assert limits.decode_rows < rows  # not yet published
+        else:
+            assert (rows, cols) not in runner.step_programs.compiled or \
+                limits.prefill_chunk < cols or limits.prefill_rows < rows \
+                or limits.min_prefill_chunk > cols
+    assert runner.limits == CFG.bucket_limits  # [2, 1] too, its scratch run failed
+    assert runner._scratch_pool is None
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool), pool)
 
 
 def test_served_after_ready_while_idle_work_finishes_warm_up(tiny, tmp_path):
