@@ -541,7 +541,10 @@ class ModelRunner:
         one-time cost that is not the pool's, and loaded from the executable cache it
         doubles the run (SmolLM2 on the 2-core CPU, first and second run: [1, 128] 650
         and 247 ms, [1, 256] 908 and 438, [8, 1] 358 and 61), so the first request to
-        reach each bucket after a warm start took twice its TTFT. A first run on a
+        reach each bucket after a warm start took twice its TTFT. The cost is YNNPACK's
+        (XLA:CPU's matmul fusions prepare at their first run): without YNN fusions
+        (``--xla_cpu_experimental_ynn_fusion_type=``) there is none, but a bf16 decode
+        step then takes 273 ms against 50. A first run on a
         scratch pool warms the executable for the real one ([4, 1]: 300 ms on scratch,
         then 59 ms on the pool), and the engine thread, which owns the pool, never waits
         for it. Only where the pool's zeros come from the kernel (``_lazy_pool``): the
