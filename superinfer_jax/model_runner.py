@@ -186,6 +186,7 @@ class ModelRunner:
         # background step programs run once on a scratch pool before they are published
         # (``_first_run_on_scratch``)
         self._scratch_runs = False
+        self._scratch_left = 0  # step programs still to run on the scratch pool
         self._scratch_pool: jax.Array | None = None
         self._scratch_lock = threading.Lock()
         self.duplex_warm = True  # DuplexKV's copy programs compiled (or none to compile)
@@ -440,6 +441,8 @@ class ModelRunner:
         if background:
             self.limits = self._compiled_limits()
         self._scratch_runs = background and self._lazy_pool()
+        self._scratch_left = sum(p.kind == STEP and p not in first for p in order) \
+            if self._scratch_runs else 0
 
         def compiled(program: Program) -> None:
             if background:
@@ -549,10 +552,11 @@ class ModelRunner:
         then 59 ms on the pool), and the engine thread, which owns the pool, never waits
         for it. Only where the pool's zeros come from the kernel (``_lazy_pool``): the
         scratch pool then costs address space, not memory (the run writes the null
-        page only). One scratch pool for every compile thread, dropped with the last
-        program. A failure here is a warning: the bucket is published all the same, and
-        its first real run pays the cost."""
+        page only). One scratch pool for every compile thread, dropped after the last
+        step program's run (whatever compiles after it). A failure here is a warning: the
+        bucket is published all the same, and its first real run pays the cost."""
         with self._scratch_lock:
+            self._scratch_left -= 1
             try:
                 pool = self._scratch_pool
                 if pool is None:  # placed as the programs were compiled for (DuplexKV's)
@@ -568,8 +572,7 @@ class ModelRunner:
                 log.warning("first run of step %dx%d on a scratch pool failed; its first "
                             "request pays it", rows, cols, exc_info=True)
                 return
-            compiler = self.compiler
-            if compiler is not None and compiler.num_left > 1:
+            if self._scratch_left > 0:
                 self._scratch_pool = out[3]
 
     def _run_once(self, program: Program) -> None:

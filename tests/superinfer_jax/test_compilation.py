@@ -22,6 +22,7 @@ from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.async_engine import AsyncEngine
 from superinfer_jax.compilation import (
+    REFILL,
     RESAMPLE,
     STEP,
     BucketCompiler,
@@ -195,19 +196,30 @@ def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
 
 @pytest.mark.skipif(not native.available(), reason="the scratch pool needs lazy zeros "
                     "(native ops not built on this machine)")
-def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(tiny):
+@pytest.mark.parametrize("cached", [False, True])
+def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
+        tiny, tmp_path, cached):
     """Each step program compiled past the ready set is run once on a scratch pool on its
     compile thread, before its bucket enters the limits (a loaded executable's first run
     is twice its steady one); the engine's pool is not touched, the scratch pool is
-    dropped with the last program, and a failed scratch run still publishes its bucket."""
-    engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True))
+    dropped after the last step program (also when other programs follow it: with a
+    cache, the refill compiles last), and a failed scratch run still publishes its
+    bucket."""
+    cache = str(tmp_path) if cached else None
+    engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True,
+                                         compilation_cache_dir=cache))
     runner = engine.runner
+    background = [p.shape for p in compile_order(CFG, runner.resample_buckets)
+                  if p.kind == STEP and p not in ready_set(CFG)]
     runs: list[tuple[tuple[int, int], BucketLimits, str]] = []
     first_run, inputs = runner._first_run_on_scratch, runner.null_page_inputs
+    steps_run = threading.Event()  # the refill waits for it: programs follow the last step
 
     def recorded(rows: int, cols: int) -> None:
         runs.append(((rows, cols), runner.limits, threading.current_thread().name))
         first_run(rows, cols)
+        if len(runs) == len(background):
+            steps_run.set()
 
     def failing(rows: int, cols: int):
         if (rows, cols) == (2, 1):  # only its scratch run asks for it (the engine idles)
@@ -222,16 +234,17 @@ def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
     def held(program: Program) -> None:
         if program not in ready_set(CFG):
             gate.wait()
+        if program.kind == REFILL:
+            steps_run.wait(600)
         compile_one(program)
 
     runner._compile = held  # type: ignore[method-assign]
     engine.warmup()
+    assert [p.kind for p in runner.compiler._programs][-1] == (REFILL if cached else STEP)
     pool = np.asarray(runner.kv_pool).copy()
     gate.set()
     runner.set_busy(False)
     assert runner.compiler.wait_done(timeout=600)
-    background = [p.shape for p in compile_order(CFG, runner.resample_buckets)
-                  if p.kind == STEP and p not in ready_set(CFG)]
     assert sorted(shape for shape, _, _ in runs) == sorted(background)
     for (rows, cols), limits, thread in runs:
         assert thread.startswith("compile-")
