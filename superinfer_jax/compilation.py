@@ -148,11 +148,11 @@ def compile_order(config: EngineConfig, resample_buckets: Sequence[int],
 
 
 def _compiled_run(buckets: Sequence[int], around: int, done: Callable[[int], bool]
-                  ) -> tuple[int, int]:
+                  ) -> tuple[int, int] | None:
     """The first and last bucket of the run of compiled buckets that holds ``around``
-    ((0, 0): ``around`` is not compiled)."""
+    (None: ``around`` is not compiled)."""
     if not done(around):
-        return 0, 0
+        return None
     i = j = buckets.index(around)
     while i > 0 and done(buckets[i - 1]):
         i -= 1
@@ -179,10 +179,10 @@ def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
     allow a call, and whether DuplexKV's ``copies`` are ready (see ``BucketLimits``)."""
     decode = _largest_prefix(config.decode_buckets, lambda b: (b, 1) in steps)
     buckets = config.prefill_chunk_buckets
-    shortest, chunk = _compiled_run(buckets, config.ready_chunk_bucket,
-                                    lambda c: (1, c) in steps)
-    if not chunk:  # no ready chunk (a caller compiling its own shapes): from the smallest
-        shortest, chunk = buckets[0], _largest_prefix(buckets, lambda c: (1, c) in steps)
+    chunk_done: Callable[[int], bool] = lambda c: (1, c) in steps
+    # no ready chunk (a caller compiling its own shapes): the run from the smallest
+    shortest, chunk = _compiled_run(buckets, config.ready_chunk_bucket, chunk_done) \
+        or _compiled_run(buckets, buckets[0], chunk_done) or (0, 0)
     # packed rows once every packed shape up to the chunk is (the last compiles)
     packed = [s for s in config.prefill_shapes if s[0] > 1 and s[1] <= chunk]
     rows = config.max_prefill_rows if all(s in steps for s in packed) else 1

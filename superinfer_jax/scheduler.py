@@ -607,7 +607,7 @@ class Scheduler:
         if fits:
             return fits[-1]
         # one row always makes progress
-        return min(cfg.max_prefill_chunk, budget.limits.prefill_chunk) if rows == 1 else 0
+        return min(cfg.max_prefill_chunk, limits.prefill_chunk) if rows == 1 else 0
 
     @staticmethod
     def _add_row(plan: StepPlan, req_id: str, n: int, decoding: bool) -> None:
