@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from superinfer_jax.config_schema import ConfigError, internal, knob, power_of_two, validate
@@ -282,22 +283,28 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
+    # The buckets and limits below are ``cached_property``: a frozen config never changes
+    # them, and the scheduler and the simulator read them every step (as properties, each
+    # read built the tuple again in an interpreted call). The cache lives
+    # in the instance's ``__dict__``, outside the fields: equality, hashing, ``repr`` and
+    # ``dataclasses.replace`` (a fresh instance) never see it.
+
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
-    @property
+    @cached_property
     def deferred_rows(self) -> int:
         """Structured-output rows a step may sample later (``MAX_DEFERRED_ROWS``, at most
         one per sequence)."""
         return min(MAX_DEFERRED_ROWS, self.max_num_seqs)
 
-    @property
+    @cached_property
     def decode_buckets(self) -> tuple[int, ...]:
         """Batch sizes a decode step is padded to."""
         return _pow2_buckets(1, self.max_num_seqs)
 
-    @property
+    @cached_property
     def prefill_chunk_buckets(self) -> tuple[int, ...]:
         """Chunk lengths (columns) a prefill step is padded to: powers of 2 from 16.
 
@@ -306,14 +313,14 @@ class EngineConfig:
         powers of 2 gave every policy 4-5% more throughput for a few more compiles."""
         return _pow2_buckets(min(16, self.max_prefill_chunk), self.max_prefill_chunk)
 
-    @property
+    @cached_property
     def ready_chunk_bucket(self) -> int:
         """The prefill chunk bucket of the ready set (``ready_prefill_chunk``, rounded up
         to a bucket, at most ``max_prefill_chunk``; ``compilation.ready_set``)."""
         return bucket(min(self.ready_prefill_chunk, self.max_prefill_chunk),
                       self.prefill_chunk_buckets)
 
-    @property
+    @cached_property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """(rows, columns) buckets a prefill call can take, all compiled at warm-up: one
         row at any column bucket, more rows only where the padded shape fits the token
@@ -321,13 +328,13 @@ class EngineConfig:
         return tuple((r, c) for c in self.prefill_chunk_buckets for r in self.prefill_row_buckets
                      if r == 1 or r * c <= self.max_num_batched_tokens)
 
-    @property
+    @cached_property
     def bucket_limits(self) -> BucketLimits:
         """Every bucket compiled: the limits of a warmed-up engine and of the simulator."""
         return BucketLimits(self.max_num_seqs, self.max_prefill_rows, self.max_prefill_chunk,
                             self.deferred_rows)
 
-    @property
+    @cached_property
     def prefill_row_buckets(self) -> tuple[int, ...]:
         """Row counts a prefill step is padded to: one long prompt, or a packed few.
 

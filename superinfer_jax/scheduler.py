@@ -100,6 +100,18 @@ class Selection:
     dropped: list[Request] = field(default_factory=list)  # runners not kept: rank order
 
 
+class _Fill:
+    """The device pages a selection has kept so far, for the room its ranking's tail is
+    read with (``Scheduler.rest_by_arrival``)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+
+    def room(self) -> int:
+        return self.capacity - self.used
+
+
 class Scheduler:
     """The stages over the request queues: ``policy`` decides, this class executes.
     ``page_bytes``: one KV page (the policies' transfer-time predictions). ``latency``: the
@@ -349,9 +361,22 @@ class Scheduler:
         stop_when_full = not any(r.final_token_inflight for r in self.waiting.requeued.values())
         counted: set[int] = set()  # shared device pages already counted for a kept request
         kept_tables: list[list[int]] = []  # of the kept runners
+        # The ranking is read by index from its head (every runner is there), then from
+        # the tail's generator, made only if the head runs out: under mypyc a ``chain``
+        # costs a generic iterator call per request, and a lambda over ``used`` would make
+        # every local it reads an attribute of a closure.
+        fill = _Fill(capacity)
+        ranking: Ranking | None = None
+        head: list[Request] = []
+        rest: Iterable[Request] = ()
         if isinstance(ranked, Ranking):
-            ranked = chain(ranked.head, self.rest_by_arrival(
-                ranked.head, room=lambda: capacity - used, listed=ranked.listed))
+            ranking, head = ranked, ranked.head
+        elif isinstance(ranked, list):
+            head = ranked
+        else:
+            rest = ranked
+        tail: Iterator[Request] | None = None
+        num_head, at = len(head), 0
         # This loop reads every runner of every contended step, so what it calls per
         # request is inlined: ``_pages_to_run`` (for everyone but a waiting request, whose
         # prefix hit counts) with ``Request.num_pending_tokens``, and the bound methods.
@@ -360,7 +385,18 @@ class Scheduler:
         keep_add, kept_append, runners_append = keep.add, sel.kept.append, runners.append
         other_append, dropped_append = sel.kept_other.append, sel.dropped.append
         pages: tuple[int, ...] | list[int] = ()  # shared device pages of the request
-        for req in ranked:
+        while True:
+            if at < num_head:
+                req = head[at]
+                at += 1
+            else:
+                if tail is None:
+                    tail = iter(rest if ranking is None else self.rest_by_arrival(
+                        head, room=fill.room, listed=ranking.listed))
+                got = next(tail, None)
+                if got is None:
+                    break
+                req = got
             status = req.status
             if status == running:
                 runners_append(req)
@@ -402,6 +438,7 @@ class Scheduler:
                     if status == running:
                         kept_tables.append(kv.page_table(req.req_id))
                 used += need
+                fill.used = used
                 transfer -= moving
             elif status == running:
                 dropped_append(req)
@@ -544,7 +581,11 @@ class Scheduler:
         kv.spill_budget = 0
         moving = sum(len(m) for m in plan.moves_out) + (len(spills) if spills else 0)
         room = max(0, self.config.transfer_budget_pages - moving)
-        computed = {r.req_id: r.num_computed_tokens for r in self.running}
+        # only the runners with a full page past their shadowed ones (a few a step: a
+        # decoder fills a page every ``page_size`` tokens), not a dict of every runner
+        page_size = kv.page_size
+        computed = {r.req_id: r.num_computed_tokens for r in self.running
+                    if r.num_computed_tokens // page_size > kv.num_shadowed_pages(r.req_id)}
         plan.shadows = ([spills] if spills else []) + kv.plan_shadows(computed, room)
 
     # -- rows and pages ---------------------------------------------------------------

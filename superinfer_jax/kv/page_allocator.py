@@ -10,6 +10,14 @@ ever cached or shared, so every page is free or in exactly one table. Page 0 is 
 page and is never handed out. ``num_free_pages`` counts the free *and* the cached pages:
 a cached page is taken (evicted, least recently released first) when the free list is
 empty, so it is room like a free one.
+
+OBJECT_IDS: where a hot loop moves page ids from one list to another without arithmetic
+(a rotation's host table, the shadows it makes), it reads the lists through
+``cast(list[object], ...)``. Compiled with mypyc (``superinfer_jax.compiled``), an
+element of a ``list[int]`` is unboxed when read and boxed again when stored, and boxing
+an int above 256 allocates a new object; as objects the same reference is stored (the
+values are the same ints). Copying 31 page ids between lists took 580 ns as ints and
+194 ns as objects (mypyc of mypy 2.4, a 2-core AMD EPYC).
 """
 
 from __future__ import annotations

@@ -196,6 +196,11 @@ class TwoTierKVManager(KVCacheManager):
         host = self._shadow_host
         return [d for d in table[self._num_clean.get(req_id, 0):] if not host[d]]
 
+    def num_shadowed_pages(self, req_id: str) -> int:
+        """Leading device pages of ``req_id`` known to have a shadow (a lower bound):
+        ``plan_shadows`` has nothing to copy for a request with no more full pages."""
+        return self._num_clean.get(req_id, 0)
+
     def rotation_cost_out(self, req_id: str) -> int:
         """Pages a rotate_out of ``req_id`` would copy (the rest are shadowed already)."""
         return len(self.dirty_pages(req_id))
@@ -242,21 +247,26 @@ class TwoTierKVManager(KVCacheManager):
         evicted from the device later, it stays findable on the host. Otherwise its
         shadow is freed."""
         table = self.page_tables.get(req_id, [])
-        host, owner = self._shadow_host, self._shadow_owner
-        shadowed = [d for d in table if host[d]]
-        last = [d for d in shadowed if self.refcount[d] == 1]
+        host, owner, refcount = self._shadow_host, self._shadow_owner, self.refcount
+        host_ids = cast(list[object], host)  # ids as objects (``OBJECT_IDS``)
+        shadowed = [i for i in range(len(table)) if host[table[i]]]  # positions in table
         registered = self.prefix_cache.page_hash if self.prefix_cache is not None else {}
         keep = self.host_cache is not None
-        dropped = []
-        for d in last:
+        dropped: list[object] = []
+        for i in shadowed:
+            d = table[i]
+            if refcount[d] != 1:
+                continue
             if keep and d in registered:
                 owner[d] = None
             else:
-                dropped.append(host[d])
+                dropped.append(host_ids[d])
                 host[d] = 0
-        self._release_host(dropped)  # one batch: the free list's order as it has been
-        for d in shadowed:
-            if self.refcount[d] > 1 and owner[d] == req_id:
+        # one batch: the free list's order as it has been
+        self._release_host(cast(list[int], dropped))
+        for i in shadowed:
+            d = table[i]
+            if refcount[d] > 1 and owner[d] == req_id:
                 owner[d] = next(r for r in self._holders(d) if r != req_id)
         self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
@@ -291,23 +301,27 @@ class TwoTierKVManager(KVCacheManager):
         moves_host: list[int] = []
         # A page table per rotation, several rotations a contended step, and most pages
         # shadowed already: their host copies move to req_id's host table in one pass,
-        # then the dirty ones (0) get fresh host pages, in table order.
-        shadow_host, refcount = self._shadow_host, self.refcount
+        # then the dirty ones (0) get fresh host pages, in table order. Page ids are moved
+        # as objects (``OBJECT_IDS`` in ``page_allocator``).
+        shadow_host, refcount = cast(list[object], self._shadow_host), self.refcount
+        pages = cast(list[object], table)
         hosts = [shadow_host[d] for d in table]  # 0: dirty
         for d in table:
             shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
-            for d, h in zip(table, hosts, strict=True):
-                if h and refcount[d] > 1:  # the others sharing d lose its shadow
+            for i in range(len(table)):
+                d = table[i]
+                if hosts[i] and refcount[d] > 1:  # the others sharing d lose its shadow
                     for r in self._holders(d):
                         self._num_clean.pop(r, None)
-        dirty = [i for i, h in enumerate(hosts) if not h]
+        dirty = [i for i in range(len(hosts)) if not hosts[i]]
         if dirty:
-            moves_dev = [table[i] for i in dirty]
+            moves_dev = cast(list[int], [pages[i] for i in dirty])
             moves_host = self._take_host(len(dirty))
-            for i, h in zip(dirty, moves_host, strict=True):
-                hosts[i] = h
-        host_table = hosts
+            fresh = cast(list[object], moves_host)
+            for j in range(len(dirty)):  # indexed: a zip with ``strict`` is a generic call
+                hosts[dirty[j]] = fresh[j]
+        host_table = cast(list[int], hosts)
         self._release(table)  # shared pages stay with the others; the rest are cached
         self.host_tables[req_id] = host_table
         self._num_full[req_id] = min(num_computed_tokens // self.page_size, len(table))
@@ -382,7 +396,8 @@ class TwoTierKVManager(KVCacheManager):
             clean[req_id] = dirty[take] if take < len(dirty) else num_full
             if not take:
                 continue
-            dev = [table[i] for i in dirty[:take]]
+            pages = cast(list[object], table)  # ids as objects (``OBJECT_IDS``)
+            dev = cast(list[int], [pages[i] for i in dirty[:take]])
             self._free_host_cache(take)
             host = self._take_host(take)
             self._add_shadows(dev, host, req_id)
@@ -509,13 +524,14 @@ class TwoTierKVManager(KVCacheManager):
         none), owned by ``owner``, newest last."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"{len(device_pages)} device pages, {len(host_pages)} host")
-        shadow_host, shadow_owner, shadow_batch, shadow_pos = \
-            self._shadow_host, self._shadow_owner, self._shadow_batch, self._shadow_pos
+        shadow_host, shadow_owner, shadow_batch, shadow_pos = cast(list[object], (
+            self._shadow_host)), self._shadow_owner, self._shadow_batch, self._shadow_pos
+        hosts = cast(list[object], host_pages)  # ids as objects (``OBJECT_IDS``)
         batch: object = self._num_batches
         self._num_batches += 1
         for i in range(len(device_pages)):  # indexed: mypyc runs a zip generically
             d = device_pages[i]
-            shadow_host[d] = host_pages[i]
+            shadow_host[d] = hosts[i]
             shadow_owner[d] = owner
             shadow_batch[d] = batch
             shadow_pos[d] = i

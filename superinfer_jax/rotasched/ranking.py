@@ -123,7 +123,9 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     # ``running_since`` exactly when the k-th last one is (one look-up, not a bisection
     # of a long array).
     running = RUNNING
+    total_tokens = 0  # the runners' tokens, for the latency model's decode step
     for r in s.running:
+        total_tokens += r.num_tokens
         since, times = r.running_since, r.token_times
         k = min(k0, max(1, int(share * r.max_output_tokens)))  # ``residency_window``
         settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
@@ -137,7 +139,8 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
             values.append(-virtual_lag(r, now, p))
     due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
-    step_s = one_step_s(s)
+    lm = s.latency  # a decode step over the runners (``rotate_in_due``)
+    step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
         if rotate_in_due(s, r, now, lag, step_s):
@@ -187,14 +190,6 @@ def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
         out.extend(run)
         end = start
     return out
-
-
-def one_step_s(s: Scheduler) -> float | None:
-    """A decode step over the runners, by the latency model (None without one)."""
-    lm = s.latency
-    if lm is None:
-        return None
-    return lm.decode_s(max(1, len(s.running)), sum([r.num_tokens for r in s.running]))
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,

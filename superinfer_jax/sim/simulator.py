@@ -408,7 +408,7 @@ class _Run:
             self.num_prefill += sum(n for _, n in rows)
             self._advance(rows, t)
         if plan.decode:
-            drows = list(map(reqs.__getitem__, plan.decode))
+            drows = [reqs[r] for r in plan.decode]
             ctx = [q.num_computed_tokens for q in drows]  # before the call; +1 after it
             total = sum(ctx) + len(ctx)
             t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total,
