@@ -28,6 +28,7 @@ they mean the same on a fast or a slow (or shared) CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -295,13 +296,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _cost_json(cost) -> dict[str, Any]:
-    return {"latency": cost.latency.__dict__, "host": cost.host.__dict__}
+    # ``asdict``, not ``__dict__``: with the mypyc build (``superinfer_jax.compiled``)
+    # these are native classes, which have no ``__dict__``
+    return {"latency": dataclasses.asdict(cost.latency), "host": dataclasses.asdict(cost.host)}
 
 
 def _step_json(step) -> dict[str, Any]:
     pre, dec, rows, pages, measured = step
-    return {"prefill": None if pre is None else pre.__dict__,
-            "decode": None if dec is None else dec.__dict__, "rows": rows, "pages": pages,
+    return {"prefill": None if pre is None else dataclasses.asdict(pre),
+            "decode": None if dec is None else dataclasses.asdict(dec), "rows": rows,
+            "pages": pages,
             "measured_s": measured}
 
 

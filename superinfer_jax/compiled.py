@@ -88,6 +88,8 @@ MODULES = (
     "superinfer_jax.rotasched.ranking",
     "superinfer_jax.rotasched.policy",  # open to interpreted subclasses (plug-ins)
     "superinfer_jax.rotasched.policies",
+    "superinfer_jax.latency",  # priced every step by the policies (rotate-ins, budgets)
+    "superinfer_jax.sim.cost_model",  # the roofline, priced every simulated step
     "superinfer_jax.sim.cost",
     "superinfer_jax.sim.simulator",
 )

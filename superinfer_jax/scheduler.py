@@ -379,11 +379,12 @@ class Scheduler:
         num_head, at = len(head), 0
         # This loop reads every runner of every contended step, so what it calls per
         # request is inlined: ``_pages_to_run`` (for everyone but a waiting request, whose
-        # prefix hit counts) with ``Request.num_pending_tokens``, and the bound methods.
+        # prefix hit counts) with ``Request.num_pending_tokens``. The lists' methods are
+        # called on them, not through bound-method aliases: compiled, ``kept.append(r)`` is
+        # a C call, an alias a generic call (3,930 against 2,530 ns a 150-item loop).
         running, rotary, waiting = RUNNING, ROTARY, WAITING
         page_size, max_chunk = kv.page_size, self.config.max_prefill_chunk
-        keep_add, kept_append, runners_append = keep.add, sel.kept.append, runners.append
-        other_append, dropped_append = sel.kept_other.append, sel.dropped.append
+        kept, kept_other, dropped = sel.kept, sel.kept_other, sel.dropped
         pages: tuple[int, ...] | list[int] = ()  # shared device pages of the request
         while True:
             if at < num_head:
@@ -399,11 +400,11 @@ class Scheduler:
                 req = got
             status = req.status
             if status == running:
-                runners_append(req)
+                runners.append(req)
                 runners_left -= 1
             if len(keep) >= seats:  # nobody else can be kept: no more look-ups
                 if status == running:
-                    dropped_append(req)
+                    dropped.append(req)
                 if not runners_left:
                     break
                 continue
@@ -429,10 +430,10 @@ class Scheduler:
                         if pages and kv.refcount[pages[0]] > 0 else 0
                     need -= held + sum(p in counted for p in pages[held:])
             if used + need <= capacity and moving <= transfer:
-                keep_add(req.req_id)
-                kept_append(req)
+                keep.add(req.req_id)
+                kept.append(req)
                 if status != running:
-                    other_append(req)
+                    kept_other.append(req)
                 if shared:
                     counted.update(pages)
                     if status == running:
@@ -441,7 +442,7 @@ class Scheduler:
                 fill.used = used
                 transfer -= moving
             elif status == running:
-                dropped_append(req)
+                dropped.append(req)
             if used >= capacity and not runners_left and stop_when_full:
                 break
         return sel
@@ -642,8 +643,10 @@ class Scheduler:
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
         limits = budget.limits
+        floor = limits.min_prefill_chunk  # ``limits.prefill_columns(c)``, inlined: per
+        # bucket per prefill row, and ``BucketLimits`` is interpreted (``config``)
         fits = [c for c in cfg.prefill_chunk_buckets
-                if row_bucket * limits.prefill_columns(c) <= budget.prefill_slots
+                if row_bucket * max(c, floor) <= budget.prefill_slots
                 and longest <= c and c <= limits.prefill_chunk]
         if fits:
             return fits[-1]

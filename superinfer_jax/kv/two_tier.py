@@ -380,11 +380,10 @@ class TwoTierKVManager(KVCacheManager):
         # Most requests have every full page shadowed (the common case): they are left out
         # in one comprehension, not a turn of this loop each (the loop changes no other
         # request's scan position, so the filter may run first).
-        get = clean.get
-        due = [(q, c) for q, c in num_computed.items() if c // page_size > get(q, 0)]
+        due = [(q, c) for q, c in num_computed.items() if c // page_size > clean.get(q, 0)]
         residency = self.residency
         for req_id, n in due:
-            start = get(req_id, 0)
+            start = clean.get(req_id, 0)
             table = self.page_tables.get(req_id)
             if table is None or residency.get(req_id, _DEVICE) != _DEVICE:  # not resident
                 continue

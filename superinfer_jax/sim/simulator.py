@@ -45,7 +45,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import cast, overload
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.prefix_cache import isolation_key
@@ -132,9 +132,12 @@ class HashIdTokens(Sequence[int]):
 
 class SimRequest(Request):
     """A ``Request`` without stored token ids (its prompt is a ``range``, or
-    ``HashIdTokens`` when the spec has content): ``num_tokens`` is a plain counter and
-    token times are an ``array('d')`` (8 bytes a token). Equality is identity, which is what the
-    scheduler's list membership tests mean (request ids are unique)."""
+    ``HashIdTokens`` when the spec has content): ``num_tokens`` is a plain counter, and
+    token times are a list while it is unfinished (a token a step is appended to each
+    runner's: compiled, an append to a list is a C call, to an array a generic method call)
+    and an ``array('d')`` once finished (8 bytes a token, for the run's 100,000 requests).
+    Equality is identity, which is what the scheduler's list membership tests mean
+    (request ids are unique)."""
 
     num_tokens = 0  # shadows Request.num_tokens (a property): an instance counter here
     __eq__ = object.__eq__
@@ -146,7 +149,7 @@ class SimRequest(Request):
         super().__init__(req_id, prompt,
                          _SAMPLING, slo=spec.slo,
                          arrival_time=spec.arrival_s)
-        self.token_times = array("d")
+        self.token_times = []  # an array once finished (``_Run._finish``)
         self.num_tokens = spec.prompt_len
         self.output_len = spec.output_len
         self.num_output = 0
@@ -409,10 +412,15 @@ class _Run:
             self._advance(rows, t)
         if plan.decode:
             drows = [reqs[r] for r in plan.decode]
-            ctx = [q.num_computed_tokens for q in drows]  # before the call; +1 after it
-            total = sum(ctx) + len(ctx)
-            t += cost.decode_call_s(CallShape(len(ctx), 1, len(ctx), total, total,
-                                              max(ctx) + 1))
+            total = longest = 0  # contexts before the call; +1 after it
+            for q in drows:  # summed here: a list of them would box every one
+                c = q.num_computed_tokens
+                total += c
+                if c > longest:
+                    longest = c
+            num_rows = len(drows)
+            total += num_rows
+            t += cost.decode_call_s(CallShape(num_rows, 1, num_rows, total, total, longest + 1))
             self.num_decode += len(drows)
             self._advance_decode(drows, t)
         return t
@@ -427,7 +435,7 @@ class _Run:
                 continue  # short of its last pending token, as ``_advance`` checks
             req.num_output += 1
             req.num_tokens += 1
-            req.token_times.append(now)
+            cast(list[float], req.token_times).append(now)  # a list until it finishes
             # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
             if req.num_output >= req.output_len or req.num_tokens >= max_len:
                 self._finish(req, now)
@@ -445,7 +453,7 @@ class _Run:
                 continue  # a prefill chunk short of the end
             req.num_output += 1
             req.num_tokens += 1
-            req.token_times.append(now)
+            cast(list[float], req.token_times).append(now)  # a list until it finishes
             # at_length_limit(num_tokens - num_output, num_output, output_len, max_len)
             if req.num_output >= req.output_len or req.num_tokens >= max_len:
                 self._finish(req, now)
@@ -454,6 +462,7 @@ class _Run:
         """``req`` reached its length limit with the token landed at ``now``."""
         self.sched.remove(req)
         req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
+        req.token_times = array("d", req.token_times)  # 8 bytes a token, not 32
         req.set_status(RequestStatus.FINISHED_LENGTH, now)
         self.last_token = max(self.last_token, now)
         if self.progress is not None:
