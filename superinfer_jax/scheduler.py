@@ -83,6 +83,12 @@ class Ranking:
     # never in the tail, so the runners of a long head need not be listed each step
     listed: set[int] | None = None
 
+    def __init__(self, head: list[Request], scheduler: Scheduler,
+                 listed: set[int] | None = None) -> None:  # written out: ``NATIVE_INIT``
+        self.head = head
+        self.scheduler = scheduler
+        self.listed = listed
+
     def __iter__(self) -> Iterator[Request]:
         return chain(self.head, self.scheduler.rest_by_arrival(self.head, listed=self.listed))
 
@@ -98,6 +104,13 @@ class Selection:
     # for most of ``kept``, and passes over them would find nothing to do):
     kept_other: list[Request] = field(default_factory=list)  # kept, not running: rank order
     dropped: list[Request] = field(default_factory=list)  # runners not kept: rank order
+
+    def __init__(self) -> None:  # written out (``NATIVE_INIT``): one a contended step
+        self.keep = set()
+        self.kept = []
+        self.runners = []
+        self.kept_other = []
+        self.dropped = []
 
 
 class _Fill:

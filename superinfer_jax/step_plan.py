@@ -32,12 +32,21 @@ class StepBudget:
     pages_in: int
     limits: BucketLimits
 
+    def __init__(self, tokens: int, prefill_slots: int, pages_out: int, pages_in: int,
+                 limits: BucketLimits) -> None:  # written out: ``NATIVE_INIT``
+        self.tokens = tokens
+        self.prefill_slots = prefill_slots
+        self.pages_out = pages_out
+        self.pages_in = pages_in
+        self.limits = limits
+
     @classmethod
     def full(cls, config: EngineConfig, limits: BucketLimits | None = None) -> StepBudget:
         """The configured budget: ``max_num_batched_tokens`` and ``transfer_budget_pages``,
         within ``limits`` (default: every bucket compiled)."""
         tokens, pages = config.max_num_batched_tokens, config.transfer_budget_pages
-        return cls(tokens, tokens, pages, pages, limits or config.bucket_limits)
+        # the class by name, not ``cls``: compiled, ``cls(...)`` is a generic call
+        return StepBudget(tokens, tokens, pages, pages, limits or config.bucket_limits)
 
     def copy(self) -> StepBudget:
         return StepBudget(self.tokens, self.prefill_slots, self.pages_out, self.pages_in,
@@ -58,6 +67,24 @@ class StepPlan:
     host_hits: list[str] = field(default_factory=list)  # admitted by a host-tier prefix hit
     shadows: list[PageMoves] = field(default_factory=list)  # eager shadows, device -> host
     budget: StepBudget | None = None  # tokens and slots granted, before the rows spent them
+
+    def __init__(self, prefill: list[tuple[str, int]] | None = None,
+                 decode: list[str] | None = None, preempted: list[str] | None = None,
+                 rotate_out: list[str] | None = None, rotate_in: list[str] | None = None,
+                 moves_out: list[PageMoves] | None = None,
+                 moves_in: list[PageMoves] | None = None, host_hits: list[str] | None = None,
+                 shadows: list[PageMoves] | None = None,
+                 budget: StepBudget | None = None) -> None:  # written out: ``NATIVE_INIT``
+        self.prefill = [] if prefill is None else prefill
+        self.decode = [] if decode is None else decode
+        self.preempted = [] if preempted is None else preempted
+        self.rotate_out = [] if rotate_out is None else rotate_out
+        self.rotate_in = [] if rotate_in is None else rotate_in
+        self.moves_out = [] if moves_out is None else moves_out
+        self.moves_in = [] if moves_in is None else moves_in
+        self.host_hits = [] if host_hits is None else host_hits
+        self.shadows = [] if shadows is None else shadows
+        self.budget = budget
 
     @property
     def is_empty(self) -> bool:

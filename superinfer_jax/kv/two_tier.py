@@ -68,12 +68,20 @@ _DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
 class PageMoves:
     """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Not
     frozen, but never changed once made: compiled, a frozen dataclass took 0.6 us to
-    make against 0.2 us, and a paper-scale step makes tens of them."""
+    make against 0.2 us, and a paper-scale step makes tens of them. Its ``__init__`` is
+    written out (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
 
     req_id: str
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...]
     prefix_hit: bool = False  # a waiting request's host-tier prefix hit, not a rotation
+
+    def __init__(self, req_id: str, device_pages: tuple[int, ...],
+                 host_pages: tuple[int, ...], prefix_hit: bool = False) -> None:
+        self.req_id = req_id
+        self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.prefix_hit = prefix_hit
 
     def __len__(self) -> int:
         return len(self.device_pages)

@@ -39,9 +39,11 @@ from superinfer_jax.sim.cost_model import (
 TRANSFER_MODES = ("duplex", "simplex", "naive")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CallShape:
-    """One model call of a step, as counts (no ids): what a cost model prices."""
+    """One model call of a step, as counts (no ids): what a cost model prices. Not
+    frozen, but never changed once made, with its ``__init__`` written out: two are made
+    every simulated step (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
 
     num_rows: int  # real rows (requests)
     max_query: int  # longest row: 1 for decode, the longest chunk for prefill
@@ -50,14 +52,28 @@ class CallShape:
     attn_pairs: int  # (query, key) pairs over all rows, causal
     max_context: int  # longest context (after this call) in the call
 
+    def __init__(self, num_rows: int, max_query: int, num_tokens: int, kv_tokens_read: int,
+                 attn_pairs: int, max_context: int) -> None:
+        self.num_rows = num_rows
+        self.max_query = max_query
+        self.num_tokens = num_tokens
+        self.kv_tokens_read = kv_tokens_read
+        self.attn_pairs = attn_pairs
+        self.max_context = max_context
+
     @staticmethod
     def of_rows(rows: list[tuple[int, int]]) -> CallShape:
-        """From ``(new tokens, context before)`` per row."""
-        return CallShape(
-            num_rows=len(rows), max_query=max(n for n, _ in rows),
-            num_tokens=sum(n for n, _ in rows), kv_tokens_read=sum(n + p for n, p in rows),
-            attn_pairs=sum(n * p + n * (n + 1) // 2 for n, p in rows),
-            max_context=max(n + p for n, p in rows))
+        """From ``(new tokens, context before)`` per row (at least one)."""
+        if not rows:
+            raise ValueError("a call has at least one row")
+        max_query, num_tokens, kv_read, pairs, max_context = 0, 0, 0, 0, 0
+        for n, p in rows:  # one pass, not five generators: a prefill call every step
+            max_query = max(max_query, n)
+            num_tokens += n
+            kv_read += n + p
+            pairs += n * p + n * (n + 1) // 2
+            max_context = max(max_context, n + p)
+        return CallShape(len(rows), max_query, num_tokens, kv_read, pairs, max_context)
 
 
 class CostModel(Protocol):

@@ -116,13 +116,20 @@ def num_device_pages_for(model: ModelShape, hw: Hardware, page_size: int,
     return pages + 1
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepWork:
-    """What one model step does, in counts the roofline prices."""
+    """What one model step does, in counts the roofline prices. Not frozen, but never
+    changed once made, with its ``__init__`` written out: two are made every simulated
+    step (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
 
     num_tokens: int  # query tokens (prefill chunk tokens + decode rows)
     kv_tokens_read: int  # sum over rows of the context each row attends to
     attn_pairs: int  # sum over query tokens of the keys each one sees
+
+    def __init__(self, num_tokens: int, kv_tokens_read: int, attn_pairs: int) -> None:
+        self.num_tokens = num_tokens
+        self.kv_tokens_read = kv_tokens_read
+        self.attn_pairs = attn_pairs
 
 
 def step_time(model: ModelShape, hw: Hardware, work: StepWork) -> float:
