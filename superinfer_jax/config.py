@@ -283,15 +283,15 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
-    # The buckets and limits below are ``cached_property``: a frozen config never changes
-    # them, and the scheduler and the simulator read them every step (as properties, each
-    # read built the tuple again in an interpreted call). The cache lives
-    # in the instance's ``__dict__``, outside the fields: equality, hashing, ``repr`` and
-    # ``dataclasses.replace`` (a fresh instance) never see it.
-
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    # The buckets and limits below are ``cached_property``: a frozen config never changes
+    # them, and the scheduler and the simulator read them every step (as properties, each
+    # read built the tuple again in an interpreted call). The cache lives in the
+    # instance's ``__dict__``, outside the fields: equality, hashing, ``repr`` and
+    # ``dataclasses.replace`` (a fresh instance) never see it.
 
     @cached_property
     def deferred_rows(self) -> int:

@@ -656,10 +656,8 @@ class Scheduler:
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
         limits = budget.limits
-        floor = limits.min_prefill_chunk  # ``limits.prefill_columns(c)``, inlined: per
-        # bucket per prefill row, and ``BucketLimits`` is interpreted (``config``)
         fits = [c for c in cfg.prefill_chunk_buckets
-                if row_bucket * max(c, floor) <= budget.prefill_slots
+                if row_bucket * limits.prefill_columns(c) <= budget.prefill_slots
                 and longest <= c and c <= limits.prefill_chunk]
         if fits:
             return fits[-1]

@@ -275,7 +275,7 @@ class TwoTierKVManager(KVCacheManager):
         for i in shadowed:
             d = table[i]
             if refcount[d] > 1 and owner[d] == req_id:
-                owner[d] = next(r for r in self._holders(d) if r != req_id)
+                owner[d] = next(r for r in self._holders({d}) if r != req_id)
         self._num_clean.pop(req_id, None)
         self._release_host(self.host_tables.pop(req_id, []))
         self._forget_arriving(req_id)
@@ -317,14 +317,13 @@ class TwoTierKVManager(KVCacheManager):
         for d in table:
             shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
-            # the others sharing a shadowed page lose its shadow: one pass over the other
-            # tables for all of them (a pass per page was a quarter of a 32k-context
-            # Mooncake simulation, whose tables are thousands of pages long)
+            # the others sharing a shadowed page lose its shadow: one ``_holders`` pass
+            # for all of them (a pass per page was a quarter of a 32k-context Mooncake
+            # simulation, whose tables are thousands of pages long)
             shared = {table[i] for i in range(len(table)) if hosts[i] and refcount[table[i]] > 1}
             if shared:
-                for r, t in self.page_tables.items():
-                    if not shared.isdisjoint(t):
-                        self._num_clean.pop(r, None)
+                for r in self._holders(shared):
+                    self._num_clean.pop(r, None)
         dirty = [i for i in range(len(hosts)) if not hosts[i]]
         if dirty:
             moves_dev = cast(list[int], [pages[i] for i in dirty])
@@ -602,15 +601,16 @@ class TwoTierKVManager(KVCacheManager):
         if owner is not None:
             self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
-            for r in self._holders(device_page):
+            for r in self._holders({device_page}):
                 self._num_clean.pop(r, None)
         self._shadow_host[device_page] = 0
         return host
 
-    def _holders(self, device_page: int) -> list[str]:
-        """Requests whose page table holds ``device_page`` (a pass over every table: only
-        asked about shared pages, when their shadow changes hands)."""
-        return [r for r, t in self.page_tables.items() if device_page in t]
+    def _holders(self, device_pages: set[int]) -> list[str]:
+        """Requests whose page table holds any of ``device_pages`` (one pass over every
+        table, however many pages are asked about: only shared pages are, when their
+        shadows change hands)."""
+        return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
 
     def _take_host(self, n: int) -> list[int]:
         """``n`` free host pages, as ``n`` pops of the free list (the caller checked)."""
