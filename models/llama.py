@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig
 from superinfer_jax import ops
 from superinfer_jax.model_api import StepInputs
+from superinfer_jax.ops import native
 from superinfer_jax.parallel import TP_AXIS
 
 
@@ -37,20 +38,41 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -
     return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
 
 
-def matmul(x: jax.Array, w: jax.Array, acc32: bool) -> jax.Array:
+NATIVE = "native"
+"""``acc32`` value: float32 accumulation through the native bfloat16 kernel on CPU."""
+
+Acc32 = bool | str
+"""How matmuls compute: ``False`` (``x @ W`` in the weights' dtype), ``True`` (operands in
+the weights' dtype, float32 accumulation, XLA's dot) or ``NATIVE`` (the same through
+``superinfer_jax.ops.native.bf16_matmul`` on CPU, XLA's dot on any other platform)."""
+
+
+def _dot_acc32(x2: jax.Array, w: jax.Array) -> jax.Array:
+    """XLA's dot, float32 accumulation. One row is padded to two, because XLA:CPU lowers a
+    one-row bfloat16 dot as a matrix-vector product that first converts the whole weight
+    to float32 (the batch-1 decode step), while two rows go to its bfloat16 matrix kernel,
+    which reads the weight as it is stored."""
+    rows = x2.shape[0]
+    if rows == 1:
+        x2 = jnp.pad(x2, ((0, 1), (0, 0)))
+    return jnp.dot(x2, w, preferred_element_type=jnp.float32)[:rows]
+
+
+def matmul(x: jax.Array, w: jax.Array, acc32: Acc32) -> jax.Array:
     """``x @ w`` for x [..., in], w [in, out].
 
-    ``acc32``: operands in w's dtype, float32 accumulation and result. One row is padded
-    to two, because XLA:CPU lowers a one-row bfloat16 dot as a matrix-vector product that
-    first converts the whole weight to float32 (the batch-1 decode step), while two rows
-    go to its bfloat16 matrix kernel, which reads the weight as it is stored."""
+    ``acc32`` (``Acc32``): truthy for operands in w's dtype with float32 accumulation and
+    result. ``NATIVE`` sends every shape to the native kernel on CPU, never only some: its
+    sums run in one fixed order per output, so a row's bits do not depend on how many rows
+    share the step, and mixing it with XLA's dot by shape would lose that."""
     if not acc32:
         return x @ w
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1]).astype(w.dtype)
-    if rows == 1:
-        x2 = jnp.pad(x2, ((0, 1), (0, 0)))
-    out = jnp.dot(x2, w, preferred_element_type=jnp.float32)[:rows]
+    if acc32 == NATIVE:
+        out = jax.lax.platform_dependent(x2, w, cpu=native.bf16_matmul, default=_dot_acc32)
+    else:
+        out = _dot_acc32(x2, w)
     return out.reshape(*lead, w.shape[-1])
 
 
@@ -101,7 +123,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
-                 mesh: Mesh | None = None, acc32: bool = False):
+                 mesh: Mesh | None = None, acc32: Acc32 = False):
         b, c, _ = x.shape
         q, k, v = (matmul(x, w[...], acc32) for w in (self.wq, self.wk, self.wv))
         if self.qkv_bias:
@@ -126,7 +148,7 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (d, f), dtype)  # [hidden, ffn]
         self.w_down = _param(rngs, (f, d), dtype)  # [ffn, hidden]
 
-    def __call__(self, x, acc32: bool = False):
+    def __call__(self, x, acc32: Acc32 = False):
         gate, up = matmul(x, self.w_gate[...], acc32), matmul(x, self.w_up[...], acc32)
         return matmul(jax.nn.silu(gate) * up, self.w_down[...], acc32)
 
@@ -139,7 +161,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None,
-                 acc32: bool = False):
+                 acc32: Acc32 = False):
         h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
                                mesh, acc32)
         x = x + h
@@ -159,7 +181,7 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
                  all_logits: bool = False, mesh: Mesh | None = None,
-                 return_hidden: bool = False, acc32: bool = False):
+                 return_hidden: bool = False, acc32: Acc32 = False):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
         residual stream is kept replicated, so each block costs two all-reduces.
         ``acc32``: float32 accumulation and activations (module docstring)."""
@@ -182,7 +204,7 @@ class LlamaModel(nnx.Module):
         return self.project(self.final_norm(x), mesh, acc32), kv_pool
 
     def project(self, x: jax.Array, mesh: Mesh | None = None,
-                acc32: bool = False) -> jax.Array:
+                acc32: Acc32 = False) -> jax.Array:
         """Normed hidden states [..., hidden] -> float32 logits [..., vocab]."""
         logits = matmul(x, self.lm_head[...], acc32).astype(jnp.float32)
         if mesh is not None:

@@ -18,11 +18,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.llama import LlamaModel
+from models.llama import NATIVE, Acc32, LlamaModel
 from models.sharding import ShardPlan, fill_state, flat_state
 from superinfer_jax import parallel
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import KVSpec, StepInputs
+from superinfer_jax.ops import native
 
 DTYPES = ("float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -81,15 +82,22 @@ class LlamaServable:
         self.graphdef, self.params = nnx.split(module)
         platform = jax.default_backend()
         self.compute_dtype, why = resolve_compute(dtype, compute_dtype, platform)
-        # bfloat16 weights, float32 accumulation: XLA:CPU's bfloat16 path (models.llama).
-        self.acc32 = dtype == "bfloat16" and self.compute_dtype == "bfloat16" and \
+        # bfloat16 weights, float32 accumulation: XLA:CPU's bfloat16 path (models.llama),
+        # through the native kernel where this CPU has one and the model is on one device
+        # (a custom call has no sharding rule; under TP, XLA's dot).
+        self.acc32: Acc32 = dtype == "bfloat16" and self.compute_dtype == "bfloat16" and \
             platform == "cpu"
+        if self.acc32 and self.mesh is None and native.bf16_matmul_available():
+            self.acc32 = NATIVE
         if dtype == "bfloat16" and self.compute_dtype == "float32":  # upcast once, here
             self.params = jax.tree.map(lambda w: w.astype(jnp.float32), self.params)
         if dtype == "bfloat16":
+            how = ""
+            if self.acc32:
+                how = " matmuls, float32 accumulation, " + (
+                    "native AVX512-BF16 kernel" if self.acc32 == NATIVE else "XLA's dot")
             log.info("%s: %s weights compute in %s%s (%s)", config.name, dtype,
-                     self.compute_dtype, " matmuls, float32 accumulation" if self.acc32 else "",
-                     why)
+                     self.compute_dtype, how, why)
         built = module.cfg  # the plan's padded config when sharded
         self.kv_spec = KVSpec(built.num_layers, built.num_kv_heads, built.head_dim)
         self.eos_token_ids = tuple(config.eos_token_ids)

@@ -37,16 +37,20 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from superinfer_jax.local_cache import cache_root, switched_on
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("kv_gather.cc"), Path(__file__).with_name("lazy_zeros.cc"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
-_TARGETS = {KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros"}
+BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
+_TARGETS = {KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
+            BF16_MATMUL_TARGET: "SuperinferBf16Matmul"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
 _CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
@@ -105,6 +109,9 @@ def build() -> Path:
     return target
 
 
+_bf16_supported = False
+
+
 @functools.cache
 def _register() -> str | None:
     """Build, load and register the custom call once per process; the library's path, or
@@ -121,7 +128,10 @@ def _register() -> str | None:
         return None
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    log.info("native CPU ops: %s", path)
+    global _bf16_supported
+    _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
+    log.info("native CPU ops: %s (bfloat16 matmul: %s)", path,
+             "AVX512-BF16" if _bf16_supported else "off, this CPU lacks AVX512-BF16")
     return str(path)
 
 
@@ -130,12 +140,20 @@ def available() -> bool:
     return _register() is not None
 
 
+def bf16_matmul_available() -> bool:
+    """Whether ``bf16_matmul`` may be used: the ops are registered and this CPU has
+    AVX512-BF16. Fixed for the process, so a model takes one path for every shape."""
+    return _register() is not None and _bf16_supported
+
+
 def fingerprint() -> str:
     """What a compiled program using these ops depends on, for executable caches: the
-    library file, or ``off``. Registers the custom call, so that an executable loaded
-    from a cache (without tracing) finds its target."""
+    library file and whether the bfloat16 matmul is used, or ``off``. Registers the custom
+    call, so that an executable loaded from a cache (without tracing) finds its target."""
     path = _register()
-    return Path(path).name if path else "off"
+    if not path:
+        return "off"
+    return Path(path).name + ("+bf16mm" if _bf16_supported else "")
 
 
 def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -164,3 +182,16 @@ def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array
     ``jax.jit`` after ``available()``): a sharded pool keeps XLA's fill."""
     out = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
     return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, out)()
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` for bfloat16 x [M, K] and w [K, N], float32 result [M, N], through the
+    custom call (``bf16_matmul.cc``): each output is one float32 sum over k in increasing
+    pairs, whatever M, so a row's bits never depend on its batch. CPU only: call it from
+    a ``jax.lax.platform_dependent`` branch after ``bf16_matmul_available()``."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"bf16_matmul: x {x.shape} and w {w.shape} do not chain")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"bf16_matmul: x and w must be bfloat16, got {x.dtype}, {w.dtype}")
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), np.float32)
+    return jax.ffi.ffi_call(BF16_MATMUL_TARGET, out)(x, w)

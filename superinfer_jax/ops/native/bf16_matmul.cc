@@ -1,0 +1,246 @@
+// bfloat16 x bfloat16 -> float32 matmul for XLA:CPU, as a typed XLA FFI custom call.
+//
+// Why this exists: a bfloat16 decode step on CPU streams every weight once per step, so
+// its floor is the weights' bytes over memory bandwidth. XLA's bfloat16 dot at one or two
+// rows ran the SmolLM2 step's 269 MB of weight matmuls in 23-26 ms on this project's
+// 2-core box, against 11 ms to read the same bytes (about 2.2x): most of the bfloat16
+// batch-1 step. This kernel streams the weight in wide column panels with AVX512-BF16
+// ``vdpbf16ps`` and splits the columns over the caller and XLA's intra-op threads.
+//
+// Batch invariance, by construction: every output element out[m, n] is one float32
+// accumulator, zeroed, then updated by one ``vdpbf16ps`` per pair of k (0-1, 2-3, ...)
+// in increasing k, in one lane. Which row block, column panel, thread or tile shape
+// computed it changes nothing, so a row's result is bit-identical whatever M is (decode
+// batch size, prefill chunk, padding) and whatever the thread count. Mixing this kernel
+// with XLA's dot for some M would break that, so where it is used it is used for every M.
+//
+//   x   [M, K] bf16     w [K, N] bf16 (row-major, as the checkpoint stores [in, out])
+//   out [M, N] f32
+//
+// Only CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) run it:
+// ``SuperinferBf16MatmulSupported`` says whether this one does, and callers fall back to
+// XLA's dot where it does not. The functions are compiled for that ISA by attribute, so
+// the library itself builds and loads on any x86-64 (and elsewhere, without them).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SUPERINFER_HAVE_BF16_KERNEL 1
+#include <immintrin.h>
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define SUPERINFER_HAVE_BF16_KERNEL 0
+#endif
+
+namespace {
+
+#if SUPERINFER_HAVE_BF16_KERNEL
+
+// Output columns of a 32-column group come out of the unpacks as lanes (0-3, 8-11, 16-19,
+// 24-27) and (4-7, 12-15, 20-23, 28-31); these indices put them back in order.
+BF16_TARGET inline void StoreGroup(float* out, __m512 lo, __m512 hi, int64_t valid) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 a = _mm512_permutex2var_ps(lo, first, hi);
+  __m512 b = _mm512_permutex2var_ps(lo, second, hi);
+  if (valid >= 32) {
+    _mm512_storeu_ps(out, a);
+    _mm512_storeu_ps(out + 16, b);
+    return;
+  }
+  const __mmask16 ma = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 mb = valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  _mm512_mask_storeu_ps(out, ma, a);
+  _mm512_mask_storeu_ps(out + 16, mb, b);
+}
+
+// One k-pair step of an MR x NG tile: the weight rows r0 (k) and r1 (k + 1) interleaved
+// into pairs, times the rows' broadcast (x[m, k], x[m, k + 1]) pairs.
+template <int MR, int NG, bool kMasked>
+BF16_TARGET inline void Step(__m512 (&acc)[MR][NG][2], const __m512i (&a)[MR], const uint16_t* r0,
+                             const uint16_t* r1, __mmask32 tail) {
+  for (int g = 0; g < NG; ++g) {
+    __m512i w0, w1;
+    if (kMasked && g == NG - 1) {
+      w0 = _mm512_maskz_loadu_epi16(tail, r0 + 32 * g);
+      w1 = r1 ? _mm512_maskz_loadu_epi16(tail, r1 + 32 * g) : _mm512_setzero_si512();
+    } else {
+      w0 = _mm512_loadu_si512(r0 + 32 * g);
+      w1 = r1 ? _mm512_loadu_si512(r1 + 32 * g) : _mm512_setzero_si512();
+    }
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
+    const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
+    for (int m = 0; m < MR; ++m) {
+      acc[m][g][0] = _mm512_dpbf16_ps(acc[m][g][0], lo, (__m512bh)a[m]);
+      acc[m][g][1] = _mm512_dpbf16_ps(acc[m][g][1], hi, (__m512bh)a[m]);
+    }
+  }
+}
+
+// MR rows x NG groups of 32 columns, starting at column n0; ``last_valid`` columns of the
+// last group exist (1-32). Accumulators stay in registers for the whole k loop.
+template <int MR, int NG, bool kMasked>
+BF16_TARGET void TileImpl(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N,
+                          float* out, int64_t n0, int64_t last_valid) {
+  __m512 acc[MR][NG][2];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm512_setzero_ps();
+  const __mmask32 tail = last_valid >= 32 ? ~0u : ((1u << last_valid) - 1);
+  const uint16_t* r0 = w + n0;
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2, r0 += 2 * N) {
+    __m512i a[MR];
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + k, sizeof pair);
+      a[m] = _mm512_set1_epi32(pair);
+    }
+    Step<MR, NG, kMasked>(acc, a, r0, r0 + N, tail);
+  }
+  if (k < K) {  // odd K: the last k pairs with a zero
+    __m512i a[MR];
+    for (int m = 0; m < MR; ++m) a[m] = _mm512_set1_epi32(x[m * K + k]);
+    Step<MR, NG, kMasked>(acc, a, r0, nullptr, tail);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g)
+      StoreGroup(out + m * N + n0 + 32 * g, acc[m][g][0], acc[m][g][1],
+                 g == NG - 1 ? last_valid : 32);
+}
+
+template <int MR, int NG>
+BF16_TARGET void Tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, float* out,
+                      int64_t n0, int64_t last_valid) {
+  if (last_valid >= 32) {
+    TileImpl<MR, NG, false>(x, K, w, N, out, n0, 32);
+  } else {
+    TileImpl<MR, NG, true>(x, K, w, N, out, n0, last_valid);
+  }
+}
+
+// Rows [0, M) of one column tile (NG groups from n0): blocks of MR rows, then what is
+// left in blocks of MR / 2, MR / 4, ... (the same NG), down to single rows.
+template <int MR, int NG>
+BF16_TARGET void Rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                      float* out, int64_t n0, int64_t last_valid) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) Tile<MR, NG>(x + m * K, K, w, N, out + m * N, n0, last_valid);
+  if constexpr (MR > 1) {
+    if (m < M) Rows<MR / 2, NG>(x + m * K, M - m, K, w, N, out + m * N, n0, last_valid);
+  }
+}
+
+// Columns [n0, n1) of every row, in tiles of NG groups of 32 columns; a narrower last
+// tile goes one group at a time. Each tile's slice of the weight is read by every row
+// block in turn while it is still in cache.
+template <int MR, int NG>
+BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                       float* out, int64_t n0, int64_t n1) {
+  int64_t c = n0;
+  for (; c + 32 * NG <= n1; c += 32 * NG) Rows<MR, NG>(x, M, K, w, N, out, c, 32);
+  for (; c < n1; c += 32) Rows<MR, 1>(x, M, K, w, N, out, c, std::min<int64_t>(32, n1 - c));
+}
+
+struct MatmulJob {
+  const uint16_t* x;
+  const uint16_t* w;
+  float* out;
+  int64_t M, K, N;
+  int64_t groups;     // ceil(N / 32)
+  int64_t num_units;  // contiguous, balanced ranges of groups
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // The tile shape by rows: wide for few rows (the weight streams in long runs, the
+  // bandwidth-bound decode), tall for many (each weight load feeds more rows).
+  BF16_TARGET void Unit(int64_t u) const {
+    const int64_t n0 = 32 * (u * groups / num_units);
+    const int64_t n1 = std::min(N, 32 * ((u + 1) * groups / num_units));
+    if (M == 1) {
+      Panel<1, 8>(x, M, K, w, N, out, n0, n1);
+    } else if (M <= 3) {
+      Panel<2, 4>(x, M, K, w, N, out, n0, n1);
+    } else if (M <= 7) {
+      Panel<4, 2>(x, M, K, w, N, out, n0, n1);
+    } else {
+      Panel<6, 2>(x, M, K, w, N, out, n0, n1);
+    }
+  }
+
+  void Work() {
+    for (int64_t u; (u = next.fetch_add(1)) < num_units;) {
+      Unit(u);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+#endif  // SUPERINFER_HAVE_BF16_KERNEL
+
+bool CpuSupported() {
+#if SUPERINFER_HAVE_BF16_KERNEL
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("bf16_matmul: x must be [M, K] and w [K, N]");
+  }
+#if SUPERINFER_HAVE_BF16_KERNEL
+  static const bool supported = CpuSupported();
+  if (!supported) return ffi::Error::Internal("bf16_matmul: this CPU lacks AVX512-BF16");
+  auto job = std::make_shared<MatmulJob>();
+  job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  job->w = reinterpret_cast<const uint16_t*>(w.typed_data());
+  job->out = out->typed_data();
+  job->M = xd[0];
+  job->K = xd[1];
+  job->N = wd[1];
+  if (job->M == 0 || job->N == 0) return ffi::Error::Success();
+  if (job->K == 0) {
+    std::memset(job->out, 0, sizeof(float) * job->M * job->N);
+    return ffi::Error::Success();
+  }
+  // One unit per worker (the caller plus XLA's intra-op threads): equal column ranges.
+  const int64_t workers = 1 + std::max<int64_t>(0, thread_pool.num_threads() - 1);
+  job->groups = (job->N + 31) / 32;
+  job->num_units = std::min(job->groups, workers);
+  for (int64_t h = 0; h + 1 < std::min(job->num_units, workers); ++h)
+    thread_pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->num_units) std::this_thread::yield();
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("bf16_matmul: built without the AVX512-BF16 kernel");
+#endif
+}
+
+}  // namespace
+
+// 1 where this CPU can run the kernel, else 0 (ctypes, before any program is traced).
+extern "C" int SuperinferBf16MatmulSupported() { return CpuSupported() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferBf16Matmul, Bf16MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
