@@ -58,22 +58,31 @@ def _dot_acc32(x2: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x2, w, preferred_element_type=jnp.float32)[:rows]
 
 
-def matmul(x: jax.Array, w: jax.Array, acc32: Acc32) -> jax.Array:
-    """``x @ w`` for x [..., in], w [in, out].
+def matmuls(x: jax.Array, ws: list[jax.Array], acc32: Acc32) -> list[jax.Array]:
+    """``[x @ w for w in ws]`` for x [..., in], each w [in, out_i]: the weights that read
+    the same activations (q, k and v; gate and up), in one native call under ``NATIVE``.
 
-    ``acc32`` (``Acc32``): truthy for operands in w's dtype with float32 accumulation and
-    result. ``NATIVE`` sends every shape to the native kernel on CPU, never only some: its
-    sums run in one fixed order per output, so a row's bits do not depend on how many rows
-    share the step, and mixing it with XLA's dot by shape would lose that."""
+    ``acc32`` (``Acc32``): truthy for operands in the weights' dtype with float32
+    accumulation and result. ``NATIVE`` sends every shape to the native kernel on CPU,
+    never only some: its sums run in one fixed order per output, so a row's bits do not
+    depend on how many rows share the step, and mixing it with XLA's dot by shape would
+    lose that."""
     if not acc32:
-        return x @ w
+        return [x @ w for w in ws]
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, x.shape[-1]).astype(w.dtype)
+    x2 = x.reshape(rows, x.shape[-1]).astype(ws[0].dtype)
     if acc32 == NATIVE:
-        out = jax.lax.platform_dependent(x2, w, cpu=native.bf16_matmul, default=_dot_acc32)
+        outs = jax.lax.platform_dependent(
+            x2, *ws, cpu=lambda x2, *ws: native.bf16_matmuls(x2, ws),
+            default=lambda x2, *ws: [_dot_acc32(x2, w) for w in ws])
     else:
-        out = _dot_acc32(x2, w)
-    return out.reshape(*lead, w.shape[-1])
+        outs = [_dot_acc32(x2, w) for w in ws]
+    return [out.reshape(*lead, w.shape[-1]) for out, w in zip(outs, ws, strict=True)]
+
+
+def matmul(x: jax.Array, w: jax.Array, acc32: Acc32) -> jax.Array:
+    """``x @ w`` for x [..., in], w [in, out] (``matmuls`` with one weight)."""
+    return matmuls(x, [w], acc32)[0]
 
 
 def _gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
@@ -125,7 +134,7 @@ class Attention(nnx.Module):
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
                  mesh: Mesh | None = None, acc32: Acc32 = False):
         b, c, _ = x.shape
-        q, k, v = (matmul(x, w[...], acc32) for w in (self.wq, self.wk, self.wv))
+        q, k, v = matmuls(x, [self.wq[...], self.wk[...], self.wv[...]], acc32)
         if self.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = apply_rope(q.reshape(b, c, self.num_heads, self.head_dim), inputs.positions, inv_freq)
@@ -149,7 +158,7 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), dtype)  # [ffn, hidden]
 
     def __call__(self, x, acc32: Acc32 = False):
-        gate, up = matmul(x, self.w_gate[...], acc32), matmul(x, self.w_up[...], acc32)
+        gate, up = matmuls(x, [self.w_gate[...], self.w_up[...]], acc32)
         return matmul(jax.nn.silu(gate) * up, self.w_down[...], acc32)
 
 

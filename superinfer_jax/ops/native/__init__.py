@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -184,14 +185,27 @@ def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array
     return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, out)()
 
 
+MAX_MATMUL_WEIGHTS = 4  # kMaxWeights in bf16_matmul.cc
+
+
+def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
+    """``[x @ w for w in weights]`` for bfloat16 x [M, K] and 1-4 bfloat16 w [K, N_i],
+    float32 results [M, N_i], in one custom call (``bf16_matmul.cc``): the threads split
+    every weight's columns at once, one wait per call. Each output is one float32 sum over
+    k in increasing pairs, whatever M, so a row's bits never depend on its batch. CPU only:
+    call it from a ``jax.lax.platform_dependent`` branch after ``bf16_matmul_available()``.
+    """
+    if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
+        raise ValueError(f"bf16_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
+    for w in weights:
+        if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+            raise ValueError(f"bf16_matmul: x {x.shape} and w {w.shape} do not chain")
+        if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+            raise ValueError(f"bf16_matmul: x and w must be bfloat16, got {x.dtype}, {w.dtype}")
+    outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), np.float32) for w in weights]
+    return list(jax.ffi.ffi_call(BF16_MATMUL_TARGET, outs)(x, *weights))
+
+
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` for bfloat16 x [M, K] and w [K, N], float32 result [M, N], through the
-    custom call (``bf16_matmul.cc``): each output is one float32 sum over k in increasing
-    pairs, whatever M, so a row's bits never depend on its batch. CPU only: call it from
-    a ``jax.lax.platform_dependent`` branch after ``bf16_matmul_available()``."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"bf16_matmul: x {x.shape} and w {w.shape} do not chain")
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"bf16_matmul: x and w must be bfloat16, got {x.dtype}, {w.dtype}")
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), np.float32)
-    return jax.ffi.ffi_call(BF16_MATMUL_TARGET, out)(x, w)
+    """``x @ w`` through ``bf16_matmuls`` (one weight)."""
+    return bf16_matmuls(x, [w])[0]

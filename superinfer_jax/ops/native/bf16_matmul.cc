@@ -14,8 +14,9 @@
 // batch size, prefill chunk, padding) and whatever the thread count. Mixing this kernel
 // with XLA's dot for some M would break that, so where it is used it is used for every M.
 //
-//   x   [M, K] bf16     w [K, N] bf16 (row-major, as the checkpoint stores [in, out])
-//   out [M, N] f32
+//   x   [M, K] bf16     w_i [K, N_i] bf16 (row-major, as the checkpoint stores [in, out]),
+//                       1 to 4 of them (a layer's q, k, v in one call)
+//   out_i [M, N_i] f32
 //
 // Only CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) run it:
 // ``SuperinferBf16MatmulSupported`` says whether this one does, and callers fall back to
@@ -43,7 +44,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Up to this many weights share one call (a layer's q, k and v; gate and up).
+constexpr int kMaxWeights = 4;
+
 #if SUPERINFER_HAVE_BF16_KERNEL
+
+// How many weight rows ahead a tile asks for: its 64-512-byte pieces of rows N elements
+// apart are too short a run for the hardware prefetchers (about 5% at one row, measured).
+constexpr int64_t kPrefetchRows = 8;
 
 // Output columns of a 32-column group come out of the unpacks as lanes (0-3, 8-11, 16-19,
 // 24-27) and (4-7, 12-15, 20-23, 28-31); these indices put them back in order.
@@ -99,6 +107,15 @@ BF16_TARGET void TileImpl(const uint16_t* x, int64_t K, const uint16_t* w, int64
   const uint16_t* r0 = w + n0;
   int64_t k = 0;
   for (; k + 2 <= K; k += 2, r0 += 2 * N) {
+    if (kPrefetchRows > 0 && k + kPrefetchRows + 1 < K) {
+      // The tile reads 64-byte pieces of rows N elements apart, too short a run for the
+      // hardware prefetchers to follow: ask for the rows a few k ahead.
+      const uint16_t* ahead = r0 + kPrefetchRows * N;
+      for (int g = 0; g < NG; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * g), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + 32 * g), _MM_HINT_T0);
+      }
+    }
     __m512i a[MR];
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -153,27 +170,40 @@ BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 
 struct MatmulJob {
   const uint16_t* x;
-  const uint16_t* w;
-  float* out;
-  int64_t M, K, N;
-  int64_t groups;     // ceil(N / 32)
-  int64_t num_units;  // contiguous, balanced ranges of groups
+  int64_t M, K;
+  int num_weights;
+  const uint16_t* w[kMaxWeights];
+  float* out[kMaxWeights];
+  int64_t N[kMaxWeights];
+  int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
+  int64_t num_units;                     // contiguous, balanced ranges of those groups
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // The tile shape by rows: wide for few rows (the weight streams in long runs, the
-  // bandwidth-bound decode), tall for many (each weight load feeds more rows).
-  BF16_TARGET void Unit(int64_t u) const {
-    const int64_t n0 = 32 * (u * groups / num_units);
-    const int64_t n1 = std::min(N, 32 * ((u + 1) * groups / num_units));
+  // Columns [n0, n1) of weight i. The tile shape by rows: wide for few rows (the weight
+  // streams in long runs, the bandwidth-bound decode), tall for many (each weight load
+  // feeds more rows).
+  BF16_TARGET void Columns(int i, int64_t n0, int64_t n1) const {
     if (M == 1) {
-      Panel<1, 8>(x, M, K, w, N, out, n0, n1);
+      Panel<1, 8>(x, M, K, w[i], N[i], out[i], n0, n1);
     } else if (M <= 3) {
-      Panel<2, 4>(x, M, K, w, N, out, n0, n1);
+      Panel<2, 4>(x, M, K, w[i], N[i], out[i], n0, n1);
     } else if (M <= 7) {
-      Panel<4, 2>(x, M, K, w, N, out, n0, n1);
+      Panel<4, 2>(x, M, K, w[i], N[i], out[i], n0, n1);
     } else {
-      Panel<6, 2>(x, M, K, w, N, out, n0, n1);
+      Panel<8, 1>(x, M, K, w[i], N[i], out[i], n0, n1);
+    }
+  }
+
+  // Unit u: groups [g0, g1) of all weights' groups end to end, weight by weight.
+  BF16_TARGET void Unit(int64_t u) const {
+    const int64_t total = first_group[num_weights];
+    const int64_t g0 = u * total / num_units, g1 = (u + 1) * total / num_units;
+    for (int i = 0; i < num_weights; ++i) {
+      const int64_t lo = std::max(g0, first_group[i]), hi = std::min(g1, first_group[i + 1]);
+      if (lo < hi) {
+        Columns(i, 32 * (lo - first_group[i]), std::min(N[i], 32 * (hi - first_group[i])));
+      }
     }
   }
 
@@ -197,34 +227,53 @@ bool CpuSupported() {
 #endif
 }
 
+// x [M, K] times each of the weights w_i [K, N_i], into out_i [M, N_i]: one call for the
+// weights that read the same x, so the threads split all their columns at once (one wait
+// instead of one per weight, and small weights no longer run on half the threads).
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
-                          ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                          ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument("bf16_matmul: x must be [M, K] and w [K, N]");
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("bf16_matmul: x must be [M, K]");
+  if (weights.size() == 0 || weights.size() > kMaxWeights || weights.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("bf16_matmul: 1-4 weights, one output each");
   }
 #if SUPERINFER_HAVE_BF16_KERNEL
   static const bool supported = CpuSupported();
   if (!supported) return ffi::Error::Internal("bf16_matmul: this CPU lacks AVX512-BF16");
   auto job = std::make_shared<MatmulJob>();
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  job->w = reinterpret_cast<const uint16_t*>(w.typed_data());
-  job->out = out->typed_data();
   job->M = xd[0];
   job->K = xd[1];
-  job->N = wd[1];
-  if (job->M == 0 || job->N == 0) return ffi::Error::Success();
+  job->num_weights = static_cast<int>(weights.size());
+  job->first_group[0] = 0;
+  for (int i = 0; i < job->num_weights; ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::BF16>>(i);
+    auto o = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !o.has_value()) {
+      return ffi::Error::InvalidArgument("bf16_matmul: weights must be bfloat16, outputs float32");
+    }
+    auto wd = w->dimensions();
+    auto od = (*o)->dimensions();
+    if (wd.size() != 2 || wd[0] != job->K || od.size() != 2 || od[0] != job->M ||
+        od[1] != wd[1]) {
+      return ffi::Error::InvalidArgument("bf16_matmul: w must be [K, N] and out [M, N]");
+    }
+    job->w[i] = reinterpret_cast<const uint16_t*>(w->typed_data());
+    job->out[i] = (*o)->typed_data();
+    job->N[i] = wd[1];
+    job->first_group[i + 1] = job->first_group[i] + (wd[1] + 31) / 32;
+  }
+  const int64_t total = job->first_group[job->num_weights];
+  if (job->M == 0 || total == 0) return ffi::Error::Success();
   if (job->K == 0) {
-    std::memset(job->out, 0, sizeof(float) * job->M * job->N);
+    for (int i = 0; i < job->num_weights; ++i)
+      std::memset(job->out[i], 0, sizeof(float) * job->M * job->N[i]);
     return ffi::Error::Success();
   }
   // One unit per worker (the caller plus XLA's intra-op threads): equal column ranges.
   const int64_t workers = 1 + std::max<int64_t>(0, thread_pool.num_threads() - 1);
-  job->groups = (job->N + 31) / 32;
-  job->num_units = std::min(job->groups, workers);
-  for (int64_t h = 0; h + 1 < std::min(job->num_units, workers); ++h)
-    thread_pool.Schedule([job] { job->Work(); });
+  job->num_units = std::min(total, workers);
+  for (int64_t h = 0; h + 1 < job->num_units; ++h) thread_pool.Schedule([job] { job->Work(); });
   job->Work();
   while (job->done.load(std::memory_order_acquire) < job->num_units) std::this_thread::yield();
   return ffi::Error::Success();
@@ -242,5 +291,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
