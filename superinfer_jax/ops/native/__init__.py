@@ -1,11 +1,13 @@
-"""Native CPU memory ops as typed XLA FFI custom calls, compiled from C++ source here.
+"""Native CPU ops as typed XLA FFI custom calls, compiled from C++ source here.
 
 Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves (about 5 GB/s),
 and the paged attention's page gather was most of a batch-32 decode step's attention
 (see ``kv_gather.cc``). A memcpy per head-row, in the order the pool stores them, on the
-caller's and XLA's intra-op threads, is the same bytes at memory speed. And XLA fills a
+caller's and XLA's intra-op threads, is the same bytes at memory speed. XLA fills a
 zeroed KV pool by faulting in and writing every page of it, seconds of a server's start
-for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``).
+for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``). And XLA's
+bfloat16 dot streamed a decode step's weights at about half the memory's speed
+(``bf16_matmul.cc``, AVX512-BF16 CPUs only; batch-invariant by construction).
 
 The library is built from the ``.cc`` files here with the system C++ compiler (``$CXX``,
 else ``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
@@ -14,13 +16,15 @@ under ``$SUPERINFER_NATIVE_CACHE`` (default ``~/.cache/superinfer_jax/native``),
 a hash of the source, the compile command and jaxlib's version, and written to a
 temporary file then renamed, so parallel builders (test workers) never load half a file.
 No flag targets the build CPU: memcpy is glibc's, which picks its code per CPU at run
-time, so a cache copied to another x86-64 machine still runs.
+time, and the matmul's AVX512-BF16 functions are compiled by attribute and called only
+where the CPU reports that ISA, so a cache copied to another x86-64 machine still runs.
 
 Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
-callers use their plain-XLA paths (byte-identical results, slower); the reason is logged
-once. Only the CPU platform gets the custom calls: the gather's callers select it with
-``jax.lax.platform_dependent``, so a program lowered for CUDA never contains it, and the
-pool's lazy zeros are used only when the pool's device is a CPU.
+callers use their plain-XLA paths (byte-identical results for the gather and the zeros,
+equal to float32 rounding for the matmul; slower); the reason is logged once. Only the
+CPU platform gets the custom calls: the gather's and the matmul's callers select them
+with ``jax.lax.platform_dependent``, so a program lowered for CUDA never contains them,
+and the pool's lazy zeros are used only when the pool's device is a CPU.
 """
 
 from __future__ import annotations

@@ -67,6 +67,21 @@ def test_a_rows_bits_do_not_depend_on_its_batch(m: int, k: int, n: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_one_call_for_several_weights_equals_one_call_each(m: int) -> None:
+    """A layer's q, k and v (or gate and up) in one call: the threads split all their
+    columns together, and every output keeps the bits of its own call."""
+    x, _ = _operands(m, 96, 1)
+    rng = np.random.default_rng(5)
+    ws = [jnp.asarray(rng.standard_normal((96, n), np.float32), jnp.bfloat16)
+          for n in (96, 33, 32, 200)]
+    grouped = jax.jit(native.bf16_matmuls)(x, ws)
+    assert [g.shape for g in grouped] == [(m, w.shape[1]) for w in ws]
+    for g, w in zip(grouped, ws, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.jit(native.bf16_matmul)(x, w)))
+
+
+@needs_kernel
 def test_model_matmul_takes_the_kernel_on_cpu_only() -> None:
     x = jnp.ones((3, 1, 64), jnp.float32)
     w = jnp.ones((64, 32), jnp.bfloat16)
@@ -85,6 +100,8 @@ def test_bad_operands_name_the_problem() -> None:
         native.bf16_matmul(jnp.ones((2, 4), jnp.float32), jnp.ones((4, 3), jnp.bfloat16))
     with pytest.raises(ValueError, match="do not chain"):
         native.bf16_matmul(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((5, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="1 to 4 weights"):
+        native.bf16_matmuls(jnp.ones((2, 4), jnp.bfloat16), [jnp.ones((4, 3), jnp.bfloat16)] * 5)
 
 
 # A tiny Llama whose weights have shapes no activation has; bfloat16, so on CPU every
