@@ -68,13 +68,35 @@ def paged_attention(
     masks half as many padding keys past the context while the loop's per-block cost
     stays small.
 
-    ``gather_impl``: ``"auto"`` (the native gather on CPU where available, else XLA's) or
-    ``"xla"`` (XLA's everywhere: the reference the native one is tested against).
+    ``gather_impl``: ``"auto"`` (the native ops on CPU where available, else XLA's) or
+    ``"xla"`` (XLA's everywhere: the reference the native ones are tested against). With
+    ``"auto"``, a decode step (one query column, float32 q and pool, no soft cap) on CPU
+    skips the block loop for ``native.decode_attention``: each row reads its own pages
+    once, up to its own context, with the softmax state in registers (the loop's dozen
+    thunks per block of pages were most of a batch-1 step's attention, and a batch-32
+    step padded every row to the longest context). It sums in 16-token chunks, so it
+    equals the loop to float32 rounding, not bit for bit.
     """
     if gather_impl not in ("auto", "xla"):
         raise ValueError(f"gather_impl must be 'auto' or 'xla', got {gather_impl!r}")
     if gather_impl == "auto" and not native.available():
         gather_impl = "xla"
+    if (gather_impl == "auto" and q.shape[1] == 1 and soft_cap is None
+            and q.dtype == kv_pool.dtype == jnp.float32
+            and q.shape[3] in native.DECODE_ATTENTION_HEAD_DIMS
+            and native.decode_attention_available()):
+        # Decode on CPU: the native kernel, each row over its own context only.
+        def native_decode(q, kv_pool, page_tables, context_lens):
+            return native.decode_attention(q[:, 0], kv_pool, page_tables, context_lens, layer,
+                                           scale)[:, None]
+
+        def xla_decode(q, kv_pool, page_tables, context_lens):
+            return paged_attention(q, kv_pool, layer, page_tables, context_lens, query_lens,
+                                   scale=scale, pages_per_block=pages_per_block,
+                                   soft_cap=soft_cap, gather_impl="xla")
+
+        return jax.lax.platform_dependent(q, kv_pool, page_tables, context_lens,
+                                          cpu=native_decode, default=xla_decode)
     batch, cols, num_heads, head_dim = q.shape
     if pages_per_block is None:
         pages_per_block = 4 if cols == 1 else 8

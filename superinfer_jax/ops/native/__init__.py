@@ -50,12 +50,15 @@ from superinfer_jax.local_cache import cache_root, switched_on
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc"))
+                for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
+                             "decode_attention.cc"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
+DECODE_ATTENTION_TARGET = "superinfer_decode_attention"
 _TARGETS = {KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
-            BF16_MATMUL_TARGET: "SuperinferBf16Matmul"}
+            BF16_MATMUL_TARGET: "SuperinferBf16Matmul",
+            DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
 _CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
@@ -115,6 +118,7 @@ def build() -> Path:
 
 
 _bf16_supported = False
+_attention_supported = False
 
 
 @functools.cache
@@ -133,10 +137,12 @@ def _register() -> str | None:
         return None
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    global _bf16_supported
+    global _bf16_supported, _attention_supported
     _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
-    log.info("native CPU ops: %s (bfloat16 matmul: %s)", path,
-             "AVX512-BF16" if _bf16_supported else "off, this CPU lacks AVX512-BF16")
+    _attention_supported = bool(library.SuperinferDecodeAttentionSupported())
+    log.info("native CPU ops: %s (bfloat16 matmul: %s; decode attention: %s)", path,
+             "AVX512-BF16" if _bf16_supported else "off, this CPU lacks AVX512-BF16",
+             "AVX-512" if _attention_supported else "off, this CPU lacks AVX-512")
     return str(path)
 
 
@@ -151,6 +157,15 @@ def bf16_matmul_available() -> bool:
     return _register() is not None and _bf16_supported
 
 
+def decode_attention_available() -> bool:
+    """Whether ``decode_attention`` may be used: the ops are registered and this CPU has
+    AVX-512F."""
+    return _register() is not None and _attention_supported
+
+
+DECODE_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
 def fingerprint() -> str:
     """What a compiled program using these ops depends on, for executable caches: the
     library file and whether the bfloat16 matmul is used, or ``off``. Registers the custom
@@ -158,7 +173,8 @@ def fingerprint() -> str:
     path = _register()
     if not path:
         return "off"
-    return Path(path).name + ("+bf16mm" if _bf16_supported else "")
+    return (Path(path).name + ("+bf16mm" if _bf16_supported else "")
+            + ("+attn" if _attention_supported else ""))
 
 
 def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -213,3 +229,28 @@ def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` through ``bf16_matmuls`` (one weight)."""
     return bf16_matmuls(x, [w])[0]
+
+
+def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,
+                     context_lens: jax.Array, layer: int, scale: float) -> jax.Array:
+    """One query token per row against its paged keys and values, through the custom call
+    (``decode_attention.cc``): q [B, H, D] float32, pool [N, L, 2, S, K, D] float32,
+    page_tables [B, P] (clamped to [0, N)), context_lens [B] (keys [0, len) are visible;
+    the row's own new key included) -> [B, H, D] float32; a row with no context gives
+    zeros. Each row alone, so its result does not depend on the batch. CPU only: call it
+    from a ``jax.lax.platform_dependent`` branch after ``decode_attention_available()``."""
+    batch, heads, head_dim = q.shape
+    _, num_layers, two, _, kv_heads, pool_dim = pool.shape
+    if two != 2 or pool_dim != head_dim or heads % kv_heads or not 0 <= layer < num_layers:
+        raise ValueError(f"decode_attention: q {q.shape}, pool {pool.shape} and layer {layer} "
+                         "do not match")
+    if head_dim not in DECODE_ATTENTION_HEAD_DIMS:
+        raise ValueError(f"decode_attention: head_dim {head_dim} not in "
+                         f"{DECODE_ATTENTION_HEAD_DIMS}")
+    if q.dtype != jnp.float32 or pool.dtype != jnp.float32:
+        raise ValueError(f"decode_attention: q and pool must be float32, got {q.dtype}, "
+                         f"{pool.dtype}")
+    out = jax.ShapeDtypeStruct(q.shape, np.float32)
+    call = jax.ffi.ffi_call(DECODE_ATTENTION_TARGET, out)
+    return call(q, pool, page_tables.astype(np.int32), context_lens.astype(np.int32),
+                layer=np.int64(layer), scale=np.float32(scale))
