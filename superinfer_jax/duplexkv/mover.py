@@ -113,6 +113,9 @@ import numpy as np
 
 from superinfer_jax.config import COPY_MODES
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
+from superinfer_jax.ops import native
+
+NATIVE_PAGE_COPIES = True  # A/B switch for benchmarks: fused mode's copies through page_copy.cc
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
 HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write host pages
@@ -148,11 +151,24 @@ def _scatter(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...]) -> j
     return pool
 
 
+def _gather_host(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
+    """Fused mode's gather: on CPU with the native ops, one streaming copy per page
+    (``native.gather_pages``), else XLA's slices."""
+    if not NATIVE_PAGE_COPIES or not native.available():
+        return _gather(pool, ids)
+    return jax.lax.platform_dependent(pool, ids, cpu=native.gather_pages, default=_gather)
+
+
 def _scatter_from_host(pool: jax.Array, ids: jax.Array,
                        pages: tuple[jax.Array, ...]) -> jax.Array:
     # The host pages enter the program in host memory; moving each to the device here is
     # what lets XLA:CPU copy it once, straight into the pool (fused mode).
-    return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
+    pages = tuple(jax.device_put(p.astype(pool.dtype), jax.memory.Space.Device) for p in pages)
+    if not NATIVE_PAGE_COPIES or not native.available():
+        return _scatter(pool, ids, pages)
+    return jax.lax.platform_dependent(
+        pool, ids, *pages, cpu=lambda pool, ids, *pages: native.scatter_pages(pool, ids, pages),
+        default=lambda pool, ids, *pages: _scatter(pool, ids, pages))
 
 
 def land_in_step(pool: jax.Array, in_ids: jax.Array,
@@ -201,7 +217,7 @@ class PageMover:
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
         fused = self.host_operands
         gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
-        self._gather = jax.jit(_gather, out_shardings=gather_out)
+        self._gather = jax.jit(_gather_host if fused else _gather, out_shardings=gather_out)
         self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
                                 out_shardings=pool_sharding or (
                                     device_sharding if fused else None))

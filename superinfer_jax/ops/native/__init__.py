@@ -51,12 +51,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
-                             "decode_attention.cc"))
+                             "decode_attention.cc", "page_copy.cc"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
 DECODE_ATTENTION_TARGET = "superinfer_decode_attention"
-_TARGETS = {KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
+PAGE_GATHER_TARGET = "superinfer_page_gather"
+PAGE_SCATTER_TARGET = "superinfer_page_scatter"
+_TARGETS = {PAGE_GATHER_TARGET: "SuperinferPageGather",
+            PAGE_SCATTER_TARGET: "SuperinferPageScatter",
+            KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
             BF16_MATMUL_TARGET: "SuperinferBf16Matmul",
             DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -254,3 +258,30 @@ def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,
     call = jax.ffi.ffi_call(DECODE_ATTENTION_TARGET, out)
     return call(q, pool, page_tables.astype(np.int32), context_lens.astype(np.int32),
                 layer=np.int64(layer), scale=np.float32(scale))
+
+
+def gather_pages(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
+    """``tuple(pool[ids[i]] for i)`` (ids [B], clamped to [0, N)) through the custom call
+    (``page_copy.cc``): one streaming copy per page, byte-exact. CPU only: call it from a
+    ``jax.lax.platform_dependent`` branch after ``available()``."""
+    if ids.ndim != 1:
+        raise ValueError(f"gather_pages: ids must be [B], got {ids.shape}")
+    page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype)
+    call = jax.ffi.ffi_call(PAGE_GATHER_TARGET, [page] * ids.shape[0])
+    return tuple(call(pool, ids.astype(np.int32)))
+
+
+def scatter_pages(pool: jax.Array, ids: jax.Array, pages: Sequence[jax.Array]) -> jax.Array:
+    """``pool`` with ``pool[ids[i]] = pages[i]`` (ids clamped; a repeated id: the later
+    page wins), in place (the result aliases ``pool``: donate it), through the custom call
+    (``page_copy.cc``): one streaming copy per page, byte-exact. CPU only: call it from a
+    ``jax.lax.platform_dependent`` branch after ``available()``."""
+    if ids.ndim != 1 or ids.shape[0] != len(pages):
+        raise ValueError(f"scatter_pages: {ids.shape} ids for {len(pages)} pages")
+    for page in pages:
+        if page.shape != pool.shape[1:] or page.dtype != pool.dtype:
+            raise ValueError(f"scatter_pages: page {page.shape} {page.dtype} is not a page of "
+                             f"pool {pool.shape} {pool.dtype}")
+    call = jax.ffi.ffi_call(PAGE_SCATTER_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                            input_output_aliases={0: 0})
+    return call(pool, ids.astype(np.int32), *pages)
