@@ -88,6 +88,15 @@ memmove custom call (0.67 ms less on the ``--quick`` row's added 4.85 ms, 1.12 m
 on the full row's 10.03 ms: still 2.8x the floor, and only through the untyped
 custom-call API, which XLA:CPU reports as deprecated).
 
+Since then (session 19), fused mode's two programs call ``native.gather_pages`` and
+``native.scatter_pages`` on CPU (``ops/native/page_copy.cc``, typed FFI): one copy per
+page with non-temporal stores, split over the intra-op threads, byte-exact. In the
+duplex overlap row (idle box, full row, 32 pages each way) the rotation's copy calls took
+3.7-4.1 ms against 5.1-5.4 ms through XLA's loops; the step after a rotation varied by
++-3 ms between runs either way, so the added time per rotating step (4.7-6.5 ms native,
+2.7-8.1 ms XLA, floor 3.4-4.2 ms) does not yet show the gain reliably.
+``NATIVE_PAGE_COPIES`` (module flag) switches them off for A/B runs.
+
 Why the step gathers last: a gather of the pool the step *received* is unordered, in the
 dataflow, with the step's in-place writes of that pool, and XLA:CPU then copies the
 whole donated pool twice per step to keep them apart (``optimization_barrier`` did not
@@ -115,7 +124,7 @@ from superinfer_jax.config import COPY_MODES
 from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
 from superinfer_jax.ops import native
 
-NATIVE_PAGE_COPIES = True  # A/B switch for benchmarks: fused mode's copies through page_copy.cc
+NATIVE_PAGE_COPIES = True  # fused mode's copies through page_copy.cc on CPU (off: XLA's)
 
 MAX_BUCKET_PAGES = 64  # pages per staging batch: 128 MiB of Llama-3-8B pages
 HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write host pages
