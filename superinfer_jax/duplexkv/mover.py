@@ -160,11 +160,10 @@ def _scatter(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...]) -> j
     return pool
 
 
-def _gather_host(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
-    """Fused mode's gather: on CPU with the native ops, one streaming copy per page
-    (``native.gather_pages``), else XLA's slices."""
-    if not NATIVE_PAGE_COPIES or not native.available():
-        return _gather(pool, ids)
+def _gather_native(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
+    """``_gather`` as one streaming copy per page on CPU (``native.gather_pages``); XLA's
+    slices elsewhere. One device only: a custom call has no sharding rule, and on a
+    sharded pool the partitioner would gather the pool to run it."""
     return jax.lax.platform_dependent(pool, ids, cpu=native.gather_pages, default=_gather)
 
 
@@ -172,9 +171,14 @@ def _scatter_from_host(pool: jax.Array, ids: jax.Array,
                        pages: tuple[jax.Array, ...]) -> jax.Array:
     # The host pages enter the program in host memory; moving each to the device here is
     # what lets XLA:CPU copy it once, straight into the pool (fused mode).
+    return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
+
+
+def _scatter_from_host_native(pool: jax.Array, ids: jax.Array,
+                              pages: tuple[jax.Array, ...]) -> jax.Array:
+    """``_scatter_from_host`` as one streaming copy per page on CPU
+    (``native.scatter_pages``, in place); one device only, as ``_gather_native``."""
     pages = tuple(jax.device_put(p.astype(pool.dtype), jax.memory.Space.Device) for p in pages)
-    if not NATIVE_PAGE_COPIES or not native.available():
-        return _scatter(pool, ids, pages)
     return jax.lax.platform_dependent(
         pool, ids, *pages, cpu=lambda pool, ids, *pages: native.scatter_pages(pool, ids, pages),
         default=lambda pool, ids, *pages: _scatter(pool, ids, pages))
@@ -226,10 +230,16 @@ class PageMover:
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
         fused = self.host_operands
         gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
-        self._gather = jax.jit(_gather_host if fused else _gather, out_shardings=gather_out)
-        self._scatter = jax.jit(_scatter_from_host if fused else _scatter, donate_argnums=(0,),
-                                out_shardings=pool_sharding or (
-                                    device_sharding if fused else None))
+        # Fused copies through the native custom calls on one device (not under TP: see
+        # _gather_native).
+        self.native_copies = (fused and pool_sharding is None and NATIVE_PAGE_COPIES
+                              and native.available())
+        gather = _gather_native if self.native_copies else _gather
+        scatter = (_scatter_from_host_native if self.native_copies else
+                   _scatter_from_host if fused else _scatter)
+        self._gather = jax.jit(gather, out_shardings=gather_out)
+        self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=pool_sharding or (
+            device_sharding if fused else None))
 
     @property
     def host_operands(self) -> bool:
