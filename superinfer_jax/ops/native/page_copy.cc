@@ -89,6 +89,7 @@ struct CopyJob {
 // page of the same destination (a repeated id in a scatter) must land after an earlier
 // one: such batches run on the caller alone, in order.
 void Run(const std::shared_ptr<CopyJob>& job, ffi::ThreadPool& pool, bool ordered) {
+  if (job->page_bytes == 0) return;  // empty pages: nothing to copy
   const int64_t workers = ordered ? 1 : 1 + std::max<int64_t>(0, pool.num_threads() - 1);
   const int64_t pages = static_cast<int64_t>(job->dst.size());
   job->pieces_per_page = 1;

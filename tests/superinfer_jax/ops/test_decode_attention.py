@@ -35,7 +35,7 @@ def _native(q, pool, tables, lens, layer, scale):
 # query head; head dims 16 and 128.
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,pages",
                          [(9, 3, 64, 16, 12), (4, 2, 16, 8, 5), (6, 2, 32, 6, 7),
-                          (8, 8, 128, 16, 3)])
+                          (8, 8, 128, 16, 3), (2, 1, 256, 16, 2)])
 def test_matches_the_block_loop(heads, kv_heads, head_dim, page_size, pages) -> None:
     rng = np.random.default_rng(heads * 100 + page_size)
     batch = 6
@@ -87,6 +87,13 @@ def test_paged_attention_uses_it_for_decode_on_cpu_only() -> None:
 
     step = jax.jit(attend)
     assert native.DECODE_ATTENTION_TARGET in step.lower(q, pool).as_text()
+    # Through the wrapper (layer, scale, the query column) the values are the loop's.
+    want = attention_xla.paged_attention(q, pool, 0, tables, lens, qlens, scale=0.25,
+                                         gather_impl="xla")
+    got = step(q, pool)
+    assert got.shape == want.shape == q.shape
+    tol = attention_tolerance(q, pool[:, 0, 0], pool[:, 0, 1], scale=0.25, context_len=24)
+    assert_close(got, want, tol, "paged_attention's native decode vs its block loop")
     cuda = step.trace(q, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert native.DECODE_ATTENTION_TARGET not in cuda
     # Prefill (several query columns) keeps the block loop.

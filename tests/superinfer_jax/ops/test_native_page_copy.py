@@ -50,6 +50,25 @@ def test_scatter_is_byte_exact_in_place_and_later_pages_win(dtype) -> None:
     np.testing.assert_array_equal(_bytes(got), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("shape", [(3, 2, 4, 2, 8), (5, 3)])  # 1.5 KiB, and 60 bytes
+def test_scatter_of_distinct_pages_on_all_threads(shape) -> None:
+    """Distinct ids take the threaded path (few pages are split into pieces); a 60-byte
+    page takes the unaligned head and tail copies."""
+    rng = np.random.default_rng(6)
+    pool = _pool(rng, jnp.float32, shape=shape)
+    pages = [_pool(rng, jnp.float32, num_pages=1, shape=shape)[0] for _ in range(3)]
+    ids = [7, 2, 5]
+    want = np.asarray(pool).copy()
+    for i, page in zip(ids, pages, strict=True):
+        want[i] = np.asarray(page)
+    got = jax.jit(native.scatter_pages, donate_argnums=0)(pool, jnp.asarray(ids, jnp.int32),
+                                                          pages)
+    np.testing.assert_array_equal(_bytes(got), want.view(np.uint8))
+    back = jax.jit(native.gather_pages)(got, jnp.asarray(ids, jnp.int32))
+    for b, page in zip(back, pages, strict=True):
+        np.testing.assert_array_equal(_bytes(b), _bytes(page))
+
+
 def test_bad_operands_name_the_problem() -> None:
     pool = _pool(np.random.default_rng(4), jnp.float32)
     with pytest.raises(ValueError, match="ids for 1 pages"):
