@@ -115,6 +115,7 @@ on CPU pays a pool-sized conversion per scatter; GPUs update bf16 in place.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -167,21 +168,21 @@ def _gather_native(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
     return jax.lax.platform_dependent(pool, ids, cpu=native.gather_pages, default=_gather)
 
 
-def _scatter_from_host(pool: jax.Array, ids: jax.Array,
-                       pages: tuple[jax.Array, ...]) -> jax.Array:
-    # The host pages enter the program in host memory; moving each to the device here is
-    # what lets XLA:CPU copy it once, straight into the pool (fused mode).
-    return _scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
-
-
-def _scatter_from_host_native(pool: jax.Array, ids: jax.Array,
-                              pages: tuple[jax.Array, ...]) -> jax.Array:
-    """``_scatter_from_host`` as one streaming copy per page on CPU
-    (``native.scatter_pages``, in place); one device only, as ``_gather_native``."""
-    pages = tuple(jax.device_put(p.astype(pool.dtype), jax.memory.Space.Device) for p in pages)
+def _scatter_native(pool: jax.Array, ids: jax.Array,
+                    pages: tuple[jax.Array, ...]) -> jax.Array:
+    """``_scatter`` as one streaming copy per page on CPU (``native.scatter_pages``, in
+    place); one device only, as ``_gather_native``."""
+    pages = tuple(p.astype(pool.dtype) for p in pages)
     return jax.lax.platform_dependent(
         pool, ids, *pages, cpu=lambda pool, ids, *pages: native.scatter_pages(pool, ids, pages),
         default=lambda pool, ids, *pages: _scatter(pool, ids, pages))
+
+
+def _scatter_from_host(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...],
+                       scatter=_scatter) -> jax.Array:
+    # The host pages enter the program in host memory; moving each to the device here is
+    # what lets XLA:CPU copy it once, straight into the pool (fused mode).
+    return scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
 
 
 def land_in_step(pool: jax.Array, in_ids: jax.Array,
@@ -235,8 +236,8 @@ class PageMover:
         self.native_copies = (fused and pool_sharding is None and NATIVE_PAGE_COPIES
                               and native.available())
         gather = _gather_native if self.native_copies else _gather
-        scatter = (_scatter_from_host_native if self.native_copies else
-                   _scatter_from_host if fused else _scatter)
+        scatter = (functools.partial(_scatter_from_host, scatter=_scatter_native)
+                   if self.native_copies else _scatter_from_host if fused else _scatter)
         self._gather = jax.jit(gather, out_shardings=gather_out)
         self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=pool_sharding or (
             device_sharding if fused else None))

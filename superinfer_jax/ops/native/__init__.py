@@ -5,9 +5,12 @@ and the paged attention's page gather was most of a batch-32 decode step's atten
 (see ``kv_gather.cc``). A memcpy per head-row, in the order the pool stores them, on the
 caller's and XLA's intra-op threads, is the same bytes at memory speed. XLA fills a
 zeroed KV pool by faulting in and writing every page of it, seconds of a server's start
-for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``). And XLA's
+for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``). XLA's
 bfloat16 dot streamed a decode step's weights at about half the memory's speed
-(``bf16_matmul.cc``, AVX512-BF16 CPUs only; batch-invariant by construction).
+(``bf16_matmul.cc``, AVX512-BF16 CPUs only; batch-invariant by construction). A decode
+step's attention ran as a loop of a dozen thunks per block of pages, every row padded to
+the longest context (``decode_attention.cc``, AVX-512F). And DuplexKV's page copies ran as
+XLA loops with regular stores (``page_copy.cc``: one non-temporal copy per page).
 
 The library is built from the ``.cc`` files here with the system C++ compiler (``$CXX``,
 else ``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
@@ -20,11 +23,11 @@ time, and the matmul's AVX512-BF16 functions are compiled by attribute and calle
 where the CPU reports that ISA, so a cache copied to another x86-64 machine still runs.
 
 Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
-callers use their plain-XLA paths (byte-identical results for the gather and the zeros,
-equal to float32 rounding for the matmul; slower); the reason is logged once. Only the
-CPU platform gets the custom calls: the gather's and the matmul's callers select them
-with ``jax.lax.platform_dependent``, so a program lowered for CUDA never contains them,
-and the pool's lazy zeros are used only when the pool's device is a CPU.
+callers use their plain-XLA paths (byte-identical results for the copies and the zeros,
+equal to float32 rounding for the matmul and the attention; slower); the reason is
+logged once. Only the CPU platform gets the custom calls: their callers select them with
+``jax.lax.platform_dependent``, so a program lowered for CUDA never contains them, and
+the pool's lazy zeros are used only when the pool's device is a CPU.
 """
 
 from __future__ import annotations
@@ -172,8 +175,9 @@ DECODE_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 def fingerprint() -> str:
     """What a compiled program using these ops depends on, for executable caches: the
-    library file and whether the bfloat16 matmul is used, or ``off``. Registers the custom
-    call, so that an executable loaded from a cache (without tracing) finds its target."""
+    library file and which CPU-dependent kernels it runs here (bfloat16 matmul, decode
+    attention), or ``off``. Registers the custom calls, so that an executable loaded from a
+    cache (without tracing) finds its targets."""
     path = _register()
     if not path:
         return "off"
