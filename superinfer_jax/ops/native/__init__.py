@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
                              "decode_attention.cc", "page_copy.cc"))
+HEADERS = (Path(__file__).with_name("parallel_chunks.h"),)  # included by SOURCES
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
@@ -96,7 +97,7 @@ def library_path() -> Path:
     import jaxlib
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(_compiler() + list(_FLAGS)).encode())
     digest.update(jaxlib.__version__.encode())

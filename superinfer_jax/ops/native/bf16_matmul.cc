@@ -24,12 +24,11 @@
 // the library itself builds and loads on any x86-64 (and elsewhere, without them).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -177,8 +176,6 @@ struct MatmulJob {
   int64_t N[kMaxWeights];
   int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
   int64_t num_units;                     // contiguous, balanced ranges of those groups
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   // Columns [n0, n1) of weight i. The tile shape by rows: wide for few rows (the weight
   // streams in long runs, the bandwidth-bound decode), tall for many (each weight load
@@ -204,13 +201,6 @@ struct MatmulJob {
       if (lo < hi) {
         Columns(i, 32 * (lo - first_group[i]), std::min(N[i], 32 * (hi - first_group[i])));
       }
-    }
-  }
-
-  void Work() {
-    for (int64_t u; (u = next.fetch_add(1)) < num_units;) {
-      Unit(u);
-      done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -271,11 +261,9 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
     return ffi::Error::Success();
   }
   // One unit per worker (the caller plus XLA's intra-op threads): equal column ranges.
-  const int64_t workers = 1 + std::max<int64_t>(0, thread_pool.num_threads() - 1);
+  const int64_t workers = superinfer::Workers(thread_pool);
   job->num_units = std::min(total, workers);
-  for (int64_t h = 0; h + 1 < job->num_units; ++h) thread_pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->num_units) std::this_thread::yield();
+  superinfer::RunChunks(thread_pool, job->num_units, workers, [job](int64_t u) { job->Unit(u); });
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("bf16_matmul: built without the AVX512-BF16 kernel");

@@ -20,13 +20,12 @@
 // elsewhere the caller keeps XLA's attention.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -77,9 +76,6 @@ struct AttnJob {
   int64_t layer;
   float scale;
   int64_t num_units;  // (row, KV head) pairs
-  int64_t num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   // Row b, KV head kh: its G query heads against the row's keys and values.
   template <int DV>
@@ -150,13 +146,6 @@ struct AttnJob {
       }
     }
   }
-
-  void Work() {
-    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      Range(c * num_units / num_chunks, (c + 1) * num_units / num_chunks);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 #endif  // SUPERINFER_HAVE_ATTN_KERNEL
@@ -218,12 +207,11 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   }
   // The caller plus up to one pool thread per core, a few chunks each for balance (rows'
   // contexts differ).
-  const int64_t workers = 1 + std::max<int64_t>(0, thread_pool.num_threads() - 1);
-  job->num_chunks = std::min<int64_t>(job->num_units, workers == 1 ? 1 : 4 * workers);
-  for (int64_t h = 0; h + 1 < std::min(job->num_chunks, workers); ++h)
-    thread_pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->num_chunks) std::this_thread::yield();
+  const int64_t workers = superinfer::Workers(thread_pool);
+  const int64_t chunks = std::min<int64_t>(job->num_units, workers == 1 ? 1 : 4 * workers);
+  superinfer::RunChunks(thread_pool, chunks, workers, [job, chunks](int64_t c) {
+    job->Range(c * job->num_units / chunks, (c + 1) * job->num_units / chunks);
+  });
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("decode_attention: built without the AVX-512 kernel");

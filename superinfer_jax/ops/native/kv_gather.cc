@@ -14,12 +14,11 @@
 //   attribute layer: int64 in [0, L)
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,9 +31,6 @@ struct GatherJob {
   char* out[2];
   int64_t num_pages, num_layers, page_size, kv_heads, batch, pages_per_row, layer;
   size_t row_bytes;  // head_dim * element size
-  int64_t num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   void CopyRows(int64_t b0, int64_t b1) const {
     const size_t block = static_cast<size_t>(page_size * kv_heads) * row_bytes;
@@ -56,14 +52,6 @@ struct GatherJob {
           }
         }
       }
-    }
-  }
-
-  // Claims chunks until none is left, counting each one it finishes in ``done``.
-  void Work() {
-    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      CopyRows(c * batch / num_chunks, (c + 1) * batch / num_chunks);
-      done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -91,14 +79,11 @@ ffi::Error GatherKvImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer pool,
   job->pages_per_row = id[1];
   job->layer = layer;
   if (job->batch == 0 || job->pages_per_row == 0 || job->num_pages == 0) return ffi::Error::Success();
-  // One chunk per worker: the caller plus up to one pool thread per core. Helpers that
-  // start after the caller has claimed every chunk find nothing to do and return; the
-  // caller waits only for chunks a helper claimed, so a busy pool never deadlocks it.
-  const int64_t helpers = std::max<int64_t>(0, thread_pool.num_threads() - 1);
-  job->num_chunks = std::min<int64_t>(job->batch, 1 + helpers);
-  for (int64_t h = 0; h + 1 < job->num_chunks; ++h) thread_pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->num_chunks) std::this_thread::yield();
+  // One chunk of rows per worker (parallel_chunks.h).
+  const int64_t chunks = std::min<int64_t>(job->batch, superinfer::Workers(thread_pool));
+  superinfer::RunChunks(thread_pool, chunks, chunks, [job, chunks](int64_t c) {
+    job->CopyRows(c * job->batch / chunks, (c + 1) * job->batch / chunks);
+  });
   return ffi::Error::Success();
 }
 

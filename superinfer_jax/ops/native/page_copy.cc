@@ -15,13 +15,12 @@
 //            output aliases the pool operand; later pages win on repeated ids)
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -68,29 +67,21 @@ struct CopyJob {
   size_t page_bytes = 0;
   size_t piece_bytes = 0;  // pages are split into pieces this large, for the threads
   int64_t pieces_per_page = 1;
-  int64_t num_units = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
-  void Work() {
-    for (int64_t u; (u = next.fetch_add(1)) < num_units;) {
-      const int64_t page = u / pieces_per_page, piece = u % pieces_per_page;
-      const size_t off = piece * piece_bytes;
-      const size_t n = std::min(piece_bytes, page_bytes - off);
-      StreamCopy(dst[page] + off, src[page] + off, n);
-      done.fetch_add(1, std::memory_order_release);
-    }
+  // Unit u: piece u % pieces_per_page of page u / pieces_per_page.
+  void Copy(int64_t u) const {
+    const int64_t page = u / pieces_per_page, piece = u % pieces_per_page;
+    const size_t off = piece * piece_bytes;
+    StreamCopy(dst[page] + off, src[page] + off, std::min(piece_bytes, page_bytes - off));
   }
-
 };
 
-// Runs the job's copies on the caller and up to one pool thread per core; each thread
-// holds the job, so a helper still leaving ``Work`` never touches freed memory. A later
-// page of the same destination (a repeated id in a scatter) must land after an earlier
-// one: such batches run on the caller alone, in order.
+// Runs the job's copies on the caller and up to one pool thread per core
+// (parallel_chunks.h). A later page of the same destination (a repeated id in a scatter)
+// must land after an earlier one: such batches run on the caller alone, in order.
 void Run(const std::shared_ptr<CopyJob>& job, ffi::ThreadPool& pool, bool ordered) {
   if (job->page_bytes == 0) return;  // empty pages: nothing to copy
-  const int64_t workers = ordered ? 1 : 1 + std::max<int64_t>(0, pool.num_threads() - 1);
+  const int64_t workers = ordered ? 1 : superinfer::Workers(pool);
   const int64_t pages = static_cast<int64_t>(job->dst.size());
   job->pieces_per_page = 1;
   job->piece_bytes = job->page_bytes;
@@ -100,12 +91,8 @@ void Run(const std::shared_ptr<CopyJob>& job, ffi::ThreadPool& pool, bool ordere
     job->pieces_per_page =
         static_cast<int64_t>((job->page_bytes + job->piece_bytes - 1) / job->piece_bytes);
   }
-  job->num_units = pages * job->pieces_per_page;
-  for (int64_t h = 0; h + 1 < std::min(workers, job->num_units); ++h) {
-    pool.Schedule([job] { job->Work(); });
-  }
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->num_units) std::this_thread::yield();
+  superinfer::RunChunks(pool, pages * job->pieces_per_page, workers,
+                        [job](int64_t u) { job->Copy(u); });
 }
 
 size_t PageBytes(const ffi::AnyBuffer& pool) {
@@ -122,7 +109,6 @@ ffi::Error GatherImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer pool, ffi::Buf
       static_cast<size_t>(ids.dimensions()[0]) != pages.size()) {
     return ffi::Error::InvalidArgument("page_gather: pool [N, ...], ids [B], B page outputs");
   }
-  // Shared (not on the stack): a pool thread may still be leaving Work() when we return.
   auto job = std::make_shared<CopyJob>();
   job->page_bytes = PageBytes(pool);
   const char* base = static_cast<const char*>(pool.untyped_data());
