@@ -532,8 +532,9 @@ def overlap_setup(quick: bool) -> tuple[Any, int, int, int, Any]:
 def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     """A model step alone vs with the rotation engine moving ``rot`` pages each way every
     step, in the engine's copy mode (``default_copy_mode``) and in every other mode
-    (``modes``: one row each). Short runs of each are interleaved and the median run is
-    reported, so bursts of other work on the machine hit all alike and fall out.
+    (``modes``: one row each). Short runs of each are interleaved in rounds; a mode's added
+    time is the median over rounds of its run less the step alone's run in the same round
+    (``added``), so bursts and drifts of other work on the machine fall out.
     ``copy_ms_at_memcpy``: one copy of the pages each way at the run's memcpy rate, what
     the copies cost where nothing (no DMA engine, no idle core) can run them beside the
     step for free; ``floor_interleaved_ms``: the same bytes copied by numpy in every
@@ -561,7 +562,7 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     step_in = jax.jit(decode_in_step, donate_argnums=(1,), out_shardings=(
         host.device_sharding, host.device_sharding, host.host_sharding))
     in_step = {m: step_in if m == "in_step" else None for m in modes}
-    n, rounds = 5, (4 if quick else 10)
+    n, rounds = 5, (8 if quick else 24)
     for m, rig in rigs.items():
         rig.run(step, model.params, True, 3, in_step[m])  # compile, warm both paths
     pages_before = {m: rig.duplex.stats.pages_in for m, rig in rigs.items()}
@@ -574,14 +575,33 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     rot_bytes = rot * rigs[mode].layout.page_bytes
     src, dst = np.ones(2 * rot_bytes, np.uint8), np.ones(2 * rot_bytes, np.uint8)
     floor: list[float] = []
-    for _ in range(rounds):
+    # Each round runs the step alone and every mode once, in an order rotated by one per
+    # round, so each mode follows each other run (and the floor copy) equally often: a
+    # run right after a copy or a rotation pays for cold caches, and a fixed order would
+    # bill that to whichever mode always sits there.
+    order: list[str | None] = [None, *modes]
+    for r in range(rounds):
         t = time.perf_counter()
         np.copyto(dst, src)
         floor.append(time.perf_counter() - t)
-        alone.append(rigs[mode].run(step, model.params, False, n))
-        for m, rig in rigs.items():
-            rotating[m].append(rig.run(step, model.params, True, n, in_step[m]))
+        for m in order[r % len(order):] + order[:r % len(order)]:
+            if m is None:
+                alone.append(rigs[mode].run(step, model.params, False, n))
+            else:
+                rotating[m].append(rigs[m].run(step, model.params, True, n, in_step[m]))
     med = statistics.median
+
+    def added(m: str) -> list[float]:
+        """Per round, the mode's mean step less the step alone in the same round. The
+        box's memory bandwidth drifts by tens of percent within a minute, which moves a
+        58 ms step by more than the 4 ms a rotation adds; within a round both runs see
+        the same drift, so the median of the paired differences is the estimate, and
+        its quartiles are the spread."""
+        return sorted(a - b for a, b in zip(rotating[m], alone, strict=True))
+
+    def quartiles(xs: list[float]) -> tuple[float, float]:
+        q = statistics.quantiles(xs, n=4)
+        return q[0], q[2]
     rig = rigs[mode]
     row = {"model": "smollm2-135m (random, f32)", "batch": batch, "ctx": ctx,
            "copy_mode": mode, "rotation_MB_each_way": rot_bytes / 1e6,
@@ -597,13 +617,16 @@ def overlap_row(quick: bool, memcpy_GBps: float) -> dict:
     # bytes each way at the run's memcpy rate (goal <= 1.2), and the pages in_step's
     # step copied itself. The rigs run the same model on the same inputs: equal tokens.
     row["modes"] = [{"copy_mode": m, "step_ms": 1e3 * med(rotating[m]),
-                     "added_ms": 1e3 * (med(rotating[m]) - med(alone)),
+                     "added_ms": 1e3 * med(added(m)),
+                     "added_ms_q1": 1e3 * quartiles(added(m))[0],
+                     "added_ms_q3": 1e3 * quartiles(added(m))[1],
                      "floor_ms": row["copy_ms_at_memcpy"],
-                     "added_over_floor": 1e3 * (med(rotating[m]) - med(alone))
+                     "added_over_floor": 1e3 * med(added(m)) / row["copy_ms_at_memcpy"],
+                     # the estimate before the pairing: difference of the medians
+                     "added_over_floor_unpaired": 1e3 * (med(rotating[m]) - med(alone))
                      / row["copy_ms_at_memcpy"],
                      "floor_interleaved_ms": 1e3 * med(floor),
-                     "added_over_floor_interleaved": (med(rotating[m]) - med(alone))
-                     / med(floor),
+                     "added_over_floor_interleaved": med(added(m)) / med(floor),
                      "pages_in_per_step": (rigs[m].duplex.stats.pages_in - pages_before[m])
                      / (rounds * n),
                      "pages_in_step": rigs[m].duplex.stats.pages_in_step,
