@@ -113,7 +113,10 @@ class RotaSchedConfig:
     every rotation buys progress and overload does not turn into a rotation storm; a
     request within that many tokens of its ``max_tokens`` is not rotated out either.
     ``residency_share``: each of those two windows covers at most this share of the
-    request's ``max_tokens`` (at least one token).
+    request's ``max_tokens`` (at least one token). ``parked_share``: the selection rotates
+    a decoding runner out only while the parked replies' pages stay within this share of
+    the device pool (or none is parked), so the replies parked at once can come back in
+    time; page-pressure evictions and prefilling runners are not limited by it.
     ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
     (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.
@@ -143,6 +146,20 @@ class RotaSchedConfig:
     residency_share: float = knob(
         1.0, gt=0, le=1, help="most of a request's max_tokens that each protected "
                                 "window (settling, near its end) may cover (1: k tokens)")
+    # Parked replies come back only as fast as the pool frees pages for them: in the
+    # CPU-calibrated simulator every TBT gap at or above P99 spanned a rotate-out, the
+    # pool full of newly admitted runners when the parked replies fell due. A cap on
+    # the parked replies' pages helped in simulation (0.2 of the pool: at paper scale,
+    # Qwen2.5-32B on ShareGPT at 18 req/s on a GH200, TTFT attainment 0.804 -> 0.856 and
+    # P99 TBT 383 -> 335 ms; on the CPU preset, 0.760 -> 0.776 and 334 -> 249 ms) but not
+    # on the engine: at the trace sweep's knee on this CPU (seeds 3-5) it cut TTFT
+    # attainment 0.516 -> 0.406 (0.2) and 0.521 -> 0.427 (0.4). So it is opt-in; 1, the
+    # default, is no limit (the rule before).
+    parked_share: float = knob(
+        1.0, gt=0, le=1, help="most of the device pool that parked replies (requests with "
+                              "tokens out, KV on the host) may hold before a decoding "
+                              "runner is no longer rotated out for a better-ranked "
+                              "request (one parked reply is always allowed; 1: no limit)")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

@@ -462,17 +462,31 @@ class Scheduler:
 
     def _evict_unselected(self, sel: Selection, plan: StepPlan, budget: StepBudget,
                           now: float) -> None:
-        """Runners outside the selection leave, from the tail of the ranking."""
+        """Runners outside the selection leave, from the tail of the ranking. A runner
+        that has produced tokens stays while the parked replies' pages would pass the
+        policy's ``parked_page_limit`` (one parked reply is always allowed)."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
+        limit = self.policy.parked_page_limit(self)
+        parked = 0
+        if limit is not None:
+            for r in self.rotary:
+                if r.token_times:
+                    parked += len(kv.host_table(r.req_id) or kv.page_table(r.req_id))
         for req in reversed(sel.dropped):  # ``sel.runners`` outside ``sel.keep``
             if req.status != RUNNING:
+                continue
+            pages = len(kv.page_table(req.req_id)) if limit is not None and req.token_times \
+                else 0
+            if pages and parked and limit is not None and parked + pages > limit:
                 continue
             cost = kv.rotation_cost_out(req.req_id)
             if cost > budget.pages_out:
                 continue
             budget.pages_out -= cost
             self._evict(req, plan, now)
+            if req.status == ROTATING_OUT:  # parked (not recomputed: no host room)
+                parked += pages
 
     def _run_rows(self, plan: StepPlan, budget: StepBudget, now: float,
                   contended: bool) -> None:

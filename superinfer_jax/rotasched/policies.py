@@ -79,6 +79,14 @@ class RotaSchedPolicy(SwapPolicy):
         used, usable = s.device_pages_in_use()
         return bool(s.rotary) or used >= self.params.high_water_mark * usable
 
+    def parked_page_limit(self, s: Scheduler) -> int | None:
+        """``parked_share`` of the usable device pages (None at 1: no limit). A parked
+        reply's next token is due a TBT SLO after its last one, and it can only come back
+        into pages the runners free: parking more replies than the pool can take back in
+        time turns each rotation into a long gap (see ``RotaSchedConfig.parked_share``)."""
+        share = self.params.parked_share
+        return None if share >= 1 else int(share * s.kv.allocator.num_usable)
+
     # -- the step's token budget ----------------------------------------------------------
 
     def token_budget(self, s: Scheduler, budget: StepBudget, now: float,

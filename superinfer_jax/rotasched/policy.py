@@ -69,6 +69,11 @@ class Policy:
     def evict_to(self, s: Scheduler, req: Request) -> str:
         return RECOMPUTE
 
+    def parked_page_limit(self, s: Scheduler) -> int | None:
+        """Pages the parked replies may hold before the selection stops rotating decoding
+        runners out (``Scheduler._evict_unselected``); None: no limit."""
+        return None
+
     def token_budget(self, s: Scheduler, budget: StepBudget, now: float,
                      keep: set[str]) -> StepBudget:
         return budget

@@ -146,6 +146,8 @@ def test_every_key_reaches_its_field_through_set(path):
      "rotasched.min_residency_tokens must be an integer"),
     ({"rotasched": {"residency_share": 0}}, "rotasched.residency_share must be > 0, got 0"),
     ({"rotasched": {"residency_share": 1.5}}, "rotasched.residency_share must be <= 1"),
+    ({"rotasched": {"parked_share": 0}}, "rotasched.parked_share must be > 0, got 0"),
+    ({"rotasched": {"parked_share": 2}}, "rotasched.parked_share must be <= 1"),
     ({"rotasched": {"priority_weights": {"critical": 1, "standard": 1}}},
      "rotasched.priority_weights.batch must be > 0, got None"),
     ({"default_slo": {"ttft_ms": 0}}, "default_slo.ttft_ms must be > 0"),

@@ -252,6 +252,29 @@ def test_a_short_reply_may_rotate_between_its_protected_windows():
         assert ("new" in [r for r, _ in plan.prefill]) is displaces
 
 
+def test_parked_replies_are_capped_at_a_share_of_the_pool():
+    """Two decoding runners hold 15 of 16 pages, and two late requests of 7 pages each
+    make the selection drop both. With ``parked_share`` 1 (no limit) both rotate out; at
+    0.25 (4 pages) the first goes (one parked reply is always allowed) and the second,
+    which would park 15 pages in all, stays on the device and keeps decoding."""
+    for share, out in ((1.0, ["a", "b"]), (0.25, ["a"])):
+        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+            min_residency_tokens=4, residency_share=1.0, parked_share=share),
+            enable_prefix_caching=False)  # the same prompt: no shared pages
+        d = Driver(sched, kv)
+        d.add(req("a", 24, arrival=0.0, max_tokens=50))
+        d.add(req("b", 24, arrival=0.0, max_tokens=50))
+        for t in range(6):  # past their 4-token residency: 8 and 7 pages
+            d.step(t * 0.1)
+        assert [len(kv.page_table(r)) for r in "ab"] == [8, 7]
+        for rid in ("new", "new2"):
+            d.add(req(rid, 28, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+        plan = d.step(1.2)  # both late (past 0.5 + 0.5 * 1 s)
+        assert plan.rotate_out == out
+        assert plan.decode == [r for r in "ab" if r not in out]
+        assert [r for r, _ in plan.prefill] == ["new"]
+
+
 def test_request_past_its_ttft_deadline_does_not_displace_a_runner():
     """A waiting request whose TTFT is already missed waits for free pages (FCFS); one
     that is late but can still make its deadline rotates the runner out."""
