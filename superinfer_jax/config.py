@@ -113,10 +113,11 @@ class RotaSchedConfig:
     every rotation buys progress and overload does not turn into a rotation storm; a
     request within that many tokens of its ``max_tokens`` is not rotated out either.
     ``residency_share``: each of those two windows covers at most this share of the
-    request's ``max_tokens`` (at least one token). ``parked_share``: the selection rotates
-    a decoding runner out only while the parked replies' pages stay within this share of
-    the device pool (or none is parked), so the replies parked at once can come back in
-    time; page-pressure evictions and prefilling runners are not limited by it.
+    request's ``max_tokens`` (at least one token). ``parked_share`` (opt-in, below 1): the
+    selection rotates a decoding runner out only while the parked replies' pages stay
+    within this share of the device pool (or none is parked), so the replies parked at
+    once can come back in time; page-pressure evictions and prefilling runners are not
+    limited by it.
     ``mode``: rank by virtual lag (``vlt``) or by predicted slack from the latency model
     (``slack``). ``priority_weights`` scale a
     request's lag by its SLO's priority class.
