@@ -154,10 +154,10 @@ class RotaSchedConfig:
     # Qwen2.5-32B on ShareGPT at 18 req/s on a GH200, TTFT attainment 0.804 -> 0.856 and
     # P99 TBT 383 -> 335 ms; on the CPU preset, 0.760 -> 0.776 and 334 -> 249 ms) but not
     # on the engine: at the trace sweep's knee on this CPU (seeds 3-5) it cut TTFT
-    # attainment 0.516 -> 0.406 (0.2) and 0.521 -> 0.427 (0.4). Those simulations were
-    # long runs (400-2,000 requests); in 64-request bursts, as the sweep runs, the cap
-    # lost in simulation too (0.906 -> 0.875 at 0.2): in a burst the parked replies come
-    # back as it drains. So it is opt-in; 1, the default, is no limit (the rule before).
+    # attainment 0.516 -> 0.406 (0.2) and 0.521 -> 0.427 (0.4), where the simulator, on
+    # the same requests with the engine's latency profile, gave 0.656 -> 0.688: it misses
+    # a cost rotation pays on the CPU engine (not found yet). So it is opt-in; 1, the
+    # default, is no limit (the rule before).
     parked_share: float = knob(
         1.0, gt=0, le=1, help="most of the device pool that parked replies (requests with "
                               "tokens out, KV on the host) may hold before a decoding "
