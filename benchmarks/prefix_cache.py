@@ -8,15 +8,22 @@ becomes ``--block-tokens`` token ids (default 8, so lengths shrink 64x), one KV 
 factor; prompts are cut to ``--max-prompt`` tokens (their first blocks: shared prefixes
 stay shared). The first ``--requests`` requests of each trace run.
 
-Per trace, at a device capacity of ``--pages`` KV pages:
+Per trace and replay (``--replays``), at a device capacity of ``--pages`` KV pages:
 
-- engine: the real ``LLMEngine`` (a tiny random Llama, greedy, EOS ignored), caching on,
-  every request submitted at the start in trace order (offline; ``--slowdown S`` replays
-  the trace's timestamps times S instead). Hit rate = prompt tokens served from the cache
-  (each request's ``num_cached_tokens`` at its first admission) / prompt tokens. The
-  engine's pool also holds the pages of running requests (their partial tail pages and
-  generated tokens), so at equal capacity it has less room for cached pages than the
-  reference.
+- replays: ``timed`` submits each request at its trace timestamp times ``--slowdown``
+  (default 0.05: the first 1,000 requests of the conversation trace span 330 s, so 16.5
+  s); ``offline`` submits every request at the start, in trace order (a batch job).
+  Offline, the whole trace waits in the queue, and the engine keeps every cached page a
+  waiting request will reuse (``prefix_caching.keep_queued``, ``PrefixCache.want``): it
+  knows the future, and reaches the Belady ceiling. Timed, it knows only the requests
+  that arrived and wait, as a server does; the LRU reference models that cache.
+- engine: the real ``LLMEngine`` (a tiny random Llama, greedy, EOS ignored), caching on.
+  Hit rate = prompt tokens served from the cache (each request's ``num_cached_tokens``
+  at its first admission) / prompt tokens. The engine's pool also holds the pages of
+  running requests (their partial tail pages and generated tokens), so at equal capacity
+  it has less room for cached pages than the reference.
+- engine, plain LRU (mode ``on-lru``, ``prefix_cache_keep_queued=False``): what the
+  queue-aware keeping adds (``engine_lru_only_vs_lru``).
 - engine, prompt pages only (mode ``on-prompt``, ``prefix_cache_generated=False``): the
   same, caching only pages wholly inside a prompt, as the LRU reference does. The
   replay's generated tokens are random, never resent (a later turn's trace blocks are
@@ -204,13 +211,13 @@ def run_engine(engine, reqs: list[BlockRequest]) -> dict:
             "stats": {k: stats[k] for k in keys if k in stats}}
 
 
-def bench_trace(name: str, args, model) -> dict:
+def bench_trace(name: str, replay: str, args, model) -> dict:
     from superinfer_jax import EngineConfig, LLMEngine
 
     reqs = load_mooncake(name, block_tokens=args.block_tokens, vocab_size=model.vocab_size,
-                         low_token=1, limit=args.requests, slowdown=args.slowdown or 1.0,
+                         low_token=1, limit=args.requests, slowdown=args.slowdown,
                          max_prompt=args.max_prompt, max_output=args.max_output)
-    if not args.slowdown:  # offline: all at the start, in trace order
+    if replay == "offline":  # all at the start, in trace order
         reqs = [BlockRequest(0.0, r.prompt, r.output_len, r.hash_ids, r.line) for r in reqs]
     prompt_lens = [len(r.prompt) for r in reqs]
     seq = [block_keys(r.hash_ids, len(r.prompt), args.block_tokens) for r in reqs]
@@ -237,7 +244,8 @@ def bench_trace(name: str, args, model) -> dict:
                           compilation_cache_dir=args.compilation_cache or None)
     evictions = [e for e in args.host_evictions.split(",") if e]
     modes = {"off": config.replace(enable_prefix_caching=False), "on": config,
-             "on-prompt": config.replace(prefix_cache_generated=False)}
+             "on-prompt": config.replace(prefix_cache_generated=False),
+             "on-lru": config.replace(prefix_cache_keep_queued=False)}
     for e in evictions:
         modes[f"host-{e}"] = config.replace(num_host_pages=host_pages, host_cache_eviction=e)
     timed = ("off", "on", f"host-{evictions[0]}") if evictions else ("off", "on")
@@ -255,7 +263,7 @@ def bench_trace(name: str, args, model) -> dict:
     off = runs["off"]
     prompt_total = sum(prompt_lens)
     row = {
-        "trace": name, "requests": len(reqs), "prompt_tokens": prompt_total,
+        "trace": name, "replay": replay, "requests": len(reqs), "prompt_tokens": prompt_total,
         "pages": args.pages, "host_pages": host_pages,
         "hit_lru_ref": lru, "hit_lru_ref_less_running": lru_less_running,
         "hit_lru_ref_with_outputs": lru_out,
@@ -285,6 +293,10 @@ def bench_trace(name: str, args, model) -> dict:
     prompt_only = row["modes"]["on-prompt"]["hit_rate"]
     row["hit_engine_prompt_only"] = prompt_only
     row["engine_prompt_only_vs_lru"] = prompt_only / lru if lru else float("nan")
+    lru_only = row["modes"]["on-lru"]["hit_rate"]
+    row["hit_engine_lru_only"] = lru_only
+    row["engine_lru_only_vs_lru"] = lru_only / lru if lru else float("nan")
+    row["engine_vs_belady"] = on["hit_rate"] / opt if opt else float("nan")
     if evictions:
         host = row["modes"][f"host-{evictions[0]}"]
         row["hit_dev+host"] = host["hit_rate"]
@@ -374,8 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--slowdown", type=float, default=0.0,
-                        help="replay trace timestamps times this (0: offline, all at once)")
+    parser.add_argument("--replays", default="timed,offline",
+                        help="timed: arrivals at the trace's timestamps x --slowdown; "
+                             "offline: all at once, in trace order")
+    parser.add_argument("--slowdown", type=float, default=0.05,
+                        help="timed replay: trace timestamps (ms) times this")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each mode, alternately; the fastest counts")
     parser.add_argument("--traces", default=",".join(TRACES))
@@ -383,8 +398,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="host tier pages per device page (0: no host tier runs)")
     parser.add_argument("--host-evictions", default="lru,fifo",
                         help="host cache eviction policies to run (the first is timed)")
-    parser.add_argument("--multiturn", action=argparse.BooleanOptionalAction, default=True,
-                        help="the SmolLM2 multi-turn TTFT comparison")
+    parser.add_argument("--multiturn", action=argparse.BooleanOptionalAction, default=None,
+                        help="the SmolLM2 multi-turn TTFT comparison (default: on, off with "
+                             "--quick: three SmolLM2 engines compile for minutes)")
     parser.add_argument("--mt-conversations", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="conversation sample")
     parser.add_argument("--mt-rate", type=float, default=0.5, help="conversations/s")
@@ -398,16 +414,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.host_factor <= 0:
         args.host_evictions = ""
     if args.quick:
-        args.requests, args.max_output, args.repeats = 200, 16, 1
+        args.requests, args.max_output, args.repeats = 120, 16, 1
         args.pages = min(args.pages, 512)
         args.mt_conversations, args.mt_max_prompt = 4, 384
+        args.replays = "timed"  # the server's view; offline doubles the runs
+        if args.multiturn is None:
+            args.multiturn = False
+        args.host_evictions = args.host_evictions.split(",")[0]
 
     model = tiny_model(512, args.max_prompt + args.max_output)
-    rows = [bench_trace(name, args, model) for name in args.traces.split(",") if name]
-    cols = ("trace", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
+    replays = [r for r in args.replays.split(",") if r]
+    for r in replays:
+        if r not in ("timed", "offline"):
+            parser.error(f"--replays: unknown replay {r!r} (timed, offline)")
+    if "timed" in replays and not args.slowdown > 0:
+        parser.error(f"--slowdown must be > 0 for the timed replay, got {args.slowdown}")
+    rows = [bench_trace(name, replay, args, model) for replay in replays
+            for name in args.traces.split(",") if name]
+    cols = ("trace", "replay", "requests", "pages", "hit_engine", "hit_lru_ref", "engine_vs_lru",
             "hit_lru_ref_with_outputs", "engine_vs_lru_with_outputs",
             "hit_engine_prompt_only", "engine_prompt_only_vs_lru",
-            "hit_lru_ref_less_running", "hit_belady", "hit_unbounded", "host_pages", "hit_dev+host",
+            "hit_engine_lru_only", "engine_lru_only_vs_lru",
+            "hit_lru_ref_less_running", "hit_belady", "engine_vs_belady", "hit_unbounded",
+            "host_pages", "hit_dev+host",
             "hit_dev+host_lru_incl", "hit_dev+host_lru_excl", "host_vs_device_only")
     print_table([{c: r.get(c, "") for c in cols} for r in rows],
                 f"prefix cache hit rate (prompt tokens from cache / prompt tokens), "
@@ -416,13 +445,13 @@ def main(argv: list[str] | None = None) -> None:
     cols = ("hit_rate", "hit_device", "hit_host", "ttft_p50_ms", "ttft_p50_vs_off",
             "ttft_p99_ms", "ttft_p99_vs_off", "tok_s", "tok_s_vs_off", "preemptions",
             "same_tokens")
-    print_table([{"trace": r["trace"], "mode": mode, **{c: m[c] for c in cols}}
+    print_table([{"trace": r["trace"], "replay": r["replay"], "mode": mode,
+                  **{c: m[c] for c in cols}}
                  for r in rows for mode, m in r["modes"].items()],
-                "each mode against caching off, same engine config, "
-                + (f"trace timestamps x{args.slowdown}" if args.slowdown
-                   else "offline (all submitted at start, trace order)"))
+                f"each mode against caching off, same engine config (timed: trace "
+                f"timestamps x{args.slowdown}; offline: all submitted at start, trace order)")
     multiturn = None
-    if args.multiturn:
+    if args.multiturn is not False:
         multiturn = bench_multiturn(args)
         cols = ("mode", "turns", "ok", "ttft_p50_ms", "ttft_p50_vs_off", "ttft_p99_ms",
                 "ttft_p99_vs_off", "later_ttft_p50_ms", "later_ttft_p50_vs_off", "out_tok_s",

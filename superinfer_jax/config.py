@@ -268,6 +268,11 @@ class EngineConfig:
         help="also cache full pages of generated tokens (vLLM and SGLang do: a chat client "
              "resends the reply in the next turn); false caches prompt pages only "
              "(LMCache's save_decode_cache default), for traffic that never resends replies")
+    prefix_cache_keep_queued: bool = knob(
+        True, section="prefix_caching", name="keep_queued",
+        help="a cached device page that a waiting request will reuse is reclaimed only "
+             "after every other cached page (the queue is known demand); false: plain "
+             "LRU, as vLLM")
     host_cache_eviction: str = knob(
         "lru", choices=HOST_CACHE_EVICTIONS, section="prefix_caching", name="host_eviction",
         help="which cache-only host page goes first: lru (least recently used) | fifo "

@@ -158,6 +158,9 @@ class Scheduler:
         # Host-tier hits in flight: req_id -> (host tokens, counted as the request's
         # cached tokens). A failed copy takes them back: those tokens are prefilled.
         self._host_hits_in_flight: dict[str, tuple[int, bool]] = {}
+        # The prompt page hashes each request waiting for its first admission asked the
+        # prefix cache to keep (``PrefixCache.want``), by request id.
+        self._wants: dict[str, list[bytes]] = {}
 
     def set_latency_model(self, model: LatencyModel | None) -> None:
         """The latency model, once known (profiling needs the compiled engine)."""
@@ -169,9 +172,32 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self._want(req)
+
+    def _want(self, req: Request) -> None:
+        """Ask the prefix cache to keep the cached pages a new request will look up (those
+        a hit may cover): it is known demand (``PrefixCache.want``)."""
+        cache = self.kv.prefix_cache
+        if cache is None or req.cache_key is None or req.num_computed_tokens \
+                or not self.config.prefix_cache_keep_queued:
+            return
+        page_size = self.kv.page_size
+        extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
+                            page_size, req.cache_key)
+        hashes = req.block_hashes[:(req.num_tokens - 1) // page_size]
+        if hashes:
+            cache.want(hashes)
+            self._wants[req.req_id] = hashes
+
+    def _unwant(self, req: Request) -> None:
+        """``req`` left the queue (admitted or gone): its pages are not kept for it."""
+        hashes = self._wants.pop(req.req_id, None)
+        if hashes is not None and self.kv.prefix_cache is not None:
+            self.kv.prefix_cache.unwant(hashes)
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request and free its pages."""
+        self._unwant(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -789,6 +815,7 @@ class Scheduler:
         self._count_hit(req, hit_tokens, hit_tokens)
         kv.allocate_for(req.req_id, total)
         self.waiting.remove(req)
+        self._unwant(req)
         self.running.append(req)
         self._note_computing(req)
         req.set_status(RUNNING, now)
@@ -830,6 +857,7 @@ class Scheduler:
         self._count_hit(req, len(device) * kv.page_size, hit_tokens)
         self._host_hits_in_flight[req.req_id] = (len(host) * kv.page_size, first)
         self.waiting.remove(req)
+        self._unwant(req)
         self.rotary.append(req)
         req.set_status(ROTATING_IN, now)
         self._rotating_in += 1

@@ -20,7 +20,15 @@ blake2b over bytes (stable across processes, unlike ``hash``), computed incremen
   ``match`` never finds a chain with a hole;
 - the same hash may be registered for several pages (two requests that computed the same
   prompt at once): each copy is cached and findable, so none is lost early;
-- a partial tail page is never registered, so never shared.
+- a partial tail page is never registered, so never shared;
+- *wanted* hashes (``want``): the prompt pages of requests waiting for their first
+  admission. A cached page whose hash is wanted is reclaimed only once no other cached
+  page is left (``loose`` holds the others, oldest release first): the queue is known
+  demand, a certain hit ahead, where the least recently used unwanted page is only a
+  possible one. In the offline replay of the Mooncake conversation trace a request
+  waited while the 64-page prefix it was about to reuse aged out of the LRU under it
+  (``benchmarks.prefix_cache``). Wanted sets are prefix-closed (a request wants its
+  chain from the first page), so the cache stays prefix-closed.
 
 With ``events`` set (a ``kv.events.KVEventLog``), a hash's first registered page and
 the eviction of its last one are reported there (KV events, ``kv.events``).
@@ -92,6 +100,10 @@ class PrefixCache:
         self.page_hash: dict[int, bytes] = {}  # registered page -> its hash
         self.pages_of: dict[bytes, dict[int, None]] = {}  # hash -> registered pages
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0; LRU first
+        # waiting requests per hash (``want``), and the evictable pages of hashes no one
+        # waits for, oldest release first: the ones ``evict`` takes first
+        self.wanted: dict[bytes, int] = {}
+        self.loose: OrderedDict[int, None] = OrderedDict()
         self.queries = 0
         self.hits = 0
         self.evictions = 0
@@ -133,18 +145,56 @@ class PrefixCache:
     def on_referenced(self, page: int) -> None:
         """A cached page got a reference again (a hit): it is no longer evictable."""
         self.evictable.pop(page, None)
+        self.loose.pop(page, None)
 
     def on_released(self, page: int) -> bool:
         """``page`` lost its last reference: cache it (True) if registered, else it goes
         back to the free list (False)."""
-        if page in self.page_hash:
+        h = self.page_hash.get(page)
+        if h is not None:
             self.evictable[page] = None
+            if h not in self.wanted:
+                self.loose[page] = None
             return True
         return False
 
+    def want(self, hashes: Sequence[bytes]) -> None:
+        """A request waiting for its first admission will look these pages up (its
+        prompt's chain from the first page): keep their cached copies past the others."""
+        wanted, loose, pages_of = self.wanted, self.loose, self.pages_of
+        for h in hashes:
+            n = wanted.get(h, 0)
+            wanted[h] = n + 1
+            if not n and h in pages_of:
+                for p in pages_of[h]:
+                    loose.pop(p, None)
+
+    def unwant(self, hashes: Sequence[bytes]) -> None:
+        """The request that ``want``-ed ``hashes`` left the queue (admitted, aborted).
+        A cached page nobody waits for any more rejoins the others as the most recently
+        released, tail first, so a chain's child still goes before its parent."""
+        wanted, loose, pages_of, evictable = self.wanted, self.loose, self.pages_of, \
+            self.evictable
+        for h in reversed(hashes):
+            n = wanted[h] - 1
+            if n:
+                wanted[h] = n
+                continue
+            del wanted[h]
+            for p in pages_of.get(h, ()):
+                if p in evictable:
+                    loose[p] = None
+
+    def victim(self) -> int:
+        """The cached page ``evict`` reclaims next: the least recently released one no
+        waiting request wants, else the least recently released one."""
+        return next(iter(self.loose if self.loose else self.evictable))
+
     def evict(self) -> int:
-        """Reclaim the least recently released cached page; it is forgotten."""
-        page, _ = self.evictable.popitem(last=False)
+        """Reclaim the cached page ``victim`` names; it is forgotten."""
+        page = self.victim()
+        del self.evictable[page]
+        self.loose.pop(page, None)
         h = self.page_hash.pop(page)
         pages = self.pages_of[h]
         del pages[page]

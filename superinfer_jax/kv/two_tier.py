@@ -557,7 +557,7 @@ class TwoTierKVManager(KVCacheManager):
         """The device reclaims a cached page: its shadow, if any, becomes a cache-only host
         page under the same hash (the host tier's cap respected, the coldest going
         first); without a host cache the shadow is freed."""
-        page = next(iter(cache.evictable))
+        page = cache.victim()
         h = cache.page_hash[page]
         cache.evict()
         host = self._shadow_host[page]

@@ -121,6 +121,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.written: dict[int, bytes] = {}  # page -> hash of the tokens whose KV it holds
         self.parent: dict[bytes, bytes] = {}  # hash -> its parent page's hash
         self.lru: list[int] = []  # the model of ``evictable``: release order
+        # the model of ``want``: hashes per request waiting for its first admission, their
+        # counts, and the cached pages of unwanted hashes in the order they go first
+        self.wants: dict[str, list[bytes]] = {}
+        self.wanted: dict[bytes, int] = {}
+        self.loose: list[int] = []
         self.hit_pages = 0
         self.host_hit_pages = 0
         # Bytes: ("d" | "h", page) -> blob id; a blob is immutable, written once by one
@@ -134,16 +139,49 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------
 
     def _sync_taken(self, before: set[int]) -> None:
-        """Pages that left the cache for an allocation must be its oldest (LRU)."""
+        """Pages that left the cache for an allocation must be the oldest (LRU) of those
+        no waiting request wants, then the oldest wanted ones. Compared as hashes: two
+        cached copies of one hash are interchangeable, and either may go first."""
         now = set(self.cache.evictable)
         gone = [p for p in self.lru if p in before and p not in now]
-        assert gone == self.lru[:len(gone)], "cached pages reclaimed out of LRU order"
+        order = self.loose + [p for p in self.lru if p not in self.loose]
+        assert sorted(self.written[p] for p in gone) == \
+            sorted(self.written[p] for p in order[:len(gone)]), \
+            "cached pages reclaimed out of order (unwanted LRU first, then wanted LRU)"
         self.lru = [p for p in self.lru if p in now]
+        self.loose = [p for p in self.loose if p in now]
 
     def _released(self, table: list[int]) -> None:
         for p in reversed(table):
             if self.kv.refcount[p] == 0 and p in self.cache.page_hash and p not in self.lru:
                 self.lru.append(p)
+                if self.cache.page_hash[p] not in self.wanted:
+                    self.loose.append(p)
+
+    def _referenced(self, prefix: list[int]) -> None:
+        self.lru = [p for p in self.lru if p not in prefix]
+        self.loose = [p for p in self.loose if p not in prefix]
+
+    def _want(self, r: str) -> None:
+        """r waits for its first admission: the cache keeps the pages it will look up."""
+        hashes = self.hashes[r][:(len(self.tokens[r]) - 1) // PAGE]
+        self.cache.want(hashes)
+        self.wants[r] = hashes
+        for h in hashes:
+            self.wanted[h] = self.wanted.get(h, 0) + 1
+        wanted = set(hashes)
+        self.loose = [p for p in self.loose if self.cache.page_hash[p] not in wanted]
+
+    def _unwant(self, r: str) -> None:
+        hashes = self.wants.pop(r, None)
+        if hashes is None:
+            return
+        self.cache.unwant(hashes)
+        for h in reversed(hashes):  # tail first: unwanted again, as the newest
+            self.wanted[h] -= 1
+            if not self.wanted[h]:
+                del self.wanted[h]
+                self.loose += [p for p in self.lru if self.cache.page_hash[p] == h]
 
     def _copy(self, moves: PageMoves, inbound: bool) -> None:
         """DuplexKV copies whole pages: the blob moves, byte for byte."""
@@ -200,6 +238,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             prev = h
         self.computed[r] = 0
         self.waiting.append(r)
+        self._want(r)
 
     @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 99), more=st.lists(st.integers(10, 12), max_size=5))
@@ -216,6 +255,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.parent.setdefault(h, self.hashes[r][j - 1] if j else ROOT)
         self.computed[r] = 0
         self.waiting.append(r)
+        self._want(r)
 
     @precondition(lambda self: self.waiting)
     @rule(i=st.integers(0, 99))
@@ -237,13 +277,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         before = set(self.cache.evictable)
         self.kv.take_prefix(r, prefix)
-        self.lru = [p for p in self.lru if p not in prefix]
+        self._referenced(prefix)
         self.kv.allocate_for(r, n)
         self._sync_taken(before)
         self.computed[r] = len(prefix) * PAGE
         self.hit_pages += len(prefix)
         self._compute(r, n)
         self.waiting.remove(r)
+        self._unwant(r)
         self.running.append(r)
 
     def _admit_from_host(self, r: str, prefix: list[int], host: list[int], n: int) -> None:
@@ -255,7 +296,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         blobs = [self.blob[("h", h)] for h in host]
         moves = self.kv.take_host_prefix(r, prefix, host, n)
         assert moves.prefix_hit and list(moves.host_pages) == host
-        self.lru = [p for p in self.lru if p not in prefix]
+        self._referenced(prefix)
         self._sync_taken(before)
         self._host_sync(taken=tuple(host))
         assert self.kv.residency_of(r) == Residency.ROTATING_IN
@@ -271,6 +312,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.kv.register_full_pages(r, self.hashes[r], self.computed[r])
         self._compute(r, n)
         self.waiting.remove(r)
+        self._unwant(r)
         self.running.append(r)
 
     @precondition(lambda self: self.running)
@@ -301,6 +343,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for group in (self.running, self.waiting, self.parked):
             if r in group:
                 group.remove(r)
+        self._unwant(r)
         self._drop(r)
 
     @rule(pages=st.integers(1, 16) | st.just(99), spill=st.sampled_from([0, 0, 2, 99]))
@@ -384,6 +427,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._host_sync()
         kv.check_invariants()  # refcounts = owners; cached = zero-ref registered; partition
         assert list(cache.evictable) == self.lru, "cached pages out of LRU order"
+        assert cache.wanted == self.wanted, "wanted hashes are not the waiting requests'"
+        assert set(cache.loose) == set(self.loose), "unwanted cached pages"
+        assert all(cache.page_hash[p] not in cache.wanted for p in cache.loose)
         for p, h in cache.page_hash.items():
             assert self.written.get(p) == h, f"page {p} registered for tokens it lacks"
             # prefix-closed: a child is never cached without its parent (tail evicted first)

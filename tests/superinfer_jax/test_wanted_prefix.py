@@ -1,0 +1,84 @@
+"""The prefix cache keeps what the queue will reuse: a cached page that a request waiting
+for its first admission will look up is reclaimed only after every other cached page
+(``PrefixCache.want``). Scripted requests on the scheduler, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.kv.prefix_cache import isolation_key
+from superinfer_jax.request import Request, SamplingParams
+from superinfer_jax.rotasched.registry import make_scheduler
+from superinfer_jax.scheduler import Scheduler
+
+PAGE = 4
+KEY = isolation_key("test-model", None)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
+    r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    r.cache_key = KEY
+    return r
+
+
+def run_until_done(sched: Scheduler, reqs: list[Request], t: float) -> float:
+    """Step the scheduler as the engine would until every one of ``reqs`` finished."""
+    while any(r in sched.running or r in sched.waiting for r in reqs):
+        plan = sched.schedule(t)
+        t += 1.0
+        for rid, n in plan.prefill + [(x, 1) for x in plan.decode]:
+            r = next(x for x in sched.running if x.req_id == rid)
+            r.num_computed_tokens += n
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(5)
+                if len(r.output_token_ids) >= r.sampling.max_tokens:
+                    sched.remove(r)
+        assert t < 100, "no progress"
+    return t
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "rotasched"])
+def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy):
+    """A (the older chain) and C finish and stay cached; B then needs more pages than are
+    free while W, which will reuse A's prompt, waits behind it. LRU alone would reclaim
+    A's pages for B (they were released first) and W would prefill them again; with the
+    queue's demand known, C's pages go instead and W hits all three of A's."""
+    cfg = EngineConfig(page_size=PAGE, max_model_len=64, warmup=False, policy=policy,
+                       max_num_seqs=4, enable_prefix_caching=True)
+    kv = KVCacheManager(1 + 8, PAGE, prefix_caching=True)
+    sched = make_scheduler(cfg, kv)
+    a = request("a", list(range(1, 13)))  # 3 full pages, then 2 generated tokens
+    c = request("c", list(range(101, 113)))
+    sched.add(a)
+    t = run_until_done(sched, [a], 0.0)
+    sched.add(c)
+    t = run_until_done(sched, [c], t)
+    assert kv.num_cached_pages == 6 and kv.allocator.num_free == 2
+    b = request("b", list(range(201, 221)), max_tokens=1)  # 5 pages: 3 must be reclaimed
+    w = request("w", list(range(1, 13)) + [50, 51, 52, 53])  # A's 3 pages, then 1 more
+    sched.add(b)
+    sched.add(w)
+    run_until_done(sched, [b, w], t)
+    assert w.num_cached_tokens == 12  # A's chain was kept for it
+    assert b.num_cached_tokens == 0
+    assert not sched._wants and not kv.prefix_cache.wanted  # nothing left asked for
+
+
+def test_wanted_pages_go_last_not_never():
+    """When every cached page is wanted, an allocation still takes them (oldest first):
+    the queue's demand orders reclaiming, it never blocks an allocation."""
+    kv = KVCacheManager(1 + 4, PAGE, prefix_caching=True)
+    cache = kv.prefix_cache
+    kv.allocate_for("x", 16)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    kv.register_full_pages("x", hashes, 16)
+    pages = list(kv.page_table("x"))
+    kv.free("x")  # tail first: the last page is the oldest
+    cache.want(hashes[:2])
+    assert list(cache.loose) == [pages[3], pages[2]]
+    kv.allocate_for("y", 16)  # all four, unwanted ones first
+    assert kv.page_table("y") == [pages[3], pages[2], pages[1], pages[0]]
+    cache.unwant(hashes[:2])
+    assert not cache.wanted and not cache.loose
