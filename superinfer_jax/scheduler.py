@@ -82,15 +82,21 @@ class Ranking:
     # (None: taken from the head); the tail leaves them out, and only them: a runner is
     # never in the tail, so the runners of a long head need not be listed each step
     listed: set[int] | None = None
+    # tail requests that go after the rest of the tail, still by arrival (None: none)
+    defer: Callable[[Request], bool] | None = None
 
     def __init__(self, head: list[Request], scheduler: Scheduler,
-                 listed: set[int] | None = None) -> None:  # written out: ``NATIVE_INIT``
+                 listed: set[int] | None = None,
+                 defer: Callable[[Request], bool] | None = None
+                 ) -> None:  # written out: ``NATIVE_INIT``
         self.head = head
         self.scheduler = scheduler
         self.listed = listed
+        self.defer = defer
 
     def __iter__(self) -> Iterator[Request]:
-        return chain(self.head, self.scheduler.rest_by_arrival(self.head, listed=self.listed))
+        return chain(self.head, self.scheduler.rest_by_arrival(
+            self.head, listed=self.listed, defer=self.defer))
 
 
 @dataclass
@@ -216,24 +222,42 @@ class Scheduler:
         return list(self.waiting) + parked + list(self.running)
 
     def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None,
-                        listed: set[int] | None = None) -> Iterator[Request]:
+                        listed: set[int] | None = None,
+                        defer: Callable[[Request], bool] | None = None
+                        ) -> Iterator[Request]:
         """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With
         ``room`` (the device pages still free), the waiting requests known to need more
         for their first chunk are left out (``WaitingQueue.walk``). ``listed``: the ids of
-        the head's waiting and parked requests, if known (``Ranking.listed``)."""
+        the head's waiting and parked requests, if known (``Ranking.listed``). ``defer``:
+        the requests it is true of come after all the others, in the same order."""
         if listed is None:
             listed = {id(r) for r in head}
         parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
             q for q in self.rotary if q.status == ROTARY) if id(r) not in listed)
+        later: list[tuple[float, int, int, Request]] = []  # (arrival, 0|1, order, req)
         k = 0
         for a, _, r in self.waiting.walk(room):
             if id(r) in listed:
                 continue
             while k < len(parked) and parked[k][0] < a:  # a tie: waiting first
-                yield parked[k][2]
+                p = parked[k][2]
                 k += 1
+                if defer is not None and defer(p):
+                    later.append((p.arrival_time, 1, len(later), p))
+                else:
+                    yield p
+            if defer is not None and defer(r):
+                later.append((a, 0, len(later), r))
+                continue
             yield r
-        yield from (e[2] for e in parked[k:])
+        for e in parked[k:]:
+            if defer is not None and defer(e[2]):
+                later.append((e[0], 1, len(later), e[2]))
+            else:
+                yield e[2]
+        if later:
+            later.sort(key=lambda e: e[:3])
+            yield from (e[3] for e in later)
 
     def device_pages_in_use(self) -> tuple[int, int]:
         """(used, usable) device pages."""
@@ -432,7 +456,7 @@ class Scheduler:
             else:
                 if tail is None:
                     tail = iter(rest if ranking is None else self.rest_by_arrival(
-                        head, room=fill.room, listed=ranking.listed))
+                        head, room=fill.room, listed=ranking.listed, defer=ranking.defer))
                 got = next(tail, None)
                 if got is None:
                     break

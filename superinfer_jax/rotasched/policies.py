@@ -237,6 +237,7 @@ class RotaSchedPolicy(SwapPolicy):
         if self.params.mode == "vlt":
             return rank_by_lag(s, now, self.params)
         k = self.params.min_residency_tokens
+        hopeless_last = self.params.hopeless_last
 
         def key(r: Request) -> tuple[int, float, float]:
             urgency = self.urgency(s, r, now)
@@ -244,8 +245,11 @@ class RotaSchedPolicy(SwapPolicy):
                 if is_protected(r, residency_window(r, k, self.params.residency_share)):
                     return (0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, -urgency, r.arrival_time)
-            if urgency > 0 and not missed_ttft(r, now):
+            missed = missed_ttft(r, now)
+            if urgency > 0 and not missed:
                 return (1, -urgency, r.arrival_time)  # late: may displace runners
+            if missed and hopeless_last:
+                return (3, 0.0, r.arrival_time)  # hopeless, behind those who can make it
             return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
         return sorted(s.candidates(), key=key)

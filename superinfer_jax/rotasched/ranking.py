@@ -8,7 +8,9 @@ running, in that order) by ``(group, value, arrival)``:
     group 1  parked requests whose rotate-in is due (``rotate_in_due``): value -lag
     group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
              the other runners: value -lag = time since they started running (>= 0)
-    group 3  everyone else waiting or parked (not late, or hopeless): value 0
+    group 3  everyone else waiting or parked (not late, or hopeless): value 0; with
+             ``hopeless_last``, the hopeless ones (no first token, past the TTFT
+             deadline) form a group 4 after it, also by arrival
 
 Sorting that list costs O(n log n) a step in the length of the queue, which grows without
 bound under overload. Most of the queue never needs its lag computed:
@@ -158,7 +160,19 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
         + by_value(others, values)
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
     listed.update(id(e[-1]) for e in late)
-    return Ranking(head, s, listed)  # then group 3: the rest by arrival
+    # then group 3: the rest by arrival (with ``hopeless_last``, the hopeless ones after)
+    defer = _Hopeless(now) if p.hopeless_last else None
+    return Ranking(head, s, listed, defer)
+
+
+class _Hopeless:
+    """``hopeless_last``'s test: no first token and past its TTFT deadline."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self, req: Request) -> bool:
+        return missed_ttft(req, self.now)
 
 
 def _arrival(r: Request) -> float:

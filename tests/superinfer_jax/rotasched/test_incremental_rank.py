@@ -60,6 +60,8 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
         missed = not r.token_times and now - r.arrival_time > r.slo.ttft_s
         if lag > 0 and not missed:
             return (2, -lag, r.arrival_time)
+        if missed and p.hopeless_last:
+            return (4, 0.0, r.arrival_time)
         return (3, 0.0, r.arrival_time)
 
     return sorted(s.candidates(), key=key)
@@ -75,7 +77,8 @@ class SortedLagPolicy(RotaSchedPolicy):
 def random_state(rng: random.Random) -> tuple[Scheduler, float]:
     cfg = EngineConfig(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
                        rotasched=RotaSchedConfig(min_residency_tokens=rng.choice((1, 4, 16)),
-                                                 residency_share=rng.choice((0.1, 0.25, 1.0))))
+                                                 residency_share=rng.choice((0.1, 0.25, 1.0)),
+                                                 hopeless_last=rng.random() < 0.5))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     now = 10.0
     arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]

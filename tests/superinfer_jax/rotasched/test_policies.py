@@ -357,3 +357,22 @@ def test_no_tbt_budget_while_nobody_waits_for_memory():
     assert token_budget(sched, 1.2, {"new"}) == (1 + 16, 16)  # "other" waits for memory
     plan = d.step(1.2)
     assert plan.prefill[0] == ("new", 32)  # max_prefill_chunk, not the TBT-sized 16
+
+
+@pytest.mark.parametrize("hopeless_last", [False, True])
+def test_hopeless_requests_go_last_when_asked(hopeless_last):
+    """Two waiting requests, room for one: by arrival the one already past its TTFT
+    deadline takes it; with ``hopeless_last`` the one that can still make it does."""
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0,
+                         hopeless_last=hopeless_last)
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
+    d = Driver(sched, kv)
+    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
+    for t in (0.0, 0.1, 0.2):  # two prefill chunks, a decode: 14 of the 16 usable pages
+        d.step(t)
+    assert kv.num_free_pages == 2
+    d.add(req("hopeless", 8, arrival=-2.0))  # TTFT SLO 1 s: missed already
+    d.add(req("fresh", 8, arrival=0.85))  # not late yet: neither may displace the filler
+    plan = d.step(0.9)
+    assert plan.rotate_out == []
+    assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])

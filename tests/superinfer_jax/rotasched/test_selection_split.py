@@ -38,5 +38,5 @@ def test_ranking_listed_is_the_heads_waiting_and_parked(seed):
     assert isinstance(ranking, Ranking) and ranking.listed is not None
     assert ranking.listed == {id(r) for r in ranking.head
                               if r.status != RequestStatus.RUNNING}
-    plain = Ranking(ranking.head, sched)  # listed None: every id of the head
+    plain = Ranking(ranking.head, sched, defer=ranking.defer)  # listed None: the head
     assert [r.req_id for r in ranking] == [r.req_id for r in plain]
