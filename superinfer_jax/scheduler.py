@@ -234,30 +234,28 @@ class Scheduler:
             listed = {id(r) for r in head}
         parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
             q for q in self.rotary if q.status == ROTARY) if id(r) not in listed)
-        later: list[tuple[float, int, int, Request]] = []  # (arrival, 0|1, order, req)
+        parked_later: list[tuple[float, int, Request]] = []
+        if defer is not None:  # parked requests are few: split them once, up front
+            parked_later = [e for e in parked if defer(e[2])]
+            parked = [e for e in parked if not defer(e[2])]
+        waiting_later: list[tuple[float, int, Request]] = []
         k = 0
-        for a, _, r in self.waiting.walk(room):
+        for a, pos, r in self.waiting.walk(room):
             if id(r) in listed:
                 continue
             while k < len(parked) and parked[k][0] < a:  # a tie: waiting first
-                p = parked[k][2]
+                yield parked[k][2]
                 k += 1
-                if defer is not None and defer(p):
-                    later.append((p.arrival_time, 1, len(later), p))
-                else:
-                    yield p
             if defer is not None and defer(r):
-                later.append((a, 0, len(later), r))
+                waiting_later.append((a, pos, r))
                 continue
             yield r
-        for e in parked[k:]:
-            if defer is not None and defer(e[2]):
-                later.append((e[0], 1, len(later), e[2]))
-            else:
-                yield e[2]
-        if later:
-            later.sort(key=lambda e: e[:3])
-            yield from (e[3] for e in later)
+        yield from (e[2] for e in parked[k:])
+        if waiting_later or parked_later:  # the deferred, merged the same way
+            merged = [(a, 0, i, r) for i, (a, _, r) in enumerate(waiting_later)] \
+                + [(a, 1, j, r) for j, (a, _, r) in enumerate(parked_later)]
+            merged.sort(key=lambda e: e[:3])
+            yield from (e[3] for e in merged)
 
     def device_pages_in_use(self) -> tuple[int, int]:
         """(used, usable) device pages."""

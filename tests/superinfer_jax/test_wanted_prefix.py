@@ -39,14 +39,16 @@ def run_until_done(sched: Scheduler, reqs: list[Request], t: float) -> float:
     return t
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "rotasched"])
-def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy):
+@pytest.mark.parametrize("policy,keep_queued", [
+    ("fcfs", True), ("rotasched", True), ("fcfs", False)])
+def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy, keep_queued):
     """A (the older chain) and C finish and stay cached; B then needs more pages than are
     free while W, which will reuse A's prompt, waits behind it. LRU alone would reclaim
     A's pages for B (they were released first) and W would prefill them again; with the
     queue's demand known, C's pages go instead and W hits all three of A's."""
     cfg = EngineConfig(page_size=PAGE, max_model_len=64, warmup=False, policy=policy,
-                       max_num_seqs=4, enable_prefix_caching=True)
+                       max_num_seqs=4, enable_prefix_caching=True,
+                       prefix_cache_keep_queued=keep_queued)
     kv = KVCacheManager(1 + 8, PAGE, prefix_caching=True)
     sched = make_scheduler(cfg, kv)
     a = request("a", list(range(1, 13)))  # 3 full pages, then 2 generated tokens
@@ -61,7 +63,8 @@ def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy):
     sched.add(b)
     sched.add(w)
     run_until_done(sched, [b, w], t)
-    assert w.num_cached_tokens == 12  # A's chain was kept for it
+    # A's chain was kept for it; without keep_queued (plain LRU) B reclaimed it
+    assert w.num_cached_tokens == (12 if keep_queued else 0)
     assert b.num_cached_tokens == 0
     assert not sched._wants and not kv.prefix_cache.wanted  # nothing left asked for
 
