@@ -40,7 +40,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
+from heapq import merge
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
@@ -84,19 +85,24 @@ class Ranking:
     listed: set[int] | None = None
     # tail requests that go after the rest of the tail, still by arrival (None: none)
     defer: Callable[[Request], bool] | None = None
+    # the first entries of the arrival-ordered queue that ``defer`` is true of but for
+    # requeued ones, known ahead (``WaitingQueue.missed_prefix``): left unread, not tested
+    defer_before: int = 0
 
     def __init__(self, head: list[Request], scheduler: Scheduler,
                  listed: set[int] | None = None,
-                 defer: Callable[[Request], bool] | None = None
-                 ) -> None:  # written out: ``NATIVE_INIT``
+                 defer: Callable[[Request], bool] | None = None,
+                 defer_before: int = 0) -> None:  # written out: ``NATIVE_INIT``
         self.head = head
         self.scheduler = scheduler
         self.listed = listed
         self.defer = defer
+        self.defer_before = defer_before
 
     def __iter__(self) -> Iterator[Request]:
         return chain(self.head, self.scheduler.rest_by_arrival(
-            self.head, listed=self.listed, defer=self.defer))
+            self.head, listed=self.listed, defer=self.defer,
+            defer_before=self.defer_before))
 
 
 @dataclass
@@ -223,24 +229,37 @@ class Scheduler:
 
     def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None,
                         listed: set[int] | None = None,
-                        defer: Callable[[Request], bool] | None = None
-                        ) -> Iterator[Request]:
+                        defer: Callable[[Request], bool] | None = None,
+                        defer_before: int = 0) -> Iterator[Request]:
         """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With
         ``room`` (the device pages still free), the waiting requests known to need more
         for their first chunk are left out (``WaitingQueue.walk``). ``listed``: the ids of
         the head's waiting and parked requests, if known (``Ranking.listed``). ``defer``:
-        the requests it is true of come after all the others, in the same order."""
+        the requests it is true of come after all the others, in the same order.
+        ``defer_before`` (with ``defer``): the first entries of the waiting queue by
+        arrival are deferred unread, but for the requeued ones ``defer`` is false of, so
+        a queue of requests that missed their TTFT costs a step nothing
+        (``Ranking.defer_before``)."""
         if listed is None:
             listed = {id(r) for r in head}
         parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
             q for q in self.rotary if q.status == ROTARY) if id(r) not in listed)
         parked_later: list[tuple[float, int, Request]] = []
+        waiting = self.waiting
+        start = 0
+        early: list[tuple[float, int, Request]] = []  # requeued, before ``start``, kept
         if defer is not None:  # parked requests are few: split them once, up front
             parked_later = [e for e in parked if defer(e[2])]
             parked = [e for e in parked if not defer(e[2])]
+            start = min(defer_before, len(waiting))
+            if start and waiting.requeued:
+                bound = waiting.by_arrival()[start - 1][:2]
+                early = sorted(e for e in map(waiting.entry, waiting.requeued.values())
+                               if e[:2] <= bound and id(e[2]) not in listed
+                               and not defer(e[2]))
         waiting_later: list[tuple[float, int, Request]] = []
         k = 0
-        for a, pos, r in self.waiting.walk(room):
+        for a, pos, r in chain(early, waiting.walk(room, start)):
             if id(r) in listed:
                 continue
             while k < len(parked) and parked[k][0] < a:  # a tie: waiting first
@@ -251,11 +270,14 @@ class Scheduler:
                 continue
             yield r
         yield from (e[2] for e in parked[k:])
-        if waiting_later or parked_later:  # the deferred, merged the same way
-            merged = [(a, 0, i, r) for i, (a, _, r) in enumerate(waiting_later)] \
-                + [(a, 1, j, r) for j, (a, _, r) in enumerate(parked_later)]
-            merged.sort(key=lambda e: e[:3])
-            yield from (e[3] for e in merged)
+        if start or waiting_later or parked_later:  # the deferred, merged the same way
+            kept = {id(e[2]) for e in early}
+            # by (arrival, waiting before parked), each list in its own order
+            later = chain(((e[0], 0, e[2]) for e in islice(waiting.by_arrival(), start)
+                           if id(e[2]) not in listed and id(e[2]) not in kept),
+                          ((a, 0, r) for a, _, r in waiting_later))
+            yield from (e[2] for e in merge(later, ((a, 1, r) for a, _, r in parked_later),
+                                            key=_arrival_then_kind))
 
     def device_pages_in_use(self) -> tuple[int, int]:
         """(used, usable) device pages."""
@@ -454,7 +476,8 @@ class Scheduler:
             else:
                 if tail is None:
                     tail = iter(rest if ranking is None else self.rest_by_arrival(
-                        head, room=fill.room, listed=ranking.listed, defer=ranking.defer))
+                        head, room=fill.room, listed=ranking.listed, defer=ranking.defer,
+                        defer_before=ranking.defer_before))
                 got = next(tail, None)
                 if got is None:
                     break
@@ -940,3 +963,7 @@ def _common_prefix(table: list[int], pages: tuple[int, ...]) -> int:
             break
         n += 1
     return n
+
+
+def _arrival_then_kind(e: tuple[float, int, Request]) -> tuple[float, int]:
+    return e[0], e[1]

@@ -118,17 +118,35 @@ class WaitingQueue:
         """``req``'s ``(arrival_time, position, request)``, as ``by_arrival`` lists it."""
         return (*self._keys[id(req)], req)
 
-    def walk(self, room: Callable[[], int] | None = None) -> Iterator[Entry]:
-        """``by_arrival`` read from the start; with ``room`` (the pages still free, asked
-        before each entry), the entries whose page need is known and exceeds it are left
-        out, without being read: the next entry that could fit is the earliest, over
+    def missed_prefix(self, now: float) -> int:
+        """How many of the first ``by_arrival`` entries are past their TTFT deadline by
+        arrival time alone (``now - arrival > slo.ttft_s``, ``ranking.missed_ttft``'s
+        test): for every SLO in the queue those entries form a prefix of arrival order,
+        and the shortest of these prefixes holds only entries past the deadline of their
+        own SLO (each lies before its own SLO's prefix ends). One bisection per SLO. A
+        requeued request in it may have a first token (not missed): callers test those
+        (``requeued``)."""
+        entries = self._entries
+        end = len(entries)
+        for slo in self.slos:
+            budget = slo.ttft_s  # the same floats as ``missed_ttft`` compares
+            end = min(end, bisect.bisect_left(entries, True,
+                                              key=lambda e: now - e[0] <= budget))
+        return end
+
+    def walk(self, room: Callable[[], int] | None = None, start: int = 0
+             ) -> Iterator[Entry]:
+        """``by_arrival`` read from entry ``start``; with ``room`` (the pages still free,
+        asked before each entry), the entries whose page need is known and exceeds it are
+        left out, without being read: the next entry that could fit is the earliest, over
         the page needs up to ``room()``, of the next entry of that need (a bisection
         each). Valid while the queue does not change."""
         entries, by_need = self._entries, self._by_need
         needs = sorted(by_need)
         top = needs[-1] if needs else 0
-        after: Key = (float("-inf"), 0)  # the next entry is past this key
-        i = 0
+        i = min(start, len(entries))
+        # the next entry is at or past this key
+        after: Key = entries[i][:2] if i < len(entries) else (float("inf"), 0)
         while True:
             free = room() if room is not None else top
             if top <= free:  # everyone left could fit by pages: read them in order

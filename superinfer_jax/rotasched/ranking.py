@@ -24,7 +24,10 @@ bound under overload. Most of the queue never needs its lag computed:
 - group 3 is everyone else by arrival (FCFS), which the scheduler reads itself from the
   arrival-ordered queue (a ``Ranking``'s tail): it stops once every runner was seen and
   the device is full, and skips unread the requests whose first chunk needs more pages
-  than are left (``WaitingQueue.walk``);
+  than are left (``WaitingQueue.walk``); with ``hopeless_last`` it starts past the
+  fresh requests that missed their TTFT (they lead the arrival order: a bisection per
+  SLO, ``WaitingQueue.missed_prefix``), which come last, read only while the device
+  still has room;
 - runners and parked requests are bounded by the device and host pools, not by the
   queue: they are sorted each step.
 
@@ -161,8 +164,10 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
     listed.update(id(e[-1]) for e in late)
     # then group 3: the rest by arrival (with ``hopeless_last``, the hopeless ones after)
-    defer = _Hopeless(now) if p.hopeless_last else None
-    return Ranking(head, s, listed, defer)
+    if not p.hopeless_last:
+        return Ranking(head, s, listed)
+    # the hopeless fresh requests lead the arrival order: skipped unread
+    return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now))
 
 
 class _Hopeless:

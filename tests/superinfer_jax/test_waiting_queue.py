@@ -68,10 +68,11 @@ def test_walk_skips_only_what_first_fit_rejects(seed):
                 used += n
         return kept, used
 
-    want, _ = first_fit(q.by_arrival())
+    start = rng.choice((0, 0, rng.randint(0, len(q) + 2)))  # past the end too
+    want, _ = first_fit(q.by_arrival()[start:])
     used = [0]  # a cell: walk() asks for the room left as the loop fills it
     kept, read = [], 0
-    for _, _, r in q.walk(lambda: capacity - used[0]):
+    for _, _, r in q.walk(lambda: capacity - used[0], start):
         read += 1
         n = need(r)
         if used[0] + n <= capacity:
@@ -80,3 +81,22 @@ def test_walk_skips_only_what_first_fit_rejects(seed):
     assert kept == want
     assert read <= len(q)
     assert [e[2].req_id for e in q.walk()] == [e[2].req_id for e in q.by_arrival()]
+    assert [e[2].req_id for e in q.walk(start=start)] == \
+        [e[2].req_id for e in q.by_arrival()[start:]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_missed_prefix_is_the_longest_prefix_past_every_deadline(seed):
+    """``missed_prefix(now)``: every entry before it is past its own SLO's TTFT deadline
+    (by arrival), and it is the shortest of the per-SLO prefixes, which a scan finds."""
+    rng = random.Random(seed)
+    q = WaitingQueue(need)
+    for i in range(rng.randint(0, 120)):
+        (q.append if rng.random() < 0.9 else q.appendleft)(make(i, rng))
+    now = rng.uniform(0.0, 40.0)
+    end = q.missed_prefix(now)
+    entries = q.by_arrival()
+    assert all(now - a > r.slo.ttft_s for a, _, r in entries[:end])
+    per_slo = [next((i for i, (a, _, _) in enumerate(entries) if not now - a > slo.ttft_s),
+                    len(entries)) for slo in q.slos]
+    assert end == min(per_slo, default=0)

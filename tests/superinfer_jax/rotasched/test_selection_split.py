@@ -38,5 +38,22 @@ def test_ranking_listed_is_the_heads_waiting_and_parked(seed):
     assert isinstance(ranking, Ranking) and ranking.listed is not None
     assert ranking.listed == {id(r) for r in ranking.head
                               if r.status != RequestStatus.RUNNING}
-    plain = Ranking(ranking.head, sched, defer=ranking.defer)  # listed None: the head
+    # listed None: the head; defer_before 0: every deferred request read and tested
+    plain = Ranking(ranking.head, sched, defer=ranking.defer)
     assert [r.req_id for r in ranking] == [r.req_id for r in plain]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_selection_keeps_the_same_with_the_hopeless_prefix_read(seed):
+    """With ``hopeless_last``, the selection skips the hopeless prefix of the queue unread
+    (``Ranking.defer_before``); reading and testing each request instead keeps the same."""
+    sels = []
+    for skip in (True, False):
+        sched, now = random_state(random.Random(seed))
+        ranking = sched.policy.rank(sched, now)
+        assert isinstance(ranking, Ranking)
+        if not skip:
+            ranking = Ranking(ranking.head, sched, ranking.listed, ranking.defer)
+        sel = sched._select(ranking, StepBudget.full(sched.config, None))
+        sels.append(([r.req_id for r in sel.kept], [r.req_id for r in sel.runners]))
+    assert sels[0] == sels[1]
