@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from heapq import merge
-from itertools import chain, islice
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
@@ -273,7 +273,7 @@ class Scheduler:
         if start or waiting_later or parked_later:  # the deferred, merged the same way
             kept = {id(e[2]) for e in early}
             # by (arrival, waiting before parked), each list in its own order
-            later = chain(((e[0], 0, e[2]) for e in islice(waiting.by_arrival(), start)
+            later = chain(((e[0], 0, e[2]) for e in waiting.walk(room, 0, start)
                            if id(e[2]) not in listed and id(e[2]) not in kept),
                           ((a, 0, r) for a, _, r in waiting_later))
             yield from (e[2] for e in merge(later, ((a, 1, r) for a, _, r in parked_later),

@@ -134,9 +134,9 @@ class WaitingQueue:
                                               key=lambda e: now - e[0] <= budget))
         return end
 
-    def walk(self, room: Callable[[], int] | None = None, start: int = 0
-             ) -> Iterator[Entry]:
-        """``by_arrival`` read from entry ``start``; with ``room`` (the pages still free,
+    def walk(self, room: Callable[[], int] | None = None, start: int = 0,
+             stop: int | None = None) -> Iterator[Entry]:
+        """``by_arrival[start:stop]`` in order; with ``room`` (the pages still free,
         asked before each entry), the entries whose page need is known and exceeds it are
         left out, without being read: the next entry that could fit is the earliest, over
         the page needs up to ``room()``, of the next entry of that need (a bisection
@@ -144,13 +144,14 @@ class WaitingQueue:
         entries, by_need = self._entries, self._by_need
         needs = sorted(by_need)
         top = needs[-1] if needs else 0
-        i = min(start, len(entries))
+        end = len(entries) if stop is None else min(stop, len(entries))
+        i = min(start, end)
         # the next entry is at or past this key
-        after: Key = entries[i][:2] if i < len(entries) else (float("inf"), 0)
+        after: Key = entries[i][:2] if i < end else (float("inf"), 0)
         while True:
             free = room() if room is not None else top
             if top <= free:  # everyone left could fit by pages: read them in order
-                if i >= len(entries):
+                if i >= end:
                     return
                 e = entries[i]
             else:
@@ -166,6 +167,8 @@ class WaitingQueue:
                     return
                 e = found
                 i = bisect.bisect_left(entries, e[:2])
+                if i >= end:
+                    return
             after = (e[0], e[1] + 1)
             i += 1
             yield e

@@ -69,10 +69,11 @@ def test_walk_skips_only_what_first_fit_rejects(seed):
         return kept, used
 
     start = rng.choice((0, 0, rng.randint(0, len(q) + 2)))  # past the end too
-    want, _ = first_fit(q.by_arrival()[start:])
+    stop = rng.choice((None, rng.randint(0, len(q) + 2)))
+    want, _ = first_fit(q.by_arrival()[start:stop])
     used = [0]  # a cell: walk() asks for the room left as the loop fills it
     kept, read = [], 0
-    for _, _, r in q.walk(lambda: capacity - used[0], start):
+    for _, _, r in q.walk(lambda: capacity - used[0], start, stop):
         read += 1
         n = need(r)
         if used[0] + n <= capacity:
@@ -81,8 +82,8 @@ def test_walk_skips_only_what_first_fit_rejects(seed):
     assert kept == want
     assert read <= len(q)
     assert [e[2].req_id for e in q.walk()] == [e[2].req_id for e in q.by_arrival()]
-    assert [e[2].req_id for e in q.walk(start=start)] == \
-        [e[2].req_id for e in q.by_arrival()[start:]]
+    assert [e[2].req_id for e in q.walk(start=start, stop=stop)] == \
+        [e[2].req_id for e in q.by_arrival()[start:stop]]
 
 
 @pytest.mark.parametrize("seed", range(40))
