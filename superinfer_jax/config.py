@@ -164,16 +164,20 @@ class RotaSchedConfig:
                               "runner is no longer rotated out for a better-ranked "
                               "request (one parked reply is always allowed; 1: no limit)")
     # Among the requests that wait without lag, those past their TTFT deadline go after
-    # those that can still make it (by default they go by arrival, so first). On #15's
-    # multi-turn sweep (rate 1) it raised TTFT attainment in three of three runs: 0.639
-    # -> 0.704 (under 35% CPU steal), 0.598 -> 0.621 (seeds 0-2), 0.649 -> 0.673 (seeds
-    # 3-5), and 0.702 -> 0.760 with residency_share 0.25 (seeds 3-5), for TBT attainment
-    # -4.6, +0.5, -1.4 and -0.8 points. Its cost is the deferred requests' TTFT (P99
-    # grows), and under sustained overload they wait until the queue drains. Opt-in: not
-    # measured on the trace sweep's knee yet.
+    # those that can still make it (false: by arrival, so first). The miss is certain
+    # either way; by arrival the oldest hopeless request takes the pages that a request
+    # with time left needed, and misses too. Measured against false, each run with fcfs
+    # and both in one run: #15's multi-turn sweep (rate 1) TTFT attainment 0.639 -> 0.704
+    # (under 35% CPU steal), 0.598 -> 0.621 (seeds 0-2), 0.649 -> 0.673 (seeds 3-5), and
+    # 0.702 -> 0.760 with residency_share 0.25, for TBT attainment -4.6, +0.5, -1.4, -0.8
+    # points; the trace sweep at 2 req/s, 0.448 -> 0.510 (seeds 3-5; TBT -0.7 points, P99
+    # TBT 871 -> 715 ms) and 0.750 -> 0.771 (seeds 0-2; TBT +0.2, P99 TBT 605 -> 602).
+    # Its cost: the deferred requests' TTFT (they wait while anyone who can still make it
+    # waits, so P99 TTFT grows under sustained overload). The selection starts past them
+    # (``WaitingQueue.missed_prefix``), so a long hopeless queue costs a step nothing.
     hopeless_last: bool = knob(
-        False, help="waiting requests already past their TTFT deadline go after those "
-                    "that can still make it, not by arrival (they miss either way)")
+        True, help="waiting requests already past their TTFT deadline go after those "
+                   "that can still make it, not by arrival (they miss either way)")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")
