@@ -143,7 +143,10 @@ class RotaSchedConfig:
     # 1 (the default) leaves the windows at k. 0.25 met #15's multi-turn knee on two seed
     # sets, but at the trace sweep's knee on seeds 3-5 it lost to 1 on TTFT attainment,
     # TBT attainment and P99 TBT (3.50x / -5.2 points / 2.26x fcfs's against 4.26x /
-    # -3.4 / 1.59x), so it stays opt-in.
+    # -3.4 / 1.59x), so it stays opt-in. Session 22, with hopeless_last on (idle):
+    # multi-turn seeds 0-2 0.692 -> 0.817, 3-5 0.766 -> 0.883 (TBT -3.8, -3.3 points,
+    # all of it from rotated gaps: 233 of 417 missed, against 40 of 69), trace sweep knee
+    # (seeds 3-5) 0.531 -> 0.526, TBT -2.3 points, P99 TBT 750 -> 895 ms: still opt-in.
     residency_share: float = knob(
         1.0, gt=0, le=1, help="most of a request's max_tokens that each protected "
                                 "window (settling, near its end) may cover (1: k tokens)")
@@ -170,8 +173,11 @@ class RotaSchedConfig:
     # and both in one run: #15's multi-turn sweep (rate 1) TTFT attainment 0.639 -> 0.704
     # (under 35% CPU steal), 0.598 -> 0.621 (seeds 0-2), 0.649 -> 0.673 (seeds 3-5), and
     # 0.702 -> 0.760 with residency_share 0.25, for TBT attainment -4.6, +0.5, -1.4, -0.8
-    # points; the trace sweep at 2 req/s, 0.448 -> 0.510 (seeds 3-5; TBT -0.7 points, P99
-    # TBT 871 -> 715 ms) and 0.750 -> 0.771 (seeds 0-2; TBT +0.2, P99 TBT 605 -> 602).
+    # points; in session 22, 0.698 -> 0.692 (seeds 0-2) and 0.778 -> 0.766 (seeds 3-5),
+    # TBT +0.7 and -0.5; the trace sweep at 2 req/s, 0.448 -> 0.510 (seeds 3-5; TBT -0.7
+    # points, P99 TBT 871 -> 715 ms) and 0.750 -> 0.771 (seeds 0-2; TBT +0.2, P99 TBT
+    # 605 -> 602); simulated Mooncake conversations at 3 req/s on gh200-144g, 0.470 ->
+    # 0.563 (TBT +0.2).
     # Its cost: the deferred requests' TTFT (they wait while anyone who can still make it
     # waits, so P99 TTFT grows under sustained overload). The selection starts past them
     # (``WaitingQueue.missed_prefix``), so a long hopeless queue costs a step nothing.
