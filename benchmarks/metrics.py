@@ -5,11 +5,16 @@ TTFT = first token - arrival; ITL = every gap between consecutive tokens; TPOT =
 first) / (tokens - 1) per request; E2E = last token - arrival. SLO attainment: a request
 meets its TTFT SLO when TTFT <= ttft_ms; TBT attainment is the share of all gaps within
 their request's tbt_ms; goodput counts requests per second meeting every SLO given.
+``tbt_misses``: the missed gaps, and how many of them overlap a span the request spent
+off the device (rotated out, parked, rotating back in), so a report can tell the TBT
+that rotation costs from the TBT that slow steps cost (on the CPU engine any step with
+a prefill chunk misses a 3x-decode-step SLO for every decoder in it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +32,9 @@ class Timeline:
     # Client side, ``token_times`` are chunk arrivals and a chunk may carry several
     # tokens: then the server's token count goes here (TPOT and token throughput use it).
     num_output_tokens: int | None = None
+    # (start, end) seconds the request spent off the device, from rotate-out to running
+    # again (``parked_spans``; empty where unknown, e.g. client side)
+    parked: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -45,6 +53,18 @@ class Timeline:
     def meets_ttft(self) -> bool:
         return self.ok and self.ttft is not None and (
             self.ttft_slo_s is None or self.ttft <= self.ttft_slo_s)
+
+    def missed_gaps(self) -> list[tuple[float, float]]:
+        """(start, end) of every gap over the TBT SLO (none without an SLO)."""
+        slo, t = self.tbt_slo_s, self.token_times
+        if slo is None:
+            return []
+        return [(a, b) for a, b in zip(t, t[1:], strict=False) if b - a > slo]
+
+    def rotated(self, start: float, end: float) -> bool:
+        """Whether the gap from ``start`` to ``end`` overlaps a parked span (a rotate-out
+        decided while the gap's first token was in flight starts just before it)."""
+        return any(s < end and e > start for s, e in self.parked)
 
     def meets_tbt(self) -> bool:
         return self.ok and (self.tbt_slo_s is None or all(g <= self.tbt_slo_s
@@ -97,6 +117,34 @@ def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
     for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2e)):
         result.update(_dist(prefix, values))
     return result
+
+
+def tbt_misses(timelines: list[Timeline]) -> tuple[int, int]:
+    """(missed gaps, those of them that overlap a parked span) over the completed
+    timelines (``summarize``'s ``tbt_attainment`` counts the same gaps)."""
+    missed = [(t, g) for t in timelines if t.ok and t.token_times for g in t.missed_gaps()]
+    return len(missed), sum(t.rotated(*g) for t, g in missed)
+
+
+def parked_spans(transitions: Iterable[tuple[float, object]]) -> list[tuple[float, float]]:
+    """The spans a request spent off the device, from its status log
+    (``Request.transitions``): each from a rotate-out (or the first parked or rotating-in
+    entry) to the next entry of another status (running again, or requeued, or
+    finished)."""
+    from superinfer_jax.request import ROTARY, ROTATING_IN, ROTATING_OUT
+
+    spans, start, last = [], None, None
+    for t, status in transitions:
+        last = t
+        if status in (ROTATING_OUT, ROTARY, ROTATING_IN):
+            if start is None:
+                start = t
+        elif start is not None:
+            spans.append((start, t))
+            start = None
+    if start is not None and last is not None:
+        spans.append((start, last))
+    return spans
 
 
 def vllm_goodput(timelines: list[Timeline], duration_s: float, ttft_ms: float | None = None,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.bench_clients import Backend, RequestRecord
-from benchmarks.metrics import Timeline
+from benchmarks.metrics import Timeline, parked_spans
 from benchmarks.workloads import Conversation
 
 NOT_SENT = "not sent: an earlier turn of its conversation failed"
@@ -166,7 +166,8 @@ def _turn_run(c: Conversation, i: int, k: int, req) -> TurnRun:
         arrival=req.arrival_time, token_times=list(req.token_times),
         prompt_len=len(req.prompt_token_ids), ttft_slo_s=c.ttft_ms / 1000,
         tbt_slo_s=c.tbt_ms / 1000, num_rotations=req.num_rotations,
-        num_recomputed_tokens=req.num_recomputed_tokens, ok=ok),
+        num_recomputed_tokens=req.num_recomputed_tokens, ok=ok,
+        parked=parked_spans(req.transitions)),
         req.num_cached_tokens, list(req.output_token_ids))
 
 

@@ -8,6 +8,10 @@ unloaded TTFT of a median-length prompt, TBT SLO = ``--tbt-mult`` x the unloaded
 single-request decode step (each the median of 7 runs after one left out), or fixed by
 ``--ttft-slo-ms`` / ``--tbt-slo-ms`` to compare separate runs at equal SLOs.
 
+Each row also says which share of the TBT misses overlap a rotation (``tbt_miss_rot``;
+the rest are slow steps: on this CPU a step with any prefill chunk misses the TBT SLO for
+every decoder in it, while decode-only steps meet it).
+
 Every rate runs once per seed in ``--seeds`` (a different sample of the trace and
 different arrival times) and each row pools the timelines of all seeds: attainment is
 over all their requests and gaps, throughput over the summed durations. One 64-request
@@ -49,7 +53,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.common import add_common_args, print_table, write_json
-from benchmarks.metrics import summarize
+from benchmarks.metrics import summarize, tbt_misses
 from benchmarks.replay import build_requests, replay
 from benchmarks.workloads import (
     HISTORIES,
@@ -354,6 +358,7 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
     """One table row from every seed's run: timelines pooled, durations summed."""
     timelines = [t for r in results for t in r["timelines"]]
     s = summarize(timelines, sum(r["duration"] for r in results))
+    missed, rotated = tbt_misses(timelines)
     steps = sum(r["steps"] for r in results)
     queried = sum(r.get("cache", {}).get("prefix_cache_queries", 0) for r in results)
     tiers = {f"hit_{tier}": sum(r.get("cache", {}).get(key, 0) for r in results) / queried
@@ -365,6 +370,9 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
             "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
             "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
             "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
+            # of the TBT-missed gaps, the share that overlaps a rotation (the rest: slow
+            # steps, on this CPU any step with a prefill chunk)
+            "tbt_miss_rot": rotated / missed if missed else 0.0,
             "recomputed": s["recomputed_tokens"],
             "host_ms_step": 1000 * sum(r["host_s"] for r in results) / max(1, steps),
             "wall_s": sum(r["wall_s"] for r in results), "summary": s,

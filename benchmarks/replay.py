@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.metrics import Timeline
+from benchmarks.metrics import Timeline, parked_spans
 from benchmarks.workloads import TraceRequest
 
 
@@ -65,5 +65,5 @@ def replay(engine, requests: list[TimedRequest], progress=None) -> tuple[list[Ti
             prompt_len=len(r.prompt_token_ids), ttft_slo_s=r.ttft_ms / 1000,
             tbt_slo_s=r.tbt_ms / 1000, num_rotations=req.num_rotations,
             num_recomputed_tokens=req.num_recomputed_tokens,
-            ok=req.status.finish_reason != "abort"))
+            ok=req.status.finish_reason != "abort", parked=parked_spans(req.transitions)))
     return timelines, duration

@@ -290,6 +290,7 @@ class FakeEngine:
             prompt_token_ids=list(prompt), output_token_ids=[], token_times=[],
             arrival_time=arrival_time, max_tokens=sampling.max_tokens, num_rotations=0,
             num_recomputed_tokens=0, status=SimpleNamespace(finish_reason=None),
+            transitions=[],
             num_cached_tokens=max((_common(prompt, s) for s in self.cache), default=0))
         return rid
 
