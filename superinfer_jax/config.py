@@ -146,7 +146,7 @@ class RotaSchedConfig:
     # -3.4 / 1.59x), so it stays opt-in. Session 22, with hopeless_last on (idle):
     # multi-turn seeds 0-2 0.692 -> 0.817, 3-5 0.766 -> 0.883 (TBT -3.8, -3.3 points,
     # all of it from rotated gaps: 233 of 417 missed, against 40 of 69), trace sweep knee
-    # (seeds 3-5) 0.531 -> 0.526, TBT -2.3 points, P99 TBT 750 -> 895 ms: still opt-in.
+    # (seeds 3-5) 0.531 -> 0.526, TBT -2.2 points, P99 TBT 750 -> 895 ms: still opt-in.
     residency_share: float = knob(
         1.0, gt=0, le=1, help="most of a request's max_tokens that each protected "
                                 "window (settling, near its end) may cover (1: k tokens)")
