@@ -67,8 +67,7 @@ class Timeline:
         return any(s < end and e > start for s, e in self.parked)
 
     def meets_tbt(self) -> bool:
-        return self.ok and (self.tbt_slo_s is None or all(g <= self.tbt_slo_s
-                                                          for g in self.gaps))
+        return self.ok and not self.missed_gaps()
 
 
 def _dist(prefix: str, values: list[float], scale: float = 1000.0) -> dict[str, float]:

@@ -126,13 +126,16 @@ class WaitingQueue:
         own SLO (each lies before its own SLO's prefix ends). One bisection per SLO. A
         requeued request in it may have a first token (not missed): callers test those
         (``requeued``)."""
-        entries = self._entries
-        end = len(entries)
-        for slo in self.slos:
-            budget = slo.ttft_s  # the same floats as ``missed_ttft`` compares
-            end = min(end, bisect.bisect_left(entries, True,
-                                              key=lambda e: now - e[0] <= budget))
-        return end
+        # ``slo.ttft_s``: the same floats as ``missed_ttft`` compares
+        return min((self.first_within(now, slo.ttft_s) for slo in self.slos),
+                   default=len(self._entries))
+
+    def first_within(self, now: float, age: float) -> int:
+        """The first ``by_arrival`` entry with ``now - arrival <= age`` (the length if
+        none): ``now - arrival`` falls as the arrival grows, so one bisection. The float
+        comparison is the callers' own (``missed_ttft``, ``virtual_lag``), so the bounds
+        it finds are exact."""
+        return bisect.bisect_left(self._entries, True, key=lambda e: now - e[0] <= age)
 
     def walk(self, room: Callable[[], int] | None = None, start: int = 0,
              stop: int | None = None) -> Iterator[Entry]:

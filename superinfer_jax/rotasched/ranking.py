@@ -103,9 +103,8 @@ def late_window(waiting: WaitingQueue, now: float, beta_f: float
     for slo in waiting.slos:
         budget = slo.ttft_s  # the same floats as missed_ttft and virtual_lag compare
         start = beta_f * slo.ttft_ms / 1000
-        # ``now - a`` falls as ``a`` grows: not missed from ``first``, no lag from ``end``
-        first = bisect.bisect_left(entries, True, key=lambda e: now - e[0] <= budget)
-        end = bisect.bisect_left(entries, True, key=lambda e: now - e[0] <= start)
+        # not missed from ``first``, no lag from ``end``
+        first, end = waiting.first_within(now, budget), waiting.first_within(now, start)
         if first < end:
             lo, hi = min(lo, first), max(hi, end)
     window = entries[lo:hi] if lo < hi else []
