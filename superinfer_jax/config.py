@@ -78,6 +78,8 @@ def default_kv_dtype(model_dtype: str) -> str:
 
 POLICIES = ("fcfs", "swap", "rotasched")
 RANKING_MODES = ("vlt", "slack")
+# how a parked reply comes back (``RotaSchedConfig.parked_replies``)
+PARKED_REPLIES = ("lag", "free_pages")
 
 
 def _default_priority_weights() -> dict[str, float]:
@@ -184,6 +186,25 @@ class RotaSchedConfig:
     hopeless_last: bool = knob(
         True, help="waiting requests already past their TTFT deadline go after those "
                    "that can still make it, not by arrival (they miss either way)")
+    # How a parked reply (tokens out, KV on the host) comes back. ``lag`` (the paper's
+    # rule): it lags x alpha once its token is overdue by ``beta_b`` TBT SLOs and
+    # displaces runners by lag (first once due, ``ranking.rotate_in_due``).
+    # ``free_pages``: it displaces a runner only while that keeps its next token on time
+    # (it must start back this step and still can, ``ranking.reply_due_on_time``) or once
+    # it lags; in between it takes pages no runner needs, ahead of late first tokens.
+    # Why: on this CPU a reply is parked by a step with a prefill chunk, which alone takes
+    # longer than the TBT SLO, so its next token is late from the start; with ``beta_b`` 0
+    # it displaced the next runner a step later, and that one the next, a missed gap each
+    # (#15's multi-turn sweep with residency_share 0.25: 77 of 130 rotate-out steps swapped
+    # one reply for another and admitted nobody). ``beta_b`` bounds the wait: without it
+    # (free pages only) replies stalled up to 8 s at the multi-turn knee, and at the trace
+    # knee P99 TBT was 2.3-3.2x fcfs's. FIGURES
+    parked_replies: str = knob(
+        "lag", choices=PARKED_REPLIES,
+        help="lag (a parked reply displaces runners by lag, the paper's rule) | "
+             "free_pages (only when it must start back now to be on time and still can, "
+             "or once it lags by beta_b; else it takes free pages, ahead of late first "
+             "tokens)")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

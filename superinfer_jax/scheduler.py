@@ -88,16 +88,22 @@ class Ranking:
     # the first entries of the arrival-ordered queue that ``defer`` is true of but for
     # requeued ones, known ahead (``WaitingQueue.missed_prefix``): left unread, not tested
     defer_before: int = 0
+    # ids of head entries (not running) that may take only pages no runner needs: the
+    # selection keeps one only while the runners' pages stay whole, so it displaces no
+    # runner (None: none)
+    free_only: set[int] | None = None
 
     def __init__(self, head: list[Request], scheduler: Scheduler,
                  listed: set[int] | None = None,
                  defer: Callable[[Request], bool] | None = None,
-                 defer_before: int = 0) -> None:  # written out: ``NATIVE_INIT``
+                 defer_before: int = 0,
+                 free_only: set[int] | None = None) -> None:  # written out: ``NATIVE_INIT``
         self.head = head
         self.scheduler = scheduler
         self.listed = listed
         self.defer = defer
         self.defer_before = defer_before
+        self.free_only = free_only
 
     def __iter__(self) -> Iterator[Request]:
         return chain(self.head, self.scheduler.rest_by_arrival(
@@ -460,6 +466,13 @@ class Scheduler:
             rest = ranked
         tail: Iterator[Request] | None = None
         num_head, at = len(head), 0
+        # ``Ranking.free_only``: the pages no runner needs (free, less what the runners
+        # grow into this step), taken by the kept requests that are not running in rank
+        # order; a free-only request is kept only within them
+        free_only = ranking.free_only if ranking is not None else None
+        spare = 0
+        if free_only:
+            spare = kv.num_free_pages - self._runners_growth()
         # This loop reads every runner of every contended step, so what it calls per
         # request is inlined: ``_pages_to_run`` (for everyone but a waiting request, whose
         # prefix hit counts) with ``Request.num_pending_tokens``. The lists' methods are
@@ -513,11 +526,13 @@ class Scheduler:
                     held = max((_common_prefix(t, pages) for t in kept_tables), default=0) \
                         if pages and kv.refcount[pages[0]] > 0 else 0
                     need -= held + sum(p in counted for p in pages[held:])
-            if used + need <= capacity and moving <= transfer:
+            if used + need <= capacity and moving <= transfer and (
+                    free_only is None or need <= spare or id(req) not in free_only):
                 keep.add(req.req_id)
                 kept.append(req)
                 if status != running:
                     kept_other.append(req)
+                    spare -= need
                 if shared:
                     counted.update(pages)
                     if status == running:
@@ -530,6 +545,19 @@ class Scheduler:
             if used >= capacity and not runners_left and stop_when_full:
                 break
         return sel
+
+    def _runners_growth(self) -> int:
+        """Device pages the runners need this step beyond those they hold (their next
+        chunk's, as the selection prices it: the longest a step can give)."""
+        tables, page_size = self.kv.page_tables, self.kv.page_size
+        max_chunk = self.config.max_prefill_chunk
+        growth = 0
+        for r in self.running:
+            pending = 0 if r.final_token_inflight else r.num_tokens - r.num_computed_tokens
+            need = -(-(r.num_computed_tokens + (1 if pending == 1 else min(
+                pending, max_chunk))) // page_size)
+            growth += max(0, need - len(tables.get(r.req_id, ())))
+        return growth
 
     def _evict_unselected(self, sel: Selection, plan: StepPlan, budget: StepBudget,
                           now: float) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig, bucket
-from superinfer_jax.request import RUNNING, Request
+from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policy import HOST, Policy
 from superinfer_jax.rotasched.ranking import (
@@ -34,9 +34,11 @@ from superinfer_jax.rotasched.ranking import (
     late_window,
     missed_ttft,
     rank_by_lag,
+    reply_due_on_time,
     residency_window,
 )
 from superinfer_jax.rotasched.registry import make_scheduler, register_policy
+from superinfer_jax.scheduler import Ranking
 from superinfer_jax.step_plan import StepBudget
 
 if TYPE_CHECKING:
@@ -220,7 +222,12 @@ class RotaSchedPolicy(SwapPolicy):
           latency model, would end past its next token's deadline) ranks right after
           the protected runners, ahead of late first tokens: it comes back before its
           next token is due, where ranking it among them by lag left it parked for a
-          median 229 ms (P99 TBT 1.85x fcfs's at the GH200 knee; ``ranking``);
+          median 229 ms (P99 TBT 1.85x fcfs's at the GH200 knee; ``ranking``); a
+          parked reply (``parked_replies`` other than ``lag``) ranks there only while it
+          must start back now to be on time and still can: once its next token is late
+          anyway, displacing a runner for it only makes the runner's next token late
+          too, so until it lags (``beta_b``) it takes only pages no runner needs, ahead
+          of late first tokens (``free_pages``);
         - a waiting or parked request that is not late (lag 0) ranks after the running
           ones: it may take free pages, but only a late request displaces a runner;
         - so does a waiting request already past its TTFT deadline: the miss is certain,
@@ -238,21 +245,41 @@ class RotaSchedPolicy(SwapPolicy):
             return rank_by_lag(s, now, self.params)
         k = self.params.min_residency_tokens
         hopeless_last = self.params.hopeless_last
+        replies = self.params.parked_replies
+        lm = s.latency  # a decode step over the runners (``reply_due_on_time``)
+        step_s = None if lm is None else lm.decode_s(
+            max(1, len(s.running)), sum(r.num_tokens for r in s.running))
+        free_only: set[int] = set()
 
-        def key(r: Request) -> tuple[int, float, float]:
+        # (group, place in group 1, value, arrival): group 1 holds the parked replies
+        # that must start back now, then those that take free pages only, then the late
+        # requests and the other runners by urgency
+        def key(r: Request) -> tuple[int, int, float, float]:
             urgency = self.urgency(s, r, now)
             if r.status == RUNNING:
                 if is_protected(r, residency_window(r, k, self.params.residency_share)):
-                    return (0, 0.0, r.arrival_time)  # protected, oldest first
-                return (1, -urgency, r.arrival_time)
+                    return (0, 0, 0.0, r.arrival_time)  # protected, oldest first
+                return (1, 2, -urgency, r.arrival_time)
+            if replies != "lag" and r.token_times and r.status == ROTARY:
+                lag = virtual_lag(r, now, self.params)
+                if reply_due_on_time(s, r, now, step_s):
+                    return (1, 0, -urgency, r.arrival_time)  # must start back now
+                if lag > 0:  # parked past ``beta_b`` of a gap: displaces by urgency
+                    return (1, 2, -urgency, r.arrival_time)
+                free_only.add(id(r))  # free pages only, ahead of late first tokens
+                return (1, 1, -urgency, r.arrival_time)
             missed = missed_ttft(r, now)
             if urgency > 0 and not missed:
-                return (1, -urgency, r.arrival_time)  # late: may displace runners
+                return (1, 2, -urgency, r.arrival_time)  # late: may displace runners
             if missed and hopeless_last:
-                return (3, 0.0, r.arrival_time)  # hopeless, behind those who can make it
-            return (2, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
+                return (3, 0, 0.0, r.arrival_time)  # hopeless, behind those who can make it
+            return (2, 0, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 
-        return sorted(s.candidates(), key=key)
+        ranked = sorted(s.candidates(), key=key)
+        if not free_only:
+            return ranked
+        return Ranking(ranked, s, {id(r) for r in ranked if r.status != RUNNING},
+                       free_only=free_only)
 
 
 def _late_first_token(r: Request, now: float, beta: float) -> bool:

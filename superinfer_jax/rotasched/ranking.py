@@ -5,7 +5,13 @@ running, in that order) by ``(group, value, arrival)``:
 
     group 0  protected runners (settling, near their end, or ending; the windows are
              ``residency_window`` tokens): value 0
-    group 1  parked requests whose rotate-in is due (``rotate_in_due``): value -lag
+    group 1  parked requests whose rotate-in is due (``rotate_in_due``); a parked reply
+             (tokens out) only while it must start back now to be on time and still
+             can (``reply_due_on_time``), unless ``parked_replies`` is ``lag``: value -lag
+    group 1b with ``parked_replies: free_pages`` (the default), the other parked
+             replies that do not lag yet (parked less than ``beta_b`` TBT SLOs past
+             their last token): value -lag (0); the selection keeps them only in pages
+             no runner needs (``Ranking.free_only``), so they displace nobody
     group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
              the other runners: value -lag = time since they started running (>= 0)
     group 3  everyone else waiting or parked (not late, or hopeless): value 0; with
@@ -38,15 +44,19 @@ ahead of late first tokens, which have seconds of TTFT budget where it has a fra
 one gap (``superinfer simulate --preset paper-qwen32b-sharegpt`` on gh200-96g at its
 knee: P99 TBT 1.85x fcfs's with parked requests ranked among the late first tokens by
 lag, 1.05x with them first). Without a latency model a parked request is due once it
-lags.
+lags. A parked reply (unless ``parked_replies`` is ``lag``) is due only in the step
+where that happens, while its token can still be on time (``reply_due_on_time``; without
+a latency model, until its token is late).
 
-So a step costs O(runners log runners + parked + window + log queue) plus what the
-selection keeps, not O(queue log queue). Ties are broken exactly as the stable sort would
-(queue position, then parked, then running order): the sequence is the same as
-``sorted(s.candidates(), key=...)``, which ``tests/superinfer_jax/rotasched`` checks on
-random states and on simulated runs. The window is exact because the float comparisons
-are the same ones ``virtual_lag`` and ``missed_ttft`` make, and ``now - a`` is monotone
-in ``a``.
+Outside that window a parked reply displaces no runner until it lags (``beta_b``): before
+it, it needs no runner's pages; after it, its next token is late whatever happens, and a
+runner displaced to bring it back would miss its next token too. It takes pages no runner
+needs, ahead of the late first tokens (group 1b), and only once parked ``beta_b`` TBT SLOs
+past its last token does it displace runners by lag (group 2), which bounds its gap. On
+this CPU a reply parks at a step with a prefill chunk, longer than the TBT SLO by itself,
+so it is late from the start: ranked by lag from its first overdue moment (``beta_b`` 0,
+the paper's rule) it came back a step later by displacing the next runner, which did the
+same, one missed gap a swap (``RotaSchedConfig.parked_replies``).
 """
 
 from __future__ import annotations
@@ -60,8 +70,8 @@ from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
 
-__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "residency_window",
-           "resident_tokens"]
+__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "reply_due_on_time",
+           "residency_window", "resident_tokens", "rotate_in_due"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -145,9 +155,19 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
     lm = s.latency  # a decode step over the runners (``rotate_in_due``)
     step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
+    replies_wait = p.parked_replies == "free_pages"
+    # parked replies that may take only pages no runner needs (``Ranking.free_only``)
+    replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
-        if rotate_in_due(s, r, now, lag, step_s):
+        if replies_wait and r.token_times:  # a reply: due and on time, lagging, or waits
+            if reply_due_on_time(s, r, now, step_s):
+                due.append((-lag, r.arrival_time, j, r))
+            elif lag > 0:  # parked past ``beta_b`` of a gap: displaces runners by lag
+                late.append((-lag, r.arrival_time, 1, j, r))
+            else:
+                replies.append((-lag, r.arrival_time, j, r))
+        elif rotate_in_due(s, r, now, lag, step_s):
             due.append((-lag, r.arrival_time, j, r))
         elif lag > 0 and not missed_ttft(r, now):
             late.append((-lag, r.arrival_time, 1, j, r))
@@ -157,16 +177,21 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
             late.append((-lag, a, 0, pos, r))
     protected.sort(key=_arrival)  # stable: by (arrival, running order)
     due.sort()
+    replies.sort()
     late.sort()
-    head = protected + [e[-1] for e in due] + [e[-1] for e in late] \
-        + by_value(others, values)
+    head = protected + [e[-1] for e in due] + [e[-1] for e in replies] \
+        + [e[-1] for e in late] + by_value(others, values)
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
     listed.update(id(e[-1]) for e in late)
+    free_only = {id(e[-1]) for e in replies} if replies else None
+    if free_only:
+        listed.update(free_only)
     # then group 3: the rest by arrival (with ``hopeless_last``, the hopeless ones after)
     if not p.hopeless_last:
-        return Ranking(head, s, listed)
+        return Ranking(head, s, listed, free_only=free_only)
     # the hopeless fresh requests lead the arrival order: skipped unread
-    return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now))
+    return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now),
+                   free_only=free_only)
 
 
 class _Hopeless:
@@ -208,6 +233,25 @@ def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
         out.extend(run)
         end = start
     return out
+
+
+def reply_due_on_time(s: Scheduler, req: Request, now: float,
+                      step_s: float | None) -> bool:
+    """Unless ``parked_replies`` is ``lag``: whether parked reply ``req`` ranks in group
+    1 (it may displace a runner). Only while that is what keeps its next token on time: it
+    must start back within a step (its copy in plus one step would end past the deadline
+    if it waited one more step), and it still can (started now, the token is on time).
+    Outside that window it displaces nobody until it lags (``beta_b``): not due yet, it
+    needs no runner's pages; past it, the miss is certain, and a runner displaced to
+    bring it back would miss its next token too. Without a latency model (no prices):
+    until its token is late."""
+    deadline = req.token_times[-1] + req.slo.tbt_s
+    if step_s is None or s.latency is None:
+        return now <= deadline
+    kv = s.kv
+    assert isinstance(kv, TwoTierKVManager)  # only it parks requests
+    back = s.latency.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
+    return deadline - step_s <= now + back <= deadline
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,

@@ -3,7 +3,9 @@
 The plain sort is written out here as the specification: every candidate (waiting, parked,
 running, in that order) stably sorted by ``(group, value, arrival)``, parked requests
 whose rotate-in is due (priced by the latency model when there is one) in a group of
-their own after the protected runners. Random scheduler
+their own after the protected runners (unless ``parked_replies`` is ``lag``, a parked
+reply only while it must start back now to be on time and still can; else right after
+them, taking free pages only, until it lags by ``beta_b``). Random scheduler
 states cover ties in arrival time, several SLOs and priority classes, requests that came
 back to the queue with and without tokens, parked requests with and without tokens, and
 runners inside and outside their protection; a simulated contended run checks the plans
@@ -22,13 +24,15 @@ from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policies import RotaSchedPolicy
 from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import Scheduler
+from superinfer_jax.scheduler import Ranking, Scheduler
 
 SLOS = (SLO(1000, 100), SLO(1000, 100, "critical"), SLO(400, 50, "batch"), SLO(2500, 150))
 
 
-def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
-    """RotaSched's order before it was incremental: the specification."""
+def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
+               free_only: set[int] | None = None) -> list[Request]:
+    """RotaSched's order before it was incremental: the specification. ``free_only``
+    gets the ids of the parked replies that may take free pages only."""
 
     def window(r: Request) -> int:  # k tokens, at most a share of its max_tokens (>= 1)
         return min(p.min_residency_tokens, max(1, int(p.residency_share * r.max_output_tokens)))
@@ -48,13 +52,32 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig) -> list[Request]:
         back = lm.transfer_s(s.kv.rotation_cost_in(r.req_id) * s.page_bytes) + step
         return now + back >= r.token_times[-1] + r.slo.tbt_s
 
-    def key(r: Request) -> tuple[int, float, float]:
+    def due_on_time(r: Request, lag: float) -> bool:  # a reply must, and can, start now
+        deadline = r.token_times[-1] + r.slo.tbt_s
+        lm = s.latency
+        if lm is None:
+            return now <= deadline
+        step = lm.decode_s(max(1, len(s.running)), sum(q.num_tokens for q in s.running))
+        back = lm.transfer_s(s.kv.rotation_cost_in(r.req_id) * s.page_bytes) + step
+        return deadline - step <= now + back <= deadline
+
+    def key(r: Request) -> tuple[float, float, float]:
         lag = virtual_lag(r, now, p)
         if r.status == RequestStatus.RUNNING:
             k = window(r)
             if resident(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
                 return (0, 0.0, r.arrival_time)
             return (2, -lag, r.arrival_time)
+        if p.parked_replies != "lag" and r.status == RequestStatus.ROTARY and r.token_times:
+            # a parked reply: group 1 only to keep its next token on time; else between
+            # groups 1 and 2 (free pages only), or FCFS
+            if due_on_time(r, lag):
+                return (1, -lag, r.arrival_time)
+            if lag > 0:  # parked past beta_b of a gap: late
+                return (2, -lag, r.arrival_time)
+            if free_only is not None:
+                free_only.add(id(r))
+            return (1.5, -lag, r.arrival_time)
         if due(r, lag):
             return (1, -lag, r.arrival_time)
         missed = not r.token_times and now - r.arrival_time > r.slo.ttft_s
@@ -71,14 +94,20 @@ class SortedLagPolicy(RotaSchedPolicy):
     """RotaSched ranking by the plain sort (a plug-in path for the simulator)."""
 
     def rank(self, s, now):
-        return plain_sort(s, now, self.params)
+        free_only: set[int] = set()
+        ranked = plain_sort(s, now, self.params, free_only)
+        listed = {id(r) for r in ranked if r.status != RequestStatus.RUNNING}
+        return Ranking(ranked, s, listed, free_only=free_only or None)
 
 
 def random_state(rng: random.Random) -> tuple[Scheduler, float]:
     cfg = EngineConfig(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
-                       rotasched=RotaSchedConfig(min_residency_tokens=rng.choice((1, 4, 16)),
+                       rotasched=RotaSchedConfig(beta_b=rng.choice((0.0, 2.0, 5.0)),
+                                                 min_residency_tokens=rng.choice((1, 4, 16)),
                                                  residency_share=rng.choice((0.1, 0.25, 1.0)),
-                                                 hopeless_last=rng.random() < 0.5))
+                                                 hopeless_last=rng.random() < 0.5,
+                                                 parked_replies=rng.choice(
+                                                     ("lag", "free_pages"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     now = 10.0
     arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]

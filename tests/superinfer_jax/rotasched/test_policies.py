@@ -376,3 +376,72 @@ def test_hopeless_requests_go_last_when_asked(hopeless_last):
     plan = d.step(0.9)
     assert plan.rotate_out == []
     assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])
+
+
+def _parked_reply(mode: str):
+    """"runner" and "reply" decode past their 4-token residency, then a late first token
+    ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
+    parked with its next token due 100 ms after its last, and 3 pages are free, one too
+    few for it. A latency model prices a step at 10 ms and a copy at nothing."""
+    from superinfer_jax.latency import LatencyModel
+
+    # ``lag``: the paper's rule (beta_b 0); else a reply lags 500 ms past its last token
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, parked_replies=mode,
+                         beta_b=0.0 if mode == "lag" else 5.0)
+    sched, kv = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
+                     enable_prefix_caching=False)
+    d = Driver(sched, kv)
+    d.add(req("runner", 8, arrival=0.0, max_tokens=40))
+    d.add(req("reply", 8, arrival=0.0, max_tokens=40))
+    for t in range(6):
+        d.step(t * 0.01)
+    d.add(req("new", 12, arrival=-0.6))  # TTFT SLO 1 s: late, not missed
+    assert d.step(0.06).prefill == [("new", 12)]
+    assert d.step(0.07).rotate_out == ["reply"]
+    sched.set_latency_model(LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0]))
+    reply = d.all["reply"]
+    assert reply.status == RequestStatus.ROTARY and kv.num_free_pages == 3
+    return sched, kv, d, reply
+
+
+@pytest.mark.parametrize("mode", ["lag", "free_pages"])
+def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
+    """A reply parked while the pool is full: when it must start back now to be on time
+    (a copy and a step, 10 ms, before its deadline) it rotates the unprotected runner out
+    in either mode. Once its next token is late whatever happens, it displaces the runner
+    by lag in mode ``lag``; with ``free_pages`` it waits for free pages, as displacing the
+    runner would only make the runner's next token late too, until it has been parked
+    ``beta_b`` (5) TBT SLOs past its last token: then it lags, and displaces by lag."""
+    sched, kv, d, reply = _parked_reply(mode)
+    last = reply.token_times[-1]  # TBT SLO 100 ms: the next token is due at last + 0.1
+    assert sched.schedule(last + 0.085).rotate_out == ["runner"]  # "new" is settling
+
+    sched, kv, d, reply = _parked_reply(mode)
+    last = reply.token_times[-1]
+    late = sched.schedule(last + 0.3)
+    assert late.rotate_out == (["runner"] if mode == "lag" else [])
+    assert ("runner" in late.decode) is (mode == "free_pages")
+    if mode == "free_pages":
+        assert sched.schedule(last + 0.45).rotate_out == []
+        assert sched.schedule(last + 0.55).rotate_out == ["runner"]
+
+
+def test_a_late_parked_reply_takes_free_pages_before_a_late_first_token():
+    """Before it lags, a parked reply whose next token is late anyway ranks ahead of the
+    late first tokens but may take only pages no runner needs (``Ranking.free_only``).
+    Pages free up (the runner leaves) with room for it or a late first token, not both:
+    it is kept. Without room it is not kept, and no runner is dropped for it."""
+    sched, kv, d, reply = _parked_reply("free_pages")
+    now = reply.token_times[-1] + 0.3
+    ranking = sched.policy.rank(sched, now)
+    assert ranking.free_only == {id(reply)}
+    sel = sched._select(ranking, StepBudget.full(sched.config))
+    assert "reply" not in sel.keep and sel.dropped == []  # 3 free pages: one too few
+    sched.remove(d.all["runner"])
+    d.add(req("late", 16, arrival=now - 0.6))  # lag > 0, 4 pages
+    assert kv.num_free_pages == 7  # the reply needs 4, "late" 4
+    ranking = sched.policy.rank(sched, now)
+    order = [r.req_id for r in ranking]
+    assert order.index("reply") < order.index("late")
+    sel = sched._select(ranking, StepBudget.full(sched.config))
+    assert "reply" in sel.keep and "late" not in sel.keep and sel.dropped == []
