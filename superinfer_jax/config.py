@@ -195,16 +195,18 @@ class RotaSchedConfig:
     # Why: on this CPU a reply is parked by a step with a prefill chunk, which alone takes
     # longer than the TBT SLO, so its next token is late from the start; with ``beta_b`` 0
     # it displaced the next runner a step later, and that one the next, a missed gap each
-    # (#15's multi-turn sweep with residency_share 0.25: 77 of 130 rotate-out steps swapped
+    # (#15's multi-turn sweep with residency_share 0.25: 92 of 163 rotate-out steps swapped
     # one reply for another and admitted nobody). ``beta_b`` bounds the wait: without it
     # (free pages only) replies stalled up to 8 s at the multi-turn knee, and at the trace
-    # knee P99 TBT was 2.3-3.2x fcfs's. Against ``lag`` (beta_b 0) in the same runs, idle,
-    # with beta_b 3 (TTFT attainment; TBT attainment points; P99 TBT): trace knee (2
-    # req/s) seeds 3-5 0.469 -> 0.557 (+0.5; 621 -> 613 ms), seeds 0-2 0.839 -> 0.807
-    # (-0.5; 479 -> 501 ms); multi-turn (1 conv/s) seeds 0-2 0.781 -> 0.746 (-0.4). With
-    # residency_share 0.25: multi-turn seeds 3-5 0.895 -> 0.918 (+0.1; 397 -> 524 ms),
-    # trace knee seeds 3-5 0.562 -> 0.578 (-0.3; 822 -> 1,100 ms, 1.95x fcfs's). No
-    # clear gain, and a worse P99 with residency_share 0.25, so ``lag`` stays the default.
+    # knee P99 TBT was 2.3-2.5x fcfs's (9.8x with residency_share 0.25). Against ``lag``
+    # (beta_b 0) in the same runs, idle, with beta_b 3 (TTFT attainment; TBT attainment
+    # points; P99 TBT): trace knee (2 req/s) seeds 3-5 0.469 -> 0.557 (+0.5; 621 -> 613
+    # ms), seeds 0-2 0.839 -> 0.807 (-0.5; 479 -> 501 ms); multi-turn (1 conv/s) seeds
+    # 0-2 0.781 -> 0.746 (-0.4). With residency_share 0.25: multi-turn seeds 3-5 0.895 ->
+    # 0.918 (+0.1; 397 -> 524 ms), seeds 0-2 0.828 -> 0.840 (+1.3; 558 -> 639 ms) and at
+    # 1.25 conv/s 0.716 -> 0.651 (-0.3); trace knee seeds 3-5 0.562 -> 0.578 (-0.3; 822
+    # -> 1,100 ms, 1.95x fcfs's). No clear gain, and a worse P99 TBT, so ``lag`` stays
+    # the default.
     parked_replies: str = knob(
         "lag", choices=PARKED_REPLIES,
         help="lag (a parked reply displaces runners by lag, the paper's rule) | "
