@@ -212,7 +212,7 @@ class RotaSchedConfig:
         help="lag (a parked reply displaces runners by lag, the paper's rule) | "
              "free_pages (only when it must start back now to be on time and still can, "
              "or once it lags by beta_b; else it takes free pages, ahead of late first "
-             "tokens)")
+             "tokens; set beta_b above 0, e.g. 3: at 0 a reply lags as soon as parked)")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

@@ -88,9 +88,9 @@ class Ranking:
     # the first entries of the arrival-ordered queue that ``defer`` is true of but for
     # requeued ones, known ahead (``WaitingQueue.missed_prefix``): left unread, not tested
     defer_before: int = 0
-    # ids of head entries (not running) that may take only pages no runner needs: the
-    # selection keeps one only while the runners' pages stay whole, so it displaces no
-    # runner (None: none)
+    # ids of head entries (not running) that may take only pages and seats no runner
+    # needs: the selection keeps one only while every runner still fits, so it displaces
+    # no runner (None: none)
     free_only: set[int] | None = None
 
     def __init__(self, head: list[Request], scheduler: Scheduler,
@@ -468,7 +468,8 @@ class Scheduler:
         num_head, at = len(head), 0
         # ``Ranking.free_only``: the pages no runner needs (free, less what the runners
         # grow into this step), taken by the kept requests that are not running in rank
-        # order; a free-only request is kept only within them
+        # order; a free-only request is kept only within them, and only with a seat left
+        # for every runner not read yet
         free_only = ranking.free_only if ranking is not None else None
         spare = 0
         if free_only:
@@ -527,7 +528,8 @@ class Scheduler:
                         if pages and kv.refcount[pages[0]] > 0 else 0
                     need -= held + sum(p in counted for p in pages[held:])
             if used + need <= capacity and moving <= transfer and (
-                    free_only is None or need <= spare or id(req) not in free_only):
+                    free_only is None or id(req) not in free_only
+                    or need <= spare and len(keep) + 1 + runners_left <= seats):
                 keep.add(req.req_id)
                 kept.append(req)
                 if status != running:

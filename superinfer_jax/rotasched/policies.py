@@ -229,7 +229,8 @@ class RotaSchedPolicy(SwapPolicy):
           too, so until it lags (``beta_b``) it takes only pages no runner needs, ahead
           of late first tokens (``free_pages``);
         - a waiting or parked request that is not late (lag 0) ranks after the running
-          ones: it may take free pages, but only a late request displaces a runner;
+          ones (but for the parked replies of ``free_pages``, above): it may take free
+          pages, but only a late request displaces a runner;
         - so does a waiting request already past its TTFT deadline: the miss is certain,
           and displacing a runner for it would only add a TBT miss. Capacity goes to
           requests that can still make their deadline (in simulation at overload this
@@ -247,7 +248,7 @@ class RotaSchedPolicy(SwapPolicy):
         hopeless_last = self.params.hopeless_last
         replies = self.params.parked_replies
         lm = s.latency  # a decode step over the runners (``reply_due_on_time``)
-        step_s = None if lm is None else lm.decode_s(
+        step_s = None if lm is None or replies == "lag" else lm.decode_s(
             max(1, len(s.running)), sum(r.num_tokens for r in s.running))
         free_only: set[int] = set()
 

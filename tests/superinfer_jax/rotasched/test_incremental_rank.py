@@ -147,9 +147,12 @@ def test_incremental_rank_is_the_plain_sort(seed):
     sched, now = random_state(random.Random(seed))
     policy = sched.policy
     assert isinstance(policy, RotaSchedPolicy)
-    got = [r.req_id for r in policy.rank(sched, now)]
-    want = [r.req_id for r in plain_sort(sched, now, policy.params)]
+    ranking = policy.rank(sched, now)
+    got = [r.req_id for r in ranking]
+    free_only: set[int] = set()
+    want = [r.req_id for r in plain_sort(sched, now, policy.params, free_only)]
     assert got == want
+    assert (ranking.free_only or set()) == free_only  # the replies kept in free pages only
 
 
 def test_simulated_plans_equal_the_plain_sort():

@@ -406,12 +406,14 @@ def _parked_reply(mode: str):
 
 @pytest.mark.parametrize("mode", ["lag", "free_pages"])
 def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
-    """A reply parked while the pool is full: when it must start back now to be on time
-    (a copy and a step, 10 ms, before its deadline) it rotates the unprotected runner out
-    in either mode. Once its next token is late whatever happens, it displaces the runner
-    by lag in mode ``lag``; with ``free_pages`` it waits for free pages, as displacing the
-    runner would only make the runner's next token late too, until it has been parked
-    ``beta_b`` (5) TBT SLOs past its last token: then it lags, and displaces by lag."""
+    """A reply parked while the pool is full: 15 ms before its deadline it rotates the
+    unprotected runner out in either mode (with ``free_pages`` because it must start back
+    now, a copy and a 10 ms step, to be on time; with ``lag`` because it lags from the
+    moment it is parked). Once its next token is late whatever happens, it displaces the
+    runner by lag in mode ``lag``; with ``free_pages`` it waits for free pages, as
+    displacing the runner would only make the runner's next token late too, until it has
+    been parked ``beta_b`` (5) TBT SLOs past its last token: then it lags, and displaces
+    by lag."""
     sched, kv, d, reply = _parked_reply(mode)
     last = reply.token_times[-1]  # TBT SLO 100 ms: the next token is due at last + 0.1
     assert sched.schedule(last + 0.085).rotate_out == ["runner"]  # "new" is settling
@@ -445,3 +447,30 @@ def test_a_late_parked_reply_takes_free_pages_before_a_late_first_token():
     assert order.index("reply") < order.index("late")
     sel = sched._select(ranking, StepBudget.full(sched.config))
     assert "reply" in sel.keep and "late" not in sel.keep and sel.dropped == []
+
+
+def test_a_late_parked_reply_takes_no_runner_seat():
+    """Free pages but every seat taken (``max_num_seqs`` 2, both seats running): the
+    parked reply that does not lag yet is not kept, and no runner is dropped for its
+    seat."""
+    from superinfer_jax.latency import LatencyModel
+
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, high_water_mark=0.01,
+                         parked_replies="free_pages", beta_b=5.0)  # always contended
+    sched, kv = make("rotasched", device_pages=20, host_pages=64, rotasched=rs,
+                     enable_prefix_caching=False, max_num_seqs=2)
+    d = Driver(sched, kv)
+    d.add(req("runner", 8, arrival=0.0, max_tokens=40))
+    d.add(req("reply", 8, arrival=0.0, max_tokens=40))
+    for t in range(6):
+        d.step(t * 0.01)
+    d.add(req("new", 8, arrival=-0.6))  # late: takes the reply's seat
+    assert d.step(0.06).rotate_out == ["reply"]
+    sched.set_latency_model(LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0]))
+    assert d.step(0.07).rotate_out == []  # not due (a 10 ms step and copy), not lagging
+    reply = d.all["reply"]
+    assert reply.status == RequestStatus.ROTARY and len(sched.running) == 2
+    assert kv.num_free_pages >= 8  # pages for the reply, no seat
+    now = reply.token_times[-1] + 0.3  # late whatever happens; lags only at + 0.5
+    sel = sched._select(sched.policy.rank(sched, now), StepBudget.full(sched.config))
+    assert "reply" not in sel.keep and sel.dropped == []
