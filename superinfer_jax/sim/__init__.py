@@ -16,6 +16,7 @@ from superinfer_jax.sim.cost import (
     latency_model_of,
 )
 from superinfer_jax.sim.simulator import (
+    ConversationSpec,
     HashIdTokens,
     RequestSpec,
     SimRequest,
@@ -27,6 +28,7 @@ __all__ = [
     "CalibratedCost",
     "CallShape",
     "ConstantCost",
+    "ConversationSpec",
     "CostModel",
     "HashIdTokens",
     "HostOverhead",

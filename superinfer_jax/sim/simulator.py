@@ -39,6 +39,7 @@ not known, so output pages are never shared.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import time
@@ -76,6 +77,21 @@ class RequestSpec:
     slo: SLO = field(default_factory=SLO)
     hash_ids: tuple[int, ...] | None = None
     block_tokens: int = HASH_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class ConversationSpec:
+    """A closed-loop conversation (``Simulator.run_conversations``): turn 0 arrives at
+    ``start_s``, and turn k+1 only ``think_s[k + 1]`` after turn k's last token, as
+    ``benchmarks.multiturn`` replays one through the engine (the user reads the answer,
+    then types). So the load is what the conversations' pace makes it: a slow answer
+    delays the next turn. The turns' own ``arrival_s`` is ignored. For the cache to find
+    the history, turn k+1's ``hash_ids`` extend turn k's (with ``block_tokens`` 1 they
+    are the prompt's token ids themselves)."""
+
+    start_s: float
+    turns: tuple[RequestSpec, ...]
+    think_s: tuple[float, ...]  # one per turn; think_s[0] is unused
 
 
 class HashIdTokens(Sequence[int]):
@@ -225,6 +241,8 @@ class SimResult:
     # was called and the host seconds it took (``benchmarks.sim_speed``)
     schedule_queue: array | None = None  # array('l')
     schedule_s: array | None = None  # array('d')
+    # ``run_conversations``: request id -> (conversation index, turn index)
+    turn_of: dict[str, tuple[int, int]] | None = None
 
 
 class Simulator:
@@ -258,10 +276,26 @@ class Simulator:
         rotasched) that was 16% of the run's time (31.2 s against 26.1 s), for 22
         objects of cyclic garbage at the end."""
         _check_specs(specs, self.config)
+        return self._play(_Run(self, specs, progress, time_schedule))
+
+    def run_conversations(self, convs: Sequence[ConversationSpec],
+                          progress: Callable[[int], None] | None = None) -> SimResult:
+        """Simulate ``convs`` in closed loop (``ConversationSpec``) until every turn of
+        every conversation finished. ``SimResult.requests`` are the turns in arrival
+        order and ``SimResult.turn_of`` names each one's conversation and turn."""
+        _check_conversations(convs, self.config)
+        order = sorted(range(len(convs)), key=lambda ci: convs[ci].start_s)
+        firsts = [dataclasses.replace(convs[ci].turns[0], arrival_s=convs[ci].start_s)
+                  for ci in order]
+        run = _Run(self, firsts, progress, conversations=convs, first_of=order)
+        return self._play(run)
+
+    @staticmethod
+    def _play(run: _Run) -> SimResult:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return _Run(self, specs, progress, time_schedule).play()
+            return run.play()
         finally:
             if was_enabled:
                 gc.enable()
@@ -273,28 +307,46 @@ def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:
         if s.arrival_s < last:
             raise ValueError(f"requests must be sorted by arrival_s (request {i}: "
                              f"{s.arrival_s} < {last})")
-        if s.prompt_len < 1 or s.output_len < 1:
-            raise ValueError(f"request {i}: prompt_len and output_len must be >= 1, got "
-                             f"{s.prompt_len}, {s.output_len}")
-        if s.prompt_len >= config.max_model_len:
-            raise ValueError(f"request {i}: prompt has {s.prompt_len} tokens; max_model_len "
-                             f"is {config.max_model_len} (the engine rejects it)")
-        if s.hash_ids is not None:
-            _check_hash_ids(i, s)
+        _check_spec(f"request {i}", s, config)
         last = s.arrival_s
 
 
-def _check_hash_ids(i: int, s: RequestSpec) -> None:
+def _check_spec(name: str, s: RequestSpec, config: EngineConfig) -> None:
+    if s.prompt_len < 1 or s.output_len < 1:
+        raise ValueError(f"{name}: prompt_len and output_len must be >= 1, got "
+                         f"{s.prompt_len}, {s.output_len}")
+    if s.prompt_len >= config.max_model_len:
+        raise ValueError(f"{name}: prompt has {s.prompt_len} tokens; max_model_len "
+                         f"is {config.max_model_len} (the engine rejects it)")
+    if s.hash_ids is not None:
+        _check_hash_ids(name, s)
+
+
+def _check_conversations(convs: Sequence[ConversationSpec], config: EngineConfig) -> None:
+    for i, c in enumerate(convs):
+        if not c.turns:
+            raise ValueError(f"conversation {i}: no turns")
+        if len(c.think_s) != len(c.turns):
+            raise ValueError(f"conversation {i}: {len(c.turns)} turns need as many think_s, "
+                             f"got {len(c.think_s)}")
+        if not c.start_s >= 0 or any(not x >= 0 for x in c.think_s):
+            raise ValueError(f"conversation {i}: start_s and think_s must be >= 0, got "
+                             f"{c.start_s}, {c.think_s}")
+        for k, turn in enumerate(c.turns):
+            _check_spec(f"conversation {i} turn {k}", turn, config)
+
+
+def _check_hash_ids(name: str, s: RequestSpec) -> None:
     """Ids that cover the prompt exactly and keep every synthetic token an int64."""
     b = s.block_tokens
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"request {i}: block_tokens must be an int >= 1, got {b!r}")
+        raise ValueError(f"{name}: block_tokens must be an int >= 1, got {b!r}")
     want = -(-s.prompt_len // b)
     if len(s.hash_ids or ()) != want:
-        raise ValueError(f"request {i}: {s.prompt_len} prompt tokens need {want} hash ids "
+        raise ValueError(f"{name}: {s.prompt_len} prompt tokens need {want} hash ids "
                          f"(one per {b}-token block), got {len(s.hash_ids or ())}")
     if s.hash_ids and (min(s.hash_ids) < 0 or max(s.hash_ids) > _MAX_TOKEN // b - 1):
-        raise ValueError(f"request {i}: hash ids must be in [0, {_MAX_TOKEN // b - 1}], "
+        raise ValueError(f"{name}: hash ids must be in [0, {_MAX_TOKEN // b - 1}], "
                          f"got {min(s.hash_ids)}..{max(s.hash_ids)}")
 
 
@@ -302,14 +354,25 @@ class _Run:
     """The state of one simulation (the scheduler and pages are fresh per run)."""
 
     def __init__(self, sim: Simulator, specs: Sequence[RequestSpec],
-                 progress: Callable[[int], None] | None, time_schedule: bool = False):
+                 progress: Callable[[int], None] | None, time_schedule: bool = False,
+                 conversations: Sequence[ConversationSpec] = (),
+                 first_of: Sequence[int] = ()):
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
         # The cache exists only when some request has content: without any, nothing could
         # hit, and the run stays the page manager's cache-free path exactly (no per-step
         # scan of the runners for pages to register).
         self.prefix_caching = cfg.enable_prefix_caching and any(
-            s.hash_ids is not None for s in specs)
+            s.hash_ids is not None for s in specs) or any(
+            t.hash_ids is not None for c in conversations for t in c.turns)
+        # Closed loop: ``specs`` are the first turns (``first_of``: their conversations);
+        # a finished turn's next turn joins ``later``, a heap of (arrival, order pushed,
+        # conversation, turn).
+        self.conversations = conversations
+        self.turn_of: dict[str, tuple[int, int]] = {}
+        self.first_of = list(first_of)
+        self.later: list[tuple[float, int, int, int]] = []
+        self.num_added = self.num_pushed = 0
         self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages,
                                    prefix_caching=self.prefix_caching,
                                    host_cache_eviction=cfg.host_cache_eviction,
@@ -346,15 +409,18 @@ class _Run:
         specs, sched = self.specs, self.sched
         n, i = len(specs), 0
         t = specs[0].arrival_s if n else 0.0
+        later = self.later
         while True:
             while i < n and specs[i].arrival_s <= t:
                 self._add(specs[i], i)
                 i += 1
+            while later and later[0][0] <= t:
+                self._add_turn(*heapq.heappop(later))
             self._observe_copies(t)
             if not sched.num_unfinished:
-                if i == n:
+                if i == n and not later:
                     break
-                t = specs[i].arrival_s
+                t = self._next_arrival(i)
                 continue
             if self.timing is None:
                 plan = sched.schedule(t)
@@ -376,9 +442,16 @@ class _Run:
         took.append(time.perf_counter() - t0)
         return plan
 
+    def _next_arrival(self, i: int) -> float:
+        """The next request's arrival: spec ``i``'s or the earliest next turn's."""
+        nxt = self.specs[i].arrival_s if i < len(self.specs) else float("inf")
+        if self.later:
+            nxt = min(nxt, self.later[0][0])
+        return nxt
+
     def _next_event(self, i: int) -> float:
         """When something can change after an empty plan: an arrival or a copy landing."""
-        nxt = self.specs[i].arrival_s if i < len(self.specs) else float("inf")
+        nxt = self._next_arrival(i)
         if self.copies:
             nxt = min(nxt, self.copies[0][0])
         if nxt == float("inf"):
@@ -390,7 +463,23 @@ class _Run:
         return nxt
 
     def _add(self, spec: RequestSpec, index: int) -> None:
-        req = SimRequest(str(index), spec)
+        """Spec ``index`` arrives (a first turn, in closed loop). Request ids count the
+        requests added, so they are the spec indices in open loop."""
+        req_id = str(self.num_added)
+        if self.conversations:
+            self.turn_of[req_id] = (self.first_of[index], 0)
+        self._add_request(req_id, spec)
+
+    def _add_turn(self, arrival_s: float, seq: int, conv: int, turn: int) -> None:
+        """Turn ``turn`` of conversation ``conv`` arrives (its previous turn finished)."""
+        req_id = str(self.num_added)
+        self.turn_of[req_id] = (conv, turn)
+        spec = dataclasses.replace(self.conversations[conv].turns[turn], arrival_s=arrival_s)
+        self._add_request(req_id, spec)
+
+    def _add_request(self, req_id: str, spec: RequestSpec) -> None:
+        self.num_added += 1
+        req = SimRequest(req_id, spec)
         if spec.hash_ids is not None:
             req.cache_key = self.cache_key  # hashed lazily by the scheduler's admission
         self.requests[req.req_id] = req
@@ -467,6 +556,13 @@ class _Run:
         self.last_token = max(self.last_token, now)
         if self.progress is not None:
             self.progress(1)
+        if self.conversations:
+            conv, turn = self.turn_of[req.req_id]
+            c = self.conversations[conv]
+            if turn + 1 < len(c.turns):
+                heapq.heappush(self.later, (now + c.think_s[turn + 1], self.num_pushed,
+                                            conv, turn + 1))
+                self.num_pushed += 1
 
     # -- copies --------------------------------------------------------------------------
 
@@ -539,4 +635,5 @@ class _Run:
             prefix_cache_queries=queries, prefix_cache_device_hits=device_hits,
             prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in,
             schedule_queue=self.timing[0] if self.timing else None,
-            schedule_s=self.timing[1] if self.timing else None)
+            schedule_s=self.timing[1] if self.timing else None,
+            turn_of=self.turn_of if self.conversations else None)
