@@ -1,17 +1,20 @@
-"""``benchmarks.sim_multiturn``'s pieces: policy strings with RotaSched knobs, the
+"""``benchmarks.sim_sweep``'s pieces: policy strings with RotaSched knobs, the
 conversation -> simulator spec mapping, pooled rows and the knee verdict."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from benchmarks.sim_multiturn import (
+from benchmarks.sim_sweep import (
     engine_config,
+    multiturn_verdict,
+    parse_args,
     parse_policy,
     parse_seeds,
     pooled_row,
     to_conversation_specs,
-    verdict,
+    trace_specs,
 )
 from benchmarks.workloads import Conversation
 from superinfer_jax.config import EngineConfig
@@ -66,7 +69,7 @@ def test_pooled_row_counts_every_turn_and_gap():
     # prefill 1 s: past the 900 ms TTFT SLO; decode 50 ms: within the 80 ms TBT SLO
     res = Simulator(cfg, ConstantCost(1.0, 0.05), 32, 0).run_conversations(specs)
     row = pooled_row("fcfs", 1.0, [res, res])
-    assert row["turns"] == 4 and row["ttft_att"] == 0.0
+    assert row["requests"] == 4 and row["ttft_att"] == 0.0
     assert row["tbt_att"] == 1.0 and row["p99_tbt_ms"] == pytest.approx(50.0)
     assert row["rotations"] == 0
 
@@ -76,8 +79,25 @@ def test_verdict_reads_the_knee():
             {"policy": "fcfs", "rate": 2.0, "ttft_att": 0.5, "tbt_att": 0.9},
             {"policy": "rotasched", "rate": 2.0, "ttft_att": 0.8, "tbt_att": 0.86},
             {"policy": "x", "rate": 2.0, "ttft_att": 0.7, "tbt_att": 0.8}]
-    lines = verdict(rows)
+    lines = multiturn_verdict(rows)
     assert len(lines) == 2
     assert "knee 2 conv/s" in lines[0] and "1.60x" in lines[0] and lines[0].endswith(" met")
     assert "-10.0 points" in lines[1] and lines[1].endswith("NOT met")
-    assert "add rates" in verdict(rows[:1])[0]
+    assert "add rates" in multiturn_verdict(rows[:1])[0]
+
+
+def test_trace_requests_are_policy_sweeps():
+    """The same sample, lengths and arrivals as ``policy_sweep`` builds for a seed."""
+    from benchmarks.workloads import load_trace, poisson_arrivals, scale_lengths
+
+    args = parse_args(["--workload", "trace"])
+    assert (args.ttft_slo_ms, args.tbt_slo_ms, args.rates) == (1096.0, 84.0, "0.5,1,2,3")
+    specs = trace_specs(args, 2.0, 3)
+    full = scale_lengths(load_trace("azure_conv", limit=256), 256, 48, 0.125)
+    pick = np.random.default_rng(3).choice(len(full), 64, replace=False)
+    arrivals = poisson_arrivals(64, 2.0, np.random.default_rng(4))
+    assert len(specs) == 64
+    assert [(s.prompt_len, s.output_len) for s in specs] == \
+        [(full[i].prompt_len, full[i].output_len) for i in pick]
+    assert [s.arrival_s for s in specs] == pytest.approx(list(arrivals))
+    assert all(s.hash_ids is None and s.slo.ttft_ms == 1096.0 for s in specs)
