@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig, bucket
+from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policy import HOST, Policy
@@ -77,7 +78,11 @@ class RotaSchedPolicy(SwapPolicy):
     # -- when to act ----------------------------------------------------------------------
 
     def contended(self, s: Scheduler) -> bool:
-        """Proactive trigger: above the high-water mark, or anyone parked or rotating."""
+        """Proactive trigger: above the high-water mark, or anyone parked or rotating.
+        Never on a one-tier page manager (no host tier to park a request in: FCFS; the
+        engine's is always two-tier, some tests drive the scheduler with a plain one)."""
+        if not isinstance(s.kv, TwoTierKVManager):
+            return False
         used, usable = s.device_pages_in_use()
         return bool(s.rotary) or used >= self.params.high_water_mark * usable
 
