@@ -148,21 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     if args.workload == "multiturn":
         return sweep_multiturn(args, model, seeds)
-    full_trace = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
-                               args.max_prompt, args.max_output, args.scale)
-    traces = {}
-    for seed in seeds:
-        pick = np.random.default_rng(seed).choice(len(full_trace), args.num_requests,
-                                                  replace=False)
-        traces[seed] = [full_trace[i] for i in pick]
+    traces = trace_samples(args, seeds)
     median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
     engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
     rows = []
     for rate in [float(r) for r in args.rates.split(",")]:
         runs: dict[str, list] = {p: [] for p in engines}
         for turn, seed in enumerate(seeds):
-            arrivals = poisson_arrivals(args.num_requests, rate,
-                                        np.random.default_rng(seed + 1))
+            arrivals = trace_arrivals(args, rate, seed)
             requests = build_requests(traces[seed], arrivals, model.vocab_size, ttft_ms,
                                       tbt_ms, seed + 2)
             for policy in run_order(list(engines), turn):
@@ -172,6 +165,21 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(pooled_row(policy, rate, results))
             print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
     report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+
+
+def trace_samples(args: argparse.Namespace, seeds: list[int]) -> dict[int, list]:
+    """Per seed, ``--num-requests`` requests of the first 4x that many of ``--trace``,
+    lengths scaled and clipped (``scale_lengths``): each seed samples others."""
+    full = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
+                         args.max_prompt, args.max_output, args.scale)
+    picks = {seed: np.random.default_rng(seed).choice(len(full), args.num_requests,
+                                                      replace=False) for seed in seeds}
+    return {seed: [full[i] for i in pick] for seed, pick in picks.items()}
+
+
+def trace_arrivals(args: argparse.Namespace, rate: float, seed: int) -> np.ndarray:
+    """The Poisson arrival times of seed ``seed``'s requests at ``rate``."""
+    return poisson_arrivals(args.num_requests, rate, np.random.default_rng(seed + 1))
 
 
 def run_order(policies: list[str], turn: int) -> list[str]:

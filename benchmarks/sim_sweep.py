@@ -11,8 +11,8 @@ closed loop, through ``Simulator.run_conversations``) through the simulator (the
 scheduler, policies, prefix cache and page bookkeeping as the engine), priced by the
 engine's latency profile of SmolLM2 on this CPU (``CalibratedCost``), with
 ``policy_sweep``'s pool (48 device pages, 512 host pages) and knobs. It is
-deterministic, so two policies differ only by what they decide, and 20 seeds take
-seconds: a tool to find what to measure on the engine, not a replacement for that
+deterministic, so two policies differ only by what they decide, and 20 seeds (the
+default) take seconds: a tool to find what to measure on the engine, not a replacement for that
 measurement (the simulator prices a step as host work, prefill, then decode, without the
 engine's async overlap).
 
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "followed by :knob=value RotaSched overrides")
     p.add_argument("--rates", help="requests/s (trace) or conversations/s (multiturn); "
                    f"default {', '.join(f'{w} {d[0]}' for w, d in DEFAULTS.items())}")
-    p.add_argument("--seeds", default="0-11", help="e.g. 0-11 or 0,1,2; pooled per row")
+    p.add_argument("--seeds", help="e.g. 0-19 or 0,1,2 or 0-3,7 (default 0-19; --quick "
+                                   "0-3); pooled per row")
     p.add_argument("--ttft-slo-ms", type=float, help="default: multiturn 1390, trace 1096 "
                    "(5x the unloaded TTFT of session 23's engine runs)")
     p.add_argument("--tbt-slo-ms", type=float, help="default: multiturn 86, trace 84")
@@ -98,21 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     rates, ttft, tbt = DEFAULTS[args.workload]
     if args.quick:
-        args.seeds, rates = "0-3", "1" if args.workload == "multiturn" else "2"
+        rates = "1" if args.workload == "multiturn" else "2"
+    args.seeds = args.seeds or ("0-3" if args.quick else "0-19")
     args.rates = args.rates or rates
-    args.ttft_slo_ms = args.ttft_slo_ms or ttft
-    args.tbt_slo_ms = args.tbt_slo_ms or tbt
+    args.ttft_slo_ms = ttft if args.ttft_slo_ms is None else args.ttft_slo_ms
+    args.tbt_slo_ms = tbt if args.tbt_slo_ms is None else args.tbt_slo_ms
+    for flag, value in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tbt-slo-ms", args.tbt_slo_ms)):
+        if not value > 0:
+            parser.error(f"{flag} must be > 0, got {value}")
+    try:
+        parse_seeds(args.seeds)
+    except ValueError:
+        parser.error(f"--seeds: expected e.g. 0-19 or 0,1,2, got {args.seeds!r}")
     return args
 
 
 def parse_seeds(text: str) -> list[int]:
-    if "-" in text and "," not in text:
-        lo, hi = (int(x) for x in text.split("-"))
-        return list(range(lo, hi + 1))
-    return [int(x) for x in text.split(",") if x.strip()]
+    """``0-3,7`` -> [0, 1, 2, 3, 7]."""
+    out: list[int] = []
+    for part in (x.strip() for x in text.split(",")):
+        lo, sep, hi = part.partition("-")
+        out += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
+    return out
 
 
 def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
@@ -182,17 +194,14 @@ def to_conversation_specs(convs: list) -> list:
 def trace_specs(args: argparse.Namespace, rate: float, seed: int) -> list:
     """``policy_sweep``'s trace requests for ``rate`` and ``seed`` (the same sample and
     arrivals; random prompts there, no content here: neither ever hits the cache)."""
-    from benchmarks.workloads import load_trace, poisson_arrivals, scale_lengths
+    from benchmarks.policy_sweep import trace_arrivals, trace_samples
     from superinfer_jax.request import SLO
     from superinfer_jax.sim import RequestSpec
 
-    full = scale_lengths(load_trace(args.trace, limit=4 * args.num_requests),
-                         args.max_prompt, args.max_output, args.scale)
-    pick = np.random.default_rng(seed).choice(len(full), args.num_requests, replace=False)
-    arrivals = poisson_arrivals(args.num_requests, rate, np.random.default_rng(seed + 1))
+    sample = trace_samples(args, [seed])[seed]
     slo = SLO(ttft_ms=args.ttft_slo_ms, tbt_ms=args.tbt_slo_ms)
-    return [RequestSpec(float(a), full[i].prompt_len, full[i].output_len, slo)
-            for i, a in zip(pick, arrivals, strict=True)]
+    return [RequestSpec(float(a), r.prompt_len, r.output_len, slo)
+            for r, a in zip(sample, trace_arrivals(args, rate, seed), strict=True)]
 
 
 def simulator(args: argparse.Namespace, policy: str, latency, page_bytes: int):
@@ -227,7 +236,8 @@ def pooled_row(policy: str, rate: float, results: list) -> dict[str, Any]:
     n = len(ttfts)
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {"policy": policy, "rate": rate, "requests": n,
-            "ttft_att": ttft_ok / max(1, n), "tbt_att": gaps_ok / max(1, gaps),
+            "ttft_att": ttft_ok / max(1, n),
+            "tbt_att": gaps_ok / gaps if gaps else float("nan"),
             "mean_ttft_ms": float(np.mean(ttfts)) if ttfts else float("nan"),
             "p99_ttft_ms": pct(ttfts, 99), "p50_tbt_ms": pct(tbts, 50),
             "p99_tbt_ms": pct(tbts, 99),

@@ -14,7 +14,7 @@ from superinfer_jax.rotasched import HOST, Policy, register_policy
 
 @register_policy("edf")
 class EDFPolicy(Policy):
-    def contended(self, s) -> bool:  # the device is nearly full, or someone is parked
+    def contended(self, s) -> bool:  # past the high-water mark, or someone is parked
         used, usable = s.device_pages_in_use()
         return bool(s.rotary) or used >= self.config.rotasched.high_water_mark * usable
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
+import math
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -329,9 +330,9 @@ def _check_conversations(convs: Sequence[ConversationSpec], config: EngineConfig
         if len(c.think_s) != len(c.turns):
             raise ValueError(f"conversation {i}: {len(c.turns)} turns need as many think_s, "
                              f"got {len(c.think_s)}")
-        if not c.start_s >= 0 or any(not x >= 0 for x in c.think_s):
-            raise ValueError(f"conversation {i}: start_s and think_s must be >= 0, got "
-                             f"{c.start_s}, {c.think_s}")
+        if not 0 <= c.start_s < math.inf or any(not 0 <= x < math.inf for x in c.think_s):
+            raise ValueError(f"conversation {i}: start_s and think_s must be finite and "
+                             f">= 0, got {c.start_s}, {c.think_s}")
         for k, turn in enumerate(c.turns):
             _check_spec(f"conversation {i} turn {k}", turn, config)
 
@@ -362,9 +363,9 @@ class _Run:
         # The cache exists only when some request has content: without any, nothing could
         # hit, and the run stays the page manager's cache-free path exactly (no per-step
         # scan of the runners for pages to register).
-        self.prefix_caching = cfg.enable_prefix_caching and any(
-            s.hash_ids is not None for s in specs) or any(
-            t.hash_ids is not None for c in conversations for t in c.turns)
+        self.prefix_caching = cfg.enable_prefix_caching and (
+            any(s.hash_ids is not None for s in specs)
+            or any(t.hash_ids is not None for c in conversations for t in c.turns))
         # Closed loop: ``specs`` are the first turns (``first_of``: their conversations);
         # a finished turn's next turn joins ``later``, a heap of (arrival, order pushed,
         # conversation, turn).
@@ -411,11 +412,24 @@ class _Run:
         t = specs[0].arrival_s if n else 0.0
         later = self.later
         while True:
+            if later:  # two sources: joined in arrival order (a tie: the spec first)
+                while True:
+                    due = specs[i].arrival_s if i < n else float("inf")
+                    if later[0][0] < due:
+                        due = later[0][0]
+                        if due > t:
+                            break
+                        self._add_turn(*heapq.heappop(later))
+                        if not later:
+                            break
+                    elif due <= t:
+                        self._add(specs[i], i)
+                        i += 1
+                    else:
+                        break
             while i < n and specs[i].arrival_s <= t:
                 self._add(specs[i], i)
                 i += 1
-            while later and later[0][0] <= t:
-                self._add_turn(*heapq.heappop(later))
             self._observe_copies(t)
             if not sched.num_unfinished:
                 if i == n and not later:

@@ -474,3 +474,21 @@ def test_a_late_parked_reply_takes_no_runner_seat():
     now = reply.token_times[-1] + 0.3  # late whatever happens; lags only at + 0.5
     sel = sched._select(sched.policy.rank(sched, now), StepBudget.full(sched.config))
     assert "reply" not in sel.keep and sel.dropped == []
+
+
+def test_rotasched_acts_from_the_high_water_mark_and_never_on_one_tier():
+    """Contended at half the pool in use (the default mark), not below; never with a
+    one-tier page manager, which has no host tier to park a request in (the engine's is
+    always two-tier; a test that drives the scheduler with a plain one gets FCFS)."""
+    from superinfer_jax.kv.page_allocator import KVCacheManager
+
+    assert RotaSchedConfig().high_water_mark == 0.5
+    for tiers in (2, 1):
+        cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False,
+                           policy="rotasched")
+        kv = TwoTierKVManager(1 + 20, PAGE, 64) if tiers == 2 else KVCacheManager(1 + 20, PAGE)
+        sched = make_scheduler(cfg, kv)
+        kv.allocate_for("a", 9 * PAGE)  # 9 of 20 usable pages: under the mark
+        assert not sched.policy.contended(sched)
+        kv.allocate_for("b", PAGE)  # 10 of 20: at the mark
+        assert sched.policy.contended(sched) == (tiers == 2)

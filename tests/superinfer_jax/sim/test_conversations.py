@@ -92,10 +92,49 @@ def test_a_slow_answer_delays_the_next_turn():
 @pytest.mark.parametrize("conv, message", [
     (ConversationSpec(0.0, (), ()), "no turns"),
     (ConversationSpec(0.0, (RequestSpec(0.0, 4, 1),), (0.0, 1.0)), "need as many think_s"),
-    (ConversationSpec(-1.0, (RequestSpec(0.0, 4, 1),), (0.0,)), "must be >= 0"),
+    (ConversationSpec(-1.0, (RequestSpec(0.0, 4, 1),), (0.0,)), "finite and >= 0"),
+    (ConversationSpec(0.0, (RequestSpec(0.0, 4, 1),) * 2, (0.0, float("inf"))),
+     "finite and >= 0"),
     (ConversationSpec(0.0, (RequestSpec(0.0, 4, 1), RequestSpec(0.0, 8, 0)), (0.0, 1.0)),
      "conversation 0 turn 1: prompt_len and output_len"),
 ])
 def test_bad_conversations_are_refused(conv, message):
     with pytest.raises(ValueError, match=message):
         sim().run_conversations([conv])
+
+
+def test_a_turn_due_during_a_step_joins_before_a_later_first_turn():
+    """A's turn 1 finishes at the end of a step's prefill call (0.2 s), so its turn 2 is
+    due then; B starts at 0.22 s, while C's decode call still runs. The next step must
+    queue A's turn 2 before B (FCFS admits in queue order), as the engine's replay does."""
+    convs = [conversation(0, 0.0, 1, 0.0, out=10), conversation(1, 0.0, 3, 0.0, out=1),
+             conversation(2, 0.22, 1, 0.0, out=1)]
+    result = Simulator(config(), ConstantCost(0.1, 0.05), 64, 128).run_conversations(convs)
+    assert result.turn_of is not None
+    order = [result.turn_of[r.req_id] for r in result.requests]
+    assert order.index((1, 2)) < order.index((2, 0))
+    assert [r.arrival_time for r in result.requests] == \
+        sorted(r.arrival_time for r in result.requests)
+    by_turn = {result.turn_of[r.req_id]: r for r in result.requests}
+    assert by_turn[(1, 2)].arrival_time == pytest.approx(0.2)
+
+
+def test_caching_off_means_no_cache_in_closed_loop_too():
+    convs = [conversation(0, 0.0, 3, 0.1)]
+    result = sim(enable_prefix_caching=False).run_conversations(convs)
+    assert not result.prefix_caching
+    assert all(r.num_cached_tokens == 0 for r in result.requests)
+
+
+def test_conversations_may_start_in_any_order():
+    """Specs are given out of start order: each first turn still maps to its own
+    conversation."""
+    convs = [conversation(0, 0.3, 2, 0.1), conversation(1, 0.0, 2, 0.1)]
+    result = sim().run_conversations(convs)
+    assert result.turn_of is not None
+    for r in result.requests:
+        conv, turn = result.turn_of[r.req_id]
+        assert r.output_len == convs[conv].turns[turn].output_len
+        assert len(r.prompt_token_ids) == convs[conv].turns[turn].prompt_len
+        if turn == 0:
+            assert r.arrival_time == convs[conv].start_s
