@@ -137,11 +137,15 @@ class RotaSchedConfig:
     # free. Same runs, idle, 0.85 -> 0.5 (TTFT attainment; TBT attainment; P99 TBT): the
     # engine, multi-turn sweep at 1 conv/s, seeds 0-2, 0.746 -> 0.834 (fcfs 0.633; TBT
     # 0.884 both; 439 -> 397 ms); trace sweep at 2 req/s, seeds 3-5, 0.521 -> 0.625 (fcfs
-    # 0.219; TBT 0.842 both; 685 -> 746 ms). The calibrated simulator
-    # (``benchmarks.sim_sweep``, 20 seeds): multi-turn at 1.25 conv/s 0.686 -> 0.814 (TBT
-    # -0.3 points), trace at 2 req/s 0.788 -> 0.812 (P99 TBT 512 -> 483 ms); 0.6 gave
-    # most of it, 0.3 and 0.1 the same as 0.5; the paper preset (Qwen2.5-32B, ShareGPT,
-    # GH200, --quick) gave the same rows at 0.5 and 0.85.
+    # 0.219; TBT 0.842 both; 685 -> 746 ms), seeds 0-2 0.604 -> 0.755 (fcfs 0.349; TBT
+    # 0.828 -> 0.836; 644 -> 561 ms; one earlier run of these seeds gave 0.5 a stall, TBT
+    # 0.737 and P99 TTFT 25 s, that the rerun did not reproduce). The calibrated simulator
+    # (``benchmarks.sim_sweep``, 20 seeds): multi-turn at 1.25 conv/s 0.690 -> 0.813 (TBT
+    # -0.4 points), trace at 2 req/s 0.712 -> 0.781 (TBT -0.3, P99 TBT 469 -> 468 ms),
+    # light load (0.5 req/s) unchanged; 0.6 gave most of it, 0.3 and 0.1 the same as 0.5;
+    # the paper preset (Qwen2.5-32B, ShareGPT, GH200, six rates) the same TTFT attainment.
+    # Its price: the requests deferred as hopeless wait longer (simulated P99 TTFT at the
+    # multi-turn knee 5.5 -> 11.0 s).
     high_water_mark: float = knob(
         0.5, gt=0, le=1, help="share of device pages in use at which rotasched acts")
     mode: str = knob("vlt", choices=RANKING_MODES, help="vlt (virtual lag) | slack "
