@@ -412,24 +412,15 @@ class _Run:
         t = specs[0].arrival_s if n else 0.0
         later = self.later
         while True:
-            if later:  # two sources: joined in arrival order (a tie: the spec first)
-                while True:
-                    due = specs[i].arrival_s if i < n else float("inf")
-                    if later[0][0] < due:
-                        due = later[0][0]
-                        if due > t:
-                            break
-                        self._add_turn(*heapq.heappop(later))
-                        if not later:
-                            break
-                    elif due <= t:
-                        self._add(specs[i], i)
-                        i += 1
-                    else:
-                        break
-            while i < n and specs[i].arrival_s <= t:
-                self._add(specs[i], i)
-                i += 1
+            while True:  # arrivals up to t from both sources, in arrival order (a tie:
+                # the spec first); ``later`` is empty in open loop
+                if later and later[0][0] <= t and (i == n or later[0][0] < specs[i].arrival_s):
+                    self._add_turn(*heapq.heappop(later))
+                elif i < n and specs[i].arrival_s <= t:
+                    self._add(specs[i], i)
+                    i += 1
+                else:
+                    break
             self._observe_copies(t)
             if not sched.num_unfinished:
                 if i == n and not later:
