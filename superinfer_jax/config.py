@@ -80,6 +80,8 @@ POLICIES = ("fcfs", "swap", "rotasched")
 RANKING_MODES = ("vlt", "slack")
 # how a parked reply comes back (``RotaSchedConfig.parked_replies``)
 PARKED_REPLIES = ("lag", "free_pages")
+# the order of the late first tokens (``RotaSchedConfig.late_order``)
+LATE_ORDERS = ("shortest", "lag")
 
 
 def _default_priority_weights() -> dict[str, float]:
@@ -158,15 +160,25 @@ class RotaSchedConfig:
     # Each of the two protected windows (settling, near the end) is at most this share of
     # the request's max_tokens: with k-token windows at both ends, a request of at most
     # 2k tokens can never be rotated out (the multi-turn sweep's replies are at most 32).
-    # 1 (the default) leaves the windows at k. 0.25 met #15's multi-turn knee on two seed
-    # sets, but at the trace sweep's knee on seeds 3-5 it lost to 1 on TTFT attainment,
-    # TBT attainment and P99 TBT (3.50x / -5.2 points / 2.26x fcfs's against 4.26x /
-    # -3.4 / 1.59x), so it stays opt-in. Session 22, with hopeless_last on (idle):
+    # 0.375 (the default since session 25; 1 before) leaves a quarter of a short reply's
+    # tokens where it may rotate, and changes nothing for replies of 43 tokens or more
+    # (0.375 x 43 > 16). Against 1 in the same engine runs (idle, 6 seeds, with
+    # ``late_order: shortest``; TTFT attainment, TBT attainment, P99 TBT): multi-turn knee
+    # (1.25 conv/s) 0.791 -> 0.841, 0.876 -> 0.853, 402 -> 487 ms (fcfs 0.585, 0.865, 453
+    # ms); trace knee (2 req/s) 0.680 -> 0.714, 0.837 -> 0.828, 633 -> 655 ms (fcfs 0.245,
+    # 0.849, 595 ms: 1.10x, where #19 allows 1.5x). Session 24, multi-turn at 1 conv/s
+    # (seeds 0-2) 0.834 -> 0.876, TBT -1.3 points. Calibrated simulator (20 seeds):
+    # multi-turn knee 0.839 -> 0.875 (TBT -1.3 points), trace knee 0.799 -> 0.805 (P99
+    # TBT 460 -> 468 ms), 3 req/s 0.643 -> 0.661 (575 -> 638 ms). 0.25 gained more on the
+    # multi-turn sweep but took the trace knee's P99 TBT to 1.38-1.95x fcfs's: 0.25 met
+    # #15's multi-turn knee on two seed sets, but at the trace sweep's knee on seeds 3-5
+    # it lost to 1 on TTFT attainment, TBT attainment and P99 TBT (3.50x / -5.2 points /
+    # 2.26x fcfs's against 4.26x / -3.4 / 1.59x). Session 22, with hopeless_last on (idle):
     # multi-turn seeds 0-2 0.692 -> 0.817, 3-5 0.766 -> 0.883 (TBT -3.8, -3.3 points,
     # all of it from rotated gaps: 233 of 417 missed, against 40 of 69), trace sweep knee
-    # (seeds 3-5) 0.531 -> 0.526, TBT -2.2 points, P99 TBT 750 -> 895 ms: still opt-in.
+    # (seeds 3-5) 0.531 -> 0.526, TBT -2.2 points, P99 TBT 750 -> 895 ms.
     residency_share: float = knob(
-        1.0, gt=0, le=1, help="most of a request's max_tokens that each protected "
+        0.375, gt=0, le=1, help="most of a request's max_tokens that each protected "
                                 "window (settling, near its end) may cover (1: k tokens)")
     # Parked replies come back only as fast as the pool frees pages for them: in the
     # CPU-calibrated simulator every TBT gap at or above P99 spanned a rotate-out, the
@@ -202,6 +214,30 @@ class RotaSchedConfig:
     hopeless_last: bool = knob(
         True, help="waiting requests already past their TTFT deadline go after those "
                    "that can still make it, not by arrival (they miss either way)")
+    # The late first tokens (waiting, or parked before their first token; lag > 0, TTFT
+    # not missed) displace runners in this order. ``lag`` (the paper's rule): largest lag
+    # first, earliest deadline first for one SLO. ``shortest``: fewest tokens (the pages
+    # it will hold) over its priority weight first, and one whose own prefill (priced by
+    # the latency model, its prefix hit counted) cannot end by its TTFT deadline goes
+    # behind the runners by arrival, like a request that has missed it. Why: at the knee
+    # the pool holds a few requests, and the TTFT misses were queue waits of the long
+    # prompts (calibrated simulator, multi-turn at 1.25 conv/s, 20 seeds: miss rate 1% of
+    # prompts under 64 tokens, 45% of those of 192-256), behind which, by deadline, the
+    # short ones missed too; by size, the classic rule for the most deadlines met
+    # (Moore-Hodgson, Smith's weighted shortest first), the short ones pass and the long
+    # ones miss by no more than before. Against ``lag`` (TTFT attainment; TBT attainment;
+    # P99 TBT): calibrated simulator (20 seeds, residency_share 1) multi-turn 1 / 1.25 /
+    # 1.5 conv/s 0.852 / 0.813 / 0.810 -> 0.869 / 0.839 / 0.815 (TBT within 0.1 points),
+    # trace 2 / 3 req/s 0.781 / 0.612 -> 0.799 / 0.643 (P99 TBT 468 -> 460 ms, 578 -> 575);
+    # the engine, same runs, idle, 6 seeds: multi-turn knee 0.797 -> 0.791 (0.875 ->
+    # 0.876; 415 -> 402 ms), trace knee 0.672 -> 0.680 (0.828 -> 0.837; 664 -> 633 ms),
+    # within the engine's run-to-run noise (about 5 points at the multi-turn knee).
+    # Mode ``slack`` orders by predicted slack instead.
+    late_order: str = knob(
+        "shortest", choices=LATE_ORDERS,
+        help="shortest (late first tokens: fewest tokens over priority weight first, those "
+             "whose own prefill cannot end by the deadline after the runners) | lag "
+             "(largest lag first, the paper's rule); mode vlt only")
     # How a parked reply (tokens out, KV on the host) comes back. ``lag`` (the paper's
     # rule): it lags x alpha once its token is overdue by ``beta_b`` TBT SLOs and
     # displaces runners by lag (first once due, ``ranking.rotate_in_due``).

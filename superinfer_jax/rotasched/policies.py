@@ -31,6 +31,7 @@ from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policy import HOST, Policy
 from superinfer_jax.rotasched.ranking import (
+    first_token_slack,
     is_protected,
     late_window,
     missed_ttft,
@@ -195,14 +196,7 @@ class RotaSchedPolicy(SwapPolicy):
             raise RuntimeError("rotasched.mode 'slack' needs a latency model; warm up the "
                                "engine or give rotasched.latency_profile")
         if not req.token_times:
-            # a prefix hit: its device pages cost nothing, its host pages a transfer
-            hit = s.prefix_hit(req)
-            cached = hit.num_pages * s.kv.page_size
-            work = lm.prefill_s(req.num_pending_tokens - cached,
-                                req.num_computed_tokens + cached)
-            if hit.host:
-                work += lm.transfer_s(len(hit.host) * s.page_bytes)
-            return req.arrival_time + req.slo.ttft_s - now - work
+            return first_token_slack(s, req, now)
         work = lm.decode_s(max(1, len(s.running)), req.num_tokens)
         if req.status != RUNNING:
             pages = s.kv.page_table(req.req_id) or []
@@ -212,7 +206,7 @@ class RotaSchedPolicy(SwapPolicy):
     def rank(self, s: Scheduler, now: float) -> Iterable[Request]:
         """Every request that could run, most urgent first (ties: arrival order).
 
-        Four rules keep rotation productive:
+        Five rules keep rotation productive and meet the most deadlines:
         - a running request that has produced fewer than ``min_residency_tokens`` since it
           was admitted or rotated in, or is within that many tokens of its ``max_tokens``
           (or whose token in flight ends it), ranks first (each window at most
@@ -240,6 +234,11 @@ class RotaSchedPolicy(SwapPolicy):
           and displacing a runner for it would only add a TBT miss. Capacity goes to
           requests that can still make their deadline (in simulation at overload this
           raised both TTFT and TBT attainment; see ``benchmarks.policy_sweep``).
+        - with ``late_order: shortest`` (the default, mode ``vlt``), the late first
+          tokens displace runners fewest tokens (over priority weight) first, and one
+          whose own prefill cannot end by its deadline does not displace anyone: under
+          overload, deadline order let the long prompts' queue waits make the short ones
+          miss too (``RotaSchedConfig.late_order``).
         With no one late this is FCFS order, whatever the memory pressure.
 
         Mode ``vlt`` ranks incrementally (``ranking.rank_by_lag``: the same order, from

@@ -13,7 +13,10 @@ running, in that order) by ``(group, value, arrival)``:
              their last token): value -lag (0); the selection keeps them only in pages
              no runner needs (``Ranking.free_only``), so they displace nobody
     group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
-             the other runners: value -lag = time since they started running (>= 0)
+             the other runners: value -lag = time since they started running (>= 0);
+             with ``late_order: shortest`` (the default), the late first tokens after
+             the late parked replies by tokens over priority weight instead, and without
+             those whose own prefill cannot end by their deadline (group 3)
     group 3  everyone else waiting or parked (not late, or hopeless): value 0; with
              ``hopeless_last``, the hopeless ones (no first token, past the TTFT
              deadline) form a group 4 after it, also by arrival
@@ -70,8 +73,9 @@ from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.scheduler import Ranking, Scheduler
 from superinfer_jax.waiting_queue import WaitingQueue
 
-__all__ = ["is_protected", "late_window", "missed_ttft", "rank_by_lag", "reply_due_on_time",
-           "residency_window", "resident_tokens", "rotate_in_due"]
+__all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
+           "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",
+           "shortest_first"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -178,7 +182,10 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     protected.sort(key=_arrival)  # stable: by (arrival, running order)
     due.sort()
     replies.sort()
-    late.sort()
+    if p.late_order == "shortest" and late:
+        late = shortest_first(s, now, p, late)
+    else:
+        late.sort()
     head = protected + [e[-1] for e in due] + [e[-1] for e in replies] \
         + [e[-1] for e in late] + by_value(others, values)
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
@@ -192,6 +199,44 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     # the hopeless fresh requests lead the arrival order: skipped unread
     return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now),
                    free_only=free_only)
+
+
+def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
+                   late: list[tuple[float, float, int, int, Request]]
+                   ) -> list[tuple[float, float, int, int, Request]]:
+    """``late_order: shortest``: the late parked replies (``parked_replies:
+    free_pages``, past ``beta_b``) by lag, then the late first tokens by tokens over
+    priority weight (ties: arrival, waiting before parked, position), without those whose
+    own prefill cannot end by the deadline (``first_token_slack`` < 0: they go to the
+    tail by arrival, as the selection reads it)."""
+    replies: list[tuple[float, float, int, int, Request]] = []
+    firsts: list[tuple[float, float, int, int, Request]] = []
+    weights = p.priority_weights
+    priced = s.latency is not None
+    for e in late:
+        r = e[-1]
+        if r.token_times:
+            replies.append(e)
+        elif not priced or first_token_slack(s, r, now) >= 0:
+            firsts.append((r.num_tokens / weights[r.slo.priority_class], e[1], e[2], e[3], r))
+    replies.sort()
+    firsts.sort()
+    return replies + firsts
+
+
+def first_token_slack(s: Scheduler, req: Request, now: float) -> float:
+    """Seconds to spare before ``req``'s TTFT deadline after its own prefill, priced by
+    the latency model (which ``s`` must have): a prefix hit's device pages cost nothing,
+    its host pages a transfer. A lower bound of the work (the step's decode rows and
+    anyone ahead of it come on top), so a negative slack is a certain miss."""
+    lm = s.latency
+    assert lm is not None
+    hit = s.prefix_hit(req)
+    cached = hit.num_pages * s.kv.page_size
+    work = lm.prefill_s(req.num_pending_tokens - cached, req.num_computed_tokens + cached)
+    if hit.host:
+        work += lm.transfer_s(len(hit.host) * s.page_bytes)
+    return req.arrival_time + req.slo.ttft_s - now - work
 
 
 class _Hopeless:

@@ -20,6 +20,7 @@ import pytest
 
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
 from superinfer_jax.rotasched.lag import virtual_lag
 from superinfer_jax.rotasched.policies import RotaSchedPolicy
@@ -67,7 +68,7 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
             k = window(r)
             if resident(r) < k or r.max_tokens_left <= k or r.final_token_inflight:
                 return (0, 0.0, r.arrival_time)
-            return (2, -lag, r.arrival_time)
+            return (2.5, -lag, r.arrival_time)  # after every late request (lag <= 0)
         if p.parked_replies != "lag" and r.status == RequestStatus.ROTARY and r.token_times:
             # a parked reply: group 1 only to keep its next token on time; else between
             # groups 1 and 2 (free pages only), or FCFS
@@ -82,7 +83,20 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
             return (1, -lag, r.arrival_time)
         missed = not r.token_times and now - r.arrival_time > r.slo.ttft_s
         if lag > 0 and not missed:
-            return (2, -lag, r.arrival_time)
+            if p.late_order == "lag" or r.token_times:
+                return (2, -lag, r.arrival_time)
+            # shortest: tokens over weight, after the late replies, unless its own
+            # prefill (past its prefix hit) cannot end by its deadline: then FCFS
+            if s.latency is not None:
+                hit = s.prefix_hit(r)
+                cached = hit.num_pages * s.kv.page_size
+                work = s.latency.prefill_s(r.num_pending_tokens - cached,
+                                           r.num_computed_tokens + cached) \
+                    + s.latency.transfer_s(len(hit.host) * s.page_bytes)
+                if now + work > r.arrival_time + r.slo.ttft_s:
+                    return (3, 0.0, r.arrival_time)
+            return (2.25, r.num_tokens / p.priority_weights[r.slo.priority_class],
+                    r.arrival_time)
         if missed and p.hopeless_last:
             return (4, 0.0, r.arrival_time)
         return (3, 0.0, r.arrival_time)
@@ -107,8 +121,12 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                  residency_share=rng.choice((0.1, 0.25, 1.0)),
                                                  hopeless_last=rng.random() < 0.5,
                                                  parked_replies=rng.choice(
-                                                     ("lag", "free_pages"))))
+                                                     ("lag", "free_pages")),
+                                                 late_order=rng.choice(("shortest", "lag"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
+    if rng.random() < 0.5:  # priced: a late first token may be certain to miss
+        sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 0.0],
+                                             decode=[0.02, 0.001, 0.0]))
     now = 10.0
     arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]
     for i in range(rng.randint(0, 60)):

@@ -492,3 +492,45 @@ def test_rotasched_acts_from_the_high_water_mark_and_never_on_one_tier():
         assert not sched.policy.contended(sched)
         kv.allocate_for("b", PAGE)  # 10 of 20: at the mark
         assert sched.policy.contended(sched) == (tiers == 2)
+
+
+def _late_pair(order: str, *, latency=None, short: bool = True):
+    """A settled runner holding 4 of 8 pages, then a long prompt (7 pages) and, 0.1 s
+    later, a short one (2 pages), both late at 0.7 s: the pool takes only one of them."""
+    sched, kv = make("rotasched", device_pages=8, rotasched=RotaSchedConfig(
+        min_residency_tokens=4, residency_share=1.0, late_order=order))
+    d = Driver(sched, kv)
+    d.add(req("run", 8, arrival=0.0, max_tokens=50))
+    for i in range(6):  # prefill and five tokens: settled, far from its end
+        d.step(0.01 * i)
+    if latency is not None:
+        sched.set_latency_model(latency)
+    d.add(req("long", 28, arrival=0.0))
+    if short:
+        d.add(req("short", 8, arrival=0.1))
+    return d.step(0.7)
+
+
+def test_late_first_tokens_go_shortest_first():
+    """``late_order: shortest``: of two late first tokens the pool cannot both take, the
+    shorter (later deadline) runs and the runner keeps its pages; by lag the longer one
+    (earlier deadline) displaces the runner and the short one waits."""
+    plan = _late_pair("shortest")
+    assert [rid for rid, _ in plan.prefill] == ["short"] and not plan.rotate_out
+    plan = _late_pair("lag")
+    assert [rid for rid, _ in plan.prefill] == ["long"] and plan.rotate_out == ["run"]
+
+
+def test_a_late_first_token_certain_to_miss_displaces_nobody():
+    """``late_order: shortest``: a late first token whose own prefill (priced by the
+    latency model) ends past its deadline ranks behind the runners, like one that has
+    missed it; the runner is not rotated out for it. Unpriced, or by lag, it is."""
+    from superinfer_jax.latency import LatencyModel
+
+    slow = LatencyModel(prefill=[0.01, 0.02, 0.0], decode=[0.01, 0.0, 0.0])  # 28: 0.57 s
+    fast = LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0])  # 0.04 s
+    plan = _late_pair("shortest", latency=slow, short=False)  # 0.7 + 0.57 > 1.0 s
+    assert not plan.prefill and not plan.rotate_out
+    for order, lm in (("shortest", fast), ("shortest", None), ("lag", slow)):
+        plan = _late_pair(order, latency=lm, short=False)
+        assert [rid for rid, _ in plan.prefill] == ["long"] and plan.rotate_out == ["run"]

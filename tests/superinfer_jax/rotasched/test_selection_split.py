@@ -53,7 +53,8 @@ def test_selection_keeps_the_same_with_the_hopeless_prefix_read(seed):
         ranking = sched.policy.rank(sched, now)
         assert isinstance(ranking, Ranking)
         if not skip:
-            ranking = Ranking(ranking.head, sched, ranking.listed, ranking.defer)
+            ranking = Ranking(ranking.head, sched, ranking.listed, ranking.defer,
+                              free_only=ranking.free_only)
         sel = sched._select(ranking, StepBudget.full(sched.config, None))
         sels.append(([r.req_id for r in sel.kept], [r.req_id for r in sel.runners]))
     assert sels[0] == sels[1]
