@@ -170,7 +170,9 @@ class RotaSchedConfig:
     # (seeds 0-2) 0.834 -> 0.876, TBT -1.3 points. Calibrated simulator (20 seeds):
     # multi-turn knee 0.839 -> 0.875 (TBT -1.3 points), trace knee 0.799 -> 0.805 (P99
     # TBT 460 -> 468 ms), 3 req/s 0.643 -> 0.661 (575 -> 638 ms). 0.25 gained more on the
-    # multi-turn sweep but took the trace knee's P99 TBT to 1.38-1.95x fcfs's: 0.25 met
+    # multi-turn sweep but took the trace knee's P99 TBT to 1.38-1.95x fcfs's. Its price
+    # at paper scale (Qwen2.5-32B, ShareGPT, gh200-96g, 20 req/s): TTFT attainment 0.877
+    # -> 0.874, TBT -0.5 points, requests meeting both SLOs whole 5.6% -> 1.2%. 0.25 met
     # #15's multi-turn knee on two seed sets, but at the trace sweep's knee on seeds 3-5
     # it lost to 1 on TTFT attainment, TBT attainment and P99 TBT (3.50x / -5.2 points /
     # 2.26x fcfs's against 4.26x / -3.4 / 1.59x). Session 22, with hopeless_last on (idle):
@@ -231,8 +233,11 @@ class RotaSchedConfig:
     # trace 2 / 3 req/s 0.781 / 0.612 -> 0.799 / 0.643 (P99 TBT 468 -> 460 ms, 578 -> 575);
     # the engine, same runs, idle, 6 seeds: multi-turn knee 0.797 -> 0.791 (0.875 ->
     # 0.876; 415 -> 402 ms), trace knee 0.672 -> 0.680 (0.828 -> 0.837; 664 -> 633 ms),
-    # within the engine's run-to-run noise (about 5 points at the multi-turn knee).
-    # Mode ``slack`` orders by predicted slack instead.
+    # within the engine's run-to-run noise (about 5 points at the multi-turn knee). At
+    # paper scale (``superinfer simulate --preset paper-qwen32b-sharegpt --hardware
+    # gh200-96g``, residency_share 1) 15 / 20 req/s 0.941 / 0.820 -> 0.961 / 0.877, TBT
+    # within 0.3 points, P99 TBT 335 -> 282 ms at 20. Mode ``slack`` orders by predicted
+    # slack instead.
     late_order: str = knob(
         "shortest", choices=LATE_ORDERS,
         help="shortest (late first tokens: fewest tokens over priority weight first, those "
