@@ -221,7 +221,7 @@ class RotaSchedConfig:
     # first, earliest deadline first for one SLO. ``shortest``: fewest tokens (the pages
     # it will hold) over its priority weight first, and one whose own prefill (priced by
     # the latency model, its prefix hit counted) cannot end by its TTFT deadline goes
-    # behind the runners by arrival, like a request that has missed it. Why: at the knee
+    # behind the runners by arrival, like a request that is not late. Why: at the knee
     # the pool holds a few requests, and the TTFT misses were queue waits of the long
     # prompts (calibrated simulator, multi-turn at 1.25 conv/s, 20 seeds: miss rate 1% of
     # prompts under 64 tokens, 45% of those of 192-256), behind which, by deadline, the

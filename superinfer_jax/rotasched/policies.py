@@ -172,12 +172,15 @@ class RotaSchedPolicy(SwapPolicy):
         waiting lag starts to grow) but not yet missed, for a request that prefills this
         step: running with a prompt left (``prefilling``, in running order), or waiting and
         selected to run. A hopeless or unselected request would not get the tokens, and
-        the decoders would pay."""
+        the decoders would pay; nor, with ``late_order: shortest``, one whose own prefill
+        cannot end by its deadline (``first_token_slack`` < 0): its miss is as certain."""
         beta = self.params.beta_f
+        priced = self.params.late_order == "shortest" and s.latency is not None
         # a late waiting request lies in the queue's late window (``ranking.late_window``)
-        return any(_late_first_token(r, now, beta) for r in prefilling) or any(
-            _late_first_token(r, now, beta) for _, _, r in late_window(s.waiting, now, beta)
-            if r.req_id in keep)
+        return any(_late_first_token(r, now, beta) and _may_make_it(s, r, now, priced)
+                   for r in prefilling) or any(
+            _late_first_token(r, now, beta) and _may_make_it(s, r, now, priced)
+            for _, _, r in late_window(s.waiting, now, beta) if r.req_id in keep)
 
     # -- ranking --------------------------------------------------------------------------
 
@@ -285,6 +288,11 @@ class RotaSchedPolicy(SwapPolicy):
             return ranked
         return Ranking(ranked, s, {id(r) for r in ranked if r.status != RUNNING},
                        free_only=free_only)
+
+
+def _may_make_it(s: Scheduler, r: Request, now: float, priced: bool) -> bool:
+    """Unpriced, always; priced, whether ``r``'s own prefill can end by its deadline."""
+    return not priced or first_token_slack(s, r, now) >= 0
 
 
 def _late_first_token(r: Request, now: float, beta: float) -> bool:

@@ -15,8 +15,8 @@ running, in that order) by ``(group, value, arrival)``:
     group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
              the other runners: value -lag = time since they started running (>= 0);
              with ``late_order: shortest`` (the default), the late first tokens after
-             the late parked replies by tokens over priority weight instead, and without
-             those whose own prefill cannot end by their deadline (group 3)
+             the late requests with tokens, by tokens over priority weight instead, and
+             without those whose own prefill cannot end by their deadline (group 3)
     group 3  everyone else waiting or parked (not late, or hopeless): value 0; with
              ``hopeless_last``, the hopeless ones (no first token, past the TTFT
              deadline) form a group 4 after it, also by arrival
@@ -130,7 +130,8 @@ def late_window(waiting: WaitingQueue, now: float, beta_f: float
 
 def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     """Every candidate of ``s``, in the order of the sort described in the module
-    docstring: groups 0 and 1 listed, group 2 the ``Ranking``'s tail by arrival."""
+    docstring: groups 0 to 2 listed (the head), group 3 the ``Ranking``'s tail by
+    arrival."""
     k0, share = p.min_residency_tokens, p.residency_share
     protected: list[Request] = []  # in running order
     others: list[Request] = []  # the other runners, in running order
@@ -204,11 +205,11 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
 def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
                    late: list[tuple[float, float, int, int, Request]]
                    ) -> list[tuple[float, float, int, int, Request]]:
-    """``late_order: shortest``: the late parked replies (``parked_replies:
-    free_pages``, past ``beta_b``) by lag, then the late first tokens by tokens over
-    priority weight (ties: arrival, waiting before parked, position), without those whose
-    own prefill cannot end by the deadline (``first_token_slack`` < 0: they go to the
-    tail by arrival, as the selection reads it)."""
+    """``late_order: shortest``: the late requests with tokens (parked replies, and
+    requests back in the queue with tokens) by lag, then the late first tokens by tokens
+    over priority weight (ties: arrival, waiting before parked, position), without those
+    whose own prefill cannot end by the deadline (``first_token_slack`` < 0: they go to
+    the tail by arrival, as the selection reads it, with the requests not late)."""
     replies: list[tuple[float, float, int, int, Request]] = []
     firsts: list[tuple[float, float, int, int, Request]] = []
     weights = p.priority_weights

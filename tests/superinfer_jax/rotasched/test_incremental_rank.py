@@ -93,7 +93,7 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
                 work = s.latency.prefill_s(r.num_pending_tokens - cached,
                                            r.num_computed_tokens + cached) \
                     + s.latency.transfer_s(len(hit.host) * s.page_bytes)
-                if now + work > r.arrival_time + r.slo.ttft_s:
+                if r.arrival_time + r.slo.ttft_s - now - work < 0:
                     return (3, 0.0, r.arrival_time)
             return (2.25, r.num_tokens / p.priority_weights[r.slo.priority_class],
                     r.arrival_time)
@@ -125,12 +125,14 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                  late_order=rng.choice(("shortest", "lag"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     if rng.random() < 0.5:  # priced: a late first token may be certain to miss
-        sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 0.0],
+        sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 1e-4],
                                              decode=[0.02, 0.001, 0.0]))
     now = 10.0
     arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]
     for i in range(rng.randint(0, 60)):
-        r = Request(f"r{i}", [1] * rng.randint(1, 40),
+        # lengths from a short list too: ties in tokens over weight, broken by arrival
+        r = Request(f"r{i}", [1] * (rng.randint(1, 40) if rng.random() < 0.5
+                                    else rng.choice((8, 16))),
                     SamplingParams(max_tokens=rng.choice((12, 40, 64))),
                     slo=rng.choice(SLOS), arrival_time=rng.choice(arrivals)
                     if rng.random() < 0.3 else rng.uniform(0.0, 10.0))
@@ -145,6 +147,8 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
             r.status = RequestStatus.ROTARY if rng.random() < 0.8 else RequestStatus.ROTATING_IN
             r.token_times.extend(sorted(rng.uniform(r.arrival_time, now)
                                         for _ in range(rng.choice((0, 1, 3)))))
+            if not r.token_times:  # parked part-way through its prompt, maybe
+                r.num_computed_tokens = rng.choice((0, len(r.prompt_token_ids) // 2))
             sched.rotary.append(r)
         else:
             r.status = RequestStatus.RUNNING

@@ -6,6 +6,8 @@ sampled at the end of a row) and completes rotations at once, as landed copies w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
@@ -315,6 +317,14 @@ def test_tbt_budget_yields_to_a_late_first_token():
     assert token_budget(sched, 1.6, {"new"}) == full  # late: max_num_batched_tokens
     assert token_budget(sched, 1.6, set()) == tbt_sized  # late but not selected to run
     assert token_budget(sched, 2.5, {"new"}) == tbt_sized  # past its TTFT: hopeless
+    # ``late_order: shortest`` (the default): a late first token whose own prefill cannot
+    # end by its deadline (50 ms from 1.99 s, deadline 2 s) is as hopeless; by lag it
+    # still takes the full budget
+    assert sched.policy.params.late_order == "shortest"
+    assert token_budget(sched, 1.99, {"new"}) == tbt_sized
+    sched.policy.params = dataclasses.replace(sched.policy.params, late_order="lag")
+    assert token_budget(sched, 1.99, {"new"}) == full
+    sched.policy.params = dataclasses.replace(sched.policy.params, late_order="shortest")
     plan = d.step(1.2)  # the plan follows the budget: one 16-token chunk
     assert plan.decode == ["dec"] and plan.prefill == [("new", 16)]
     assert plan.rotate_in == ["parked"]
@@ -496,7 +506,8 @@ def test_rotasched_acts_from_the_high_water_mark_and_never_on_one_tier():
 
 def _late_pair(order: str, *, latency=None, short: bool = True):
     """A settled runner holding 4 of 8 pages, then a long prompt (7 pages) and, 0.1 s
-    later, a short one (2 pages), both late at 0.7 s: the pool takes only one of them."""
+    later, a short one (2 pages), both late at 0.7 s: the pool takes only one of them.
+    Returns the step's plan and the ranking after it."""
     sched, kv = make("rotasched", device_pages=8, rotasched=RotaSchedConfig(
         min_residency_tokens=4, residency_share=1.0, late_order=order))
     d = Driver(sched, kv)
@@ -508,16 +519,17 @@ def _late_pair(order: str, *, latency=None, short: bool = True):
     d.add(req("long", 28, arrival=0.0))
     if short:
         d.add(req("short", 8, arrival=0.1))
-    return d.step(0.7)
+    plan = d.step(0.7)
+    return plan, [r.req_id for r in sched.policy.rank(sched, 0.7)]  # the order after it
 
 
 def test_late_first_tokens_go_shortest_first():
     """``late_order: shortest``: of two late first tokens the pool cannot both take, the
     shorter (later deadline) runs and the runner keeps its pages; by lag the longer one
     (earlier deadline) displaces the runner and the short one waits."""
-    plan = _late_pair("shortest")
+    plan, _ = _late_pair("shortest")
     assert [rid for rid, _ in plan.prefill] == ["short"] and not plan.rotate_out
-    plan = _late_pair("lag")
+    plan, _ = _late_pair("lag")
     assert [rid for rid, _ in plan.prefill] == ["long"] and plan.rotate_out == ["run"]
 
 
@@ -529,8 +541,31 @@ def test_a_late_first_token_certain_to_miss_displaces_nobody():
 
     slow = LatencyModel(prefill=[0.01, 0.02, 0.0], decode=[0.01, 0.0, 0.0])  # 28: 0.57 s
     fast = LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0])  # 0.04 s
-    plan = _late_pair("shortest", latency=slow, short=False)  # 0.7 + 0.57 > 1.0 s
+    plan, ranked = _late_pair("shortest", latency=slow, short=False)  # 0.7 + 0.57 > 1 s
     assert not plan.prefill and not plan.rotate_out
+    assert ranked == ["run", "long"]  # still a candidate, behind the runner
     for order, lm in (("shortest", fast), ("shortest", None), ("lag", slow)):
-        plan = _late_pair(order, latency=lm, short=False)
+        plan, _ = _late_pair(order, latency=lm, short=False)
         assert [rid for rid, _ in plan.prefill] == ["long"] and plan.rotate_out == ["run"]
+
+
+def test_first_token_slack_prices_the_prefix_hit(monkeypatch):
+    """The time to spare before a waiting request's TTFT deadline after its own prefill:
+    the pages of its prefix hit are not prefilled (the rest is, after them), and its
+    host-tier pages cost a transfer."""
+    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.rotasched.ranking import first_token_slack
+    from superinfer_jax.step_plan import PrefixHit
+
+    sched, kv = make("rotasched")
+    lm = LatencyModel(prefill=[0.01, 0.001, 1e-5], decode=[0.01, 0.0, 0.0],
+                      transfer=[0.002, 1e-6])
+    sched.set_latency_model(lm)
+    sched.page_bytes = 1000  # a host page: 2 + 1 ms
+    r = req("r", 40, arrival=0.0)  # TTFT SLO 1 s
+    sched.add(r)
+    assert first_token_slack(sched, r, 0.3) == pytest.approx(0.7 - lm.prefill_s(40, 0))
+    monkeypatch.setattr(sched, "prefix_hit", lambda q: PrefixHit(device=(1, 2), host=(3,)))
+    # 3 pages of 4 tokens cached: 28 tokens to prefill after 12, one page copied in
+    want = 0.7 - lm.prefill_s(28, 12) - 0.003
+    assert first_token_slack(sched, r, 0.3) == pytest.approx(want, abs=1e-12)
