@@ -149,15 +149,13 @@ def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def engine_config(args: argparse.Namespace, policy: str):
-    """``policy_sweep.engine_config``'s engine, with ``policy`` and its knobs."""
-    from superinfer_jax import EngineConfig
+    """``policy_sweep.engine_config``'s engine (no compilation cache: nothing compiles),
+    with ``policy`` and its knobs."""
+    from benchmarks.policy_sweep import engine_config as sweep_engine_config
 
     name, knobs = parse_policy(policy)
-    base = EngineConfig(
-        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
-        max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
-        num_host_pages=args.host_pages, enable_prefix_caching=True, warmup=False,
-        show_progress=False, policy=name)
+    base = sweep_engine_config(argparse.Namespace(**vars(args), compilation_cache=None)
+                               ).replace(warmup=False, show_progress=False, policy=name)
     return base.replace(rotasched=dataclasses.replace(base.rotasched, **knobs))
 
 
@@ -329,15 +327,10 @@ def main(argv: list[str] | None = None) -> None:
 def conversation_specs(args: argparse.Namespace, records: list, tokenizer, rate: float,
                        seed: int) -> list:
     """``policy_sweep``'s conversations for ``rate`` and ``seed``, as simulator specs."""
-    from benchmarks.workloads import MultiTurnSpec, SLOClass, build_conversations
+    from benchmarks.policy_sweep import multiturn_spec
+    from benchmarks.workloads import build_conversations
 
-    spec = MultiTurnSpec(
-        num_conversations=args.num_conversations, rate=rate, think_time_s=args.think_time_s,
-        think_dist=args.think_time_dist, min_turns=args.min_turns, max_turns=args.max_turns,
-        max_prompt=args.max_prompt, max_total=args.max_prompt + args.max_output,
-        max_message_tokens=args.max_message_tokens,
-        slo_mix=(SLOClass(1.0, args.ttft_slo_ms, args.tbt_slo_ms),), seed=seed,
-        path=args.sharegpt_path)
+    spec = multiturn_spec(args, rate, seed, args.ttft_slo_ms, args.tbt_slo_ms)
     return to_conversation_specs(build_conversations(records, tokenizer, spec))
 
 
