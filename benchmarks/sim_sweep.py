@@ -23,8 +23,9 @@ TTFT attainment at 1 conversation/s on seeds 0-2 0.615 against the engine's 0.55
 
 Policies are registered names or plug-ins, each optionally with RotaSched knobs after a
 colon: ``rotasched:residency_share=0.25:beta_b=3`` (label = the whole string). The
-default compares fcfs, RotaSched before session 25 (``late_order=lag:residency_share=1``),
-RotaSched as configured, and its opt-in ``residency_share`` 0.25.
+default compares fcfs, the paper's rules (``late_order=lag:residency_share=1:parked_replies=
+lag:beta_b=0``, RotaSched before session 25), RotaSched before session 26
+(``parked_replies=lag:beta_b=0``), and RotaSched as configured.
 
 Rows pool every seed of one policy and rate; ``vs_fcfs`` columns are against fcfs at that
 rate. The verdict: multi-turn, #15's goal at the knee (the first rate where fcfs TTFT
@@ -61,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p, "sim_sweep")
     p.add_argument("--workload", default="multiturn", choices=tuple(DEFAULTS))
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--policies", default="fcfs,rotasched:late_order=lag:residency_share=1,"
-                                         "rotasched,rotasched:residency_share=0.25",
+    p.add_argument("--policies", default="fcfs,rotasched:late_order=lag:residency_share=1:"
+                                         "parked_replies=lag:beta_b=0,"
+                                         "rotasched:parked_replies=lag:beta_b=0,rotasched",
                    help="comma-separated; each a policy name or module:Class, optionally "
                         "followed by :knob=value RotaSched overrides")
     p.add_argument("--rates", help="requests/s (trace) or conversations/s (multiturn); "

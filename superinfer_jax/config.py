@@ -109,7 +109,8 @@ def _priority_weights_check(key: str, weights: dict[str, float]) -> str | None:
 
 @dataclass(frozen=True)
 class RotaSchedConfig:
-    """The paper's policy parameters (defaults: alpha 3, beta_F 0.5, beta_B 0), and ours.
+    """The paper's policy parameters (alpha 3, beta_F 0.5; its beta_B 0 is 30 here,
+    see ``beta_b``), and ours.
 
     ``high_water_mark``: share of device pages in use at which the policy starts acting
     (proactively, before an allocation fails). ``min_residency_tokens``: tokens a request
@@ -131,7 +132,13 @@ class RotaSchedConfig:
 
     alpha: float = knob(3.0, ge=0, help="weight of rotary requests' virtual lag")
     beta_f: float = knob(0.5, ge=0, help="fraction of the TTFT SLO a waiting request may use")
-    beta_b: float = knob(0.0, ge=0, help="fraction of the TBT SLO a rotary request may use")
+    # 30, not the paper's 0: with ``parked_replies: free_pages`` (the default) a parked
+    # reply whose next token is late anyway waits for free pages this long (30 TBT SLOs:
+    # 2.6 s at the CPU sweeps' 86 ms) before it displaces runners by lag; the bound on
+    # its stall (``parked_replies``). Under ``lag`` it delays a parked reply's lag
+    # likewise; the paper's rule is ``parked_replies: lag`` with ``beta_b: 0``.
+    beta_b: float = knob(30.0, ge=0, help="TBT SLOs past its last token a parked reply "
+                                          "waits before it lags (the paper: 0)")
     # 0.5, not the 0.85 the paper's slack formulation names: below the mark a step is
     # FCFS (the head of the queue waits for memory, nobody overtakes it, a hopeless head
     # takes the pages), and on a pool that holds a few requests (the CPU sweeps: 48
@@ -244,32 +251,43 @@ class RotaSchedConfig:
              "whose own prefill cannot end by the deadline after the runners) | lag "
              "(largest lag first, the paper's rule); mode vlt only")
     # How a parked reply (tokens out, KV on the host) comes back. ``lag`` (the paper's
-    # rule): it lags x alpha once its token is overdue by ``beta_b`` TBT SLOs and
-    # displaces runners by lag (first once due, ``ranking.rotate_in_due``).
-    # ``free_pages``: it displaces a runner only while that keeps its next token on time
-    # (it must start back this step and still can, ``ranking.reply_due_on_time``) or once
-    # it lags; in between it takes pages no runner needs, ahead of late first tokens.
-    # Why: on this CPU a reply is parked by a step with a prefill chunk, which alone takes
-    # longer than the TBT SLO, so its next token is late from the start; with ``beta_b`` 0
-    # it displaced the next runner a step later, and that one the next, a missed gap each
-    # (#15's multi-turn sweep with residency_share 0.25: 92 of 163 rotate-out steps swapped
-    # one reply for another and admitted nobody). ``beta_b`` bounds the wait: without it
-    # (free pages only) replies stalled up to 8 s at the multi-turn knee, and at the trace
-    # knee P99 TBT was 2.3-2.5x fcfs's (9.8x with residency_share 0.25). Against ``lag``
-    # (beta_b 0) in the same runs, idle, with beta_b 3 (TTFT attainment; TBT attainment
-    # points; P99 TBT): trace knee (2 req/s) seeds 3-5 0.469 -> 0.557 (+0.5; 621 -> 613
-    # ms), seeds 0-2 0.839 -> 0.807 (-0.5; 479 -> 501 ms); multi-turn (1 conv/s) seeds
-    # 0-2 0.781 -> 0.746 (-0.4). With residency_share 0.25: multi-turn seeds 3-5 0.895 ->
-    # 0.918 (+0.1; 397 -> 524 ms), seeds 0-2 0.828 -> 0.840 (+1.3; 558 -> 639 ms) and at
-    # 1.25 conv/s 0.716 -> 0.651 (-0.3); trace knee seeds 3-5 0.562 -> 0.578 (-0.3; 822
-    # -> 1,100 ms, 1.95x fcfs's). No clear gain, and a worse P99 TBT, so ``lag`` stays
-    # the default.
+    # rule, with ``beta_b`` 0): it lags x alpha once its token is overdue by ``beta_b``
+    # TBT SLOs and displaces runners by lag (first once due, ``ranking.rotate_in_due``).
+    # ``free_pages`` (the default since session 26): it displaces a runner only while
+    # that keeps its next token on time (it must start back this step and still can,
+    # ``ranking.reply_due_on_time``) or once it lags (parked ``beta_b`` TBT SLOs past its
+    # last token, 30 by default); in between it takes pages no runner needs, ahead of late
+    # first tokens. Why: on this CPU a reply is parked by a step with a prefill chunk,
+    # which alone takes longer than the TBT SLO, so its next token is late from the
+    # start; by lag it came straight back by displacing the next runner, which did the
+    # same: a missed gap per swap and nobody admitted (calibrated simulator, multi-turn
+    # knee, 20 seeds: 340 of 665 rotate-out steps only brought a parked reply back).
+    # A reply's late token is one missed gap however long the wait; a runner displaced
+    # for it is one more. The price is the tail: a parked reply waits for a runner to
+    # end, so its gap is long (P99 TBT up), and ``beta_b`` bounds it (3 kept most of the
+    # swaps and gained nothing on the engine in an earlier session; 10, 15, 20, 30 and 50
+    # all gained in the simulator, 30 the most at the multi-turn knee, with P99 TBT among
+    # the lowest: 1.15x fcfs's there, 1.37x at the trace knee). Against ``lag``, ``beta_b`` 0
+    # (the session-25 default), same runs, idle (TTFT attainment; TBT attainment; P99
+    # TBT): the engine, multi-turn at 1.25 conv/s, 12 seeds, 0.866 -> 0.881 (0.862 ->
+    # 0.865; 445 -> 508 ms; fcfs 0.606, 0.879, 417), at 1.5 conv/s 0.848 -> 0.890 (0.858
+    # -> 0.865; 459 -> 504 ms; fcfs 0.559, 0.885, 424); trace knee (2 req/s, 6 seeds)
+    # 0.812 -> 0.846 (0.863 -> 0.867; 496 -> 506 ms; fcfs 0.388, 0.867, 473). Calibrated
+    # simulator (20 seeds): multi-turn 1 / 1.25 / 1.5 conv/s 0.904 / 0.875 / 0.854 ->
+    # 0.934 / 0.913 / 0.884 (TBT +0.2 to +0.6 points; P99 TBT 1.03x -> 1.05 / 1.15 /
+    # 1.56x fcfs's); trace 2 / 3 req/s 0.805 / 0.661 -> 0.841 / 0.671 (P99 TBT 1.02 /
+    # 1.36x -> 1.37 / 2.86x: under deep overload parked replies wait out the bound);
+    # light load (multi-turn 0.5, trace 0.5-1.5) equal or better, mean TTFT included.
+    # Paper scale (``superinfer simulate --preset paper-qwen32b-sharegpt --hardware
+    # gh200-96g``) 15 / 20 req/s 0.960 / 0.874 -> 1.000 / 0.947, TBT -1.1 / -1.2 points,
+    # P99 TBT 275 / 267 -> 311 / 420 ms (fcfs 301 / 325). A cap on the parked replies
+    # (``parked_share`` 0.15-0.4) kept P99 TBT at fcfs's and gave the TTFT gain back.
     parked_replies: str = knob(
-        "lag", choices=PARKED_REPLIES,
-        help="lag (a parked reply displaces runners by lag, the paper's rule) | "
-             "free_pages (only when it must start back now to be on time and still can, "
-             "or once it lags by beta_b; else it takes free pages, ahead of late first "
-             "tokens; set beta_b above 0, e.g. 3: at 0 a reply lags as soon as parked)")
+        "free_pages", choices=PARKED_REPLIES,
+        help="free_pages (a parked reply displaces a runner only when it must start back "
+             "now to be on time and still can, or once it lags by beta_b; else it takes "
+             "free pages, ahead of late first tokens; at beta_b 0 a reply lags as soon as "
+             "parked) | lag (it displaces runners by lag; with beta_b 0 the paper's rule)")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

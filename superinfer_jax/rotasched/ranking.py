@@ -8,7 +8,7 @@ running, in that order) by ``(group, value, arrival)``:
     group 1  parked requests whose rotate-in is due (``rotate_in_due``); a parked reply
              (tokens out) only while it must start back now to be on time and still
              can (``reply_due_on_time``), unless ``parked_replies`` is ``lag``: value -lag
-    group 1b with ``parked_replies: free_pages`` (opt-in), the other parked
+    group 1b with ``parked_replies: free_pages`` (the default), the other parked
              replies that do not lag yet (parked less than ``beta_b`` TBT SLOs past
              their last token): value -lag (0); the selection keeps them only in pages
              no runner needs (``Ranking.free_only``), so they displace nobody

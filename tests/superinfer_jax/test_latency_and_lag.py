@@ -58,7 +58,7 @@ def _req(rid, arrival, status, slo=SLO_1S, last_token=None,
 
 
 def test_virtual_lag_by_hand():
-    p = RotaSchedConfig()  # alpha 3, beta_f 0.5, beta_b 0
+    p = RotaSchedConfig(beta_b=0.0)  # the paper's constants: alpha 3, beta_f 0.5, beta_b 0
     now = 10.0
     waiting = _req("w", arrival=8.0, status=RequestStatus.WAITING)  # 2 s - 0.5 s
     assert virtual_lag(waiting, now, p) == pytest.approx(1.5)

@@ -388,16 +388,18 @@ def test_hopeless_requests_go_last_when_asked(hopeless_last):
     assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])
 
 
-def _parked_reply(mode: str):
+def _parked_reply(mode: str | None):
     """"runner" and "reply" decode past their 4-token residency, then a late first token
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
     parked with its next token due 100 ms after its last, and 3 pages are free, one too
     few for it. A latency model prices a step at 10 ms and a copy at nothing."""
     from superinfer_jax.latency import LatencyModel
 
-    # ``lag``: the paper's rule (beta_b 0); else a reply lags 500 ms past its last token
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, parked_replies=mode,
-                         beta_b=0.0 if mode == "lag" else 5.0)
+    # ``lag``: the paper's rule (beta_b 0); ``free_pages``: a reply lags 500 ms past its
+    # last token; None: the defaults
+    knobs = {} if mode is None else {"parked_replies": mode,
+                                     "beta_b": 0.0 if mode == "lag" else 5.0}
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, **knobs)
     sched, kv = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
                      enable_prefix_caching=False)
     d = Driver(sched, kv)
@@ -436,6 +438,19 @@ def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
     if mode == "free_pages":
         assert sched.schedule(last + 0.45).rotate_out == []
         assert sched.schedule(last + 0.55).rotate_out == ["runner"]
+
+
+def test_by_default_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
+    """The defaults (``parked_replies: free_pages``, ``beta_b`` 30): once the parked
+    reply's next token is late anyway, it displaces no runner (that would add the
+    runner's miss to its own) until parked 30 TBT SLOs (3 s) past its last token."""
+    sched, kv, d, reply = _parked_reply(None)
+    last = reply.token_times[-1]  # TBT SLO 100 ms
+    for wait in (0.3, 1.5, 2.95):
+        plan = sched.schedule(last + wait)
+        assert plan.rotate_out == [] and "runner" in plan.decode
+    assert reply.status == RequestStatus.ROTARY
+    assert sched.schedule(last + 3.05).rotate_out == ["runner"]
 
 
 def test_a_late_parked_reply_takes_free_pages_before_a_late_first_token():
