@@ -26,9 +26,9 @@ $(DEV_STAMP): $(STAMP)
 install: $(DEV_STAMP)
 
 # Opt-in, for simulations: the scheduler, KV and simulator modules compiled with mypyc
-# (superinfer_jax/compiled.py says when they are used).
+# (superinfer_jax/mypyc_build/__init__.py says when they are used).
 compiled: $(DEV_STAMP)
-	$(BIN)/python -m superinfer_jax.compiled_build
+	$(BIN)/python -m superinfer_jax.mypyc_build
 
 run: $(STAMP)
 	$(BIN)/superinfer serve --config superinfer_config.yaml

@@ -2,7 +2,7 @@
 
 Both runs use the same random Llama-style model, prompts and engine configuration; the
 two-process run is two processes on 127.0.0.1 with 2 virtual CPU devices each and XLA's
-gloo collectives (``superinfer_jax.multihost``: process 0 runs the engine, process 1
+gloo collectives (``superinfer_jax.dist.multihost``: process 0 runs the engine, process 1
 replays its device calls), the one-process run has 4 virtual devices and no channel.
 Reported per run: output tokens/s over a timed round (after a warm-up round that compiles
 everything), ms per model step, the collective time per step (a jitted program with
@@ -75,7 +75,7 @@ def _collective_ms(mesh, cfg, batch: int, repeats: int) -> float:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from superinfer_jax.parallel import TP_AXIS
+    from superinfer_jax.dist.parallel import TP_AXIS
 
     def body(h, logits):
         for _ in range(2 * cfg.num_layers):  # after wo and after w_down, every layer
@@ -107,14 +107,14 @@ def worker(args: argparse.Namespace) -> int:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", TP // args.num_processes)
     from models.servable import random_servable
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
 
     cfg = _model_config(args.size)
     config = _engine_config(args.batch)
     group = recorder = None
     if args.num_processes > 1:
-        from superinfer_jax.distributed import DistributedConfig
-        from superinfer_jax.multihost import start_group
+        from superinfer_jax.dist.distributed import DistributedConfig
+        from superinfer_jax.dist.multihost import start_group
 
         dist = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
         group = start_group(dist, config)
@@ -122,12 +122,12 @@ def worker(args: argparse.Namespace) -> int:
     collective_ms = _collective_ms(mesh, cfg, args.batch, 20)
     model = random_servable(cfg, seed=0, mesh=mesh)
     if group is not None and not group.is_leader:
-        from superinfer_jax.multihost import follow
+        from superinfer_jax.dist.multihost import follow
 
         follow(model, config, group)
         return 0
     if group is not None:
-        from superinfer_jax.multihost import leader_engine
+        from superinfer_jax.dist.multihost import leader_engine
 
         engine, recorder = leader_engine(model, config, group)
     else:

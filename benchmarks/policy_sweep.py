@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             multiturn_spec(args, 1.0, 0)  # bad values fail now, not after the model loads
         except ValueError as e:
             parser.error(str(e))
-    from superinfer_jax.rotasched.registry import resolve_policy
+    from superinfer_jax.sched.rotasched.registry import resolve_policy
 
     for policy in args.policies.split(","):
         try:

@@ -21,7 +21,7 @@ Scenarios (``--scenarios``, default both):
 Wall time on a shared machine is an upper bound (the CPU column is this process's
 time); the goal is 100,000 requests under 60 s for every policy in the ``knee`` scenario.
 The ``compiled`` column says whether the mypyc build of the scheduler, KV and simulator
-modules ran (``superinfer_jax.compiled``; ``SUPERINFER_COMPILED=0`` runs plain Python,
+modules ran (``superinfer_jax.mypyc_build``; ``SUPERINFER_COMPILED=0`` runs plain Python,
 the baseline: ``--baseline-plain`` runs each row again that way, in a subprocess after
 it, and adds ``plain_wall_s`` and ``speedup``).
 
@@ -45,8 +45,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import superinfer_jax.mypyc_build as compiled
 from benchmarks.common import add_common_args, print_table, write_json
-from superinfer_jax import compiled
 
 QUEUE_SIZES = (100, 1_000, 10_000)  # waiting requests at which a schedule call is timed
 

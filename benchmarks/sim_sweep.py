@@ -163,12 +163,12 @@ def engine_config(args: argparse.Namespace, policy: str):
 
 def latency_model(args: argparse.Namespace, model):
     """The saved profile, or the engine's profile of this machine (then saved)."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     if os.path.exists(args.latency_profile):
         return LatencyModel.load(args.latency_profile)
     from superinfer_jax import LLMEngine
-    from superinfer_jax.profiler import profile_engine
+    from superinfer_jax.runner.profiler import profile_engine
 
     print(f"profiling the engine on this machine -> {args.latency_profile}")
     cfg = engine_config(args, "fcfs").replace(warmup=True)

@@ -134,7 +134,7 @@ def fit_cost(latency, config, page_bytes: int, steps, scale: bool = False):
     what the profile misses: measured step time minus the profile's price of the step's
     calls, fitted non-negative. ``scale``: also fit one factor on the profile's price
     (the CPU's speed drifts on a shared machine between profiling and a later run)."""
-    from superinfer_jax.latency import LatencyModel, fit_nonnegative
+    from superinfer_jax.sched.latency import LatencyModel, fit_nonnegative
     from superinfer_jax.sim import CalibratedCost, HostOverhead
 
     bare = CalibratedCost(latency, config, page_bytes)
@@ -160,7 +160,7 @@ def speed_factor(engine, latency) -> float:
     profiled: two small compiled calls timed now against the profile's prediction. On a
     shared machine the speed drifts by 2x within minutes; the ``sim`` columns scale the
     calibrated model by this factor, measured just before each engine run."""
-    from superinfer_jax.profiler import _time_step
+    from superinfer_jax.runner.profiler import _time_step
 
     decode = _time_step(engine, 1, 1, 1, 64, repeats=3) / latency.decode_s(1, 64)
     cols = engine.config.prefill_chunk_buckets[0]
@@ -172,7 +172,7 @@ def scaled(cost, factor: float):
     """``cost`` with every duration (calls and host terms) multiplied by ``factor``."""
     from dataclasses import replace
 
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
     from superinfer_jax.sim import HostOverhead
 
     lm, h = cost.latency, cost.host
@@ -186,7 +186,7 @@ def calibrate(engine, args: argparse.Namespace, vocab: int):
     """This machine's cost model: the engine's profile, then the host overhead fitted on
     a calibration replay (its own seed, so the validation workload is not fitted)."""
     from benchmarks.replay import replay
-    from superinfer_jax.profiler import profile_engine
+    from superinfer_jax.runner.profiler import profile_engine
 
     latency = profile_engine(engine)
     recorder = StepRecorder(engine)
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _cost_json(cost) -> dict[str, Any]:
-    # ``asdict``, not ``__dict__``: with the mypyc build (``superinfer_jax.compiled``)
+    # ``asdict``, not ``__dict__``: with the mypyc build (``superinfer_jax.mypyc_build``)
     # these are native classes, which have no ``__dict__``
     return {"latency": dataclasses.asdict(cost.latency), "host": dataclasses.asdict(cost.host)}
 

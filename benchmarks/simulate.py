@@ -164,7 +164,7 @@ def _scalar(text: str) -> Any:
 
 
 def _calibration(args: argparse.Namespace, preset):
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
     from superinfer_jax.sim.cost_model import MODELS
     from superinfer_jax.sim.presets import Calibration
 

@@ -9,7 +9,7 @@ device (a runner first settles for ``min_residency_tokens``), the rest rotate to
 import bisect
 
 from superinfer_jax.request import Request, RequestStatus
-from superinfer_jax.rotasched import HOST, Policy, register_policy
+from superinfer_jax.sched.rotasched import HOST, Policy, register_policy
 
 
 @register_policy("edf")

@@ -32,9 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from superinfer_jax import ops
+from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.model_api import StepInputs
 from superinfer_jax.ops import native
-from superinfer_jax.parallel import TP_AXIS
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from models.config import ModelConfig
 from models.llama import NATIVE, Acc32, LlamaModel
 from models.sharding import ShardPlan, fill_state, flat_state
-from superinfer_jax import parallel
+from superinfer_jax.dist import parallel
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import KVSpec, StepInputs
 from superinfer_jax.ops import native

@@ -52,7 +52,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from superinfer_jax.parallel import TP_AXIS
+from superinfer_jax.dist.parallel import TP_AXIS
 
 ParamPath = tuple[str | int, ...]
 

@@ -147,7 +147,7 @@ def read_entry(entry: Path, dtype: str, tensor_parallel_size: int = 1) -> LlamaS
     from safetensors import safe_open
 
     from models.loaders import ParamSink
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
 
     meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
     config = ModelConfig.from_dict(meta["config"])

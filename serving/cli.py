@@ -208,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if dist is None:
         return serve(config)
     from serving.group import LeaderEngine, follow_group
-    from superinfer_jax.distributed import GroupError
+    from superinfer_jax.dist.distributed import GroupError
 
     try:
         return serve(config, LeaderEngine(dist)) if dist.is_leader \

@@ -184,7 +184,7 @@ def _kv_dtype(value: str, values: Mapping[str, Any]) -> str:
 SERVING: dict[str, Serving] = {
     # A server runs the paper's policy with a host tier; the library defaults to vLLM's.
     "engine.policy": Serving("rotasched"),
-    # A server is ready once its smallest buckets are compiled (superinfer_jax.compilation).
+    # A server is ready once its smallest buckets are compiled (runner.step_programs).
     "engine.compile_in_background": Serving(True),
     "duplex_kv.host_memory_gb": Serving(2.0),
     "hardware.compilation_cache_dir": Serving(

@@ -5,7 +5,7 @@ the group differs: ``--coordinator HOST:PORT --num-processes N --process-id I``,
 own ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` (a flag wins
 over its variable). Process 0 serves: its fronts bind first (live, not ready), then it
 joins the group, loads its slices of the model and builds its engine with
-``superinfer_jax.multihost.leader_engine`` (``LeaderEngine``, the factory
+``superinfer_jax.dist.multihost.leader_engine`` (``LeaderEngine``, the factory
 ``serving.server.serve`` builds the engine with). The others bind nothing: they join,
 load their slices and replay process 0's device calls (``follow_group``) until process 0
 ends the group, which it does after its drain; then they exit 0.
@@ -39,7 +39,7 @@ from serving.config_schema import KEYS
 from serving.deploy_config import DeploymentConfig
 from serving.server import load_model_of
 from superinfer_jax.config_schema import ConfigError
-from superinfer_jax.distributed import DistributedConfig, Group, GroupError, flatten_config
+from superinfer_jax.dist.distributed import DistributedConfig, Group, GroupError, flatten_config
 
 log = logging.getLogger("superinfer.group")
 
@@ -140,7 +140,7 @@ def _join(config: DeploymentConfig, dist: DistributedConfig) -> Group:
     """Join the group, compare configurations, and check the mesh spans every process."""
     import jax
 
-    from superinfer_jax.multihost import start_group
+    from superinfer_jax.dist.multihost import start_group
 
     log.info("joining the group at %s as process %d of %d", dist.coordinator,
              dist.process_id, dist.num_processes)
@@ -175,7 +175,7 @@ class LeaderEngine:
         self.recorder: Any = None
 
     def build(self, config: DeploymentConfig) -> tuple[Any, Any]:
-        from superinfer_jax.multihost import leader_engine, warm_up
+        from superinfer_jax.dist.multihost import leader_engine, warm_up
 
         group = _join(config, self.dist)
         model = load_model_of(config)
@@ -221,7 +221,7 @@ def follow_group(config: DeploymentConfig, dist: DistributedConfig) -> int:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    from superinfer_jax.multihost import follow
+    from superinfer_jax.dist.multihost import follow
 
     try:
         group = _join(config, dist)

@@ -6,7 +6,7 @@ Order matters for clients:
 2. The model loads and the engine compiles its buckets; then SERVING. With
    ``engine.compile_in_background`` (the default) SERVING comes once the smallest buckets
    are compiled: every request is served from then on, its calls kept within the buckets
-   compiled so far while the rest compile behind (``superinfer_jax.compilation``).
+   compiled so far while the rest compile behind (``superinfer_jax.runner.step_programs``).
 3. SIGTERM (or Ctrl-C): DRAINING. Admission stops (health NOT_SERVING, UNAVAILABLE),
    in-flight requests finish for up to ``drain_grace_s``, the rest are aborted (their
    streams end with finish reason abort), the fronts close, the process exits 0.

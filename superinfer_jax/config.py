@@ -33,7 +33,7 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 class BucketLimits:
     """The largest call shapes that are compiled, each a bucket whose smaller buckets are
     compiled too (prefill chunks: down to ``min_prefill_chunk``), so a step the scheduler
-    keeps within them pads only to compiled shapes (``superinfer_jax.compilation``).
+    keeps within them pads only to compiled shapes (``superinfer_jax.runner.step_programs``).
     Zero: nothing of that kind may run yet."""
 
     decode_rows: int  # rows of a decode call
@@ -90,8 +90,8 @@ def _default_priority_weights() -> dict[str, float]:
 
 def _policy_check(key: str, name: str) -> str | None:
     """A registered policy (``POLICIES`` are built in) or a ``module:Class`` path; the
-    one resolver and its messages are ``superinfer_jax.rotasched.registry``'s."""
-    from superinfer_jax.rotasched.registry import policy_problem
+    one resolver and its messages are ``superinfer_jax.sched.rotasched.registry``'s."""
+    from superinfer_jax.sched.rotasched.registry import policy_problem
 
     return policy_problem(name)
 

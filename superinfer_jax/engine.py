@@ -1,8 +1,8 @@
 """The step loop: schedule -> run -> process outputs.
 
 ``LLMEngine`` narrates one step over three parts with one job each: the scheduler plans
-(``superinfer_jax.scheduler``, a ``StepPlan`` of host ints), the model runner executes on
-the device (``superinfer_jax.model_runner``: the pool, the jitted step, DuplexKV, token
+(``superinfer_jax.sched.scheduler``, a ``StepPlan`` of host ints), the model runner executes on
+the device (``superinfer_jax.runner.model_runner``: the pool, the jitted step, DuplexKV, token
 feedback), and the output processor says what each token means
 (``superinfer_jax.output_processor``: detokenization, stop and length). The engine itself
 owns request intake (with the bounds that need the model), the token accounting between
@@ -26,7 +26,7 @@ the eager shadows are issued, before the model step is dispatched with the pool 
 ``superinfer_jax.duplexkv.rotation`` explains why that order is race-free.
 
 With ``tensor_parallel_size > 1`` the same loop drives one SPMD program over a device
-mesh (``superinfer_jax.parallel``): the model arrives sharded (or is sharded through its
+mesh (``superinfer_jax.dist.parallel``): the model arrives sharded (or is sharded through its
 ``shard(mesh)``), the pool and the host tier are split over KV heads, and everything on
 the host (plans, page tables, bookkeeping) stays global. ``docs/tensor_parallel.md``.
 
@@ -61,17 +61,8 @@ from superinfer_jax.intake import check_prompt, fit_sampling
 from superinfer_jax.kv.events import KVEvent, KVEventLog
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
-from superinfer_jax.latency import LatencyModel
-from superinfer_jax.logits import HostLogprobs, read_logprobs
 from superinfer_jax.model_api import ServableModel
-from superinfer_jax.model_runner import (  # noqa: F401  (enable_compilation_cache: re-export)
-    CallRow,
-    InflightStep,
-    ModelRunner,
-    enable_compilation_cache,
-)
 from superinfer_jax.output_processor import OutputProcessor
-from superinfer_jax.profiler import profile_engine, profile_pieces
 from superinfer_jax.request import (
     SLO,
     FieldError,
@@ -81,8 +72,17 @@ from superinfer_jax.request import (
     TokenLogprobs,
     check_cache_salt,
 )
-from superinfer_jax.rotasched import make_scheduler
-from superinfer_jax.scheduler import StepPlan
+from superinfer_jax.runner.logits import HostLogprobs, read_logprobs
+from superinfer_jax.runner.model_runner import (  # noqa: F401  (enable_compilation_cache: re-export)
+    CallRow,
+    InflightStep,
+    ModelRunner,
+    enable_compilation_cache,
+)
+from superinfer_jax.runner.profiler import profile_engine, profile_pieces
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched import make_scheduler
+from superinfer_jax.sched.scheduler import StepPlan
 from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
 from superinfer_jax.structured import GrammarCompiler
 
@@ -196,7 +196,7 @@ class LLMEngine:
 
         With ``compile_in_background`` (one process) this returns as soon as the
         smallest buckets are compiled: the engine is ready and serves, its scheduler
-        keeping every call within what is compiled (``superinfer_jax.compilation``).
+        keeping every call within what is compiled (``superinfer_jax.runner.step_programs``).
         What is left finishes behind: the other buckets on the runner's compile
         threads; DuplexKV's copy programs, then a latency profile that is not on disk,
         through ``idle_work`` (until it is measured, RotaSched plans with the configured

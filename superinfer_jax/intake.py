@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from superinfer_jax.request import FieldError, SamplingParams
-from superinfer_jax.sampling import sampler_seed
+from superinfer_jax.runner.sampling import sampler_seed
 
 
 def check_prompt(prompt_token_ids: Sequence[Any], vocab_size: int,

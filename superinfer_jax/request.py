@@ -13,7 +13,7 @@ from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from superinfer_jax.compiled import mypyc_attr
+from superinfer_jax.mypyc_build import mypyc_attr
 
 
 class RequestStatus(enum.IntEnum):
@@ -87,7 +87,7 @@ class Range:
     same bounds in the HTTP front's OpenAPI document. Integer fields that reach a
     fixed-width device array have an upper bound too, so no value can overflow it."""
 
-    # ``int | float``, not ``float``: compiled (superinfer_jax.compiled), a ``float`` field
+    # ``int | float``, not ``float``: compiled (superinfer_jax.mypyc_build), a ``float`` field
     # is a C double, and 2**64 - 1 would become 2**64 there.
     low: int | float
     high: int | float
@@ -180,7 +180,7 @@ class SLO:
         return self.tbt_ms / 1000
 
 
-# Compiled (superinfer_jax.compiled), a native dataclass type-checks its fields in
+# Compiled (superinfer_jax.mypyc_build), a native dataclass type-checks its fields in
 # ``__init__`` and raises TypeError; the API promises a FieldError naming the field, which
 # ``__post_init__`` raises, so this class stays a plain Python class.
 @mypyc_attr(native_class=False)

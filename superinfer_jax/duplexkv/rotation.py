@@ -91,7 +91,7 @@ Failures: a copy that raises when issued, or whose arrays carry an error when ob
 ready, yields a FAILED event and the engine falls back to recomputing the request.
 
 Tensor parallelism: the pool, the staging pages and the host pages share one split over
-KV heads (``superinfer_jax.parallel``), so every device gathers, copies and scatters its
+KV heads (``superinfer_jax.dist.parallel``), so every device gathers, copies and scatters its
 own slice of each page; the orderings above hold per device, and a copy is observed
 ready only when every device's slice is.
 """

@@ -59,7 +59,7 @@ class HostCache:
 
     def __bool__(self) -> bool:
         # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
         return len(self) > 0
 
     def __contains__(self, h: bytes) -> bool:

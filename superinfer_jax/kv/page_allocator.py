@@ -13,7 +13,7 @@ empty, so it is room like a free one.
 
 OBJECT_IDS: where a hot loop moves page ids from one list to another without arithmetic
 (a rotation's host table, the shadows it makes), it reads the lists through
-``cast(list[object], ...)``. Compiled with mypyc (``superinfer_jax.compiled``), an
+``cast(list[object], ...)``. Compiled with mypyc (``superinfer_jax.mypyc_build``), an
 element of a ``list[int]`` is unboxed when read and boxed again when stored, and boxing
 an int above 256 allocates a new object; as objects the same reference is stored (the
 values are the same ints). Copying 31 page ids between lists took 580 ns as ints and

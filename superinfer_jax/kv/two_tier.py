@@ -69,7 +69,7 @@ class PageMoves:
     """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Not
     frozen, but never changed once made: compiled, a frozen dataclass took 0.6 us to
     make against 0.2 us, and a paper-scale step makes tens of them. Its ``__init__`` is
-    written out (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
+    written out (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
 
     req_id: str
     device_pages: tuple[int, ...]
@@ -88,7 +88,7 @@ class PageMoves:
 
     def __bool__(self) -> bool:
         # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
         return len(self) > 0
 
 

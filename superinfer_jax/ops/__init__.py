@@ -18,7 +18,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from superinfer_jax import parallel
+from superinfer_jax.dist import parallel
 from superinfer_jax.ops import attention_xla
 
 BACKENDS = ("auto", "xla", "pallas")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from superinfer_jax.config import EngineConfig, bucket
-from superinfer_jax.latency import LatencyModel
+from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sim.cost_model import (
     Hardware,
     ModelShape,
@@ -43,7 +43,7 @@ TRANSFER_MODES = ("duplex", "simplex", "naive")
 class CallShape:
     """One model call of a step, as counts (no ids): what a cost model prices. Not
     frozen, but never changed once made, with its ``__init__`` written out: two are made
-    every simulated step (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
+    every simulated step (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
 
     num_rows: int  # real rows (requests)
     max_query: int  # longest row: 1 for decode, the longest chunk for prefill

@@ -120,7 +120,7 @@ def num_device_pages_for(model: ModelShape, hw: Hardware, page_size: int,
 class StepWork:
     """What one model step does, in counts the roofline prices. Not frozen, but never
     changed once made, with its ``__init__`` written out: two are made every simulated
-    step (``NATIVE_INIT`` in ``superinfer_jax.compiled``)."""
+    step (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
 
     num_tokens: int  # query tokens (prefill chunk tokens + decode rows)
     kv_tokens_read: int  # sum over rows of the context each row attends to

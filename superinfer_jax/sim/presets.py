@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from superinfer_jax.config import POLICIES, EngineConfig
-from superinfer_jax.latency import LatencyModel
-from superinfer_jax.rotasched.registry import resolve_policy
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.registry import resolve_policy
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator

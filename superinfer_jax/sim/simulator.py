@@ -52,10 +52,10 @@ from typing import cast, overload
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.prefix_cache import isolation_key
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import StepPlan
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.scheduler import StepPlan
 from superinfer_jax.sim.cost import CallShape, CostModel
 
 OUT, IN = 0, 1  # copy directions: device -> host, host -> device
@@ -115,7 +115,7 @@ class HashIdTokens(Sequence[int]):
 
     def __bool__(self) -> bool:
         # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax/compiled.py.
+        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
         return len(self) > 0
 
     @overload

@@ -59,7 +59,7 @@ def test_simulate_command_runs_a_small_sweep(tmp_path):
 
 
 def test_simulate_this_machine_from_a_latency_profile(tmp_path):
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     profile = tmp_path / "profile.json"
     LatencyModel([0.02, 1e-3, 1e-6], [0.02, 2e-3, 5e-6], [0.0, 1e-10]).save(str(profile))

@@ -63,8 +63,8 @@ def _engine(tp: int, backend: str):
 
 
 def _step_cases(engine) -> dict[str, dict]:
-    from superinfer_jax.sampling import SamplingInputs
-    from superinfer_jax.token_feedback import TokenFeedback
+    from superinfer_jax.runner.sampling import SamplingInputs
+    from superinfer_jax.runner.token_feedback import TokenFeedback
 
     runner, cfg = engine.runner, engine.config
     decode = [(b, 1) for b in cfg.decode_buckets]

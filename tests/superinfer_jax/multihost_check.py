@@ -4,7 +4,7 @@ Run as ``python -m tests.superinfer_jax.multihost_check``.
 
 ``test_multihost`` starts two of these on 127.0.0.1, each with 2 virtual CPU devices and
 XLA's gloo collectives, for TP=4 over both: process 0 runs the engine and the requests,
-process 1 replays its device calls (``superinfer_jax.lockstep``). Scenarios:
+process 1 replays its device calls (``superinfer_jax.dist.lockstep``). Scenarios:
 
 - ``tokens``: the batch of ``PROMPTS`` with a rotation forced every third step on a pool
   too small for all of them (``tp_check.run_rotating``); process 0 writes the greedy
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    from superinfer_jax.distributed import DistributedConfig, GroupError
-    from superinfer_jax.multihost import follow, leader_engine, start_group
+    from superinfer_jax.dist.distributed import DistributedConfig, GroupError
+    from superinfer_jax.dist.multihost import follow, leader_engine, start_group
 
     dist = DistributedConfig(args.coordinator, args.num_processes, args.process_id,
                              init_timeout_s=args.init_timeout,
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multihost_check: error: {e}", file=sys.stderr, flush=True)
         return 2
     from models.servable import random_servable
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
 
     model = random_servable(model_config(), seed=SEED, mesh=make_mesh(4))
     if not group.is_leader:

@@ -1,4 +1,4 @@
-"""Start-up compilation (``superinfer_jax.compilation``): the engine serves once its
+"""Start-up compilation (``superinfer_jax.runner.step_programs``): the engine serves once its
 smallest buckets are compiled, keeps every call within what is compiled while the rest
 compiles, never compiles inside a step, and generates the same greedy tokens as an
 engine that compiled everything first."""
@@ -21,7 +21,11 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.async_engine import AsyncEngine
-from superinfer_jax.compilation import (
+from superinfer_jax.config import BucketLimits
+from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.kv.layout import NULL_PAGE
+from superinfer_jax.ops import native
+from superinfer_jax.runner.step_programs import (
     REFILL,
     RESAMPLE,
     STEP,
@@ -31,10 +35,6 @@ from superinfer_jax.compilation import (
     compile_order,
     ready_set,
 )
-from superinfer_jax.config import BucketLimits
-from superinfer_jax.config_schema import ConfigError
-from superinfer_jax.kv.layout import NULL_PAGE
-from superinfer_jax.ops import native
 from tests.superinfer_jax.engine_testlib import TINY, run_jobs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -413,7 +413,7 @@ def test_the_pool_is_zeroed_off_the_callers_thread_and_placed_as_compiled(tiny, 
 
 
 def test_a_pool_that_failed_to_allocate_is_an_error_at_its_first_read(tiny, monkeypatch):
-    from superinfer_jax.model_runner import ModelRunner
+    from superinfer_jax.runner.model_runner import ModelRunner
 
     def fail(self):
         raise MemoryError("no room for the pool")
@@ -451,7 +451,7 @@ def test_first_runs_go_through_the_page_loop_on_the_null_page_only(tiny, monkeyp
     the attention's page loop has run before the first request (entering it the first
     time cost SmolLM2's first real prefill ~70 ms, 2x its steady TTFT). It writes the
     null page and no other, and greedy tokens are those of an engine that never ran it."""
-    from superinfer_jax.model_runner import ModelRunner
+    from superinfer_jax.runner.model_runner import ModelRunner
 
     calls: list[tuple[int, int, int]] = []  # (rows, fewest query tokens, least context)
     call_step = ModelRunner.call_step

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from superinfer_jax import compiled
+import superinfer_jax.mypyc_build as compiled
 
 
 def test_compiled_modules_are_in_use_exactly_when_a_matching_build_exists():
@@ -20,7 +20,7 @@ def test_compiled_modules_are_in_use_exactly_when_a_matching_build_exists():
         module = importlib.import_module(name)
         assert module.__file__ is not None
         assert module.__file__.endswith(".py") != built, (name, module.__file__)
-    for name in ("superinfer_jax.engine", "superinfer_jax.rotasched.registry"):
+    for name in ("superinfer_jax.engine", "superinfer_jax.sched.rotasched.registry"):
         assert importlib.import_module(name).__file__.endswith(".py")
 
 
@@ -63,7 +63,7 @@ def test_switch_parses(monkeypatch, value, want):
 def test_plain_python_subprocess_when_switched_off(tmp_path):
     import subprocess
 
-    code = ("import superinfer_jax.scheduler as s; from superinfer_jax import compiled; "
+    code = ("import superinfer_jax.sched.scheduler as s; import superinfer_jax.mypyc_build as compiled; "
             "print(s.__file__, compiled.active())")
     env = {"SUPERINFER_COMPILED": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
            "JAX_PLATFORMS": "cpu"}

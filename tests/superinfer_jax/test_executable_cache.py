@@ -1,4 +1,4 @@
-"""The serialized-executable cache (``superinfer_jax.executable_cache``): a second
+"""The serialized-executable cache (``superinfer_jax.runner.executable_cache``): a second
 engine over the same cache directory loads every step and resample program instead of
 tracing and compiling them, and generates the same greedy tokens; a damaged or
 mismatched entry is compiled again, with a warning, and rewritten."""
@@ -19,8 +19,8 @@ from jax._src import compilation_cache as jax_compilation_cache
 
 from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
-from superinfer_jax import executable_cache as ec
-from superinfer_jax.executable_cache import ExecutableCache
+from superinfer_jax.runner import executable_cache as ec
+from superinfer_jax.runner.executable_cache import ExecutableCache
 from tests.superinfer_jax.engine_testlib import TINY, run_jobs
 
 # decode 1/2 rows, prefill [1, 16], deferred sampling 1/2 rows: 5 programs

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from superinfer_jax.config import RotaSchedConfig
-from superinfer_jax.latency import LatencyModel, fit_nonnegative
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.lag import order_by_lag, virtual_lag
+from superinfer_jax.sched.latency import LatencyModel, fit_nonnegative
+from superinfer_jax.sched.rotasched.lag import order_by_lag, virtual_lag
 
 
 def test_fit_recovers_exact_linear_costs_and_persists(tmp_path):

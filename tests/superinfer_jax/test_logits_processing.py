@@ -19,14 +19,14 @@ import pytest
 
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
-from superinfer_jax.logits import (
+from superinfer_jax.model_api import StepInputs
+from superinfer_jax.runner.logits import (
     BIAS_WIDTH,
     NO_TOKEN,
     mask_words,
     neutral_logits_inputs,
     process_logits,
 )
-from superinfer_jax.model_api import StepInputs
 from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_jobs
 
 VOCAB, HIST, COLS, EOS = 40, 24, 4, (39,)

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from superinfer_jax.distributed import (
+from superinfer_jax.dist.distributed import (
     ConfigMismatchError,
     DistributedConfig,
     flatten_config,

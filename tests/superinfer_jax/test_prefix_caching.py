@@ -21,7 +21,7 @@ from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.kv.two_tier import PageMoves
 from superinfer_jax.request import FieldError, RequestStatus
-from superinfer_jax.step_plan import StepPlan
+from superinfer_jax.sched.step_plan import StepPlan
 from tests.numerics import assert_close, f32_tolerance, max_abs_diff
 from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
 

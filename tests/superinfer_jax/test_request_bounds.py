@@ -13,7 +13,7 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import FieldError, RequestStatus
-from superinfer_jax.sampling import SEED32_MAX, sampler_seed
+from superinfer_jax.runner.sampling import SEED32_MAX, sampler_seed
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.request import Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import Scheduler
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.scheduler import Scheduler
 
 
 def make(num_pages=64, **kw):

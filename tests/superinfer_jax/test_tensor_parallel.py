@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh
 from models.config import PRESETS, ModelConfig
 from models.sharding import ShardPlan, plan_heads
 from superinfer_jax import EngineConfig, LLMEngine
-from superinfer_jax.parallel import make_mesh
+from superinfer_jax.dist.parallel import make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 # (case, TP size) of every sharded engine tp_check runs.

@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 
 from superinfer_jax.request import SLO, Request, SamplingParams
-from superinfer_jax.waiting_queue import WaitingQueue
+from superinfer_jax.sched.waiting_queue import WaitingQueue
 
 
 def make(i: int, rng: random.Random) -> Request:

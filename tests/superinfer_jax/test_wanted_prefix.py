@@ -10,8 +10,8 @@ from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import isolation_key
 from superinfer_jax.request import Request, SamplingParams
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import Scheduler
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.scheduler import Scheduler
 
 PAGE = 4
 KEY = isolation_key("test-model", None)

@@ -273,7 +273,7 @@ def compare_params(a, b) -> dict[str, Any]:
 
 def smollm2_case(tps, backend: str) -> dict[str, Any]:
     from models import load_model
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
 
     texts = ["The capital of France is"]
     base = load_model("smollm2-135m")
@@ -303,7 +303,7 @@ def llama8_case(tps, backend: str) -> dict[str, Any]:
     import numpy as np
 
     from models.servable import random_servable
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
 
     cfg = _llama8_config()
     base = random_servable(cfg, seed=3)
@@ -364,7 +364,7 @@ def sink_case(tps) -> dict[str, Any]:
     from models.loaders import ParamSink
     from models.servable import random_servable
     from models.sharding import flat_state
-    from superinfer_jax.parallel import make_mesh
+    from superinfer_jax.dist.parallel import make_mesh
     from tests.numerics import logits_tolerance, max_abs_diff, top1_disagreements
 
     cfg = ModelConfig(name="sink", vocab_size=128, hidden_size=72, intermediate_size=102,

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from models.servable import random_servable
-from superinfer_jax import LLMEngine, model_runner
+from superinfer_jax import LLMEngine
 from superinfer_jax.ops import native
+from superinfer_jax.runner import model_runner
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 pytestmark = pytest.mark.skipif(

@@ -13,7 +13,7 @@ from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import SLO, Request, RequestStatus
-from superinfer_jax.rotasched import make_scheduler, resolve_policy
+from superinfer_jax.sched.rotasched import make_scheduler, resolve_policy
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 

@@ -20,12 +20,12 @@ import pytest
 
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.rotasched.policies import RotaSchedPolicy
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import Ranking, Scheduler
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.lag import virtual_lag
+from superinfer_jax.sched.rotasched.policies import RotaSchedPolicy
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.scheduler import Ranking, Scheduler
 
 SLOS = (SLO(1000, 100), SLO(1000, 100, "critical"), SLO(400, 50, "batch"), SLO(2500, 150))
 
@@ -200,7 +200,7 @@ def test_runners_by_value_is_the_sort_with_and_without_the_order_hint(seed):
     started running) without sorting it; it must give the sort's order exactly, with
     runs of equal values (started in the same step) ordered by arrival, then position,
     and fall back to the sort when the values do not fall."""
-    from superinfer_jax.rotasched.ranking import by_value
+    from superinfer_jax.sched.rotasched.ranking import by_value
 
     rng = random.Random(seed)
     n = rng.randint(0, 30)

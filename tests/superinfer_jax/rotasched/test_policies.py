@@ -13,9 +13,9 @@ import pytest
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.scheduler import StepBudget, StepPlan
+from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.scheduler import StepBudget, StepPlan
 
 PAGE = 4
 
@@ -297,7 +297,7 @@ def test_tbt_budget_yields_to_a_late_first_token():
     """Under contention, while someone waits for memory (here: parked), the step's tokens
     are sized to the decoders' TBT SLO, unless a request still waiting for its first
     token is late: then prefill gets the full budget."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     # a high-water mark of 1%: contended as soon as anything holds a page
     sched, kv = make("rotasched", device_pages=64, host_pages=64,
@@ -353,7 +353,7 @@ def test_request_whose_token_in_flight_ends_it_stays_running():
 def test_no_tbt_budget_while_nobody_waits_for_memory():
     """Above the high-water mark but with room for everyone (nothing parked, every waiting
     request selected), prefill is not held back: fcfs would not hold it either."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     sched, kv = make("rotasched", device_pages=64, host_pages=64,
                      rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
@@ -393,7 +393,7 @@ def _parked_reply(mode: str | None):
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
     parked with its next token due 100 ms after its last, and 3 pages are free, one too
     few for it. A latency model prices a step at 10 ms and a copy at nothing."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     # ``lag``: the paper's rule (beta_b 0); ``free_pages``: a reply lags 500 ms past its
     # last token; None: the defaults
@@ -478,7 +478,7 @@ def test_a_late_parked_reply_takes_no_runner_seat():
     """Free pages but every seat taken (``max_num_seqs`` 2, both seats running): the
     parked reply that does not lag yet is not kept, and no runner is dropped for its
     seat."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, high_water_mark=0.01,
                          parked_replies="free_pages", beta_b=5.0)  # always contended
@@ -552,7 +552,7 @@ def test_a_late_first_token_certain_to_miss_displaces_nobody():
     """``late_order: shortest``: a late first token whose own prefill (priced by the
     latency model) ends past its deadline ranks behind the runners, like one that has
     missed it; the runner is not rotated out for it. Unpriced, or by lag, it is."""
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
 
     slow = LatencyModel(prefill=[0.01, 0.02, 0.0], decode=[0.01, 0.0, 0.0])  # 28: 0.57 s
     fast = LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0])  # 0.04 s
@@ -568,9 +568,9 @@ def test_first_token_slack_prices_the_prefix_hit(monkeypatch):
     """The time to spare before a waiting request's TTFT deadline after its own prefill:
     the pages of its prefix hit are not prefilled (the rest is, after them), and its
     host-tier pages cost a transfer."""
-    from superinfer_jax.latency import LatencyModel
-    from superinfer_jax.rotasched.ranking import first_token_slack
-    from superinfer_jax.step_plan import PrefixHit
+    from superinfer_jax.sched.latency import LatencyModel
+    from superinfer_jax.sched.rotasched.ranking import first_token_slack
+    from superinfer_jax.sched.step_plan import PrefixHit
 
     sched, kv = make("rotasched")
     lm = LatencyModel(prefill=[0.01, 0.001, 1e-5], decode=[0.01, 0.0, 0.0],

@@ -7,10 +7,10 @@ from __future__ import annotations
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.rotasched.registry import make_scheduler
-from superinfer_jax.step_plan import StepBudget
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.step_plan import StepBudget
 
 PAGE = 4
 KEY = isolation_key("test-model", None)

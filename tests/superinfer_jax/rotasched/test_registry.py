@@ -11,7 +11,7 @@ import pytest
 from serving.cli import main as cli_main
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.rotasched import (
+from superinfer_jax.sched.rotasched import (
     HOST,
     Policy,
     RotaSchedPolicy,
@@ -38,7 +38,7 @@ def plugin_dir(tmp_path, monkeypatch):
 def test_builtins_are_registered_in_order():
     assert registered_policies()[:3] == ("fcfs", "swap", "rotasched")
     assert resolve_policy("rotasched") is RotaSchedPolicy
-    assert resolve_policy("superinfer_jax.rotasched.policies:RotaSchedPolicy") \
+    assert resolve_policy("superinfer_jax.sched.rotasched.policies:RotaSchedPolicy") \
         is RotaSchedPolicy
 
 
@@ -84,7 +84,7 @@ def test_a_plugin_by_path_drives_the_scheduler(plugin_dir):
     """A Policy subclass in a user module, named by path: the config accepts it and the
     scheduler runs its decisions (here: every victim goes to the host, like swap)."""
     plugin_dir("my_policy", """
-        from superinfer_jax.rotasched import HOST, Policy
+        from superinfer_jax.sched.rotasched import HOST, Policy
 
         class ToHost(Policy):
             def evict_to(self, s, req):
@@ -124,7 +124,7 @@ def test_register_policy_adds_a_name_and_checks_the_interface():
 
 def test_simulator_presets_take_paths_and_refuse_unknown_names():
     preset = get_preset("paper-llama8b-sharegpt")
-    sim = preset.simulator("gh200-96g", "superinfer_jax.rotasched.policies:SwapPolicy")
+    sim = preset.simulator("gh200-96g", "superinfer_jax.sched.rotasched.policies:SwapPolicy")
     assert sim.config.policy.endswith(":SwapPolicy") and sim.latency is None
     assert preset.simulator("gh200-96g", "rotasched").latency is not None  # uses_latency
     from dataclasses import replace

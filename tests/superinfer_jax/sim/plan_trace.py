@@ -14,7 +14,7 @@ mode on the CPU setup). Every run must rotate or preempt, else it proves little.
     python -m tests.superinfer_jax.sim.plan_trace --out /tmp/sched_after \\
         --compare /tmp/sched_before
 
-With the mypyc build of the scheduler in use (``superinfer_jax.compiled``), methods
+With the mypyc build of the scheduler in use (``superinfer_jax.mypyc_build``), methods
 replaced on instances are not called by compiled code, so the step trace cannot be
 recorded: run with ``SUPERINFER_COMPILED=0``, or pass ``--outputs-only`` (no step trace;
 ``--compare`` then checks the outputs hash and step count, which is how a compiled build
@@ -92,7 +92,7 @@ class Recorder:
 
 def _cpu_preset():
     from superinfer_jax.config import EngineConfig
-    from superinfer_jax.latency import LatencyModel
+    from superinfer_jax.sched.latency import LatencyModel
     from superinfer_jax.sim.cost import HostOverhead
     from superinfer_jax.sim.cost_model import MODELS
     from superinfer_jax.sim.presets import THIS_MACHINE, Calibration, SimPreset
@@ -159,11 +159,11 @@ def _outputs(result) -> tuple:
 
 
 def run_case(case: str, policy: str, specs, trace: bool = True) -> dict[str, Any]:
-    from superinfer_jax import compiled
+    import superinfer_jax.mypyc_build as compiled
     from superinfer_jax.sim import simulator as sim_mod
 
     if trace and compiled.active():
-        raise SystemExit("the scheduler runs compiled (superinfer_jax.compiled): its steps "
+        raise SystemExit("the scheduler runs compiled (superinfer_jax.mypyc_build): its steps "
                          "cannot be traced; set SUPERINFER_COMPILED=0 or pass --outputs-only")
     rec = Recorder()
     original = sim_mod._Run.__init__

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from superinfer_jax.config import EngineConfig, bucket
-from superinfer_jax.latency import LatencyModel
+from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sim import CalibratedCost, CallShape, HostOverhead, RooflineCost
 from superinfer_jax.sim.cost import latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for

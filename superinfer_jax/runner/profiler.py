@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from superinfer_jax.kv.layout import NULL_PAGE
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.model_api import StepInputs
-from superinfer_jax.sampling import SamplingInputs
+from superinfer_jax.runner.sampling import SamplingInputs
+from superinfer_jax.sched.latency import LatencyModel
 
 
 def _time_step(engine, rows: int, cols: int, query_len: int, context: int,

@@ -27,7 +27,7 @@ What this module adds to ``jax.distributed.initialize``:
   next read and exits 1 (``lockstep.run_follower``).
 
 The key-value store of the coordination service (gRPC on the coordinator's port) is also
-the channel of ``superinfer_jax.lockstep``: a host-side channel with a timeout on every
+the channel of ``superinfer_jax.dist.lockstep``: a host-side channel with a timeout on every
 read, which adds nothing to the device streams (see there for why that matters).
 """
 

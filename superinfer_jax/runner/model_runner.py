@@ -29,8 +29,32 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from superinfer_jax import executable_cache, ops, parallel
-from superinfer_jax.compilation import (
+from superinfer_jax import ops
+from superinfer_jax.config import BucketLimits, EngineConfig, bucket
+from superinfer_jax.dist import parallel
+from superinfer_jax.duplexkv import DuplexKV, RotationEvent
+from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
+from superinfer_jax.duplexkv.rotation import StepCopies
+from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
+from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
+from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
+from superinfer_jax.model_api import ServableModel, StepInputs
+from superinfer_jax.ops import native
+from superinfer_jax.request import Request
+from superinfer_jax.runner import executable_cache
+from superinfer_jax.runner.executable_cache import ExecutableCache
+from superinfer_jax.runner.logits import (
+    LogitsInputs,
+    StepLogprobs,
+    deferred_logits,
+    neutral_logits_inputs,
+    no_prompt_logprobs,
+    process_logits,
+    prompt_logprobs,
+    sampled_logprobs,
+)
+from superinfer_jax.runner.sampling import SamplingInputs, sample
+from superinfer_jax.runner.step_programs import (
     DUPLEX,
     REFILL,
     RESAMPLE,
@@ -43,29 +67,12 @@ from superinfer_jax.compilation import (
     default_num_threads,
     ready_set,
 )
-from superinfer_jax.config import BucketLimits, EngineConfig, bucket
-from superinfer_jax.duplexkv import DuplexKV, RotationEvent
-from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
-from superinfer_jax.duplexkv.rotation import StepCopies
-from superinfer_jax.executable_cache import ExecutableCache
-from superinfer_jax.kv.host_pool import HostPool, num_host_pages_for
-from superinfer_jax.kv.layout import NULL_PAGE, PoolLayout
-from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
-from superinfer_jax.logits import (
-    LogitsInputs,
-    StepLogprobs,
-    deferred_logits,
-    neutral_logits_inputs,
-    no_prompt_logprobs,
-    process_logits,
-    prompt_logprobs,
-    sampled_logprobs,
+from superinfer_jax.runner.token_feedback import (
+    NO_SOURCE,
+    TokenFeedback,
+    apply_feedback,
+    pad_sampled,
 )
-from superinfer_jax.model_api import ServableModel, StepInputs
-from superinfer_jax.ops import native
-from superinfer_jax.request import Request
-from superinfer_jax.sampling import SamplingInputs, sample
-from superinfer_jax.token_feedback import NO_SOURCE, TokenFeedback, apply_feedback, pad_sampled
 
 _CPU_DEFAULT_POOL_BYTES = 2 << 30
 IN_STEP = "in_step"  # a Program kind: the decode step with DuplexKV's copies inside
@@ -180,7 +187,7 @@ class ModelRunner:
         self.resample_buckets = tuple(b for b in config.decode_buckets
                                       if b < config.deferred_rows) + (config.deferred_rows,)
         # What the scheduler may plan: every bucket, unless warm-up compiles in the
-        # background (then what is compiled so far, growing; ``superinfer_jax.compilation``).
+        # background (then what is compiled so far, growing; ``runner.step_programs``).
         self.limits: BucketLimits = config.bucket_limits
         self.compiler: BucketCompiler | None = None
         # background step programs run once on a scratch pool before they are published
@@ -307,7 +314,7 @@ class ModelRunner:
                         copy_mode=cfg.copy_mode)
 
     def _executable_cache(self) -> ExecutableCache | None:
-        """The serialized-executable cache (``superinfer_jax.executable_cache``) beside
+        """The serialized-executable cache (``superinfer_jax.runner.executable_cache``) beside
         the XLA cache, keyed also by what the step and resample close over: the engine
         config (less what no program reads), the model's plain attributes and class, the
         attention backend, the weights' tree and the mesh. None without a cache
@@ -421,7 +428,7 @@ class ModelRunner:
     # -- warm-up -------------------------------------------------------------------------
 
     def warmup(self, background: bool = False) -> dict[str, float]:
-        """Compile every program ahead of time (``superinfer_jax.compilation``), the
+        """Compile every program ahead of time (``superinfer_jax.runner.step_programs``), the
         smallest first, on one thread per core; returns each phase's seconds.
 
         ``background``: return once the ready set is compiled and run once; the rest

@@ -1,10 +1,10 @@
-"""``python -m superinfer_jax.compiled_build``: compile the scheduler, KV and simulator
-modules with mypyc now (see ``superinfer_jax.compiled``; ``make compiled`` runs it) and print
+"""``python -m superinfer_jax.mypyc_build``: compile the scheduler, KV and simulator
+modules with mypyc now (see ``superinfer_jax.mypyc_build``; ``make compiled`` runs it) and print
 the build folder. A failure is not fatal: those modules then run as plain Python."""
 
 import sys
 
-from superinfer_jax import compiled
+import superinfer_jax.mypyc_build as compiled
 
 if __name__ == "__main__":
     try:

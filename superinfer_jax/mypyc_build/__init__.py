@@ -9,13 +9,13 @@ they are, with no change to what they compute: measured with ``benchmarks.sim_sp
 simulator outputs of ``tests.superinfer_jax.sim.plan_trace --outputs-only`` hash the same
 as plain Python's on all 7 cases.
 
-Build, opt-in: ``python -m superinfer_jax.compiled_build`` (``make compiled``; it needs
+Build, opt-in: ``python -m superinfer_jax.mypyc_build`` (``make compiled``; it needs
 mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
 simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
 build it, so serving runs the modules as Python unless a build exists. Why opt-in: under a
 build, the tests that hook instances fail (below), so the test suite turns it off
 (``tests/conftest.py``) unless ``SUPERINFER_COMPILED`` is set. The result goes
-under ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/compiled``), in a
+under ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/mypyc_build``), in a
 folder named by a hash of every ``.py`` file of this package and the Python version.
 
 Use: importing ``superinfer_jax`` calls ``install()``, which puts an import finder in
@@ -86,18 +86,18 @@ except ImportError:  # pragma: no cover - serving-only installs
 
 MODULES = (
     "superinfer_jax.request",  # with the simulator: its SimRequest extends Request
-    "superinfer_jax.waiting_queue",
-    "superinfer_jax.step_plan",
-    "superinfer_jax.scheduler",
+    "superinfer_jax.sched.waiting_queue",
+    "superinfer_jax.sched.step_plan",
+    "superinfer_jax.sched.scheduler",
     "superinfer_jax.kv.page_allocator",
     "superinfer_jax.kv.prefix_cache",
     "superinfer_jax.kv.host_cache",
     "superinfer_jax.kv.two_tier",
-    "superinfer_jax.rotasched.lag",
-    "superinfer_jax.rotasched.ranking",
-    "superinfer_jax.rotasched.policy",  # open to interpreted subclasses (plug-ins)
-    "superinfer_jax.rotasched.policies",
-    "superinfer_jax.latency",  # priced every step by the policies (rotate-ins, budgets)
+    "superinfer_jax.sched.rotasched.lag",
+    "superinfer_jax.sched.rotasched.ranking",
+    "superinfer_jax.sched.rotasched.policy",  # open to interpreted subclasses (plug-ins)
+    "superinfer_jax.sched.rotasched.policies",
+    "superinfer_jax.sched.latency",  # priced every step by the policies (rotate-ins, budgets)
     "superinfer_jax.sim.cost_model",  # the roofline, priced every simulated step
     "superinfer_jax.sim.cost",
     "superinfer_jax.sim.simulator",

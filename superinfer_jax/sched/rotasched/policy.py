@@ -1,6 +1,6 @@
 """The policy interface: the decisions a scheduling policy makes, and nothing else.
 
-``superinfer_jax.scheduler.Scheduler`` runs the same stages every step (forced rotations,
+``superinfer_jax.sched.scheduler.Scheduler`` runs the same stages every step (forced rotations,
 ranking, selection, victims, the token budget, rows, rotate-ins, admissions, shadows);
 a policy answers four questions for it:
 
@@ -25,7 +25,7 @@ Every hook gets the scheduler ``s`` to read (``s.waiting``, ``s.running``, ``s.r
 class is FCFS; subclass it and override what differs. ``uses_latency``: the policy reads
 ``s.latency`` (the engine then profiles one at warm-up, the simulator fits one).
 
-Register a policy by name with ``register_policy`` (``superinfer_jax.rotasched.registry``),
+Register a policy by name with ``register_policy`` (``superinfer_jax.sched.rotasched.registry``),
 or name it by path, ``package.module:Class``, wherever a policy is named.
 """
 
@@ -34,20 +34,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
-from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig
+from superinfer_jax.mypyc_build import mypyc_attr
 from superinfer_jax.request import Request
-from superinfer_jax.step_plan import HOST, RECOMPUTE, StepBudget
+from superinfer_jax.sched.step_plan import HOST, RECOMPUTE, StepBudget
 
 if TYPE_CHECKING:
-    from superinfer_jax.scheduler import Scheduler
+    from superinfer_jax.sched.scheduler import Scheduler
 
 __all__ = ["HOST", "POLICY_METHODS", "RECOMPUTE", "Policy"]
 
 POLICY_METHODS = ("contended", "rank", "evict_to", "token_budget")
 
 
-# Compiled with mypyc (``superinfer_jax.compiled``), a class is closed to interpreted
+# Compiled with mypyc (``superinfer_jax.mypyc_build``), a class is closed to interpreted
 # subclasses unless it says otherwise; policies are meant to be subclassed (plug-ins,
 # tests), so every built-in one allows it.
 @mypyc_attr(allow_interpreted_subclasses=True)

@@ -57,8 +57,8 @@ from typing import Any
 
 import jax
 
-from superinfer_jax.distributed import Group, GroupError
-from superinfer_jax.model_runner import ModelRunner
+from superinfer_jax.dist.distributed import Group, GroupError
+from superinfer_jax.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

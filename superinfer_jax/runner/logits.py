@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from superinfer_jax.dist.parallel import host_value
 from superinfer_jax.model_api import StepArray, StepInputs
-from superinfer_jax.parallel import host_value
 from superinfer_jax.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superinfer_jax.config import BucketLimits, EngineConfig
-from superinfer_jax.executable_cache import ExecutableCache
+from superinfer_jax.runner.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)
 

@@ -69,9 +69,9 @@ import bisect
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import ROTARY, RUNNING, Request
-from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.scheduler import Ranking, Scheduler
-from superinfer_jax.waiting_queue import WaitingQueue
+from superinfer_jax.sched.rotasched.lag import virtual_lag
+from superinfer_jax.sched.scheduler import Ranking, Scheduler
+from superinfer_jax.sched.waiting_queue import WaitingQueue
 
 __all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
            "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",

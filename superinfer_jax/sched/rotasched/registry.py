@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
-from superinfer_jax.latency import LatencyModel
-from superinfer_jax.rotasched.policy import POLICY_METHODS
-from superinfer_jax.scheduler import Scheduler
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.policy import POLICY_METHODS
+from superinfer_jax.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from superinfer_jax.rotasched.policy import Policy
+    from superinfer_jax.sched.rotasched.policy import Policy
 
 __all__ = ["make_policy", "make_scheduler", "policy_problem", "register_policy",
            "registered_policies", "resolve_policy"]
@@ -101,7 +101,7 @@ def _resolve(spec: Any) -> tuple[type | None, str | None]:
     missing = _missing_methods(obj)
     if missing:
         return None, (f"{spec!r}: {attr} does not implement the policy interface (missing "
-                      f"{', '.join(missing)}); subclass superinfer_jax.rotasched.Policy")
+                      f"{', '.join(missing)}); subclass superinfer_jax.sched.rotasched.Policy")
     return obj, None
 
 
@@ -123,4 +123,4 @@ def _import(module_name: str) -> Any:
 
 def _load_builtins() -> None:
     if "rotasched" not in _REGISTRY:
-        import superinfer_jax.rotasched.policies  # noqa: F401 - registers the built-ins
+        import superinfer_jax.sched.rotasched.policies  # noqa: F401 - registers the built-ins

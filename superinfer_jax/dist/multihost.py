@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from superinfer_jax.compilation import BucketCompiler, compile_order, default_num_threads
+from superinfer_jax.runner.step_programs import BucketCompiler, compile_order, default_num_threads
 from superinfer_jax.config import EngineConfig
-from superinfer_jax.distributed import DistributedConfig, Group, flatten_config, initialize
+from superinfer_jax.dist.distributed import DistributedConfig, Group, flatten_config, initialize
 from superinfer_jax.engine import LLMEngine
-from superinfer_jax.lockstep import Recorder, run_follower
+from superinfer_jax.dist.lockstep import Recorder, run_follower
 from superinfer_jax.model_api import ServableModel
-from superinfer_jax.model_runner import ModelRunner
+from superinfer_jax.runner.model_runner import ModelRunner
 
 
 def start_group(dist: DistributedConfig, config: Mapping[str, Any] | Any) -> Group:

@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from superinfer_jax.compiled import mypyc_attr
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.mypyc_build import mypyc_attr
 from superinfer_jax.request import ROTARY, RUNNING, Request
-from superinfer_jax.rotasched.lag import virtual_lag
-from superinfer_jax.rotasched.policy import HOST, Policy
-from superinfer_jax.rotasched.ranking import (
+from superinfer_jax.sched.rotasched.lag import virtual_lag
+from superinfer_jax.sched.rotasched.policy import HOST, Policy
+from superinfer_jax.sched.rotasched.ranking import (
     first_token_slack,
     is_protected,
     late_window,
@@ -39,18 +39,18 @@ from superinfer_jax.rotasched.ranking import (
     reply_due_on_time,
     residency_window,
 )
-from superinfer_jax.rotasched.registry import make_scheduler, register_policy
-from superinfer_jax.scheduler import Ranking
-from superinfer_jax.step_plan import StepBudget
+from superinfer_jax.sched.rotasched.registry import make_scheduler, register_policy
+from superinfer_jax.sched.scheduler import Ranking
+from superinfer_jax.sched.step_plan import StepBudget
 
 if TYPE_CHECKING:
-    from superinfer_jax.scheduler import Scheduler
+    from superinfer_jax.sched.scheduler import Scheduler
 
 __all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy", "make_scheduler"]
 
 
 # Registered at the end of the module, not by a class decorator: compiled with mypyc
-# (``superinfer_jax.compiled``), a decorated class is a plain Python class, and native
+# (``superinfer_jax.mypyc_build``), a decorated class is a plain Python class, and native
 # classes cannot extend one.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FCFSPolicy(Policy):

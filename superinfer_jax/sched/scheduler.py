@@ -48,9 +48,9 @@ from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import extend_block_hashes
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.latency import LatencyModel
 from superinfer_jax.request import ROTARY, ROTATING_IN, ROTATING_OUT, RUNNING, WAITING, Request
-from superinfer_jax.step_plan import (
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.step_plan import (
     HOST,
     NO_HIT,
     RECOMPUTE,
@@ -59,10 +59,10 @@ from superinfer_jax.step_plan import (
     StepPlan,
     next_chunk,
 )
-from superinfer_jax.waiting_queue import WaitingQueue
+from superinfer_jax.sched.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
-    from superinfer_jax.rotasched.policy import Policy
+    from superinfer_jax.sched.rotasched.policy import Policy
 
 __all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Ranking", "Scheduler", "Selection",
            "StepBudget", "StepPlan", "next_chunk"]

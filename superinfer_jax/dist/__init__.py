@@ -1,0 +1,1 @@
+"""Multi-device and multi-host: meshes and sharding, process groups, lockstep dispatch."""

@@ -1,0 +1,1 @@
+"""Device execution: the model runner, its step programs and their cache, sampling."""

@@ -1,0 +1,1 @@
+"""Scheduling: the scheduler, step plan, waiting queue, latency model, RotaSched."""
