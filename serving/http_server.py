@@ -168,7 +168,7 @@ class OpenAIFront:
                     if echo:
                         prompt_text = text if text is not None else self._decode(token_ids)
                     choices.append(Choice(index, stream, token_ids, prompt_text,
-                                           sampling.logprobs, score_only, j == 0))
+                                          sampling.logprobs, score_only, j == 0))
             for choice in choices:
                 await choice.stream.wait_admitted_async()
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
@@ -194,6 +194,7 @@ class OpenAIFront:
             return str(tok.decode(token_ids))
 
     async def generate(self, request: Request, cls: type) -> Response:
+        """A completions (``cls``: its body model) or chat response, JSON or SSE."""
         body = await self.reader.generation_body(request, cls)
         try:
             header_slo = slo_from_headers(request.headers.get)
@@ -226,6 +227,7 @@ class OpenAIFront:
                                  usage(choices, [r.summary for r in results])))
 
     def texts(self) -> TokenTexts:
+        """Token texts of the served tokenizer (rebuilt when the tokenizer changes)."""
         tok = self.runtime.tokenizer
         if self._token_texts is None or self._token_texts_of is not tok:
             self._token_texts, self._token_texts_of = TokenTexts(tok), tok
