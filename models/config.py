@@ -156,8 +156,7 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(2,),
     ),
     "llama-3-8b": _LLAMA_3_8B,
-    # Same tokenizer, RoPE, KV heads and head dim as the 8B: only the sizes differ, so it is
-    # derived from it and the two cannot drift apart.
+    # The 8B's tokenizer, RoPE, KV heads and head dim: derived, so the two cannot drift.
     "llama-3-70b": _LLAMA_3_8B.replace(
         name="llama-3-70b",
         hidden_size=8192,

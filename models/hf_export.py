@@ -1,8 +1,7 @@
 """Our parameters as a transformers model: the independent reference for numerics and speed.
 
-Used by the numerics tests (transformers on torch CPU is the oracle) and by the offline
-throughput benchmark (transformers' ``generate`` on the very same weights and dtype).
-Needs the ``dev`` extra (torch, transformers).
+The numerics tests' oracle and the offline throughput benchmark's baseline (the very
+same weights and dtype). Needs the ``dev`` extra (torch, transformers).
 """
 
 from __future__ import annotations

@@ -5,18 +5,14 @@ output projection is kept as its own ``[hidden, vocab]`` matrix even when tied, 
 XLA's CPU backend otherwise transposes the (large) embedding on every step. The KV pool is
 passed in and returned, never held as module state.
 
-How the forward computes from its weights is the caller's choice (``acc32``), not the
-module's: ``models.servable`` picks it per platform. With ``acc32`` every matmul takes its
-operands in the weights' dtype and accumulates and returns float32
-(``preferred_element_type``), and everything between the matmuls (residual stream,
-norms, RoPE, SiLU, K/V) stays float32. That is the bfloat16 path for XLA:CPU, which has
-no bfloat16 arithmetic of its own: a bfloat16 x bfloat16 -> bfloat16 dot there becomes
-"convert both operands to float32, float32 dot", i.e. the whole weight matrix converted
-on every step, which is why plain bfloat16 ran several times slower than float32 on CPU.
-Without it (GPU bfloat16, and float32 everywhere) the step is ``x @ W`` in the weights'
-dtype, exactly as before. ``acc32 = NATIVE`` (what ``models.servable`` picks on one CPU
-device with AVX512-BF16) runs the same matmuls through the native kernel
-(``superinfer_jax.ops.native.bf16_matmuls``), which streams the weights about 1.5x
+How the forward computes from its weights is the caller's choice (``acc32``;
+``models.servable`` picks it per platform). With ``acc32`` every matmul takes operands in
+the weights' dtype and accumulates and returns float32, and everything between the
+matmuls (residual stream, norms, RoPE, SiLU, K/V) stays float32: the bfloat16 path for
+XLA:CPU, which has no bfloat16 arithmetic and would otherwise convert the whole weight
+matrix to float32 on every step. Without it the step is ``x @ W`` in the weights' dtype.
+``acc32 = NATIVE`` (one CPU device with AVX512-BF16) runs the same matmuls through the
+native kernel (``superinfer_jax.ops.native.bf16_matmuls``), which streams the weights
 faster than XLA's bfloat16 dot and keeps each row's bits whatever the batch.
 """
 
@@ -65,11 +61,9 @@ def matmuls(x: jax.Array, ws: list[jax.Array], acc32: Acc32) -> list[jax.Array]:
     """``[x @ w for w in ws]`` for x [..., in], each w [in, out_i]: the weights that read
     the same activations (q, k and v; gate and up), in one native call under ``NATIVE``.
 
-    ``acc32`` (``Acc32``): truthy for operands in the weights' dtype with float32
-    accumulation and result. ``NATIVE`` sends every shape to the native kernel on CPU,
-    never only some: its sums run in one fixed order per output, so a row's bits do not
-    depend on how many rows share the step, and mixing it with XLA's dot by shape would
-    lose that."""
+    ``acc32``: truthy for float32 accumulation and result. ``NATIVE`` sends every shape to
+    the native kernel on CPU, never only some: its sums run in one fixed order per output,
+    so a row's bits do not depend on how many rows share the step."""
     if not acc32:
         return [x @ w for w in ws]
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])

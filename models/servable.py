@@ -47,12 +47,9 @@ def resolve_compute(dtype: str, compute: str = "auto", platform: str | None = No
     means bfloat16 matmul operands with float32 accumulation and float32 in between
     (``models.llama``), and "float32" means the weights upcast once at load, so every step
     streams twice the bytes through float32 matmuls. "auto" picks bfloat16 on CPU too:
-    measured on a 2-core AVX512-BF16 CPU (Zen 4; SmolLM2-135M, 128-token prompts, the two
-    engines alternated in one process, median decode step), bfloat16 through the native
-    kernel (``superinfer_jax.ops.native.bf16_matmul``) took 19.2 / 37.9 / 131.5 ms at
-    batch 1 / 8 / 32 against float32's 28.7 / 56.4 / 159.6 ms, and prefilled 1.4-1.6x
-    faster. (With XLA's own bfloat16 dot, before that kernel, float32 won at batch 1.) On
-    a CPU without AVX512-BF16 the matmuls fall back to XLA's bfloat16 dot.
+    through the native kernel (``superinfer_jax.ops.native.bf16_matmul``) it decodes and
+    prefills faster than float32 at every batch size measured (``docs/results/serving.md``).
+    On a CPU without AVX512-BF16 the matmuls fall back to XLA's bfloat16 dot.
     """
     check_dtype(dtype)
     if compute not in COMPUTE_DTYPES:
@@ -198,10 +195,8 @@ class LlamaServable:
 
 def random_servable(config: ModelConfig, dtype: str = "float32", seed: int = 0,
                     tokenizer: Any = None, mesh: Mesh | None = None) -> LlamaServable:
-    """A randomly initialised model, for tests and benchmarks that need no weights.
-
-    The same seed gives the same weights with or without a ``mesh`` (they are drawn for
-    the original layout, then sharded)."""
+    """A randomly initialised model, for tests and benchmarks that need no weights; the
+    same seed gives the same weights with or without a ``mesh``."""
     module = LlamaModel(config, dtype=jnp.dtype(check_dtype(dtype)), rngs=nnx.Rngs(seed))
     servable = LlamaServable(config, module, tokenizer, dtype)
     return servable if mesh is None else servable.shard(mesh)

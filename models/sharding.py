@@ -14,25 +14,22 @@ and one after the MLP, and nothing else:
                                               once so sampling sees the whole vocabulary
     norms                                     replicated
 
-Heads that do not divide the mesh. The KV pool is split over KV heads, so every shard
-needs whole KV heads, and a KV head's query group must sit on the same shard. With ``K``
-KV heads, ``G`` query heads per KV head and ``T`` shards, the layout chooses ``r``
-(replicas of each KV head) and ``pad`` (all-zero KV heads) with ``K' = K * r + pad`` a
-multiple of ``T``, splitting each group into ``r`` parts of ``G' = ceil(G / r)`` query
-heads (zero heads fill a short part). It takes the smallest ``K'`` (KV memory is the
-scarce resource here), then the fewest query heads:
+Heads that do not divide the mesh. Every shard needs whole KV heads (the pool is split
+over them) with their query groups. With ``K`` KV heads, ``G`` query heads per KV head
+and ``T`` shards, the layout chooses ``r`` replicas of each KV head and ``pad`` zero KV
+heads with ``K' = K * r + pad`` a multiple of ``T``, each group split into ``r`` parts of
+``G' = ceil(G / r)`` query heads (zero heads fill a short part); the smallest ``K'``
+(KV memory is the scarce resource), then the fewest query heads:
 
     SmolLM2   K=3, G=3, T=2 or 4:  r=1, pad=1  -> K'=4, 12 query heads (3 of them zero)
     Llama-3   K=8, G=4, T<=8:      unchanged
     Llama-3   K=8, G=4, T=16:      r=2        -> K'=16, G'=2 (each KV head on 2 shards)
     tiny      K=2, G=3, T=4:       r=2        -> K'=4, G'=2 (one zero query head per KV head)
 
-A zero query head has zero ``wq`` columns and zero ``wo`` rows: whatever it attends to is
-multiplied by zero on the way out, so the model's output is unchanged. A zero KV head
-has zero ``wk``/``wv`` columns; only zero query heads read it. A replicated KV head gets
-copies of the original columns, so each copy caches the same K/V on its own shard (the
-price: ``K' / K`` times the KV memory, spread over ``T`` devices). The MLP's hidden size is
-padded with zero columns/rows the same way when ``T`` does not divide it.
+A zero query head has zero ``wq`` columns and ``wo`` rows, so the output is unchanged; a
+zero KV head has zero ``wk``/``wv`` columns and only zero query heads read it. A
+replicated KV head caches the same K/V on each of its shards (``K' / K`` times the KV
+memory, over ``T`` devices). The MLP's hidden size is zero-padded the same way.
 
 Everything here is host-side and per tensor, so loaders transform and place each tensor
 as it is read and the full model never sits on one device.

@@ -39,12 +39,9 @@ _QWEN2_PATTERN = (
 
 
 def _gguf_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
-    """The pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` and ``ignore_merges``.
-
-    The pre-tokenizer decides where words split before BPE runs, so a wrong one changes
-    token ids silently; unknown names fall back to GPT-2 splitting with a warning, which
-    is what llama.cpp itself does.
-    """
+    """The pre-tokenizer matching llama.cpp's ``tokenizer.ggml.pre`` and ``ignore_merges``
+    (a wrong one changes token ids silently); an unknown name falls back to GPT-2
+    splitting with a warning, as llama.cpp does."""
     byte_level_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     byte_level_plain = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre == "smollm":
@@ -120,7 +117,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = bool(add_bos and bos_token_id is not None)
 
-    # ----------------------------------------------------------------- construction
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
         """Rebuild a byte-level BPE tokenizer from GGUF ``tokenizer.*`` metadata values."""
@@ -232,7 +228,6 @@ class Tokenizer:
             "add_bos": self.add_bos,
         }
 
-    # ----------------------------------------------------------------- properties
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
@@ -251,7 +246,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    # ----------------------------------------------------------------- encode / decode
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
@@ -263,7 +257,6 @@ class Tokenizer:
         return self.backend.decode([int(t) for t in token_ids],
                                    skip_special_tokens=skip_special_tokens)
 
-    # ----------------------------------------------------------------- chat
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:

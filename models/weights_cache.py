@@ -1,23 +1,18 @@
 """Converted-weights cache: a GGUF's dequantised model kept on disk, so a restart reads
 it instead of converting again.
 
-Loading a GGUF costs seconds before the first tensor is used: gguf-py reads the metadata
-(the 49k-token vocabulary of SmolLM2 entry by entry), dequantises every tensor and
-un-permutes Q and K. The result is the same for the same file, so the first load writes
-it (``params.safetensors``, in model layout and the requested dtype), the tokenizer as a
-``tokenizer.json`` and the model config, into one entry per (GGUF path, dtype) under the
-cache directory (the server passes its compilation cache directory: one place to wipe).
+Loading a GGUF reads its metadata entry by entry, dequantises every tensor and
+un-permutes Q and K; the result is the same for the same file. The first load writes it
+(``params.safetensors`` in model layout and the requested dtype, ``tokenizer.json``, the
+config) as one entry per (GGUF path, dtype) under the cache directory (the server passes
+its compilation cache directory: one place to wipe).
 
-An entry is used only while it is valid: its ``meta.json`` (written last, by rename, so a
-half-written entry never looks complete) records the source's resolved path, size and
-modification time, the dtype and the format version; any difference, or a file that
-fails to read, means the source is loaded instead (with a warning when the entry was
-damaged) and the entry rewritten. Writing is best effort: a cache that cannot be written
-(read-only, full disk) costs a warning, never the load.
-
-Tensor-parallel loads read an entry (each tensor placed as the GGUF loader places it)
-but do not write one: their loaded weights are in the padded sharded layout, not the
-model's own.
+An entry is used only while its ``meta.json`` (written last, by rename) matches the
+source's resolved path, size, modification time, the dtype and the format version; else,
+or when it fails to read (a warning), the source is loaded and the entry rewritten.
+Writing is best effort: an unwritable cache costs a warning, never the load.
+Tensor-parallel loads read an entry but do not write one: their weights are in the
+padded sharded layout, not the model's own.
 """
 
 from __future__ import annotations
@@ -35,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from models.config import PRESETS, ModelConfig
+from models.loaders.sink import ParamSink
+from models.loaders.sources import EMBEDDED_PRESETS, ORBAX_MARKER, embedded_gguf_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 
@@ -52,8 +49,6 @@ Loader = Callable[..., LlamaServable]  # load_model's signature, called without 
 def gguf_source(name_or_path: str | Path) -> Path | None:
     """The GGUF file ``load_model(name_or_path)`` converts, or None (another format: an
     Orbax or Hugging Face directory is read as is)."""
-    from models.loaders import EMBEDDED_PRESETS, embedded_gguf_path
-
     key = str(name_or_path)
     if key in PRESETS:
         return embedded_gguf_path(key) if key in EMBEDDED_PRESETS else None
@@ -61,7 +56,7 @@ def gguf_source(name_or_path: str | Path) -> Path | None:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1 or (path / "config.json").is_file() \
-                or (path / "superinfer_model.json").is_file():
+                or (path / ORBAX_MARKER).is_file():
             return None
         path = ggufs[0]
     if not path.is_file():
@@ -146,7 +141,6 @@ def read_entry(entry: Path, dtype: str, tensor_parallel_size: int = 1) -> LlamaS
     """The servable an entry holds; raises on anything missing or malformed."""
     from safetensors import safe_open
 
-    from models.loaders import ParamSink
     from superinfer_jax.dist.parallel import make_mesh
 
     meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.loaders import ParamPath, ParamSink, layer_path
+from models.loaders.sink import ParamPath, ParamSink, layer_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 

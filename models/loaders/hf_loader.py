@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from models.config import ModelConfig, RopeScaling
-from models.loaders import ParamPath, ParamSink, layer_path
+from models.loaders.sink import ParamPath, ParamSink, layer_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 

@@ -1,8 +1,7 @@
 """Our own checkpoint format: Orbax params + JSON config + tokenizer, beside each other.
 
-Converting GGUF or safetensors costs a dequantize/transpose pass over every tensor;
-an Orbax checkpoint already holds the parameters in model layout, so restoring is a
-straight read into the abstract state (cast to the requested dtype by Orbax itself).
+An Orbax checkpoint holds the parameters in model layout, so restoring is a straight
+read into the abstract state (cast by Orbax), with no dequantize/transpose pass.
 
 Layout of a saved directory::
 
@@ -24,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
-from models.loaders import ORBAX_MARKER, abstract_model
+from models.loaders.sink import abstract_model
+from models.loaders.sources import ORBAX_MARKER
 from models.servable import LlamaServable, check_dtype
 from models.sharding import ShardPlan, fill_state, flat_state
 from models.tokenizer import Tokenizer
