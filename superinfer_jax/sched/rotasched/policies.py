@@ -39,19 +39,17 @@ from superinfer_jax.sched.rotasched.ranking import (
     reply_due_on_time,
     residency_window,
 )
-from superinfer_jax.sched.rotasched.registry import make_scheduler, register_policy
-from superinfer_jax.sched.scheduler import Ranking
+from superinfer_jax.sched.selection import Ranking
 from superinfer_jax.sched.step_plan import StepBudget
 
 if TYPE_CHECKING:
     from superinfer_jax.sched.scheduler import Scheduler
 
-__all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy", "make_scheduler"]
+__all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy"]
 
 
-# Registered at the end of the module, not by a class decorator: compiled with mypyc
-# (``superinfer_jax.mypyc_build``), a decorated class is a plain Python class, and native
-# classes cannot extend one.
+# Named in ``registry``'s table, not by a class decorator: compiled with mypyc, a decorated
+# class is a plain Python class, and native classes cannot extend one.
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FCFSPolicy(Policy):
     """vLLM V1: never contended; a victim is recomputed."""
@@ -300,8 +298,3 @@ def _late_first_token(r: Request, now: float, beta: float) -> bool:
     # ``beta * ttft_ms / 1000``, not ``beta * ttft_s``: the same float as always
     return (not r.token_times and now - r.arrival_time > beta * r.slo.ttft_ms / 1000
             and not missed_ttft(r, now))
-
-
-register_policy("fcfs")(FCFSPolicy)
-register_policy("swap")(SwapPolicy)
-register_policy("rotasched")(RotaSchedPolicy)

@@ -65,13 +65,17 @@ same, one missed gap a swap (``RotaSchedConfig.parked_replies``).
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.sched.rotasched.lag import virtual_lag
-from superinfer_jax.sched.scheduler import Ranking, Scheduler
+from superinfer_jax.sched.selection import Ranking
 from superinfer_jax.sched.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from superinfer_jax.sched.scheduler import Scheduler
 
 __all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
            "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
 from superinfer_jax.sched.rotasched.policy import POLICY_METHODS
 from superinfer_jax.sched.scheduler import Scheduler
 
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["make_policy", "make_scheduler", "policy_problem", "register_policy",
            "registered_policies", "resolve_policy"]
 
-_REGISTRY: dict[str, type] = {}
+# the built-ins; ``register_policy`` adds plug-ins
+_REGISTRY: dict[str, type] = {"fcfs": FCFSPolicy, "swap": SwapPolicy,
+                              "rotasched": RotaSchedPolicy}
 P = TypeVar("P", bound=type)
 
 
@@ -48,7 +51,6 @@ def register_policy(name: str) -> Callable[[P], P]:
 
 
 def registered_policies() -> tuple[str, ...]:
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
@@ -79,7 +81,6 @@ def make_scheduler(config: EngineConfig, kv: KVCacheManager,
 
 
 def _resolve(spec: Any) -> tuple[type | None, str | None]:
-    _load_builtins()
     if isinstance(spec, str) and spec in _REGISTRY:
         return _REGISTRY[spec], None
     names = list(_REGISTRY)
@@ -119,8 +120,3 @@ def _import(module_name: str) -> Any:
             raise
         sys.path.append(here)
         return importlib.import_module(module_name)
-
-
-def _load_builtins() -> None:
-    if "rotasched" not in _REGISTRY:
-        import superinfer_jax.sched.rotasched.policies  # noqa: F401 - registers the built-ins
