@@ -69,10 +69,8 @@ __all__ = ["HOST", "RECOMPUTE", "PrefixHit", "Ranking", "Scheduler", "StepBudget
 
 class Scheduler:
     """The stages over the request queues: ``policy`` decides, this class executes.
-    ``page_bytes``: one KV page (the policies' transfer-time predictions). ``latency``: the
-    latency model, None until known (the engine profiles it after warm-up and calls
-    ``set_latency_model``). ``shadowing``: the caller issues eager shadow copies, so plan
-    them (with ``config.eager_shadowing`` and a host tier)."""
+    ``page_bytes``: one KV page, for transfer-time predictions. ``latency``: the latency
+    model, None until known. ``shadowing``: the caller issues eager shadow copies."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: Policy, *,
                  page_bytes: int = 0, latency: LatencyModel | None = None,
@@ -81,10 +79,9 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.page_bytes = page_bytes
-        self.latency = latency  # None until known (``set_latency_model``)
+        self.latency = latency
         self.shadowing = (shadowing and config.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
-        # FIFO, and by arrival for the lag ranking and the selection of a Ranking's tail
         self.waiting = WaitingQueue(need=self._first_chunk_pages)
         self.running: list[Request] = []  # admission order: the tail is preempted first
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
@@ -119,8 +116,7 @@ class Scheduler:
         self.kv.free(req.req_id)
 
     def candidates(self) -> list[Request]:
-        """Every request that could run this step: waiting, parked, running (in that
-        order; a stable sort keeps it among equals)."""
+        """Every request that could run this step: waiting, parked, running, in that order."""
         parked = [r for r in self.rotary if r.status == ROTARY]
         return list(self.waiting) + parked + list(self.running)
 
@@ -147,13 +143,13 @@ class Scheduler:
         kv = self.kv
         if self.shadowing and budget.limits.copies and isinstance(kv, TwoTierKVManager) \
                 and kv.host_cache is not None:
-            kv.spill_budget = self.config.transfer_budget_pages  # reclaimed cached pages
-            # go to the host tier this step (``_plan_shadows`` issues the copies)
+            # reclaimed cached pages go to the host tier (``_plan_shadows`` copies them)
+            kv.spill_budget = self.config.transfer_budget_pages
         self._rotate_forced(plan, now)
         sel = None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
             sel = self._select(self.policy.rank(self, now), budget)
-            self._evict_unselected(sel, plan, budget, now)
+            sel.evict_unselected(plan, budget, now)
             budget = self.policy.token_budget(self, budget, now, sel.keep)
         plan.budget = budget.copy()
         self._run_rows(plan, budget, now, contended=sel is not None)
@@ -179,46 +175,13 @@ class Scheduler:
             self._rotate_out(req, plan, now)
         self.force_rotate_out.clear()  # requests not running now are not rotated
 
-    def _evict_unselected(self, sel: StepSelection, plan: StepPlan, budget: StepBudget,
-                          now: float) -> None:
-        """Runners outside the selection leave, from the tail of the ranking. A runner
-        that has produced tokens stays while the parked replies' pages would pass the
-        policy's ``parked_page_limit`` (one parked reply is always allowed)."""
-        kv = self.kv
-        assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
-        limit = self.policy.parked_page_limit(self)
-        parked = 0
-        if limit is not None:
-            for r in self.rotary:
-                if r.token_times:
-                    parked += len(kv.host_table(r.req_id) or kv.page_table(r.req_id))
-        for req in reversed(sel.dropped):  # ``sel.runners`` outside ``sel.keep``
-            if req.status != RUNNING:
-                continue
-            pages = len(kv.page_table(req.req_id)) if limit is not None and req.token_times \
-                else 0
-            if pages and parked and limit is not None and parked + pages > limit:
-                continue
-            cost = kv.rotation_cost_out(req.req_id)
-            if cost > budget.pages_out:
-                continue
-            budget.pages_out -= cost
-            self._evict(req, plan, now)
-            if req.status == ROTATING_OUT:  # parked (not recomputed: no host room)
-                parked += pages
-
     def _run_rows(self, plan: StepPlan, budget: StepBudget, now: float,
                   contended: bool) -> None:
-        """Rows for the running requests, in admission order; when contended decode rows
-        go first, then prefill chunks (under a TBT-sized budget a prefill early in the
-        list must not crowd out a decoder behind it), then runners whose token in flight
-        ends them. Evictions for pages take the last of that order.
-
-        A structured-output request whose token is in flight runs with its sampling
-        deferred (its mask depends on that token, which only the host's matcher can
-        follow): the step computes its logits, a small second call samples it once the
-        token has landed (``ModelRunner.resample``). At most ``config.deferred_rows`` such
-        rows a step; the others sit the step out."""
+        """Rows for the runners in admission order; contended, decode rows first (a TBT-sized
+        budget must not go to a prefill ahead of a decoder), then prefill chunks, then
+        runners that their token in flight ends. Evictions for pages take the last row.
+        A structured-output runner whose token is in flight has its sampling deferred
+        (``ModelRunner.resample``), at most ``deferred_rows`` a step."""
         if contended:
             decoding: list[Request] = []
             prefilling: list[Request] = []
@@ -236,9 +199,8 @@ class Scheduler:
             rows = self.running
         i = 0
         deferrable = budget.limits.deferred_rows
-        # a decode row whose last page has room needs no page: most rows of most steps,
-        # so they skip ``_reserve`` (``_next_chunk`` is 1 while decode rows remain)
-        # (``plan.decode`` is read each time: a preemption rebinds it)
+        # a decode row whose last page has room skips ``_reserve`` (most rows); a
+        # preemption rebinds ``plan.decode``, so it is read each time
         tables, page_size, max_decode = self.kv.page_tables, self.kv.page_size, \
             budget.limits.decode_rows
         while i < len(rows) and budget.tokens > 0:
@@ -270,8 +232,7 @@ class Scheduler:
     def _rotate_in(self, sel: StepSelection | None, plan: StepPlan, budget: StepBudget,
                    now: float) -> bool:
         """Bring parked requests back within the seats and the inbound transfer budget.
-        Returns whether admissions may follow: contended, always; uncontended, only when
-        nobody is left parked or on the way out (the parked ones are older, go first)."""
+        Whether admissions may follow: uncontended, only once nobody is parked."""
         if sel is None:
             for req in [r for r in self.rotary if r.status == ROTARY]:
                 kv = self.kv
@@ -307,8 +268,7 @@ class Scheduler:
                 if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
                     break  # the head waits for memory; nobody overtakes it
             return
-        # ``kept_other``: a kept runner that is waiting now was preempted this step, so
-        # the loop would pass it by (``plan.preempted``)
+        # a kept runner that is waiting now was preempted this step (``plan.preempted``)
         for req in sel.kept_other:
             if req.status != WAITING or budget.tokens <= 0:
                 continue
@@ -317,19 +277,16 @@ class Scheduler:
             self._admit_one(req, plan, budget, now)
 
     def _plan_shadows(self, plan: StepPlan) -> None:
-        """Host copies of the runners' full, unshadowed pages, within what the plan's
-        rotate-outs and spills left of the outbound transfer budget: DuplexKV issues them
-        as given. First the spills: cached device pages without a host copy that this
-        step's allocations reclaimed, so that they stay findable in the host tier (their
-        copies read the pool before the step that reuses the pages writes it)."""
+        """Host copies of the runners' full, unshadowed pages within what the rotations
+        left of the outbound transfer budget; first the spills (cached pages this step's
+        allocations reclaimed, copied before the step reuses them)."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)
-        spills = kv.take_spills()  # evicted cached pages, copied before their reuse
+        spills = kv.take_spills()
         kv.spill_budget = 0
         moving = sum(len(m) for m in plan.moves_out) + (len(spills) if spills else 0)
         room = max(0, self.config.transfer_budget_pages - moving)
-        # only the runners with a full page past their shadowed ones (a few a step: a
-        # decoder fills a page every ``page_size`` tokens), not a dict of every runner
+        # only the runners with a full page past their shadowed ones (a few a step)
         page_size = kv.page_size
         computed = {r.req_id: r.num_computed_tokens for r in self.running
                     if r.num_computed_tokens // page_size > kv.num_shadowed_pages(r.req_id)}
@@ -345,20 +302,17 @@ class Scheduler:
         return next_chunk(pending, min(self._prefill_chunk_cap(plan, budget), budget.tokens))
 
     def _first_chunk_pages(self, req: Request) -> int:
-        """``_pages_to_run`` of a waiting request that has not run, as known when it
-        arrives: without prefix caching it does not change while the request waits; with
-        it, a hit may lower it, so 1 (the least any waiting request needs)."""
+        """Pages a new request's first chunk needs, as known on arrival (with prefix
+        caching a hit may lower it: 1, the least any waiting request needs)."""
         if self.kv.prefix_cache is not None:
             return 1
         chunk = next_chunk(req.num_pending_tokens, self.config.max_prefill_chunk)
         return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
 
     def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
-        """Longest chunk one more prefill row may take this step (0: no more rows). The
-        call is padded to ``[row bucket, column bucket]``, and a padded slot costs what a
-        real token does, so the padded shape must fit the step's prefill slots: two rows
-        of 200 tokens pad to 4x256 and ran 3.5x longer than one row of 256 (744 vs 211 ms
-        on the CPU policy sweep), a stall for every decoder in the step."""
+        """Longest chunk one more prefill row may take this step (0: no more rows). A padded
+        slot costs what a real token does, so the padded ``[row bucket, column bucket]``
+        shape must fit the step's prefill slots."""
         cfg = self.config
         rows = len(plan.prefill) + 1
         if rows > min(cfg.max_prefill_rows, budget.limits.prefill_rows):
@@ -456,10 +410,8 @@ class Scheduler:
 
     def _admit_one(self, req: Request, plan: StepPlan, budget: StepBudget,
                    now: float) -> bool:
-        """Admit waiting ``req`` if rows and pages allow: with its first chunk, or, when
-        its prefix continues in the host cache, with those pages rotated in (within the
-        step's inbound transfer budget; the rest is prefilled once they landed). Returns
-        whether it was admitted."""
+        """Admit waiting ``req`` if rows and pages allow, with its first chunk or, by a
+        host-tier hit, with those pages rotated in; whether it was admitted."""
         if req.num_inflight_tokens:
             return False  # evicted while its last token was in flight: recompute once it lands
         prefixes = self.prefixes
@@ -498,10 +450,8 @@ class Scheduler:
 
     def _admit_from_host(self, req: Request, device: tuple[int, ...], host: tuple[int, ...],
                          plan: StepPlan, budget: StepBudget, now: float) -> bool:
-        """Admit ``req`` by a host-tier hit: it takes the device pages of its prefix and
-        rotates the host pages in (ROTATING_IN, a seat held); once they land it runs
-        like a request whose prefix was found on the device. Its first chunk's pages are
-        reserved now, with the hit's, so that it can run as soon as they land."""
+        """Admit ``req`` by a host-tier hit: device pages taken, host pages rotated in (a
+        seat held), and its first chunk's pages reserved, to run once they land."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)
         hit_tokens = (len(device) + len(host)) * kv.page_size

@@ -14,8 +14,9 @@ from heapq import merge
 from itertools import chain
 from typing import TYPE_CHECKING
 
-from superinfer_jax.request import ROTARY, RUNNING, WAITING, Request, RequestStatus
-from superinfer_jax.sched.step_plan import StepBudget, next_chunk
+from superinfer_jax.kv.two_tier import TwoTierKVManager
+from superinfer_jax.request import ROTARY, ROTATING_OUT, RUNNING, WAITING, Request, RequestStatus
+from superinfer_jax.sched.step_plan import StepBudget, StepPlan, next_chunk
 
 if TYPE_CHECKING:
     from superinfer_jax.sched.scheduler import Scheduler
@@ -214,6 +215,33 @@ class StepSelection:
             if self.used >= self.capacity and not runners_left and stop_when_full:
                 break
         return self
+
+    def evict_unselected(self, plan: StepPlan, budget: StepBudget, now: float) -> None:
+        """Stage 4: runners outside the selection leave, from the tail of the ranking; a
+        runner with tokens stays while parking it would pass ``parked_page_limit``."""
+        s = self.s
+        kv = s.kv
+        assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
+        limit = s.policy.parked_page_limit(s)
+        parked = 0
+        if limit is not None:
+            for r in s.rotary:
+                if r.token_times:
+                    parked += len(kv.host_table(r.req_id) or kv.page_table(r.req_id))
+        for req in reversed(self.dropped):
+            if req.status != RUNNING:
+                continue
+            pages = len(kv.page_table(req.req_id)) if limit is not None and req.token_times \
+                else 0
+            if pages and parked and limit is not None and parked + pages > limit:
+                continue
+            cost = kv.rotation_cost_out(req.req_id)
+            if cost > budget.pages_out:
+                continue
+            budget.pages_out -= cost
+            s._evict(req, plan, now)
+            if req.status == ROTATING_OUT:  # parked (not recomputed: no host room)
+                parked += pages
 
     def _price(self, req: Request, status: RequestStatus
                ) -> tuple[int, int, tuple[int, ...] | list[int]]:
