@@ -1,9 +1,6 @@
-"""Prefix-cache planning for the scheduler: which cached pages a waiting request may take.
-
-A waiting request's hit is looked up once per step for the ranking and the selection
-(``hit``) and again at admission (``lookup``), since evictions earlier in the step may
-have reclaimed pages. Pages that a runner is still prefilling make a request wait for
-them (``PrefixHit.arriving``): prefill once, then share.
+"""Prefix-cache planning: which cached pages a waiting request may take. A hit is looked
+up once per step for the ranking and the selection (``hit``) and again at admission
+(``lookup``); a request waits for pages a runner still prefills (prefill once, share).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ class PrefixPlanner:
         self.hits: dict[str, PrefixHit] = {}  # looked up by this step's ranking and selection
         # hashes of prompt pages the runners prefill this step, built at the first look-up
         self._computing: dict[bytes, None] | None = None
-        # req_id -> (host tokens, counted as the request's cached tokens): a failed copy
-        # takes them back
+        # req_id -> (host tokens, counted as cached tokens); a failed copy takes them back
         self.host_hits_in_flight: dict[str, tuple[int, bool]] = {}
         self.wants: dict[str, list[bytes]] = {}  # req_id -> hashes ``PrefixCache.want``ed
 
@@ -43,8 +39,7 @@ class PrefixPlanner:
             self.register_full_pages()
 
     def want(self, req: Request) -> None:
-        """Ask the prefix cache to keep the cached pages a new request will look up: it is
-        known demand (``PrefixCache.want``)."""
+        """Ask the prefix cache to keep the pages a new request will look up (known demand)."""
         cache = self.kv.prefix_cache
         if cache is None or req.cache_key is None or req.num_computed_tokens \
                 or not self.config.prefix_cache_keep_queued:
@@ -64,9 +59,8 @@ class PrefixPlanner:
             self.kv.prefix_cache.unwant(hashes)
 
     def register_full_pages(self) -> None:
-        """The runners' pages that filled since the last step become findable by hash (the
-        device runs steps in order, so a later step reading them sees the KV). Without
-        ``prefix_cache_generated`` only pages wholly in the prompt are registered."""
+        """The runners' pages that filled since the last step become findable by hash (steps
+        run in order); without ``prefix_cache_generated``, only prompt pages."""
         kv, page_size = self.kv, self.kv.page_size
         generated = self.config.prefix_cache_generated
         for req in self.running:
@@ -118,8 +112,7 @@ class PrefixPlanner:
         return NO_HIT
 
     def _computing_hashes(self) -> dict[bytes, None]:
-        """Hashes of the prompt pages the runners are prefilling (allocated, KV not computed
-        yet). A runner that leaves is not in the next step's map, so nobody waits long."""
+        """Hashes of the prompt pages the runners are prefilling (KV not computed yet)."""
         computing = self._computing
         if computing is None:
             computing = self._computing = {}
@@ -149,8 +142,7 @@ class PrefixPlanner:
         return parent.num_computed_tokens < full
 
     def count_hit(self, req: Request, device_tokens: int, hit_tokens: int) -> None:
-        """vLLM's prefix-cache counters (device tier; the host tier counts its own) and the
-        request's cached tokens, at its first admission."""
+        """vLLM's device-tier prefix-cache counters, and the request's cached tokens."""
         cache = self.kv.prefix_cache
         if cache is None or req.cache_key is None:
             return

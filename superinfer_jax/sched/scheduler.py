@@ -132,7 +132,6 @@ class Scheduler:
         usable = self.kv.allocator.num_usable
         return usable - self.kv.num_free_pages, usable
 
-    # -- the stages -------------------------------------------------------------------
 
     def schedule(self, now: float | None = None,
                  limits: BucketLimits | None = None) -> StepPlan:
@@ -160,8 +159,7 @@ class Scheduler:
         return plan
 
     def prefix_hit(self, req: Request) -> PrefixHit:
-        """The longest cached prefix of waiting ``req`` (no pages yet): shared device pages,
-        then cache-only host pages; looked up once per step (``PrefixPlanner.hit``)."""
+        """The longest cached prefix of waiting ``req``, once per step (``PrefixPlanner``)."""
         return self.prefixes.hit(req)
 
     def _select(self, ranked: Iterable[Request], budget: StepBudget) -> StepSelection:
@@ -177,11 +175,9 @@ class Scheduler:
 
     def _run_rows(self, plan: StepPlan, budget: StepBudget, now: float,
                   contended: bool) -> None:
-        """Rows for the runners in admission order; contended, decode rows first (a TBT-sized
-        budget must not go to a prefill ahead of a decoder), then prefill chunks, then
-        runners that their token in flight ends. Evictions for pages take the last row.
-        A structured-output runner whose token is in flight has its sampling deferred
-        (``ModelRunner.resample``), at most ``deferred_rows`` a step."""
+        """Rows for the runners in admission order (contended: decode rows first, then
+        prefill chunks, then ending runners); evictions for pages take the last row. At
+        most ``deferred_rows`` grammar rows with a token in flight (``ModelRunner.resample``)."""
         if contended:
             decoding: list[Request] = []
             prefilling: list[Request] = []
@@ -277,9 +273,8 @@ class Scheduler:
             self._admit_one(req, plan, budget, now)
 
     def _plan_shadows(self, plan: StepPlan) -> None:
-        """Host copies of the runners' full, unshadowed pages within what the rotations
-        left of the outbound transfer budget; first the spills (cached pages this step's
-        allocations reclaimed, copied before the step reuses them)."""
+        """Host copies of the runners' full, unshadowed pages within the outbound transfer
+        budget left; first the spills (reclaimed cached pages, copied before their reuse)."""
         kv = self.kv
         assert isinstance(kv, TwoTierKVManager)
         spills = kv.take_spills()
@@ -292,7 +287,6 @@ class Scheduler:
                     if r.num_computed_tokens // page_size > kv.num_shadowed_pages(r.req_id)}
         plan.shadows = ([spills] if spills else []) + kv.plan_shadows(computed, room)
 
-    # -- rows and pages ---------------------------------------------------------------
 
     def _next_chunk(self, pending: int, plan: StepPlan, budget: StepBudget) -> int:
         """Tokens a request with ``pending`` tokens takes this step (``next_chunk``) within
@@ -337,8 +331,8 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, plan: StepPlan, rows: list[Request],
                  now: float) -> bool:
-        """Pages for ``n`` more tokens of ``req``, evicting the last of ``rows`` (``running``
-        or its reordering) until they fit; False when ``req`` itself had to go."""
+        """Pages for ``n`` more tokens of ``req``, evicting the last of ``rows`` until they
+        fit; False when ``req`` itself had to go."""
         total = req.num_computed_tokens + n
         while not self.kv.can_allocate(req.req_id, total):
             victim = rows[-1]
@@ -364,7 +358,6 @@ class Scheduler:
     def _num_rotating_in(self) -> int:
         return self._rotating_in
 
-    # -- moving requests --------------------------------------------------------------
 
     def _evict(self, req: Request, plan: StepPlan, now: float) -> None:
         """Take ``req`` off the device, where its policy says: the host, or recompute."""
@@ -482,7 +475,6 @@ class Scheduler:
         req.set_status(WAITING, now)
         self.waiting.appendleft(req)
 
-    # -- what the engine reports ------------------------------------------------------
 
     def on_rotated_out(self, req: Request, now: float) -> None:
         req.set_status(ROTARY, now)

@@ -1,9 +1,6 @@
-"""Stage 3 of a contended step: who, from the head of the ranking, fits on the device.
-
-``StepSelection`` is one step's selection and the budget it reads the ranking under
-(device pages, seats, inbound transfers); the later stages read what it kept.
-``Ranking`` is a policy's order whose tail is the arrival-ordered queue, read lazily
-(``rest_by_arrival``), so a long queue costs a step nothing.
+"""Stages 3 and 4 of a contended step: who, from the head of the ranking, fits on the
+device (``StepSelection``, with the budget it reads under), and which runners leave.
+A ``Ranking``'s tail is the arrival-ordered queue, read lazily: a long queue costs nothing.
 """
 
 from __future__ import annotations
@@ -26,22 +23,18 @@ __all__ = ["Ranking", "StepSelection", "rest_by_arrival"]
 
 @dataclass
 class Ranking:
-    """A ranking in two parts, for a policy whose order ends in FCFS: ``head``, most
-    urgent first, then every other candidate by arrival (on a tie, waiting before parked,
-    then in queue and parked order). Iterating it gives the whole order."""
+    """A ranking in two parts: ``head``, most urgent first, then every other candidate by
+    arrival (ties: waiting before parked). Iterating it gives the whole order."""
 
     head: list[Request]
     scheduler: Scheduler
-    # ids of the head's waiting and parked requests (None: taken from the head); the tail
-    # leaves them out, and a runner is never in the tail
+    # ids of the head's waiting and parked requests, left out of the tail (None: the head)
     listed: set[int] | None = None
     # tail requests that go after the rest of the tail, still by arrival (None: none)
     defer: Callable[[Request], bool] | None = None
-    # the first entries of the queue that ``defer`` is true of, but for requeued ones,
-    # known ahead (``WaitingQueue.missed_prefix``): left unread
+    # leading queue entries known deferred (``WaitingQueue.missed_prefix``): left unread
     defer_before: int = 0
-    # ids of head entries (not running) that may take only pages and seats no runner
-    # needs, so they displace no runner (None: none)
+    # ids of head entries that may take only pages and seats no runner needs (None: none)
     free_only: set[int] | None = None
 
     def __init__(self, head: list[Request], scheduler: Scheduler,
@@ -66,10 +59,8 @@ def rest_by_arrival(s: Scheduler, head: list[Request], room: Callable[[], int] |
                     listed: set[int] | None = None,
                     defer: Callable[[Request], bool] | None = None,
                     defer_before: int = 0) -> Iterator[Request]:
-    """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail). With ``room``
-    (the device pages still free), waiting requests known to need more for their first
-    chunk are left out (``WaitingQueue.walk``). ``listed``, ``defer`` and
-    ``defer_before``: as in ``Ranking``; the deferred come after all the others."""
+    """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail); with ``room``,
+    waiting requests known to need more pages are skipped (``WaitingQueue.walk``)."""
     if listed is None:
         listed = {id(r) for r in head}
     parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
@@ -112,14 +103,10 @@ def rest_by_arrival(s: Scheduler, head: list[Request], room: Callable[[], int] |
 
 class StepSelection:
     """Who a contended step keeps, read from the head of the ranking within its budget:
-    ``capacity`` device pages (what runners hold plus what is free, cached pages
-    included: reclaiming one costs nothing), ``seats`` and ``transfer`` inbound pages.
-
-    With prefix caching a page may be in several tables: a shared page counts once, for
-    the first kept request that holds it, and a waiting request's host hit needs its
-    pages moved in. The results, for the stages after it: ``keep`` (ids), ``kept`` and
-    ``runners`` (rank order), and their parts ``kept_other`` (kept, not running) and
-    ``dropped`` (runners not kept)."""
+    ``capacity`` device pages (held by runners or free, cached ones included), ``seats``
+    and ``transfer`` inbound pages. A page shared by several tables counts once. For the
+    later stages: ``keep`` (ids), ``kept`` and ``runners`` (rank order), ``kept_other``
+    (kept, not running) and ``dropped`` (runners not kept)."""
 
     def __init__(self, s: Scheduler, budget: StepBudget) -> None:
         self.s = s
@@ -159,13 +146,11 @@ class StepSelection:
         return capacity
 
     def read(self, ranked: Iterable[Request]) -> StepSelection:
-        """Read ``ranked`` once, no further than needed: once every runner was seen (their
-        order is the victims') and the pool is full, nobody after can be kept (every
-        request that is not running needs a page, unless its final token is in flight)."""
+        """Read ``ranked`` once, and stop once every runner was seen and the pool is full:
+        nobody after can be kept (unless a final token is in flight)."""
         s = self.s
         keep, runners, dropped = self.keep, self.runners, self.dropped
-        # by index from the head, then from the tail's generator, made only if needed
-        # (compiled, a ``chain`` costs a generic iterator call per request)
+        # the head by index, then the tail's generator (compiled, ``chain`` costs more)
         ranking: Ranking | None = None
         head: list[Request] = []
         tail: Iterator[Request] | None = None
@@ -245,8 +230,7 @@ class StepSelection:
 
     def _price(self, req: Request, status: RequestStatus
                ) -> tuple[int, int, tuple[int, ...] | list[int]]:
-        """(device pages ``req`` needs to run, pages it moves in, its shared device pages),
-        with ``Request.num_pending_tokens`` inlined: this runs for every runner."""
+        """(device pages ``req`` needs to run, pages it moves in, its shared device pages)."""
         s = self.s
         if status == WAITING:
             need, moving = self._pages_to_run(req), 0
@@ -265,8 +249,7 @@ class StepSelection:
             elif status == WAITING:
                 hit = s.prefix_hit(req)
                 pages, moving = hit.device, min(len(hit.host), self.transfer)
-                # pages a kept runner holds are counted already: a runner holds a prefix
-                # of the hit, at the same positions of its table
+                # pages a kept runner holds (a prefix of the hit) are counted already
                 held = max((_common_prefix(t, pages) for t in self.kept_tables), default=0) \
                     if pages and s.kv.refcount[pages[0]] > 0 else 0
                 need -= held + sum(p in counted for p in pages[held:])
@@ -288,7 +271,7 @@ class StepSelection:
 
     def _pages_to_run(self, req: Request) -> int:
         """Device pages waiting ``req`` holds after its next step, with the longest chunk a
-        step can give it (the token budget is not known yet); its prefix hit is computed."""
+        step can give it and its prefix hit computed."""
         s = self.s
         page_size = s.kv.page_size
         hit = s.prefix_hit(req).num_pages * page_size
@@ -297,8 +280,7 @@ class StepSelection:
         return -(-(computed + chunk) // page_size)
 
     def _runners_growth(self) -> int:
-        """Device pages the runners need this step beyond those they hold (their next
-        chunk's, priced as ``_price`` does)."""
+        """Device pages the runners need this step beyond those they hold."""
         s = self.s
         tables, page_size = s.kv.page_tables, s.kv.page_size
         max_chunk = s.config.max_prefill_chunk
@@ -312,8 +294,7 @@ class StepSelection:
 
 
 def _leading_shared(refcount: list[int], table: list[int]) -> list[int]:
-    """The leading pages of ``table`` that another table holds too: only a prefix of a
-    table is ever shared (hits take prefixes), so the scan stops at its first own page."""
+    """The leading pages of ``table`` that another table holds too (hits share prefixes)."""
     n = 0
     for p in table:
         if refcount[p] <= 1:

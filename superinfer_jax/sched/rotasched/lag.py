@@ -4,8 +4,7 @@
     rotary   w * alpha * ReLU(t - t_last_token - beta_B * SLO_TBT)
     running  -(t - t_running_since)
 
-``w`` is the priority-class weight; a running request's lag falls the longer it holds
-the device, so the longest runner is evicted first.
+``w`` is the priority-class weight; the longest runner has the lowest lag.
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["FCFSPolicy", "RotaSchedPolicy", "SwapPolicy"]
 
 
-# Named in ``registry``'s table, not by a class decorator: compiled with mypyc, a decorated
-# class is a plain Python class, and native classes cannot extend one.
+# no class decorator (mypyc: a decorated class is not native): ``registry`` names them
 @mypyc_attr(allow_interpreted_subclasses=True)
 class FCFSPolicy(Policy):
     """vLLM V1: never contended; a victim is recomputed."""
@@ -67,11 +66,9 @@ class RotaSchedPolicy(SwapPolicy):
         super().__init__(config)
         self.params = config.rotasched
 
-    # -- when to act ----------------------------------------------------------------------
 
     def contended(self, s: Scheduler) -> bool:
-        """Above the high-water mark, or anyone parked or rotating; never on a one-tier
-        page manager (no host tier to park a request in)."""
+        """Above the high-water mark, or anyone parked or rotating; never without a host tier."""
         if not isinstance(s.kv, TwoTierKVManager):
             return False
         used, usable = s.device_pages_in_use()
@@ -83,18 +80,13 @@ class RotaSchedPolicy(SwapPolicy):
         share = self.params.parked_share
         return None if share >= 1 else int(share * s.kv.allocator.num_usable)
 
-    # -- the step's token budget ----------------------------------------------------------
 
     def token_budget(self, s: Scheduler, budget: StepBudget, now: float,
                      keep: set[str]) -> StepBudget:
-        """Decode rows plus the largest prefill chunk bucket whose call keeps the step
-        within the decoders' tightest TBT SLO (Sarathi-style), priced by the latency model
-        at the padded shape the engine runs, the prefill call's fixed cost included.
-
-        The configured budget instead without a model, with nobody decoding, while a
-        late first token that can still make its deadline prefills this step (a TBT-sized
-        budget would starve it), or while memory keeps nobody waiting (holding prefill
-        back would only delay first tokens). Figures: ``docs/results/scheduling.md``."""
+        """Decode rows plus the largest prefill chunk bucket whose padded call keeps the
+        step within the decoders' tightest TBT SLO (Sarathi-style). The configured budget
+        without a model or decoders, while a late first token that can still make it
+        prefills, or while memory keeps nobody waiting (it would only delay first tokens)."""
         # one pass over the runners: the decoders' count, tightest TBT and longest context
         num_decoders = longest = 0
         tbt_ms = 0.0
@@ -131,17 +123,14 @@ class RotaSchedPolicy(SwapPolicy):
 
     @staticmethod
     def _nobody_waits_for_memory(s: Scheduler, keep: set[str]) -> bool:
-        """Nothing parked or rotating, and every waiting request selected to run (counted
-        first: a queue longer than the selection is not all kept)."""
+        """Nothing parked or rotating, and every waiting request selected to run."""
         return not s.rotary and len(s.waiting) <= len(keep) and all(
             r.req_id in keep for r in s.waiting)
 
     def _first_token_late(self, s: Scheduler, now: float, keep: set[str],
                           prefilling: list[Request]) -> bool:
-        """Whether a first token is late (past ``beta_f`` of its TTFT SLO) but not missed,
-        for a request that prefills this step: running with a prompt left, or waiting and
-        kept. With ``late_order: shortest``, not one whose own prefill cannot end by its
-        deadline: its miss is certain."""
+        """Whether a request that prefills this step (running, or waiting and kept) has a
+        late first token it can still make (``late_order: shortest`` prices its prefill)."""
         beta = self.params.beta_f
         priced = self.params.late_order == "shortest" and s.latency is not None
         return any(_late_first_token(r, now, beta) and _may_make_it(s, r, now, priced)
@@ -149,7 +138,6 @@ class RotaSchedPolicy(SwapPolicy):
             _late_first_token(r, now, beta) and _may_make_it(s, r, now, priced)
             for _, _, r in late_window(s.waiting, now, beta) if r.req_id in keep)
 
-    # -- ranking --------------------------------------------------------------------------
 
     def urgency(self, s: Scheduler, req: Request, now: float) -> float:
         """Larger is more urgent: virtual lag, or negated (weighted) predicted slack."""
@@ -174,22 +162,10 @@ class RotaSchedPolicy(SwapPolicy):
         return req.token_times[-1] + req.slo.tbt_s - now - work
 
     def rank(self, s: Scheduler, now: float) -> Iterable[Request]:
-        """Every request that could run, most urgent first (ties: arrival order); with no
-        one late, FCFS order whatever the memory pressure. The groups, in order:
-
-        - protected runners (``is_protected``): settling after admission or rotate-in, or
-          near their end; evicting one moves pages for little progress and can livelock;
-        - parked requests whose rotate-in is due (a parked reply only while it must start
-          back now to be on time, ``reply_due_on_time``); then, with ``parked_replies:
-          free_pages``, parked replies that do not lag yet, on pages no runner needs;
-        - late requests and the other runners, by urgency (``late_order: shortest``
-          orders the late first tokens by tokens over priority weight instead);
-        - the rest by arrival: not late, or past the TTFT deadline (a certain miss that
-          displaces nobody; after the rest with ``hopeless_last``).
-
-        Mode ``vlt`` ranks incrementally (``ranking.rank_by_lag``); mode ``slack`` sorts
-        every candidate each contended step, as its key changes with the cache and the
-        batch. Figures: ``docs/results/scheduling.md``."""
+        """Every request that could run, most urgent first (ties: arrival order), in the
+        groups of ``ranking``'s docstring; FCFS order when no one is late. Mode ``vlt``
+        ranks incrementally (``rank_by_lag``); mode ``slack`` sorts every candidate each
+        contended step, as its key changes with the cache and the batch."""
         if self.params.mode == "vlt":
             return rank_by_lag(s, now, self.params)
         return self._rank_by_slack(s, now)

@@ -1,6 +1,4 @@
-"""The policy interface: the decisions a scheduling policy makes, and nothing else.
-
-``Scheduler`` runs the same stages every step; a policy answers four questions for it:
+"""The policy interface: ``Scheduler`` runs the stages, a policy answers four questions:
 
 - ``contended(s)``: does this step need decisions? When not, the step is FCFS.
 - ``rank(s, now)``: when contended, every request that could run, most urgent first (a
@@ -12,7 +10,6 @@
 
 Hooks read the scheduler ``s`` and must not change it. A policy is built as
 ``cls(config)``; the base class is FCFS. ``uses_latency``: the policy reads ``s.latency``.
-Name a policy with ``register_policy`` or by path, ``package.module:Class``.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ POLICY_METHODS = ("contended", "rank", "evict_to", "token_budget")
 # open to interpreted subclasses (plug-ins, tests) when compiled with mypyc
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Policy:
-    """FCFS decisions: never contended, evicted requests are recomputed."""
+    """FCFS: never contended, evicted requests are recomputed."""
 
     uses_latency: ClassVar[bool] = False
 
@@ -54,8 +51,7 @@ class Policy:
         return RECOMPUTE
 
     def parked_page_limit(self, s: Scheduler) -> int | None:
-        """Pages the parked replies may hold before the selection stops rotating decoding
-        runners out (``StepSelection.evict_unselected``); None: no limit."""
+        """Pages parked replies may hold before no more decoding runners rotate out."""
         return None
 
     def token_budget(self, s: Scheduler, budget: StepBudget, now: float,

@@ -14,19 +14,12 @@ running) by ``(group, value, arrival)``:
     group 3  everyone else by arrival; with ``hopeless_last``, the hopeless ones (past
              the TTFT deadline without a first token) after it
 
-Most of the queue never needs its lag computed. A fresh waiting request's lag and
-hopelessness are monotone in ``now - arrival_time``, so within one SLO the late ones
-form one window of arrivals (``late_window``, a bisection of ``WaitingQueue.by_arrival``);
-only that window and the requeued requests are read. Group 3 is the ``Ranking``'s tail,
-read lazily by the selection. Runners and parked requests are bounded by the pools, not
-by the queue: they are sorted each step.
-
-A parked request's next token is due ``tbt_s`` after its last, and coming back takes its
-pages' copy plus a step: once that is no earlier than the deadline, its rotate-in goes
-ahead of late first tokens, which have seconds of TTFT budget where it has a fraction of
-one gap. A parked reply whose token is late anyway displaces no runner until it lags
-(``beta_b``): a displaced runner would miss its next token too. Figures:
-``docs/results/scheduling.md``.
+Within one SLO a fresh request's lag is monotone in ``now - arrival_time``, so the late
+ones form one window of arrivals (``late_window``): only it and the requeued requests are
+read; group 3 is the ``Ranking``'s tail, read lazily. Runners and parked requests are
+bounded by the pools: they are sorted each step. A due rotate-in goes ahead of late first
+tokens (it has a fraction of one gap, they have seconds); a parked reply late anyway
+displaces nobody until it lags. Figures: ``docs/results/scheduling.md``.
 """
 
 from __future__ import annotations
@@ -62,16 +55,14 @@ def resident_tokens(req: Request) -> int:
 
 
 def residency_window(req: Request, k: int, share: float) -> int:
-    """Tokens of ``req``'s settling window and of its end window: ``k``, but at most
-    ``share`` of its ``max_tokens`` (at least 1), so that a short request has tokens
-    between the two windows where it may rotate out."""
+    """Tokens of ``req``'s settling and end windows: ``k``, but at most ``share`` of its
+    ``max_tokens`` (at least 1), so a short request may still rotate out between them."""
     return min(k, max(1, int(share * req.max_output_tokens)))
 
 
 def is_protected(req: Request, k: int) -> bool:
-    """A runner that ranks first whatever its lag: settling (fewer than ``k`` tokens since
-    it started running), within ``k`` tokens of its end, or ending with its token in
-    flight. Evicting it would move pages for little progress (and could livelock)."""
+    """A runner that ranks first whatever its lag (evicting it moves pages for little
+    progress): settling, within ``k`` tokens of its end, or ending."""
     return resident_tokens(req) < k or req.max_tokens_left <= k or req.final_token_inflight
 
 
@@ -125,7 +116,6 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     lm = s.latency  # a decode step over the runners (``rotate_in_due``)
     step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
     replies_wait = p.parked_replies == "free_pages"
-    # parked replies that may take only pages no runner needs (``Ranking.free_only``)
     replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
@@ -158,8 +148,7 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     free_only = {id(e[-1]) for e in replies} if replies else None
     if free_only:
         listed.update(free_only)
-    # then group 3: the rest by arrival (with ``hopeless_last``, the hopeless ones after)
-    if not p.hopeless_last:
+    if not p.hopeless_last:  # group 3: the ``Ranking``'s tail
         return Ranking(head, s, listed, free_only=free_only)
     # the hopeless fresh requests lead the arrival order: skipped unread
     return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now),
@@ -216,9 +205,8 @@ def _arrival(r: Request) -> float:
 
 
 def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
-    """``reqs`` sorted by ``(value, arrival, position)``. Runners join the running list
-    as they start, so their values usually do not increase along it: then the order is
-    the list reversed, each run of equal values by arrival; otherwise the plain sort."""
+    """``reqs`` sorted by ``(value, arrival, position)``: usually the list reversed (runners
+    join it as they start), each run of equal values by arrival; else the plain sort."""
     n = len(values)
     for i in range(1, n):
         if values[i] > values[i - 1]:
@@ -255,10 +243,8 @@ def reply_due_on_time(s: Scheduler, req: Request, now: float,
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
                   step_s: float | None) -> bool:
-    """Whether parked ``req`` must start back now for its next token to be on time (its
-    copy in plus a step end no earlier than the deadline). A request parked before its
-    first token is a late first token like any other. Without a latency model: once it
-    lags."""
+    """Whether parked ``req`` (with tokens) must start back now for its next token to be
+    on time; without a latency model, once it lags."""
     if not req.token_times:
         return False
     if step_s is None or s.latency is None:

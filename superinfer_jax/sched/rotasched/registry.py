@@ -1,14 +1,9 @@
 """Policies by name: the registry, ``module:Class`` paths, and the scheduler factory.
 
-A policy is named by a registered name (``fcfs``, ``swap``, ``rotasched``, or one added
-with ``register_policy``) or by a path, ``package.module:Class``, wherever a policy is
-named: ``EngineConfig.policy``, ``superinfer serve --policy``, ``superinfer simulate
---policies``, ``python -m benchmarks.policy_sweep --policies``. ``resolve_policy`` is the
-one place a name becomes a class, and the one place its errors are worded.
-
-A path is imported as ``import package.module``; when that fails because the module is
-not on the path, the current directory is added (as uvicorn does for its app), so
-``my_policy:MyPolicy`` finds ``./my_policy.py`` from any command.
+Wherever a policy is named, it is a registered name (the built-ins ``fcfs``, ``swap``,
+``rotasched``, or a plug-in's ``register_policy``) or a path, ``package.module:Class``
+(the current directory is added when the module is not found, as uvicorn does).
+``resolve_policy`` is the one place a name becomes a class and its errors are worded.
 """
 
 from __future__ import annotations
