@@ -25,9 +25,9 @@ Every step runs the same stages, in this order:
 9. eager shadows: host copies of full pages, within what the rotations left of the
    outbound transfer budget (only for a caller that issues them: ``shadowing``).
 
-Per-step state is one ``StepBudget`` (and, when contended, one ``StepSelection``,
-``selection``) passed through the stages, never kept on the instance; the prefix cache's
-part (hits, pages being prefilled) is the ``PrefixPlanner``'s. Nothing a step does walks
+Per-step state is one ``StepBudget`` (and, when contended, one ``StepSelection``, which
+runs stages 3 and 4) passed through the stages; the prefix cache's look-ups and pages
+being prefilled are the ``PrefixPlanner``'s (``prefixes``). Nothing a step does walks
 the whole waiting queue: the selection reads the ranking from its head and stops once
 every runner was seen and the device is full, and the later stages read only what it
 kept (a lazy ranking, ``rotasched.ranking``, then never orders the queue's tail).
