@@ -88,6 +88,8 @@ MODULES = (
     "superinfer_jax.request",  # with the simulator: its SimRequest extends Request
     "superinfer_jax.sched.waiting_queue",
     "superinfer_jax.sched.step_plan",
+    "superinfer_jax.sched.prefix_planner",
+    "superinfer_jax.sched.selection",  # reads every runner of every contended step
     "superinfer_jax.sched.scheduler",
     "superinfer_jax.kv.page_allocator",
     "superinfer_jax.kv.prefix_cache",

@@ -1,9 +1,7 @@
 """Latency model: what a prefill chunk, a decode step and a page transfer cost here.
 
-Profiled once per model and machine (at warm-up, or loaded from a saved JSON profile) and
-fitted as small linear models with non-negative coefficients, so every prediction grows
-with its inputs (monotone): the slack-based scheduler, admission and the simulator must
-never see "more work is faster".
+Profiled once per model and machine (at warm-up, or from a saved JSON profile), fitted
+with non-negative coefficients so that more work is never predicted faster:
 
     prefill_s(tokens, context)       = p0 + p1 * tokens + p2 * tokens * context
     decode_s(batch, total_context)   = d0 + d1 * batch + d2 * total_context

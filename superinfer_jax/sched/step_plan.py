@@ -1,7 +1,5 @@
 """What one step does and may spend: ``StepPlan`` (the scheduler's output, executed
-verbatim by the engine and the simulator) and ``StepBudget`` (what the scheduler's
-stages spend while they plan), and the one rule for a request's next chunk. Host ints
-only."""
+verbatim), ``StepBudget`` (what the stages spend as they plan), and the chunk rule."""
 
 from __future__ import annotations
 
@@ -16,15 +14,10 @@ RECOMPUTE = "recompute"  # an evicted request's KV is dropped and recomputed lat
 
 @dataclass(slots=True)
 class StepBudget:
-    """What one step may still take; the stages spend it as they plan.
-
-    ``tokens``: tokens of the step (decode rows and prefill chunks). ``prefill_slots``:
-    padded slots of the prefill call (row bucket x column bucket; a padded slot costs
-    what a real token does). ``pages_out`` / ``pages_in``: page copies each way that
-    policy-chosen rotations may still take (forced rotations, and evictions a row needs
-    for its pages, are not refused for want of it). ``limits``: the call shapes compiled
-    so far (while the engine still compiles in the background, a call is kept within
-    them: fewer decode rows, shorter chunks; never a compile inside the step)."""
+    """What one step may still take: ``tokens`` (decode rows and prefill chunks),
+    ``prefill_slots`` (padded slots of the prefill call), ``pages_out`` / ``pages_in``
+    (page copies each way for policy-chosen rotations) and ``limits`` (the call shapes
+    compiled so far: a step never compiles)."""
 
     tokens: int
     prefill_slots: int
@@ -102,8 +95,7 @@ class PrefixHit:
 
     device: tuple[int, ...] = ()
     host: tuple[int, ...] = ()
-    # the prefix continues in pages another request's host hit is bringing in: waiting a
-    # step or two for them beats prefilling them again
+    # the prefix continues in pages on their way in: waiting beats prefilling them again
     arriving: bool = False
 
     @property
@@ -115,7 +107,6 @@ NO_HIT = PrefixHit()
 
 
 def next_chunk(pending: int, limit: int) -> int:
-    """The one chunk rule, for a request with ``pending`` tokens to compute: 1 when
-    decoding, else the pending prompt up to ``limit`` (0 when nothing is left to
-    schedule: its token in flight ends it)."""
+    """The chunk rule for ``pending`` tokens: 1 when decoding, else up to ``limit`` (0:
+    nothing left, its token in flight ends it)."""
     return 1 if pending == 1 else min(pending, limit)

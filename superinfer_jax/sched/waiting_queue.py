@@ -1,17 +1,10 @@
 """The waiting queue, in two orders at once: the queue's own and arrival's.
 
-The scheduler admits from the head of the queue (FCFS; a request evicted for
-recomputation goes back to the head, as it is older than anyone behind it). RotaSched's
-lag ranking needs the same requests by arrival time: a waiting request's virtual lag is a
-function of ``now - arrival_time`` alone for a given SLO, so arrival order *is* lag order
-within one SLO, and the requests that are late but not yet hopeless lie in one window of
-arrival times that a bisection finds. Everyone else ranks by arrival (FCFS), and the
-selection keeps, in that order, whoever still fits in the device pool: ``walk`` finds the
-next one that can fit by the pages its first chunk needs, without looking at the ones in
-between that cannot (``rotasched.ranking``, ``Scheduler.rest_by_arrival``).
-
-Every operation is O(1) or O(log n) in Python, plus a C-level list shift for an insertion
-or removal in the arrival lists (a few microseconds at 100,000 requests).
+The scheduler admits from the head (FCFS; a request evicted for recomputation goes back
+to the head). RotaSched's lag ranking reads the same requests by arrival: within one SLO
+a fresh request's lag depends on ``now - arrival_time`` alone, so the late ones form one
+window that a bisection finds, and ``walk`` skips, unread, the requests whose first chunk
+needs more pages than are left. Every operation is O(1) or O(log n) in Python.
 """
 
 from __future__ import annotations
@@ -31,20 +24,14 @@ Entry = tuple[float, int, "Request"]  # (arrival_time, position, request)
 
 
 class WaitingQueue:
-    """Waiting requests: a FIFO with ``append`` / ``appendleft`` / ``remove`` (a deque's
-    verbs, with O(1) removal from the middle), the same requests sorted by
-    ``(arrival_time, position)``, a count per SLO, and the arrival order again per page
-    need (``need``: the device pages a request takes to run its first chunk, or 0 when
-    that is not known ahead: see ``walk``).
+    """Waiting requests: a FIFO with a deque's verbs (and O(1) removal from the middle),
+    the same requests sorted by ``(arrival_time, position)``, a count per SLO, and the
+    arrival order per page need (``need``: pages a request's first chunk takes, 0 when
+    not known ahead). ``append`` hands out increasing positions, ``appendleft`` decreasing
+    negative ones, so position order is queue order and breaks arrival ties.
 
-    Positions: ``append`` hands out increasing numbers, ``appendleft`` decreasing negative
-    ones, so sorting by position is the queue's order; a tie in arrival time is broken by
-    it, as a stable sort over the queue would.
-
-    ``requeued``: the requests that came back to the head (recomputation). Only those can
-    have produced tokens (a fresh request has none until it runs), so only they can lag by
-    another rule than their arrival time's (the ranking looks at each of them), and only
-    their page need can change while they wait (a token in flight lands: need 0)."""
+    ``requeued``: the requests back at the head (recomputation), the only ones that may
+    have tokens, lag by another rule, or change their page need while they wait."""
 
     __slots__ = ("_fifo", "_entries", "_keys", "_next_back", "_next_front", "requeued",
                  "slos", "_need", "_needs", "_by_need")
@@ -110,8 +97,7 @@ class WaitingQueue:
             del slos[req.slo]
 
     def by_arrival(self) -> list[Entry]:
-        """``(arrival_time, position, request)``, sorted: read-only, valid until the queue
-        changes."""
+        """``(arrival_time, position, request)``, sorted; read-only."""
         return self._entries
 
     def entry(self, req: Request) -> Entry:
@@ -120,36 +106,26 @@ class WaitingQueue:
 
     def missed_prefix(self, now: float) -> int:
         """How many of the first ``by_arrival`` entries are past their TTFT deadline by
-        arrival time alone (``now - arrival > slo.ttft_s``, ``ranking.missed_ttft``'s
-        test): for every SLO in the queue those entries form a prefix of arrival order,
-        and the shortest of these prefixes holds only entries past the deadline of their
-        own SLO (each lies before its own SLO's prefix ends). One bisection per SLO. A
-        requeued request in it may have a first token (not missed): callers test those
-        (``requeued``)."""
-        # ``slo.ttft_s``: the same floats as ``missed_ttft`` compares
+        arrival time alone: the shortest of the per-SLO prefixes, one bisection per SLO.
+        Callers test the ``requeued`` ones in it (they may have a first token)."""
         return min((self.first_within(now, slo.ttft_s) for slo in self.slos),
                    default=len(self._entries))
 
     def first_within(self, now: float, age: float) -> int:
         """The first ``by_arrival`` entry with ``now - arrival <= age`` (the length if
-        none): ``now - arrival`` falls as the arrival grows, so one bisection. The float
-        comparison is the callers' own (``missed_ttft``, ``virtual_lag``), so the bounds
-        it finds are exact."""
+        none), by bisection; the callers' own float comparison, so the bounds are exact."""
         return bisect.bisect_left(self._entries, True, key=lambda e: now - e[0] <= age)
 
     def walk(self, room: Callable[[], int] | None = None, start: int = 0,
              stop: int | None = None) -> Iterator[Entry]:
-        """``by_arrival[start:stop]`` in order; with ``room`` (the pages still free,
-        asked before each entry), the entries whose page need is known and exceeds it are
-        left out, without being read: the next entry that could fit is the earliest, over
-        the page needs up to ``room()``, of the next entry of that need (a bisection
-        each). Valid while the queue does not change."""
+        """``by_arrival[start:stop]`` in order; with ``room`` (pages still free, asked
+        before each entry), entries whose known page need exceeds it are skipped unread:
+        the next is the earliest next entry over the needs up to ``room()``."""
         entries, by_need = self._entries, self._by_need
         needs = sorted(by_need)
         top = needs[-1] if needs else 0
         end = len(entries) if stop is None else min(stop, len(entries))
         i = min(start, end)
-        # the next entry is at or past this key
         after: Key = entries[i][:2] if i < end else (float("inf"), 0)
         while True:
             free = room() if room is not None else top

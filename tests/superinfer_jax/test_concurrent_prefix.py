@@ -1,5 +1,5 @@
 """Requests that arrive together with the same prompt: the first prefills it, the others
-wait for its full pages and take them from the prefix cache (``Scheduler._computing_hashes``),
+wait for its full pages and take them from the prefix cache (``PrefixPlanner._computing_hashes``),
 instead of prefilling the same tokens at the same time; greedy tokens are unchanged."""
 
 from __future__ import annotations

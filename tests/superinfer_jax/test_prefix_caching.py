@@ -320,7 +320,7 @@ def test_prefix_evicted_between_lookup_and_admission(tiny, workload, monkeypatch
         def run_rows_then_reclaim(*args, **kwargs):  # after the selection, before admission
             run_rows(*args, **kwargs)
             if not reclaimed:
-                assert sched._hits[rid] == hit  # the step's ranking looked it up
+                assert sched.prefixes.hits[rid] == hit  # the step's ranking looked it up
                 reclaim_device_cache(engine)
                 reclaimed.append(True)
 

@@ -66,7 +66,7 @@ def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy, keep_queued)
     # A's chain was kept for it; without keep_queued (plain LRU) B reclaimed it
     assert w.num_cached_tokens == (12 if keep_queued else 0)
     assert b.num_cached_tokens == 0
-    assert not sched._wants and not kv.prefix_cache.wanted  # nothing left asked for
+    assert not sched.prefixes.wants and not kv.prefix_cache.wanted  # nothing left asked for
 
 
 def test_wanted_pages_go_last_not_never():

@@ -1,8 +1,5 @@
-"""Scheduling policies: the interface (``policy``), the built-ins (``policies``: fcfs,
-swap, rotasched), names and ``module:Class`` paths (``registry``), virtual lag (``lag``).
-
-The stages that run a policy are ``superinfer_jax.sched.scheduler.Scheduler``; how to write a
-policy: ``docs/research.md``."""
+"""Scheduling policies: the interface (``policy``), the built-ins (``policies``), names and
+paths (``registry``), virtual lag (``lag``). How to write one: ``docs/research.md``."""
 
 from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
 from superinfer_jax.sched.rotasched.policy import HOST, RECOMPUTE, Policy

@@ -1,16 +1,10 @@
 """Virtual lag time (VLT): how far each request is behind its own SLO, in seconds.
 
-The paper's ordering, largest first:
-
     waiting  w * ReLU(t - t_arrival    - beta_F * SLO_TTFT)
     rotary   w * alpha * ReLU(t - t_last_token - beta_B * SLO_TBT)
     running  -(t - t_running_since)
 
-A waiting request starts lagging once a fraction beta_F of its TTFT budget is gone; a
-rotary (parked) request lags as soon as its next token is overdue, weighted by alpha
-because a stalled stream is visible to the user; a running request has negative lag that
-grows with how long it has held the device, so the longest runner is evicted first. ``w``
-is the request's priority-class weight.
+``w`` is the priority-class weight; the longest runner has the lowest lag.
 """
 
 from __future__ import annotations

@@ -1,77 +1,41 @@
 """RotaSched's ranking by virtual lag, without sorting the queue every step.
 
 The order (``RotaSchedPolicy.rank``) is a stable sort of every candidate (waiting, parked,
-running, in that order) by ``(group, value, arrival)``:
+running) by ``(group, value, arrival)``:
 
-    group 0  protected runners (settling, near their end, or ending; the windows are
-             ``residency_window`` tokens): value 0
-    group 1  parked requests whose rotate-in is due (``rotate_in_due``); a parked reply
-             (tokens out) only while it must start back now to be on time and still
-             can (``reply_due_on_time``), unless ``parked_replies`` is ``lag``: value -lag
-    group 1b with ``parked_replies: free_pages`` (the default), the other parked
-             replies that do not lag yet (parked less than ``beta_b`` TBT SLOs past
-             their last token): value -lag (0); the selection keeps them only in pages
-             no runner needs (``Ranking.free_only``), so they displace nobody
-    group 2  late waiting or parked requests (lag > 0, TTFT not yet missed): value -lag;
-             the other runners: value -lag = time since they started running (>= 0);
-             with ``late_order: shortest`` (the default), the late first tokens after
-             the late requests with tokens, by tokens over priority weight instead, and
-             without those whose own prefill cannot end by their deadline (group 3)
-    group 3  everyone else waiting or parked (not late, or hopeless): value 0; with
-             ``hopeless_last``, the hopeless ones (no first token, past the TTFT
-             deadline) form a group 4 after it, also by arrival
+    group 0  protected runners (``is_protected``): value 0
+    group 1  parked requests whose rotate-in is due (``rotate_in_due``; a parked reply
+             only while ``reply_due_on_time``, unless ``parked_replies`` is ``lag``);
+             then, with ``parked_replies: free_pages``, parked replies that do not lag
+             yet, kept only on pages no runner needs (``Ranking.free_only``): value -lag
+    group 2  late waiting or parked requests (lag > 0, TTFT not missed) and the other
+             runners: value -lag; with ``late_order: shortest``, the late first tokens
+             after the late requests with tokens, by tokens over priority weight
+    group 3  everyone else by arrival; with ``hopeless_last``, the hopeless ones (past
+             the TTFT deadline without a first token) after it
 
-Sorting that list costs O(n log n) a step in the length of the queue, which grows without
-bound under overload. Most of the queue never needs its lag computed:
-
-- for a waiting request that has not run yet, lag and hopelessness are functions of
-  ``now - arrival_time`` alone (given its SLO), monotone in it, so within one SLO the late
-  ones form one window of arrival times, and a bisection of the arrival-ordered queue
-  (``WaitingQueue.by_arrival``) finds it; only the window and the requests that came
-  back to the queue (recomputation: they may have tokens, and lag by other rules) are
-  looked at;
-- group 3 is everyone else by arrival (FCFS), which the scheduler reads itself from the
-  arrival-ordered queue (a ``Ranking``'s tail): it stops once every runner was seen and
-  the device is full, and skips unread the requests whose first chunk needs more pages
-  than are left (``WaitingQueue.walk``); with ``hopeless_last`` it starts past the
-  fresh requests that missed their TTFT (they lead the arrival order: a bisection per
-  SLO, ``WaitingQueue.missed_prefix``), which come last, read only while the device
-  still has room;
-- runners and parked requests are bounded by the device and host pools, not by the
-  queue: they are sorted each step.
-
-Group 1 is the tail a rotation leaves: a parked request's next token is due
-``tbt_s`` after its last, and coming back takes its pages' copy plus a step (the latency
-model prices both). Once that is no earlier than the deadline, its rotate-in is issued
-ahead of late first tokens, which have seconds of TTFT budget where it has a fraction of
-one gap (``superinfer simulate --preset paper-qwen32b-sharegpt`` on gh200-96g at its
-knee: P99 TBT 1.85x fcfs's with parked requests ranked among the late first tokens by
-lag, 1.05x with them first). Without a latency model a parked request is due once it
-lags. A parked reply (unless ``parked_replies`` is ``lag``) is due only in the step
-where that happens, while its token can still be on time (``reply_due_on_time``; without
-a latency model, until its token is late).
-
-Outside that window a parked reply displaces no runner until it lags (``beta_b``): before
-it, it needs no runner's pages; after it, its next token is late whatever happens, and a
-runner displaced to bring it back would miss its next token too. It takes pages no runner
-needs, ahead of the late first tokens (group 1b), and only once parked ``beta_b`` TBT SLOs
-past its last token does it displace runners by lag (group 2), which bounds its gap. On
-this CPU a reply parks at a step with a prefill chunk, longer than the TBT SLO by itself,
-so it is late from the start: ranked by lag from its first overdue moment (``beta_b`` 0,
-the paper's rule) it came back a step later by displacing the next runner, which did the
-same, one missed gap a swap (``RotaSchedConfig.parked_replies``).
+Within one SLO a fresh request's lag is monotone in ``now - arrival_time``, so the late
+ones form one window of arrivals (``late_window``): only it and the requeued requests are
+read; group 3 is the ``Ranking``'s tail, read lazily. Runners and parked requests are
+bounded by the pools: they are sorted each step. A due rotate-in goes ahead of late first
+tokens (it has a fraction of one gap, they have seconds); a parked reply late anyway
+displaces nobody until it lags. Figures: ``docs/results/scheduling.md``.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.sched.rotasched.lag import virtual_lag
-from superinfer_jax.sched.scheduler import Ranking, Scheduler
+from superinfer_jax.sched.selection import Ranking
 from superinfer_jax.sched.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from superinfer_jax.sched.scheduler import Scheduler
 
 __all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
            "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",
@@ -91,27 +55,22 @@ def resident_tokens(req: Request) -> int:
 
 
 def residency_window(req: Request, k: int, share: float) -> int:
-    """Tokens of ``req``'s settling window and of its end window: ``k``
-    (``min_residency_tokens``), but at most ``share`` of its ``max_tokens`` (at least 1),
-    so that a short request has tokens between the two windows where it may rotate out
-    (k-token windows at both ends cover a request of at most 2k tokens whole)."""
+    """Tokens of ``req``'s settling and end windows: ``k``, but at most ``share`` of its
+    ``max_tokens`` (at least 1), so a short request may still rotate out between them."""
     return min(k, max(1, int(share * req.max_output_tokens)))
 
 
 def is_protected(req: Request, k: int) -> bool:
-    """A runner that ranks first whatever its lag: settling (fewer than ``k`` tokens since
-    it started running), within ``k`` tokens of its end, or ending with its token in flight
-    (``k``: its ``residency_window``)."""
+    """A runner that ranks first whatever its lag (evicting it moves pages for little
+    progress): settling, within ``k`` tokens of its end, or ending."""
     return resident_tokens(req) < k or req.max_tokens_left <= k or req.final_token_inflight
 
 
 def late_window(waiting: WaitingQueue, now: float, beta_f: float
                 ) -> list[tuple[float, int, Request]]:
-    """The waiting requests that may be late: for every SLO in the queue, the arrivals
-    past ``beta_f`` of its TTFT budget and not past the budget itself, plus every request
-    that came back to the queue; as ``(arrival, position, request)``. A superset of the
-    late ones (callers test each): outside it, a request has no lag (not past
-    ``beta_f``) or is hopeless (a fresh request past its TTFT deadline)."""
+    """The waiting requests that may be late, as ``(arrival, position, request)``: for
+    every SLO in the queue, the arrivals past ``beta_f`` of its TTFT budget and not past
+    the budget, plus every requeued request. A superset: callers test each."""
     entries = waiting.by_arrival()
     lo, hi = len(entries), 0
     for slo in waiting.slos:
@@ -129,18 +88,14 @@ def late_window(waiting: WaitingQueue, now: float, beta_f: float
 
 
 def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
-    """Every candidate of ``s``, in the order of the sort described in the module
-    docstring: groups 0 to 2 listed (the head), group 3 the ``Ranking``'s tail by
-    arrival."""
+    """Every candidate of ``s`` in the module docstring's order: groups 0 to 2 listed
+    (the head), group 3 the ``Ranking``'s tail."""
     k0, share = p.min_residency_tokens, p.residency_share
     protected: list[Request] = []  # in running order
     others: list[Request] = []  # the other runners, in running order
     values: list[float] = []  # their -virtual_lag
-    # ``is_protected`` and a runner's ``virtual_lag`` inlined: this loop reads every
-    # runner of every contended step. ``resident_tokens(r) >= k`` without counting: the
-    # token times are in time order, so at least k of them are at or after
-    # ``running_since`` exactly when the k-th last one is (one look-up, not a bisection
-    # of a long array).
+    # ``is_protected`` and ``virtual_lag`` inlined (every runner, every contended step);
+    # ``resident_tokens(r) >= k`` is ``times[-k] >= since``: token times are in order
     running = RUNNING
     total_tokens = 0  # the runners' tokens, for the latency model's decode step
     for r in s.running:
@@ -161,7 +116,6 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     lm = s.latency  # a decode step over the runners (``rotate_in_due``)
     step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
     replies_wait = p.parked_replies == "free_pages"
-    # parked replies that may take only pages no runner needs (``Ranking.free_only``)
     replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
@@ -194,8 +148,7 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     free_only = {id(e[-1]) for e in replies} if replies else None
     if free_only:
         listed.update(free_only)
-    # then group 3: the rest by arrival (with ``hopeless_last``, the hopeless ones after)
-    if not p.hopeless_last:
+    if not p.hopeless_last:  # group 3: the ``Ranking``'s tail
         return Ranking(head, s, listed, free_only=free_only)
     # the hopeless fresh requests lead the arrival order: skipped unread
     return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now),
@@ -205,11 +158,9 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
 def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
                    late: list[tuple[float, float, int, int, Request]]
                    ) -> list[tuple[float, float, int, int, Request]]:
-    """``late_order: shortest``: the late requests with tokens (parked replies, and
-    requests back in the queue with tokens) by lag, then the late first tokens by tokens
-    over priority weight (ties: arrival, waiting before parked, position), without those
-    whose own prefill cannot end by the deadline (``first_token_slack`` < 0: they go to
-    the tail by arrival, as the selection reads it, with the requests not late)."""
+    """``late_order: shortest``: the late requests with tokens by lag, then the late first
+    tokens by tokens over priority weight, without those whose own prefill cannot end by
+    the deadline (``first_token_slack`` < 0: they go to the tail by arrival)."""
     replies: list[tuple[float, float, int, int, Request]] = []
     firsts: list[tuple[float, float, int, int, Request]] = []
     weights = p.priority_weights
@@ -226,10 +177,9 @@ def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
 
 
 def first_token_slack(s: Scheduler, req: Request, now: float) -> float:
-    """Seconds to spare before ``req``'s TTFT deadline after its own prefill, priced by
-    the latency model (which ``s`` must have): a prefix hit's device pages cost nothing,
-    its host pages a transfer. A lower bound of the work (the step's decode rows and
-    anyone ahead of it come on top), so a negative slack is a certain miss."""
+    """Seconds to spare before ``req``'s TTFT deadline after its own prefill (a prefix
+    hit's host pages cost a transfer). The work is a lower bound, so a negative slack is
+    a certain miss. ``s`` must have a latency model."""
     lm = s.latency
     assert lm is not None
     hit = s.prefix_hit(req)
@@ -255,12 +205,8 @@ def _arrival(r: Request) -> float:
 
 
 def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
-    """``reqs`` sorted by ``(value, arrival, position)``, without sorting them all when
-    the values do not increase along the list: runners join ``Scheduler.running`` at the
-    end as they start running, so their ``now - running_since`` falls along it, and the
-    order is the list reversed, with each run of equal values sorted by arrival (stable:
-    position breaks ties). Otherwise (a runner whose value does not come from its start
-    time), the plain sort."""
+    """``reqs`` sorted by ``(value, arrival, position)``: usually the list reversed (runners
+    join it as they start), each run of equal values by arrival; else the plain sort."""
     n = len(values)
     for i in range(1, n):
         if values[i] > values[i - 1]:
@@ -283,14 +229,9 @@ def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
 
 def reply_due_on_time(s: Scheduler, req: Request, now: float,
                       step_s: float | None) -> bool:
-    """Unless ``parked_replies`` is ``lag``: whether parked reply ``req`` ranks in group
-    1 (it may displace a runner). Only while that is what keeps its next token on time: it
-    must start back within a step (its copy in plus one step would end past the deadline
-    if it waited one more step), and it still can (started now, the token is on time).
-    Outside that window it displaces nobody until it lags (``beta_b``): not due yet, it
-    needs no runner's pages; past it, the miss is certain, and a runner displaced to
-    bring it back would miss its next token too. Without a latency model (no prices):
-    until its token is late."""
+    """Whether parked reply ``req`` ranks in group 1 (may displace a runner): only while
+    it must start back within a step and, started now, its next token is still on time.
+    Without a latency model: until its token is late."""
     deadline = req.token_times[-1] + req.slo.tbt_s
     if step_s is None or s.latency is None:
         return now <= deadline
@@ -302,10 +243,8 @@ def reply_due_on_time(s: Scheduler, req: Request, now: float,
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
                   step_s: float | None) -> bool:
-    """Whether parked ``req`` must start back now for its next token to be on time: its
-    pages' copy in plus one step end no earlier than ``tbt_s`` after its last token (a
-    request parked before its first token is a late first token like any other). Without
-    a latency model (``step_s`` None): once it lags."""
+    """Whether parked ``req`` (with tokens) must start back now for its next token to be
+    on time; without a latency model, once it lags."""
     if not req.token_times:
         return False
     if step_s is None or s.latency is None:

@@ -1,14 +1,9 @@
 """Policies by name: the registry, ``module:Class`` paths, and the scheduler factory.
 
-A policy is named by a registered name (``fcfs``, ``swap``, ``rotasched``, or one added
-with ``register_policy``) or by a path, ``package.module:Class``, wherever a policy is
-named: ``EngineConfig.policy``, ``superinfer serve --policy``, ``superinfer simulate
---policies``, ``python -m benchmarks.policy_sweep --policies``. ``resolve_policy`` is the
-one place a name becomes a class, and the one place its errors are worded.
-
-A path is imported as ``import package.module``; when that fails because the module is
-not on the path, the current directory is added (as uvicorn does for its app), so
-``my_policy:MyPolicy`` finds ``./my_policy.py`` from any command.
+Wherever a policy is named, it is a registered name (the built-ins ``fcfs``, ``swap``,
+``rotasched``, or a plug-in's ``register_policy``) or a path, ``package.module:Class``
+(the current directory is added when the module is not found, as uvicorn does).
+``resolve_policy`` is the one place a name becomes a class and its errors are worded.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
 from superinfer_jax.sched.rotasched.policy import POLICY_METHODS
 from superinfer_jax.sched.scheduler import Scheduler
 
@@ -31,7 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["make_policy", "make_scheduler", "policy_problem", "register_policy",
            "registered_policies", "resolve_policy"]
 
-_REGISTRY: dict[str, type] = {}
+# the built-ins; ``register_policy`` adds plug-ins
+_REGISTRY: dict[str, type] = {"fcfs": FCFSPolicy, "swap": SwapPolicy,
+                              "rotasched": RotaSchedPolicy}
 P = TypeVar("P", bound=type)
 
 
@@ -48,7 +46,6 @@ def register_policy(name: str) -> Callable[[P], P]:
 
 
 def registered_policies() -> tuple[str, ...]:
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
@@ -79,7 +76,6 @@ def make_scheduler(config: EngineConfig, kv: KVCacheManager,
 
 
 def _resolve(spec: Any) -> tuple[type | None, str | None]:
-    _load_builtins()
     if isinstance(spec, str) and spec in _REGISTRY:
         return _REGISTRY[spec], None
     names = list(_REGISTRY)
@@ -119,8 +115,3 @@ def _import(module_name: str) -> Any:
             raise
         sys.path.append(here)
         return importlib.import_module(module_name)
-
-
-def _load_builtins() -> None:
-    if "rotasched" not in _REGISTRY:
-        import superinfer_jax.sched.rotasched.policies  # noqa: F401 - registers the built-ins

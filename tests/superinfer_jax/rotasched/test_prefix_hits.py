@@ -92,7 +92,7 @@ def test_selection_counts_a_hits_shared_pages_once():
     reqs["x"] = req("x", list(range(300, 320)), arrival=1.0)
     sched.add(reqs["w"])
     sched.add(reqs["x"])
-    sched._register_full_pages()
+    sched.prefixes.register_full_pages()
     hit = sched.prefix_hit(reqs["w"])
     assert hit.device == tuple(kv.page_table("r")[:4]) and not hit.host
     ranked = [reqs["r"], reqs["w"], reqs["x"]]

@@ -3,11 +3,14 @@ missing, from every place a policy is named (EngineConfig, the simulator, the CL
 
 from __future__ import annotations
 
+import ast
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+import superinfer_jax
 from serving.cli import main as cli_main
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
@@ -38,6 +41,15 @@ def plugin_dir(tmp_path, monkeypatch):
 def test_builtins_are_registered_in_order():
     assert registered_policies()[:3] == ("fcfs", "swap", "rotasched")
     assert resolve_policy("rotasched") is RotaSchedPolicy
+
+
+def test_the_builtins_do_not_import_the_registry():
+    """The registry names the built-ins in a static table; ``policies`` never imports it
+    back (no import cycle, no registration on import)."""
+    source = (Path(superinfer_jax.__file__).parent / "sched/rotasched/policies.py").read_text()
+    imported = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+    assert not any("registry" in (m or "") for m in imported)
+    assert "register_policy" not in source
     assert resolve_policy("superinfer_jax.sched.rotasched.policies:RotaSchedPolicy") \
         is RotaSchedPolicy
 
