@@ -31,8 +31,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from superinfer_jax.config import HOST_CACHE_EVICTIONS
 from superinfer_jax.kv.events import MEDIUM_HOST, KVEventLog
+
+HOST_CACHE_EVICTIONS = ("lru", "fifo")
 
 
 class HostCache:

@@ -26,8 +26,6 @@ from typing import Any
 
 import jax
 
-from superinfer_jax.config import EngineConfig
-
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
@@ -40,11 +38,12 @@ def host_memory_kind(device: jax.Device) -> str:
     raise RuntimeError(f"device {device} exposes no host memory kind (has {sorted(kinds)})")
 
 
-def num_host_pages_for(config: EngineConfig, page_bytes: int) -> int:
+def num_host_pages_for(host_memory_gb: float, num_host_pages: int | None,
+                       page_bytes: int) -> int:
     """Host tier capacity in pages: ``num_host_pages`` if set, else ``host_memory_gb``."""
-    if config.num_host_pages is not None:
-        return config.num_host_pages
-    return int(config.host_memory_gb * (1 << 30)) // page_bytes
+    if num_host_pages is not None:
+        return num_host_pages
+    return int(host_memory_gb * (1 << 30)) // page_bytes
 
 
 class HostPool:

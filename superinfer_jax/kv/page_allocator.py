@@ -228,3 +228,31 @@ class KVCacheManager:
                 unref.append(p)
         self.allocator._free.extend(p for p in unref if not cache.on_released(p))
         return unref
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the device page bookkeeping is inconsistent."""
+        dev_owned = [d for t in self.page_tables.values() for d in t]
+        dev_free = list(self.allocator._free)
+        counts: dict[int, int] = {}
+        for d in dev_owned:
+            counts[d] = counts.get(d, 0) + 1
+        for d in range(self.allocator.num_pages):
+            assert self.refcount[d] == counts.get(d, 0), f"refcount of page {d}"
+        for t in self.page_tables.values():
+            assert len(set(t)) == len(t), "a page twice in one table"
+        cache = self.prefix_cache
+        cached = [] if cache is None else list(cache.evictable)
+        if cache is None:
+            assert len(set(dev_owned)) == len(dev_owned), "a page shared without caching"
+        else:
+            assert set(cache.evictable) == {p for p in cache.page_hash
+                                            if self.refcount[p] == 0}, \
+                "cached pages are not exactly the registered pages without a reference"
+            for h, pages in cache.pages_of.items():
+                assert pages and all(cache.page_hash[p] == h for p in pages), "hash index"
+            assert sum(len(v) for v in cache.pages_of.values()) == len(cache.page_hash)
+            assert not set(cache.page_hash) & set(dev_free), "a registered page is free"
+        assert sorted(set(dev_owned) | set(dev_free) | set(cached)) == \
+            list(range(1, self.allocator.num_pages)) and \
+            len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
+            "device pages: some page is lost, or both free and owned"

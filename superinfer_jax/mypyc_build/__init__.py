@@ -92,6 +92,7 @@ MODULES = (
     "superinfer_jax.kv.page_allocator",
     "superinfer_jax.kv.prefix_cache",
     "superinfer_jax.kv.host_cache",
+    "superinfer_jax.kv.host_tier",
     "superinfer_jax.kv.two_tier",
     "superinfer_jax.sched.rotasched.lag",
     "superinfer_jax.sched.rotasched.ranking",
