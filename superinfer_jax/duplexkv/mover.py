@@ -8,27 +8,19 @@ pages is cut into buckets that sum to ``n`` exactly, never padded: a padding row
 real page copy, an extra call only a dispatch.
 
 Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
+- ``device_put`` (GPU, TPU): gather into device staging pages, then batched async
+  ``device_put`` to pinned_host, and back. The copies run on the transfer streams,
+  beside the step on the compute stream: that is what makes rotation overlap compute.
+- ``fused`` (CPU): the gather writes straight into pinned_host memory and the scatter
+  reads host pages straight into the pool: on CPU both kinds are the same RAM, so a page
+  is copied once per direction, not twice (on a GPU such a copy would run on the compute
+  stream, serialised with the step). On one CPU device the copies are
+  ``native.gather_pages`` / ``scatter_pages``; ``NATIVE_PAGE_COPIES`` turns them off.
+- ``in_step`` (opt-in): the copies go inside the model step's program (``land_in_step``
+  first, ``gather_in_step`` last); what the step does not take goes as in ``fused``.
 
-- ``device_put`` (GPU, TPU): gather into device staging pages, then one batched async
-  ``jax.device_put`` to pinned_host; inbound, one batched ``device_put`` to the device,
-  scattered into the pool once observed arrived. The copies run on the runtime's
-  transfer streams, beside the model step on the compute stream: that is what makes
-  rotation overlap compute.
-- ``fused`` (CPU): the gather writes its pages straight into pinned_host memory and the
-  scatter reads host pages straight into the pool. On CPU both memory kinds are the same
-  RAM, so each page is copied once per direction instead of twice. Not the GPU mode: a
-  copy inside a jitted program runs on the compute stream, serialised with the step. On
-  one CPU device the copies are ``native.gather_pages`` / ``scatter_pages``
-  (non-temporal stores, where XLA:CPU emits scalar loop kernels); ``NATIVE_PAGE_COPIES``
-  switches them off for A/B runs.
-- ``in_step`` (opt-in): the copies go inside the model step's own program
-  (``land_in_step`` first, ``gather_in_step`` last); copies the step does not take go by
-  ``fused`` mode's programs. On CPU nothing runs beside a step anyway, so this saves two
-  programs per step, at three more compiles per decode bucket.
-
-On XLA:CPU an in-place update of a bfloat16 array is upcast over the whole array, so a
-bf16 pool on CPU pays a pool-sized conversion per scatter; GPUs update bf16 in place.
-Measurements of the modes: ``docs/results/duplexkv.md``.
+XLA:CPU upcasts an in-place update of a bf16 array over the whole array, so a bf16 pool
+on CPU pays a pool-sized conversion per scatter. Measurements: docs/results/duplexkv.md.
 
     pool   [num_pages, num_layers, 2, page_size, kv_heads, head_dim]   (block-first)
     page   [num_layers, 2, page_size, kv_heads, head_dim]              (one contiguous run)
@@ -80,16 +72,14 @@ def _scatter(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...]) -> j
 
 
 def _gather_native(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
-    """``_gather`` as one streaming copy per page on CPU (``native.gather_pages``); XLA's
-    slices elsewhere. One device only: a custom call has no sharding rule, and on a
-    sharded pool the partitioner would gather the pool to run it."""
+    """``_gather`` by ``native.gather_pages`` on CPU. One device only: a custom call has no
+    sharding rule (the partitioner would gather a sharded pool to run it)."""
     return jax.lax.platform_dependent(pool, ids, cpu=native.gather_pages, default=_gather)
 
 
 def _scatter_native(pool: jax.Array, ids: jax.Array,
                     pages: tuple[jax.Array, ...]) -> jax.Array:
-    """``_scatter`` as one streaming copy per page on CPU (``native.scatter_pages``, in
-    place); one device only, as ``_gather_native``."""
+    """``_scatter`` by ``native.scatter_pages`` on CPU, in place; one device only."""
     pages = tuple(p.astype(pool.dtype) for p in pages)
     return jax.lax.platform_dependent(
         pool, ids, *pages, cpu=lambda pool, ids, *pages: native.scatter_pages(pool, ids, pages),
@@ -98,45 +88,34 @@ def _scatter_native(pool: jax.Array, ids: jax.Array,
 
 def _scatter_from_host(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...],
                        scatter=_scatter) -> jax.Array:
-    # The host pages enter the program in host memory; moving each to the device here is
-    # what lets XLA:CPU copy it once, straight into the pool (fused mode).
+    # moved to the device inside the program: XLA:CPU copies each once, into the pool
     return scatter(pool, ids, tuple(jax.device_put(p, jax.memory.Space.Device) for p in pages))
 
 
 def land_in_step(pool: jax.Array, in_ids: jax.Array,
                  in_pages: tuple[jax.Array, ...]) -> jax.Array:
-    """``in_step`` mode, traced into the model step before the model: the host pages
-    ``in_pages`` (operands in pinned_host) written to ``pool[in_ids]``, so they are in
-    the pool before anything in the step could read them."""
+    """``in_step`` mode, first in the step: host pages ``in_pages`` into ``pool[in_ids]``."""
     return _scatter_from_host(pool, in_ids, in_pages) if in_pages else pool
 
 
 def gather_in_step(pool: jax.Array, out_ids: jax.Array) -> tuple[jax.Array, ...]:
-    """``in_step`` mode, traced into the model step after the model, on the pool the
-    step returns: ``pool[out_ids]`` (the caller's ``out_shardings`` put them in
-    pinned_host). The step must not write these pages (``DuplexKV.take_in_step`` gives
-    it only pages it does not write), so they hold what they held before the step.
-
-    Why last: a gather of the pool the step *received* is unordered, in the dataflow,
-    with the step's in-place writes of that pool, and XLA keeps them apart by copying
-    the whole donated pool (``optimization_barrier`` does not help). Read after the last
-    write, the gather is ordered by data and the pool stays in place."""
+    """``in_step`` mode, last in the step: ``pool[out_ids]`` of the pool it returns, pages
+    the step does not write. Last, because a gather of the received pool is unordered
+    with the step's in-place writes, and XLA then copies the whole donated pool."""
     return _gather(pool, out_ids)
 
 
 class PageMover:
     """Batched whole-page gather/scatter over a block-first pool, and the copies between
-    the pool and host page arrays (``to_host``, ``to_device``, ``scatter``)."""
+    the pool and host page arrays."""
 
     def __init__(self, layout: PoolLayout, max_pages: int,
                  device_sharding: jax.sharding.Sharding,
                  host_sharding: jax.sharding.Sharding,
                  pool_sharding: jax.sharding.NamedSharding | None = None,
                  copy_mode: str | None = None):
-        """``device_sharding`` / ``host_sharding``: one page in device / host memory.
-        ``pool_sharding`` (tensor parallelism): the pool's sharding over a mesh; pages are
-        then split the same way, so every gather and scatter stays on each device's own
-        slice. ``copy_mode``: ``device_put`` or ``fused`` (None: ``default_copy_mode``)."""
+        """``device_sharding`` / ``host_sharding``: one page in device / host memory;
+        ``pool_sharding`` (tensor parallelism): pages are split as the pool is."""
         self.layout = layout
         device: Any = next(iter(device_sharding.device_set))  # jax.Device: no stubs
         self.copy_mode = copy_mode or default_copy_mode(device.platform)
@@ -147,8 +126,6 @@ class PageMover:
         self.buckets = staging_buckets(max(1, min(max_pages, MAX_BUCKET_PAGES)))
         fused = self.host_operands
         gather_out = host_sharding if fused else (device_sharding if pool_sharding else None)
-        # Fused copies through the native custom calls on one device (not under TP: see
-        # _gather_native).
         self.native_copies = (fused and pool_sharding is None and NATIVE_PAGE_COPIES
                               and native.available())
         gather = _gather_native if self.native_copies else _gather
@@ -160,8 +137,7 @@ class PageMover:
 
     @property
     def host_operands(self) -> bool:
-        """Whether the separate gather/scatter programs take and return host pages
-        (``fused``, and ``in_step``'s fallback for copies the step does not take)."""
+        """Whether the separate programs take and return host pages (fused, in_step)."""
         return self.copy_mode in HOST_OPERAND_MODES
 
     @property
@@ -169,8 +145,7 @@ class PageMover:
         return self.buckets[-1]
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        """(start, bucket) pieces covering ``n`` pages exactly: the largest bucket that
-        fits, again and again (1 is a bucket, so nothing is ever padded)."""
+        """(start, bucket) pieces covering ``n`` pages exactly, largest bucket first."""
         out, start = [], 0
         while start < n:
             bucket = max(b for b in self.buckets if b <= n - start)
@@ -179,8 +154,7 @@ class PageMover:
         return out
 
     def gather(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
-        """One array per page id, in order (dispatched, not waited for): device staging
-        pages, or in fused mode the host pages themselves."""
+        """One array per page id, dispatched: staging pages, or (fused) host pages."""
         out: list[jax.Array] = []
         for start, bucket in self._chunks(len(page_ids)):
             out.extend(self._gather(pool, np.asarray(page_ids[start:start + bucket], np.int32)))
@@ -194,16 +168,14 @@ class PageMover:
         return list(jax.device_put(pages, self.host_sharding))
 
     def to_device(self, host_pages: list[jax.Array]) -> list[jax.Array]:
-        """What ``scatter`` later lands for these host pages: device copies issued now
-        (``device_put`` mode), or the host pages themselves (fused: the scatter copies)."""
+        """What ``scatter`` later lands: device copies issued now, or (fused) the pages."""
         if self.host_operands or not host_pages:
             return list(host_pages)
         return list(jax.device_put(host_pages, self.device_sharding))
 
     def scatter(self, pool: jax.Array, page_ids: list[int],
                 pages: list[jax.Array]) -> jax.Array:
-        """Write ``pages[i]`` (from ``to_device``) to ``pool[page_ids[i]]``; ``pool`` is
-        donated."""
+        """Write ``pages[i]`` to ``pool[page_ids[i]]``; ``pool`` is donated."""
         if len(page_ids) != len(pages):
             raise ValueError(f"{len(page_ids)} page ids for {len(pages)} pages")
         for start, bucket in self._chunks(len(page_ids)):
@@ -212,9 +184,8 @@ class PageMover:
         return pool
 
     def compile_ahead(self, pool: jax.ShapeDtypeStruct, bucket: int) -> None:
-        """Compile one bucket's gather and scatter from an abstract pool, on any thread:
-        ``warmup`` and the copies then find them compiled (JAX's caches are shared), so
-        the thread that owns the pool does not compile them."""
+        """Compile one bucket's gather and scatter from an abstract pool, on any thread
+        (JAX's caches are shared, so the pool's owner finds them compiled)."""
         ids = np.full(bucket, NULL_PAGE, np.int32)
         self._gather.lower(pool, ids).compile()
         sharding = self.host_sharding if self.host_operands else self.device_sharding
