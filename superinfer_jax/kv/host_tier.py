@@ -1,9 +1,4 @@
-"""The host side of the two tiers: host page ids, and the shadows of device pages.
-
-``HostTier`` knows which host page is free, cache-only (``HostCache``) or freed since
-the last report; ``ShadowTable`` knows which device page has a host copy, whose it is
-and how old. Both are pure host ints, owned by ``two_tier.TwoTierKVManager``.
-"""
+"""The host side of ``two_tier.TwoTierKVManager``: host page ids and device pages' shadows."""
 
 from __future__ import annotations
 
@@ -14,9 +9,8 @@ from superinfer_jax.kv.page_allocator import pop_many
 
 
 class HostTier:
-    """Host page ids ``1..num_pages``: a LIFO free list and the cache-only pages (at most
-    ``max_cache_pages``, the coldest evicted first). Pages owned by a request (a host
-    table, a shadow) are in neither."""
+    """Host page ids ``1..num_pages``: the free ones (LIFO) and the cache-only ones (at
+    most ``max_cache_pages``); pages a request owns are in neither."""
 
     def __init__(self, num_pages: int, cache: HostCache | None, max_cache_pages: int):
         self.num_pages = num_pages
@@ -45,16 +39,15 @@ class HostTier:
         return out
 
     def free_cache(self, need: int) -> int:
-        """Evict cache-only pages until ``need`` pages are free (they go before any
-        shadow); returns how many are still missing."""
+        """Evict cache-only pages until ``need`` are free; returns how many are missing."""
         cache, free = self.cache, self.free
         while len(free) < need and cache is not None and len(cache) > 0:
             self.release([cache.evict()])
         return need - len(free)
 
     def cache_page(self, host: int, h: bytes) -> None:
-        """``host`` (holding the KV hashed ``h``) becomes a cache-only page; freed instead
-        without a cache, or when ``h`` is cached already (one copy is enough)."""
+        """``host`` becomes a cache-only page under ``h`` (freed without a cache, or when
+        ``h`` is cached already)."""
         cache = self.cache
         if cache is None or h in cache:
             self.release([host])
@@ -65,16 +58,9 @@ class HostTier:
 
 
 class ShadowTable:
-    """Shadows, indexed by device page: lists, not dicts, because a rotation moves tens of
-    pages and a list index costs a fraction of a dict operation.
-
-    ``host[d]``: the host page holding d's copy (0: no shadow). ``owner[d]``: the request
-    whose copy it is (None: the shadow of a cached device page, kept so that the page stays
-    findable on the host once the device evicts it). ``batch[d]`` and ``pos[d]``: which
-    ``add`` made it and d's place in it (the oldest is reclaimed first). ``owner``,
-    ``batch`` and ``pos`` are stale where ``host[d]`` is 0. A batch number is one int
-    object shared by the batch's pages, stored as ``object`` (mypyc would box a typed int
-    again for every page)."""
+    """Shadows, in lists indexed by device page (a rotation moves tens of pages): ``host``
+    (0: none), ``owner`` (None: a cached page's), and age as ``batch`` (one int object
+    per ``add``, stored as ``object`` so mypyc does not box it per page) and ``pos``."""
 
     def __init__(self, num_pages: int):
         self.host: list[int] = [0] * num_pages
@@ -84,8 +70,7 @@ class ShadowTable:
         self.num_batches = 0
 
     def add(self, device_pages: list[int], host_pages: list[int], owner: str) -> None:
-        """``host_pages`` become the shadows of ``device_pages`` (which have none), owned
-        by ``owner``, newest last."""
+        """``host_pages`` become the shadows of ``device_pages``, owned by ``owner``."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"{len(device_pages)} device pages, {len(host_pages)} host")
         shadow_host, shadow_owner, shadow_batch, shadow_pos = cast(

@@ -1,34 +1,18 @@
 """Two-tier page bookkeeping: device page tables, host page tables, host shadows.
 
-Pure host code over ints, extending ``KVCacheManager``. The scheduler sees rotation only
-through ``can_rotate_out``/``try_rotate_out``, ``can_rotate_in``/``rotate_in``,
-``is_resident``, ``rotation_cost_out``/``_in`` and ``num_host_free_pages``.
-
-Where a request's KV lives (``Residency``):
+Pure host ints, extending ``KVCacheManager``. Where a request's KV lives (``Residency``):
 
     DEVICE --rotate_out--> ROTATING_OUT --finish_rotate_out--> HOST
     HOST --rotate_in--> ROTATING_IN --finish_rotate_in--> DEVICE
 
-A *shadow* is a host copy of a full device page of a DEVICE request. Pages are
-append-only (only the tail page is written), so a shadow stays valid until its device
-page is freed, and a rotate_out copies only the *dirty* pages (normally just the tail).
-rotate_out frees the device pages at once: the rotation engine gathers them before the
-step that may reuse them is dispatched (``duplexkv.rotation``). rotate_in reserves device
-pages at once; they are written when the copies arrive.
+A *shadow* is a host copy of a full device page. Pages are append-only, so a shadow stays
+valid until its device page is freed, and a rotate_out copies only the *dirty* pages
+(normally just the tail). rotate_out frees device pages at once (the rotation engine
+gathers them before the step that may reuse them: ``duplexkv.rotation``); rotate_in
+reserves them at once. A page shared by several tables (prefix caching) keeps its
+shadow for the others when one request leaves.
 
-With prefix caching a full device page may be in several page tables (shared,
-reference-counted): rotate_out drops only this request's references (the others keep the
-page and lose its shadow), free keeps the shadow of a page others still hold, and
-rotate_in takes pages of its own.
-
-Invariants (``check_invariants``, property-tested here and in ``test_prefix_cache``):
-- every device page in [1, num_pages) is free, or cached (registered, no reference), or
-  in page tables, its reference count being how many;
-- every host page is free, or one shadow, or in one host page table, or cache-only;
-- shadows belong to device pages of DEVICE or ROTATING_IN requests, or of cached pages;
-  HOST and ROTATING_OUT requests hold no device pages; ROTATING_IN requests hold device
-  pages, plus the host copy of their tail page until it lands. Host pages a copy in
-  flight reads are never reclaimed.
+Invariants: ``check_invariants``. Host pages a copy in flight reads are never reclaimed.
 """
 
 from __future__ import annotations
@@ -53,8 +37,7 @@ class Residency(enum.IntEnum):
     ROTATING_IN = 3
 
 
-# Module constants: on Python 3.11 an enum member looked up on its class costs several
-# times a global, and every rotation asks a few of them.
+# as globals: an enum member looked up on its class costs several times as much
 _DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
     Residency.DEVICE, Residency.ROTATING_OUT, Residency.HOST, Residency.ROTATING_IN)
 
@@ -62,8 +45,7 @@ _DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
 @dataclass
 class PageMoves:
     """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Never
-    changed once made, but not frozen, and its ``__init__`` is written out: a step makes
-    tens of them (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
+    changed, not frozen, ``__init__`` written out (``NATIVE_INIT`` in mypyc_build)."""
 
     req_id: str
     device_pages: tuple[int, ...]
@@ -95,26 +77,22 @@ class TwoTierKVManager(KVCacheManager):
         self.num_host_pages = num_host_pages
         self.host_cache_max_pages = num_host_pages if host_cache_max_pages is None \
             else min(host_cache_max_pages, num_host_pages)
-        # The prefix cache's host tier: with caching, a host tier, and room for it.
         self.host_cache: HostCache | None = None
         if prefix_caching and self.host_cache_max_pages > 0:
             self.host_cache = HostCache(host_cache_eviction)
         self.host_tier = HostTier(num_host_pages, self.host_cache, self.host_cache_max_pages)
         self.shadow_table = ShadowTable(num_pages)
-        # Host-tier hits on their way in (hash -> req_id): a request needing them waits.
+        # host-tier hits on their way in (hash -> req_id): a request needing them waits
         self.arriving: dict[bytes, str] = {}
         self._arriving_of: dict[str, list[bytes]] = {}
-        # Spill on eviction: a cached device page without a shadow, reclaimed by the
-        # device, is copied to a host page first (up to ``spill_budget`` pages a step);
-        # the host page belongs to the copy until ``take_spills``.
+        # an evicted cached page without a shadow is copied to the host first (up to
+        # ``spill_budget`` pages a step); the host page is the copy's until ``take_spills``
         self.spill_budget = 0
         self._spills: list[tuple[int, int, bytes]] = []  # (device page, host page, hash)
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
         self.residency: dict[str, Residency] = {}
         self._num_full: dict[str, int] = {}  # full pages of a parked request
-        # ``_num_clean[r] = k``: the first k device pages of r are shadowed (absent: 0; a
-        # lower bound is always safe), so shadow planning and dirty counts need not rescan
-        # every page table. Dropping a shadow forgets its owner's promise.
+        # the first k device pages of r are shadowed (a lower bound): scans start there
         self._num_clean: dict[str, int] = {}
 
     def set_kv_events(self, log: KVEventLog | None) -> None:
@@ -123,7 +101,6 @@ class TwoTierKVManager(KVCacheManager):
         if self.host_cache is not None:
             self.host_cache.events = log
 
-    # -- queries -------------------------------------------------------------------------
 
     @property
     def num_host_free_pages(self) -> int:
@@ -132,14 +109,13 @@ class TwoTierKVManager(KVCacheManager):
 
     @property
     def num_host_cached_pages(self) -> int:
-        """Host pages no request needs that hold cached KV (cache-only pages and the
-        shadows of cached device pages): reclaimable, so free in the reports."""
+        """Cache-only host pages and shadows of cached device pages (reclaimable)."""
         cache_only = 0 if self.host_cache is None else len(self.host_cache)
         return cache_only + self.shadow_table.num_cached()
 
     @property
     def num_host_unused_pages(self) -> int:
-        """Host pages in use by no request: free or cached (what reports call free)."""
+        """Host pages in use by no request: free or cached."""
         return len(self.host_tier.free) + self.num_host_cached_pages
 
     @property
@@ -176,8 +152,7 @@ class TwoTierKVManager(KVCacheManager):
         return len(self.host_table(req_id))
 
     def can_rotate_out(self, req_id: str) -> bool:
-        """Resident, holds pages, and the host tier has room (reclaiming others' shadows
-        only when the free host pages fall short, and only as many as are missing)."""
+        """Resident, holds pages, and the host tier has room (reclaiming others' shadows)."""
         return self._out_cost(req_id) is not None
 
     def _out_cost(self, req_id: str) -> int | None:
@@ -193,7 +168,6 @@ class TwoTierKVManager(KVCacheManager):
         return (self.residency_of(req_id) == _HOST
                 and self.rotation_cost_in(req_id) <= self.num_free_pages)
 
-    # -- device tier (base class), guarded -----------------------------------------------
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
         state = self.residency.get(req_id)  # ``is_resident`` inlined: called every row
@@ -202,12 +176,9 @@ class TwoTierKVManager(KVCacheManager):
         return super().allocate_for(req_id, num_tokens)
 
     def free(self, req_id: str) -> int:
-        """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure).
-
-        A device page others still share keeps its shadow (owned by one of them). A page
-        that stays cached on the device keeps its shadow, owned by nobody, when the host
-        tier caches too (evicted later, it stays findable on the host). Otherwise its
-        shadow is freed."""
+        """Free every page of ``req_id`` in both tiers. A shadow stays with a page others
+        share, or, owned by nobody, with a page cached on the device when the host tier
+        caches too (evicted later, it stays findable on the host)."""
         table = self.page_tables.get(req_id, [])
         host, owner, refcount = self.shadow_table.host, self.shadow_table.owner, self.refcount
         host_ids = cast(list[object], host)  # ids as objects (``OBJECT_IDS``)
@@ -236,11 +207,10 @@ class TwoTierKVManager(KVCacheManager):
         self._num_full.pop(req_id, None)
         return super().free(req_id)
 
-    # -- rotation ------------------------------------------------------------------------
 
     def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
-        """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
-        issue (dirty pages only) before any later step is dispatched."""
+        """Park ``req_id`` on the host: frees its device pages now; returns the copies of
+        its dirty pages, to issue before any later step is dispatched."""
         moves = self.try_rotate_out(req_id, num_computed_tokens)
         if moves is None:
             raise RuntimeError(f"cannot rotate out {req_id}")
@@ -260,8 +230,7 @@ class TwoTierKVManager(KVCacheManager):
         self._num_registered.pop(req_id, None)
         moves_dev: list[int] = []
         moves_host: list[int] = []
-        # The shadows' host pages move to req_id's host table in one pass, then the dirty
-        # pages (0) get fresh host pages, in table order; ids as objects (``OBJECT_IDS``).
+        # shadows become the host table in one pass, dirty pages (0) get fresh host pages
         shadow_host, refcount = cast(list[object], self.shadow_table.host), self.refcount
         pages = cast(list[object], table)
         hosts = [shadow_host[d] for d in table]  # 0: dirty
@@ -293,9 +262,7 @@ class TwoTierKVManager(KVCacheManager):
 
     def rotate_in(self, req_id: str) -> PageMoves:
         """Bring ``req_id`` back: reserves device pages now; returns every page to copy.
-
-        The host copies of full pages stay, as shadows of the new device pages; the tail
-        page's copy is freed once the pages land (it goes stale as the request appends)."""
+        Full pages' host copies stay as shadows; the tail's is freed once they land."""
         if not self.can_rotate_in(req_id):
             raise RuntimeError(f"cannot rotate in {req_id}")
         host_table = self.host_tables.pop(req_id)
@@ -319,23 +286,17 @@ class TwoTierKVManager(KVCacheManager):
             if self.arriving.get(h) == req_id:
                 del self.arriving[h]
 
-    # -- shadows -------------------------------------------------------------------------
 
     def plan_shadows(self, num_computed: dict[str, int], max_pages: int) -> list[PageMoves]:
         """Host copies for full, unshadowed pages of resident requests (eager shadowing).
-
-        ``num_computed``: req_id -> tokens whose KV is in the pool the copy will read.
-        Uses free host pages, then cache-only ones; it never drops another request's
-        shadow. Runs every step over every running request, so a request whose full
-        pages are all shadowed costs a dict look-up, not a pass over its page table."""
+        ``num_computed``: req_id -> tokens whose KV is in the pool the copy reads. Takes
+        free host pages, then cache-only ones; never drops another request's shadow."""
         out: list[PageMoves] = []
         shadow_host, clean = self.shadow_table.host, self._num_clean
         page_size = self.page_size
         room = self.num_host_free_pages  # changes only where pages are taken below
         if max_pages <= 0 or not room:
             return out
-        # Requests with every full page shadowed are left out in one comprehension (the
-        # loop changes no other request's scan position, so the filter may run first).
         due = [(q, c) for q, c in num_computed.items() if c // page_size > clean.get(q, 0)]
         residency, tier = self.residency, self.host_tier
         for req_id, n in due:
@@ -364,9 +325,7 @@ class TwoTierKVManager(KVCacheManager):
         return out
 
     def take_spills(self) -> PageMoves | None:
-        """The copies of pages spilled to the host since the last call, to issue with the
-        eager shadows (before the step that reuses their device pages); their host pages
-        become findable cache-only pages now."""
+        """Copies of the pages spilled since the last call, to issue with the shadows."""
         if not self._spills:
             return None
         spills, self._spills = self._spills, []
@@ -375,8 +334,7 @@ class TwoTierKVManager(KVCacheManager):
         return PageMoves("", tuple(d for d, _, _ in spills), tuple(h for _, h, _ in spills))
 
     def drop_shadows(self, host_pages: list[int]) -> None:
-        """Forget shadows whose copy failed (their device pages become dirty again), and
-        such pages that reached the host cache since: a hit must never read them."""
+        """Forget shadows whose copy failed, in the host cache too (never served)."""
         gone = set(host_pages)
         shadow_host, tier = self.shadow_table.host, self.host_tier
         for d in self.shadow_table.oldest_first():
@@ -389,7 +347,6 @@ class TwoTierKVManager(KVCacheManager):
                     cache.discard(h)
                     tier.release([h])
 
-    # -- prefix caching, both tiers -----------------------------------------------------
 
     def take_prefix(self, req_id: str, prefix: list[int]) -> None:
         """Device hit: as the base class; a cached page's shadow gets ``req_id`` as owner."""
@@ -400,8 +357,7 @@ class TwoTierKVManager(KVCacheManager):
                 owner[p] = req_id
 
     def match_host_prefix(self, hashes: list[bytes], start: int, max_pages: int) -> list[int]:
-        """Cache-only host pages holding ``hashes[start:max_pages]``'s longest prefix: the
-        continuation of a device hit of ``start`` pages (none without a host cache)."""
+        """Cache-only host pages holding ``hashes[start:max_pages]``'s longest prefix."""
         cache = self.host_cache
         if cache is None or start >= max_pages or not cache.page_of:
             return []
@@ -409,11 +365,9 @@ class TwoTierKVManager(KVCacheManager):
 
     def take_host_prefix(self, req_id: str, prefix: list[int], host_pages: list[int],
                          num_tokens: int) -> PageMoves:
-        """Host hit: start ``req_id``'s table with the shared device pages ``prefix``,
-        fresh device pages for ``host_pages`` (cache-only copies of the pages that follow)
-        and for the rest of ``num_tokens`` (its first chunk), and return the copies that
-        bring the hit in. ``req_id`` is ROTATING_IN until they land; the host pages
-        become the new pages' shadows (never reclaimed while a copy reads them)."""
+        """Host hit: ``req_id``'s table takes the shared pages ``prefix`` and fresh pages
+        for ``host_pages`` and its first chunk; returns the copies that bring the hit in.
+        ROTATING_IN until they land; the host pages become the new pages' shadows."""
         cache = self.host_cache
         assert cache is not None and host_pages
         num_tokens = max(num_tokens, (len(prefix) + len(host_pages)) * self.page_size)
@@ -437,14 +391,10 @@ class TwoTierKVManager(KVCacheManager):
         """Host pages freed since the last call: their arrays can be dropped."""
         return self.host_tier.take_freed()
 
-    # -- internals -----------------------------------------------------------------------
 
     def _reclaimable(self, keep: set[int]) -> Iterator[int]:
-        """Device pages whose shadow may be dropped for room: first the shadows of cached
-        device pages (the device copy stays findable), then those of DEVICE requests
-        outside ``keep`` (a ROTATING_IN request's copies are in use), oldest first. Lazy:
-        callers take only the few they are short of; the sort runs only when the host
-        tier is short."""
+        """Device pages whose shadow may be dropped for room, oldest first: cached pages
+        first, then DEVICE requests' pages outside ``keep`` (never ROTATING_IN ones)."""
         owner = self.shadow_table.owner
         shadowed = self.shadow_table.oldest_first()
         yield from (d for d in shadowed if owner[d] is None)
@@ -472,15 +422,13 @@ class TwoTierKVManager(KVCacheManager):
         return page
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
-        """The first ``short`` pages of ``_reclaimable`` outside ``table`` (fewer when there
-        are not that many), as a list: the caller may drop them while walking it."""
+        """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
         if short <= 0:
             return []
         return list(islice(self._reclaimable(keep=set(table)), short))
 
     def _drop_shadow(self, device_page: int) -> int:
-        """Forget one shadow (its owner's scan restarts at 0, and so does every other
-        request sharing the page); returns its host page."""
+        """Forget one shadow (its holders' scans restart at 0); returns its host page."""
         host = self.shadow_table.host[device_page]
         if not host:
             raise KeyError(f"device page {device_page} has no shadow")
@@ -494,8 +442,7 @@ class TwoTierKVManager(KVCacheManager):
         return host
 
     def _holders(self, device_pages: set[int]) -> list[str]:
-        """Requests whose page table holds any of ``device_pages`` (one pass over every
-        table, however many pages are asked about)."""
+        """Requests whose page table holds any of ``device_pages`` (one pass)."""
         return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
 
     def _expect(self, req_id: str, state: Residency) -> None:
