@@ -1,13 +1,5 @@
-"""Simulated workloads: requests and closed-loop conversations, and their synthetic
-prompts for prefix caching.
-
-A ``RequestSpec`` with ``hash_ids`` (one id per block of ``block_tokens`` prompt tokens,
-as in the Mooncake traces: equal ids, identical blocks) gets a synthetic prompt
-(``HashIdTokens``) whose tokens spell its block ids, so the engine's own block hashing
-gives two requests equal page hashes exactly over the pages their common leading ids
-cover. A spec without ``hash_ids`` has no content: it never hits and never fills the
-cache. Output tokens are not known, so output pages are never shared.
-"""
+"""Simulated workloads: requests, closed-loop conversations, and synthetic prompts whose
+block hashes match exactly where their ``hash_ids`` do (as in the Mooncake traces)."""
 
 from __future__ import annotations
 
@@ -25,11 +17,9 @@ _MAX_TOKEN = 2**63 - 1  # block hashing packs token ids as int64
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One simulated request: when it arrives, its lengths, its SLO and, for prefix
-    caching, its prompt content as ``hash_ids``: one id per ``block_tokens`` prompt
-    tokens (``ceil(prompt_len / block_tokens)`` ids, the last block possibly partial).
-    Two specs share exactly the prompt prefix their leading ids share. Without
-    ``hash_ids`` the request has no content and never uses the cache."""
+    """One simulated request. ``hash_ids``: its prompt content, one id per
+    ``block_tokens`` tokens (equal ids, identical blocks); without them the request
+    never uses the prefix cache."""
 
     arrival_s: float
     prompt_len: int
@@ -41,13 +31,9 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class ConversationSpec:
-    """A closed-loop conversation (``Simulator.run_conversations``): turn 0 arrives at
-    ``start_s``, and turn k+1 only ``think_s[k + 1]`` after turn k's last token, as
-    ``benchmarks.multiturn`` replays one through the engine (the user reads the answer,
-    then types). So the load is what the conversations' pace makes it: a slow answer
-    delays the next turn. The turns' own ``arrival_s`` is ignored. For the cache to find
-    the history, turn k+1's ``hash_ids`` extend turn k's (with ``block_tokens`` 1 they
-    are the prompt's token ids themselves)."""
+    """A closed-loop conversation: turn 0 arrives at ``start_s``, turn k+1 ``think_s[k +
+    1]`` after turn k's last token (the turns' ``arrival_s`` is ignored), so a slow
+    answer delays the next turn. Turn k+1's ``hash_ids`` extend turn k's."""
 
     start_s: float
     turns: tuple[RequestSpec, ...]
@@ -55,14 +41,9 @@ class ConversationSpec:
 
 
 class HashIdTokens(Sequence[int]):
-    """The synthetic prompt of a spec with ``hash_ids``, computed on demand (a Mooncake
-    prompt averages 12k tokens: storing them for 12,000 requests would take gigabytes).
-
-    Token ``t`` is ``hash_ids[t // B] * B + t % B`` (``B`` = ``block_tokens``): distinct
-    (id, offset) pairs give distinct tokens, so a page's tokens are equal in two prompts
-    exactly when the ids of the blocks it covers are, and the chained page hashes are
-    equal exactly over the common leading ids. Slices (how ``extend_block_hashes`` reads
-    a page) are built a block at a time from ``range``."""
+    """The synthetic prompt of a spec with ``hash_ids``, computed on demand: token ``t`` is
+    ``hash_ids[t // B] * B + t % B`` (``B`` = ``block_tokens``), so two prompts' pages are
+    equal exactly where the ids of the blocks they cover are."""
 
     __slots__ = ("hash_ids", "block_tokens", "length")
 
@@ -73,8 +54,7 @@ class HashIdTokens(Sequence[int]):
         return self.length
 
     def __bool__(self) -> bool:
-        # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
+        # mypyc tests a native object's truth without ``__len__`` (see mypyc_build)
         return len(self) > 0
 
     @overload
