@@ -1,8 +1,5 @@
-"""DuplexKV: full-duplex asynchronous page rotation between device and pinned host memory.
-
-``rotation.DuplexKV``: the rotation engine and why it is race-free; ``mover.PageMover``:
-the jitted page gather, scatter and host copies. Bookkeeping: ``kv.two_tier``.
-"""
+"""DuplexKV: full-duplex asynchronous page rotation between device and pinned host memory
+(``rotation``: the engine and why it is race-free; ``mover``: the jitted page copies)."""
 
 from superinfer_jax.duplexkv.mover import (
     COPY_MODES,

@@ -1,29 +1,16 @@
-"""Jitted page gather and scatter on the device pool, and the copies between the pool
-and the host tier in one of three modes.
+"""Jitted page gather and scatter on the device pool, and the copies to the host tier. A
+batch is cut into power-of-two buckets that sum to it exactly (no padding page copies).
 
-Gather: ``pool[ids]`` into ``B`` separate page arrays (one array per page on the host);
-``B`` is a bucket (powers of 2 up to ``max_pages``), so a handful of compiles cover every
-step. Scatter: arrived page arrays into the donated pool, in place. A batch of ``n``
-pages is cut into buckets that sum to ``n`` exactly, never padded: a padding row is a
-real page copy, an extra call only a dispatch.
-
-Copy modes (``copy_mode``; ``default_copy_mode`` picks one per backend):
+Copy modes (``default_copy_mode`` picks one per backend):
 - ``device_put`` (GPU, TPU): gather into device staging pages, then batched async
-  ``device_put`` to pinned_host, and back. The copies run on the transfer streams,
-  beside the step on the compute stream: that is what makes rotation overlap compute.
-- ``fused`` (CPU): the gather writes straight into pinned_host memory and the scatter
-  reads host pages straight into the pool: on CPU both kinds are the same RAM, so a page
-  is copied once per direction, not twice (on a GPU such a copy would run on the compute
-  stream, serialised with the step). On one CPU device the copies are
-  ``native.gather_pages`` / ``scatter_pages``; ``NATIVE_PAGE_COPIES`` turns them off.
-- ``in_step`` (opt-in): the copies go inside the model step's program (``land_in_step``
-  first, ``gather_in_step`` last); what the step does not take goes as in ``fused``.
-
-XLA:CPU upcasts an in-place update of a bf16 array over the whole array, so a bf16 pool
-on CPU pays a pool-sized conversion per scatter. Measurements: docs/results/duplexkv.md.
-
-    pool   [num_pages, num_layers, 2, page_size, kv_heads, head_dim]   (block-first)
-    page   [num_layers, 2, page_size, kv_heads, head_dim]              (one contiguous run)
+  ``device_put`` to pinned_host and back: the copies run on the transfer streams, beside
+  the step on the compute stream, which is what makes rotation overlap compute;
+- ``fused`` (CPU, where both memory kinds are the same RAM): the programs read and write
+  pinned_host pages directly, one copy per page each way instead of two (on one device
+  by ``native.gather_pages`` / ``scatter_pages``; ``NATIVE_PAGE_COPIES`` turns them off);
+- ``in_step`` (opt-in): inside the model step's program; the rest as in ``fused``.
+A bf16 pool on CPU pays a pool-sized conversion per scatter (XLA:CPU upcasts in-place
+bf16 updates). Measurements: docs/results/duplexkv.md.
 """
 
 from __future__ import annotations
@@ -45,8 +32,7 @@ HOST_OPERAND_MODES = ("fused", "in_step")  # the separate programs read/write ho
 
 
 def default_copy_mode(platform: str | None = None) -> str:
-    """``fused`` on CPU (one copy per page each way), else ``device_put`` (copies on the
-    transfer streams, overlapped with compute); ``in_step`` is opt-in."""
+    """``fused`` on CPU, else ``device_put``; ``in_step`` is opt-in."""
     return "fused" if (platform or jax.default_backend()) == "cpu" else "device_put"
 
 
@@ -72,8 +58,7 @@ def _scatter(pool: jax.Array, ids: jax.Array, pages: tuple[jax.Array, ...]) -> j
 
 
 def _gather_native(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
-    """``_gather`` by ``native.gather_pages`` on CPU. One device only: a custom call has no
-    sharding rule (the partitioner would gather a sharded pool to run it)."""
+    """``_gather`` by ``native.gather_pages`` on CPU; one device only (no sharding rule)."""
     return jax.lax.platform_dependent(pool, ids, cpu=native.gather_pages, default=_gather)
 
 
@@ -99,23 +84,19 @@ def land_in_step(pool: jax.Array, in_ids: jax.Array,
 
 
 def gather_in_step(pool: jax.Array, out_ids: jax.Array) -> tuple[jax.Array, ...]:
-    """``in_step`` mode, last in the step: ``pool[out_ids]`` of the pool it returns, pages
-    the step does not write. Last, because a gather of the received pool is unordered
-    with the step's in-place writes, and XLA then copies the whole donated pool."""
+    """``in_step`` mode, last in the step (see ``rotation``): ``pool[out_ids]``."""
     return _gather(pool, out_ids)
 
 
 class PageMover:
-    """Batched whole-page gather/scatter over a block-first pool, and the copies between
-    the pool and host page arrays."""
+    """Batched whole-page gather/scatter, and copies between the pool and host pages."""
 
     def __init__(self, layout: PoolLayout, max_pages: int,
                  device_sharding: jax.sharding.Sharding,
                  host_sharding: jax.sharding.Sharding,
                  pool_sharding: jax.sharding.NamedSharding | None = None,
                  copy_mode: str | None = None):
-        """``device_sharding`` / ``host_sharding``: one page in device / host memory;
-        ``pool_sharding`` (tensor parallelism): pages are split as the pool is."""
+        """``pool_sharding`` (tensor parallelism): pages are split as the pool is."""
         self.layout = layout
         device: Any = next(iter(device_sharding.device_set))  # jax.Device: no stubs
         self.copy_mode = copy_mode or default_copy_mode(device.platform)
@@ -161,7 +142,6 @@ class PageMover:
         return out
 
     def to_host(self, pool: jax.Array, page_ids: list[int]) -> list[jax.Array]:
-        """Host page arrays holding ``pool[page_ids]``, dispatched, not waited for."""
         pages = self.gather(pool, page_ids)
         if self.host_operands or not pages:
             return pages
@@ -175,7 +155,7 @@ class PageMover:
 
     def scatter(self, pool: jax.Array, page_ids: list[int],
                 pages: list[jax.Array]) -> jax.Array:
-        """Write ``pages[i]`` to ``pool[page_ids[i]]``; ``pool`` is donated."""
+        """Write ``pages[i]`` to ``pool[page_ids[i]]`` (``pool`` donated)."""
         if len(page_ids) != len(pages):
             raise ValueError(f"{len(page_ids)} page ids for {len(pages)} pages")
         for start, bucket in self._chunks(len(page_ids)):
@@ -184,8 +164,7 @@ class PageMover:
         return pool
 
     def compile_ahead(self, pool: jax.ShapeDtypeStruct, bucket: int) -> None:
-        """Compile one bucket's gather and scatter from an abstract pool, on any thread
-        (JAX's caches are shared, so the pool's owner finds them compiled)."""
+        """Compile one bucket's gather and scatter from an abstract pool, on any thread."""
         ids = np.full(bucket, NULL_PAGE, np.int32)
         self._gather.lower(pool, ids).compile()
         sharding = self.host_sharding if self.host_operands else self.device_sharding

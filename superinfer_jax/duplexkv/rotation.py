@@ -1,68 +1,44 @@
 """DuplexKV: issues a step's page copies in both directions at once, never waits for them.
 
-One engine step (``engine.LLMEngine.step``):
-  1. ``poll(pool)``: ask every copy in flight ``is_ready()``. A finished rotate-out makes
-     its request ROTARY; arrived rotate-ins are scattered into the pool by one jitted call
-     (pool donated) and their requests may run in this very step.
-  2. The scheduler plans; ``TwoTierKVManager`` keeps the books (rotate_out frees device
-     pages at once, rotate_in reserves them at once).
-  3. ``execute(pool, moves_out, moves_in, shadows)``: issue the inbound copies, then
-     gather the pages leaving the device and copy them to pinned_host. Returns at once.
-  4. The engine dispatches the model step with the pool donated.
-
-``PageMover.copy_mode`` (``duplexkv.mover``) decides how: ``device_put`` gathers into
-device staging pages and moves them with batched async ``device_put``; ``fused`` (CPU)
-gathers straight into pinned_host arrays in (3) and scatters host pages straight into the
-pool in (1); ``in_step`` makes the copies inside the model step's program (the runner
-defers them: ``poll(defer=True)``, ``execute(defer=True)``, ``take_in_step`` for the
-step's first call, ``finish_in_step`` with its outputs, ``flush`` for what no call took):
-arrived pages land first in the program, outbound pages are gathered last. What the call
-does not take goes by ``fused`` mode's programs, dispatched before the call.
+One engine step: (1) ``poll(pool)`` observes copies (``is_ready()``) and scatters arrived
+pages into the donated pool; (2) the scheduler plans (``TwoTierKVManager`` frees and
+reserves device pages at once); (3) ``execute`` issues the inbound copies, then gathers
+the outbound pages to pinned_host; (4) the model step runs on the donated pool. In
+``in_step`` mode the runner defers the copies into the step's program (``defer``).
 
 Race freedom, by JAX data dependencies (CPU and GPU alike):
-- *A page is read for eviction before a step that reuses it writes it.* The gather in (3)
-  takes the pool as input and is dispatched before the step in (4), which receives that
-  buffer donated; PJRT does not overwrite a donated buffer before computations already
-  dispatched on it have read it (GPU: one compute stream, dispatch order; CPU: the
-  donating execution waits on the buffer's usage events). The host copy reads the
-  gather's own outputs, which nothing else writes (fused: they *are* the host pages).
-- *A page freed by a rotate-out and reused by a rotate-in of the same step.* The in-copy
-  writes fresh device arrays, not the pool; the pages enter the pool in a later step's
-  (1), by a scatter whose input is the output of everything dispatched before it, the
-  gather that read the previous owner's page included.
-- *An arriving page is written before the step that reads it.* The scatter in (1)
-  produces the pool the step consumes, and a request runs only after its arrays reported
-  ``is_ready()`` with no error, so an errored copy never enters the pool.
-- *Host pages* are written once, by the copy that creates them, and only read after.
-  Freeing one drops a reference; a copy in flight holds its own. The host pages of a
-  request coming in stay owned until its pages land (full pages as shadows, which are
-  not reclaimable meanwhile; the tail until arrival).
-- *Shadows* copy full pages, never written while their request owns them (appends go to
-  the tail page); the gather reads the pool of the step that wrote the last token.
+- *A page is read for eviction before a step that reuses it writes it*: the gather in (3)
+  takes the pool and is dispatched before the step that receives it donated, and PJRT
+  does not overwrite a donated buffer before computations dispatched on it have read it
+  (GPU: one stream, dispatch order; CPU: the donating execution waits on its usage
+  events). The host copy reads the gather's own outputs (fused: they are the host pages).
+- *A page freed by a rotate-out and reused by a rotate-in of the same step*: the in-copy
+  writes fresh arrays, not the pool; they enter the pool in a later (1), by a scatter
+  whose input is the output of everything dispatched before, that gather included.
+- *An arriving page is written before the step that reads it*: the scatter in (1) makes
+  the pool the step consumes, and only copies ready without error are landed.
+- *Host pages* are written once, by the copy that creates them; freeing one drops a
+  reference and a copy in flight holds its own. A request coming in keeps its host
+  pages until they land (full pages as unreclaimable shadows, the tail until arrival).
+- *Shadows* copy full pages (never written while their request owns them), gathered from
+  the pool of the step that wrote their last token.
 
-In ``in_step`` mode there is no dispatch order inside one program, only dataflow, and XLA
-copies the whole donated pool when a read of the received pool is unordered with the
-step's in-place writes. So the step never reads the received pool:
-- *Outbound pages are gathered after the step's last write*, from the pool it returns.
-  That is right only for pages the step does not write: ``take_in_step`` is given the
-  pages the call writes KV to (a superset, padding included), and those are gathered
-  before the call by the separate program.
-- *A page freed and reused in one step* is not written by that step: its inbound copy
-  lands no earlier than the next step's first call, whose program starts from the pool
-  this step returned, after this step's gather read it. A page freed and given to a
-  request scheduled in the same step is a written page, gathered before the call.
-- *Arrived pages land before anything reads them*: the landing is the program's first
-  write; a step's copies ride only its first call, so later calls read what it returned;
-  with no call, ``flush`` lands them before the next step.
-- *A page that lands and leaves in one step* is gathered after it landed: in the program
-  (landing first, gather last), or by the separate programs, which land before they
-  gather; a page the separate program gathers is landed by it too (``_eligible_in``).
+In ``in_step`` mode a program has only dataflow, and XLA copies the donated pool when a
+read of the received pool is unordered with its writes, so the step never reads it:
+- outbound pages are gathered after its last write, from the pool it returns, and only
+  pages it does not write (``take_in_step`` gets a superset of the pages the call
+  writes; those are gathered before the call by the separate program);
+- a page freed and reused in one step lands no earlier than the next step's first call,
+  whose program starts from the pool this step returned, after its gather read it; a
+  page freed and given to a request scheduled in the same step is a written page;
+- arrived pages land first in the program (only a step's first call takes copies, so
+  later calls read what it returned; with no call, ``flush`` lands them);
+- a page that lands and leaves in one step lands before it is gathered, in the program
+  or by the separate programs (``_eligible_in``).
 
-Failures: a copy that raises when issued, or whose arrays carry an error when observed
-ready, yields a FAILED event, and the engine recomputes the request. Tensor parallelism:
-the pool, staging and host pages share one split over KV heads (``dist.parallel``), so
-every device copies its own slice; the orderings hold per device, and a copy is ready
-only when every device's slice is.
+A failed copy yields FAILED and the engine recomputes the request. Under tensor
+parallelism each device copies its own slice of each page (``dist.parallel``): the
+orderings hold per device, and a copy is ready when every slice is.
 """
 
 from __future__ import annotations
@@ -97,7 +73,6 @@ class RotationEvent:
 
 @dataclass
 class _Flight:
-    """Copies in flight for one request (or one step's shadows)."""
 
     req_id: str
     kind: str  # "out" | "in" | "shadow"
@@ -108,7 +83,7 @@ class _Flight:
 
 @dataclass
 class _Deferred:
-    """Outbound copies ``execute(defer=True)`` left for the model step (in_step mode)."""
+    """Outbound copies ``execute(defer=True)`` left for the model step."""
 
     moves_out: list[PageMoves]
     shadows: list[PageMoves]
@@ -127,8 +102,7 @@ class _Taken:
 
 @dataclass(frozen=True)
 class StepCopies:
-    """The copies one model step makes in its own program (in_step mode): land
-    ``in_pages`` at ``pool[in_ids]`` first, gather ``pool[out_ids]`` last."""
+    """Copies a model step makes in its program: land ``in_pages``, gather ``out_ids``."""
 
     out_ids: np.ndarray  # [num_out] int32
     in_ids: np.ndarray  # [num_in] int32
@@ -147,7 +121,6 @@ def _arrived(arrays: list[jax.Array]) -> bool | None:
 
 
 class DuplexKV:
-    """The rotation engine over one device pool and one host pool."""
 
     def __init__(self, layout: PoolLayout, kv: TwoTierKVManager, host: HostPool,
                  budget_pages: int, pool_sharding: jax.sharding.NamedSharding | None = None,
@@ -172,8 +145,7 @@ class DuplexKV:
         return len(self._flights)
 
     def adopt(self, pool: jax.Array) -> jax.Array:
-        """The pool committed to the device (as the scatter returns it), so that nothing
-        compiles twice. Call before compiling anything that takes the pool."""
+        """The pool committed, as the scatter returns it (call before compiling on it)."""
         return jax.device_put(pool, self.pool_sharding or self.host.device_sharding)
 
     def warmup(self, pool: jax.Array) -> jax.Array:
@@ -181,9 +153,7 @@ class DuplexKV:
 
 
     def poll(self, pool: jax.Array, defer: bool = False) -> tuple[jax.Array, list[RotationEvent]]:
-        """Observe finished copies and land arrived pages; returns the new pool.
-        ``defer`` (in_step mode): the next call's program (``take_in_step``) or ``flush``
-        lands them, before anything reads or writes the pool."""
+        """Observe finished copies and land arrived pages (unless ``defer``): the new pool."""
         self._drop_freed()
         now = time.perf_counter()
         events: list[RotationEvent] = []
@@ -225,9 +195,7 @@ class DuplexKV:
 
     def execute(self, pool: jax.Array, moves_out: list[PageMoves], moves_in: list[PageMoves],
                 shadows: list[PageMoves], defer: bool = False) -> list[RotationEvent]:
-        """Issue this step's copies, after the plan's bookkeeping and before the step that
-        donates ``pool``; returns FAILED events for copies that failed to issue. ``defer``
-        (in_step mode): the outbound copies wait for ``take_in_step`` or ``flush``."""
+        """Issue this step's copies before the step that donates ``pool``; FAILED events."""
         t0 = time.perf_counter()
         inbound = [self.host.get(list(m.host_pages)) for m in moves_in]  # before drops
         self._drop_freed()
@@ -254,12 +222,10 @@ class DuplexKV:
 
     @property
     def has_deferred(self) -> bool:
-        """Whether copies wait for the next call (``take_in_step``) or ``flush``."""
         return self._deferred is not None or bool(self._landing)
 
     def in_step_pending(self, written: Collection[int] = ()) -> tuple[int, int]:
-        """(out, in) deferred pages a call writing KV to ``written`` could copy in its
-        program (not an outbound page it writes)."""
+        """(out, in) deferred pages a call writing KV to ``written`` could copy."""
         return len(self._eligible_out(written)), len(self._eligible_in(written))
 
     def _device_ids_out(self) -> list[int]:
@@ -269,24 +235,19 @@ class DuplexKV:
                 for d in m.device_pages]
 
     def _eligible_out(self, written: Collection[int]) -> list[int]:
-        """Indices into ``_device_ids_out`` of the pages a call writing KV to ``written``
-        may gather after its model ran: those it does not write."""
+        """Deferred outbound pages (indices) a call may gather: those it does not write."""
         written = set(written)
         return [k for k, d in enumerate(self._device_ids_out()) if d not in written]
 
     def _eligible_in(self, written: Collection[int]) -> list[int]:
-        """Indices into ``_landing`` of the pages a call writing KV to ``written`` may
-        land: not a page that also leaves before the call (it must land before that)."""
+        """Arrived pages (indices) a call may land: not one gathered before the call."""
         before = set(written) & set(self._device_ids_out())
         return [k for k, (d, _) in enumerate(self._landing) if d not in before]
 
     def take_in_step(self, pool: jax.Array, num_out: int, num_in: int,
                      written: Collection[int] = ()) -> tuple[jax.Array, StepCopies]:
-        """Hand the call about to run on ``pool`` (writing KV only to ``written``)
-        ``num_in`` arrived pages to land and ``num_out`` outbound pages to gather. The
-        rest is copied now by the separate programs: landed, then gathered (``_copy_out``
-        even with no page, so a failure fails the batch as in the other modes). Returns
-        the pool the call takes; ``finish_in_step`` takes its gathered host pages."""
+        """Give the next call on ``pool`` (writing KV to ``written``) ``num_in`` pages to land
+        and ``num_out`` to gather; copy the rest now (landed, then gathered)."""
         eligible, eligible_in = self._eligible_out(written), self._eligible_in(written)
         if len(eligible) < num_out or len(eligible_in) < num_in:
             raise ValueError(f"{num_out} out / {num_in} in asked, {len(eligible)} / "
@@ -333,8 +294,7 @@ class DuplexKV:
         return events
 
     def flush(self, pool: jax.Array) -> tuple[jax.Array, list[RotationEvent]]:
-        """Copy by the separate programs what deferred copies no call took; returns the
-        new pool and the copies that failed to issue."""
+        """Copy what no call took by the separate programs; the new pool and failures."""
         events: list[RotationEvent] = []
         landing, self._landing = self._landing, []
         if landing:  # first: a page may land and leave in one step (see take_in_step)
@@ -400,7 +360,7 @@ class DuplexKV:
         return self.mover.to_device(host_pages)
 
     def wait_all(self) -> None:
-        """Block until every copy in flight completes (benchmarks and tests)."""
+        """Block until every copy in flight completes (benchmarks, tests)."""
         for f in self._flights:
             try:
                 jax.block_until_ready(f.arrays)
@@ -409,7 +369,6 @@ class DuplexKV:
 
 
     def cancel(self, req_id: str) -> None:
-        """Forget the copies of a finished or aborted request: nothing of it will land."""
         now = time.perf_counter()
         keep = []
         for f in self._flights:

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 @dataclass
 class TransferStats:
-    """Cumulative since the engine started; bytes and pages count copies issued.
-    ``time_*_s``: per step and direction, dispatch to observed completion (an upper
-    bound with step granularity, observed once per engine step)."""
+    """Cumulative counts of copies issued; ``time_*_s``: per step and direction, dispatch
+    to observed completion (an upper bound at step granularity)."""
 
     pages_out: int = 0  # device -> host, rotations and shadows
     bytes_out: int = 0
