@@ -62,7 +62,8 @@ def paged_attention(
     gather moves scalars; the bytes are the same), and a float32 decode step without soft
     cap runs ``native.decode_attention`` instead of the block loop (each row over its own
     context; equal to the loop to float32 rounding). ``"xla"``: XLA's everywhere, the
-    reference the native ops are tested against.
+    reference the native ops are tested against. One function, long for a kernel: the
+    gathers and the loop body close over its shapes, so the trace reads top to bottom.
     """
     if gather_impl not in ("auto", "xla"):
         raise ValueError(f"gather_impl must be 'auto' or 'xla', got {gather_impl!r}")
