@@ -13,11 +13,11 @@ from functools import cached_property
 from typing import Any
 
 from superinfer_jax.config_schema import ConfigError, internal, knob, power_of_two, validate
+from superinfer_jax.kv.host_cache import HOST_CACHE_EVICTIONS
 from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-HOST_CACHE_EVICTIONS = ("lru", "fifo")
 COPY_MODES = ("device_put", "fused", "in_step")  # DuplexKV's (duplexkv/mover.py)
 
 

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 
 @dataclass
 class TransferStats:
-    """Cumulative since the engine started. Bytes and pages count copies issued.
-
-    ``time_*_s`` sums, per step and direction, the time from dispatching that step's
-    copies to observing them all complete (inbound: to dispatching the scatter that lands
-    them, which in the fused copy mode is the copy itself); observation happens once per
-    engine step, so it is an upper bound with step granularity, not a device timer."""
+    """Cumulative counts of copies issued; ``time_*_s``: per step and direction, dispatch
+    to observed completion (an upper bound at step granularity)."""
 
     pages_out: int = 0  # device -> host, rotations and shadows
     bytes_out: int = 0
@@ -24,8 +20,7 @@ class TransferStats:
     rotations_in: int = 0
     prefix_hits_in: int = 0  # host-tier prefix hits brought in (their pages are in pages_in)
     failures: int = 0  # copies that failed: the request fell back to recomputation
-    # of pages_out + pages_in: copied inside a model step's own program (copy_mode
-    # in_step); the rest went by the separate gather and scatter programs
+    # of pages_out + pages_in: copied inside a model step (copy_mode in_step)
     pages_in_step: int = 0
     time_out_s: float = 0.0
     time_in_s: float = 0.0

@@ -1,36 +1,12 @@
 """KV-cache events: which full pages are findable by block hash, on which medium.
 
-The engine's side of KV events (the serving side, ``serving.kv_events``, encodes them
-in vLLM's wire format and publishes them over ZMQ; nothing here knows about either). A
-consumer, such as llm-d's KV-cache indexer, replays the stream to know which prefixes
-each pod holds.
-
-What an event means (per hash and medium, not per page):
-
-- ``BlockStored(medium)``: the hashes became findable on that medium, where they were
-  not before. ``GPU``: a device page was registered in the prefix cache
-  (``PrefixCache.register``) under a hash no other registered page had. ``CPU``: a
-  device page's host shadow became a cache-only host page (``HostCache.insert``: the
-  host tier holds one copy a hash).
-- ``BlockRemoved(medium)``: the last copy of the hashes on that medium went: the device
-  reclaimed the last registered page with that hash (``PrefixCache.evict``), or a
-  cache-only host page was evicted, discarded (its copy failed) or taken for a host
-  hit (``HostCache.take``: the page becomes the shadow of a device page, and is
-  findable again on the device once it lands and is registered there).
-
-The device may register the same hash for several pages (``PrefixCache.pages_of``);
-events are published only when a hash's first copy on a medium appears and its last
-goes, so a consumer that adds on stored and removes on removed holds exactly the set of
-hashes findable on each medium: ``prefix_cache.pages_of`` keys (GPU) and
-``host_cache.page_of`` keys (CPU).
-
-``AllBlocksCleared`` is defined for the wire format; the engine has no cache reset, so
-it never emits one.
-
-Hashes here are our own 16-byte blake2b digests (``prefix_cache.block_hash``: chained
-from the parent page's hash, keyed by the model identity and the request's
-``cache_salt``); ``serving.kv_events`` says how they go on the wire. ``token_ids`` are
-the page's tokens, so a consumer with its own hashing scheme can rehash the chain.
+The engine's side of KV events (``serving.kv_events`` encodes and publishes them); a
+consumer such as llm-d's KV-cache indexer replays the stream to know which prefixes each
+pod holds. Events are per hash and medium, not per page: ``BlockStored(medium)`` when a
+hash's first copy appears on a medium (``GPU``: ``PrefixCache.register``; ``CPU``:
+``HostCache.insert``), ``BlockRemoved(medium)`` when its last copy there goes (device
+eviction; a host page evicted, discarded or taken for a hit). So a consumer that adds on
+stored and removes on removed holds exactly the hashes findable on each medium.
 """
 
 from __future__ import annotations
@@ -45,10 +21,7 @@ _BIT = {MEDIUM_DEVICE: 1, MEDIUM_HOST: 2}
 
 @dataclass
 class BlockStored:
-    """Full pages now findable on ``medium``; ``block_hashes`` is a chain, each hash the
-    parent of the next, the first one's parent ``parent_block_hash`` (None: the first
-    page of a sequence). ``token_ids`` is the pages' tokens, in order,
-    ``block_size * len(block_hashes)`` of them."""
+    """Full pages now findable on ``medium``: a chain of hashes and their tokens."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
@@ -76,13 +49,8 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass
 class KVEventLog:
-    """Where the caches append their events; the engine takes them once per step.
-
-    Also remembers each present hash's parent and tokens (only while the hash is
-    findable on some medium, or went in this step): the host tier stores pages by hash
-    alone, and its ``BlockStored`` carries them too. Consecutive events of one kind and
-    medium are merged (a stored chain, a run of removals), as vLLM batches a request's
-    blocks."""
+    """Where the caches append their events, merged by kind and medium, and each present
+    hash's parent and tokens (the host tier stores pages by hash alone)."""
 
     block_size: int
     events: list[KVEvent] = field(default_factory=list)

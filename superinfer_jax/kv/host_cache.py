@@ -1,29 +1,13 @@
 """Automatic prefix caching, host tier: cache-only host pages, findable by block hash.
 
-The second level behind the device tier (``prefix_cache.PrefixCache``). A host page
-enters it when the device evicts a cached page (registered, no reference) that has a
-host shadow: the shadow already holds a byte-exact copy of the page's KV (DuplexKV's
-eager shadows copy every full page of a running request), so the page stays findable
-without a copy. A hit takes the page out of this cache: it becomes the shadow of the
-device page it is rotated into, and comes back here when that device page is evicted.
-
-Who owns a host page (``two_tier.TwoTierKVManager``): a parked request's host table and
-the shadow of a referenced device page are owned and never reclaimed for the cache;
-pages here are owned by nobody, and are the first reclaimed when the host tier needs
-room (before any running request's shadow is dropped).
-
-Eviction order (``policy``):
-
-- ``lru`` (default): the page that entered this cache longest ago goes first; a hit
-  renews the page (it leaves, and re-enters when its device copy is evicted);
-- ``fifo``: the hash stored here first goes first, and a hit does not renew it (a hash
-  re-entering keeps its first position while this cache still remembers it).
-
-With ``events`` set (a ``kv.events.KVEventLog``), every insert and every page leaving
-(evicted, discarded, taken for a hit) is reported there as KV events (medium ``CPU``).
-
-Pure host ints. The order is a heap of ``(seq, host page)`` with lazy deletion: taking
-a page out for a hit is a dict pop, and eviction skips entries no longer current.
+A host page enters it when the device evicts a cached page that has a host shadow: the
+shadow already holds the page's KV, so the page stays findable without a copy. A hit
+takes the page out: it becomes the shadow of the device page it is copied into. Pages
+here are owned by nobody and are reclaimed first when the host tier needs room.
+Eviction (``policy``): ``lru`` (the page that entered longest ago; a hit renews it) or
+``fifo`` (the hash stored first; a hit does not renew it). The order is a heap of
+``(seq, host page)`` with lazy deletion. With ``events`` set, inserts and removals are
+reported as KV events (medium ``CPU``).
 """
 
 from __future__ import annotations
@@ -31,13 +15,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from superinfer_jax.config import HOST_CACHE_EVICTIONS
 from superinfer_jax.kv.events import MEDIUM_HOST, KVEventLog
+
+HOST_CACHE_EVICTIONS = ("lru", "fifo")
 
 
 class HostCache:
-    """Hashes of cache-only host pages and their eviction order. ``hits`` / ``queries``
-    count prompt tokens found here at admissions (after the device tier's hits)."""
+    """Hashes of cache-only host pages and their eviction order."""
 
     def __init__(self, policy: str = "lru"):
         if policy not in HOST_CACHE_EVICTIONS:
@@ -58,16 +42,14 @@ class HostCache:
         return len(self.hash_of)
 
     def __bool__(self) -> bool:
-        # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
+        # mypyc tests a native object's truth without ``__len__`` (see mypyc_build)
         return len(self) > 0
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.page_of
 
     def insert(self, host_page: int, h: bytes) -> bool:
-        """Keep ``host_page`` (holding the KV hashed ``h``) findable. False when the hash
-        is here already (the caller frees the page: one copy is enough)."""
+        """Keep ``host_page`` findable under ``h``; False when ``h`` is here already."""
         if h in self.page_of:
             return False
         self.hash_of[host_page] = h
@@ -94,7 +76,7 @@ class HostCache:
         return out
 
     def take(self, host_page: int) -> bytes:
-        """Remove ``host_page`` for a hit (it becomes an owned shadow); returns its hash."""
+        """Remove ``host_page`` for a hit; returns its hash."""
         h = self.hash_of.pop(host_page)
         del self.page_of[h]
         del self._seq_of[host_page]

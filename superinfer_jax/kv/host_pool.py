@@ -1,23 +1,11 @@
-"""The host tier's storage: pinned-host page arrays, keyed by host page id.
+"""The host tier's storage: one pinned-host array ``[num_layers, 2, page_size, kv_heads,
+head_dim]`` per host page id; the ids' bookkeeping lives in ``two_tier``.
 
-    host page id (1..num_host_pages) -> jax.Array [num_layers, 2, page_size, kv_heads,
-                                                   head_dim] in memory kind pinned_host
-
-The ids (which page is free, who owns it) are bookkeeping and live in ``two_tier``; this
-module only holds the arrays and knows the memory kinds.
-
-Why one array per page, not one preallocated ``[num_host_pages, ...]`` pinned_host array:
-writing a page into such an array is a jitted dynamic-update-slice of a host-memory
-operand. On CPU that runs in place for 2-byte integer pages (0.1 ms per 2 MiB page,
-``python -m benchmarks.duplex --layouts``), but XLA:CPU upcasts a bfloat16 update over
-the whole array, and on GPU it relies on XLA's host-offload pass turning the update into
-a DMA, which cannot be exercised without one. A page array needs nothing but the copy
-that creates it (a ``device_put``, or on CPU the gather that writes it straight into
-host memory: ``duplexkv.mover``'s fused mode), the same on every backend: it is written
-once, by that copy, and only read afterwards, so a freed page is a dropped reference (an
-in-flight copy holds its own) and reusing a host page can never race with a transfer.
-Capacity is enforced by the host free list (``num_host_pages``); memory is taken as
-pages are used.
+One array per page, not one preallocated host array: writing a page into such an array
+is a dynamic-update-slice of a host operand, which XLA:CPU upcasts over the whole array
+for bf16 and which on GPU needs the host-offload pass. A page array is written once, by
+the copy that creates it, and only read after, so freeing a page drops a reference (a
+copy in flight holds its own) and reusing one never races with a transfer.
 """
 
 from __future__ import annotations
@@ -25,8 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-
-from superinfer_jax.config import EngineConfig
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
@@ -40,21 +26,18 @@ def host_memory_kind(device: jax.Device) -> str:
     raise RuntimeError(f"device {device} exposes no host memory kind (has {sorted(kinds)})")
 
 
-def num_host_pages_for(config: EngineConfig, page_bytes: int) -> int:
+def num_host_pages_for(host_memory_gb: float, num_host_pages: int | None,
+                       page_bytes: int) -> int:
     """Host tier capacity in pages: ``num_host_pages`` if set, else ``host_memory_gb``."""
-    if config.num_host_pages is not None:
-        return config.num_host_pages
-    return int(config.host_memory_gb * (1 << 30)) // page_bytes
+    if num_host_pages is not None:
+        return num_host_pages
+    return int(host_memory_gb * (1 << 30)) // page_bytes
 
 
 class HostPool:
-    """Arrays of the host tier. Holds references only; ids are owned by the KV manager.
-
-    ``page_sharding`` (tensor parallelism): where a device page lives, e.g. split over KV
-    heads on a mesh. Host pages then use the same sharding in host memory, so each
-    device's slice of a page is copied to and from its own host's memory, never between
-    devices. Without it, pages live on ``device`` (default: the first device).
-    """
+    """Arrays of the host tier, by host page id. ``page_sharding`` (tensor parallelism):
+    host pages are split as device pages are, so each device copies its own slice;
+    without it, pages live on ``device`` (default: the first device)."""
 
     def __init__(self, num_pages: int, device: jax.Device | None = None,
                  page_sharding: jax.sharding.Sharding | None = None):

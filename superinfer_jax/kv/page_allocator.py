@@ -1,23 +1,14 @@
 """Device page bookkeeping: a free list and one page table per request.
 
-Pure host code over ints; the scheduler sees pages only through this seam
-(``can_allocate``, ``allocate_for``, ``free``), never through arrays.
+Pure host code over ints; the scheduler sees pages only through ``can_allocate``,
+``allocate_for`` and ``free``. Every page id in ``[1, num_pages)`` is free, or cached
+(registered in ``prefix_cache``, no reference), or in page tables (``refcount[p]`` of
+them); page 0 is the null page. ``num_free_pages`` counts free and cached pages: a cached
+page is taken when the free list is empty, so it is room like a free one.
 
-Every page id in ``[1, num_pages)`` is in the free list, or cached (``prefix_cache``:
-registered under a block hash, no reference, reclaimable), or referenced by page tables:
-``refcount[p]`` is the number of tables that hold ``p``. Without prefix caching no page is
-ever cached or shared, so every page is free or in exactly one table. Page 0 is the null
-page and is never handed out. ``num_free_pages`` counts the free *and* the cached pages:
-a cached page is taken (evicted, least recently released first) when the free list is
-empty, so it is room like a free one.
-
-OBJECT_IDS: where a hot loop moves page ids from one list to another without arithmetic
-(a rotation's host table, the shadows it makes), it reads the lists through
-``cast(list[object], ...)``. Compiled with mypyc (``superinfer_jax.mypyc_build``), an
-element of a ``list[int]`` is unboxed when read and boxed again when stored, and boxing
-an int above 256 allocates a new object; as objects the same reference is stored (the
-values are the same ints). Copying 31 page ids between lists took 580 ns as ints and
-194 ns as objects (mypyc of mypy 2.4, a 2-core AMD EPYC).
+OBJECT_IDS: hot loops that move page ids between lists without arithmetic read them
+through ``cast(list[object], ...)``: compiled with mypyc, a ``list[int]`` element is
+unboxed when read and boxed again (a new object above 256) when stored.
 """
 
 from __future__ import annotations
@@ -31,8 +22,7 @@ from superinfer_jax.kv.prefix_cache import PrefixCache, page_tokens
 
 def pop_many(free: list[int], n: int, what: str = "pages") -> list[int]:
     """``n`` items off the end of the LIFO list ``free``, in the order ``n`` pops would give
-    them, in one slice (a rotation takes tens of pages: one ``pop`` each cost more than the
-    rest of the rotation's bookkeeping). MemoryError when fewer are left."""
+    them, in one slice; MemoryError when fewer are left."""
     if n > len(free):
         raise MemoryError(f"asked for {n} {what}, {len(free)} free")
     if n <= 0:
@@ -44,8 +34,7 @@ def pop_many(free: list[int], n: int, what: str = "pages") -> list[int]:
 
 
 class PageAllocator:
-    """LIFO free list: recently freed pages are reused first (warm in cache). A list, not
-    a deque: a batch of pages is taken from its end in one slice (a rotation takes tens)."""
+    """LIFO free list: recently freed pages are reused first (warm in cache)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
@@ -97,16 +86,12 @@ class KVCacheManager:
         return max(0, -(-num_tokens // self.page_size) - have)
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
-        # ``pages_needed`` inlined: the scheduler asks this for every row of every step,
-        # and the clamp at 0 changes nothing since the free count is never negative.
+        # ``pages_needed`` inlined (asked for every row of every step; no clamp needed)
         need = -(-num_tokens // self.page_size) - len(self.page_tables.get(req_id, ()))
         return need <= self.num_free_pages
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
-        """Grow ``req_id``'s table to hold ``num_tokens``; returns the new pages.
-
-        Most calls are decode rows whose tail page still has room (15 of 16 tokens at
-        page size 16): those return at once, without touching the free list."""
+        """Grow ``req_id``'s table to hold ``num_tokens``; returns the new pages."""
         table = self.page_tables.get(req_id)
         if table is not None and -(-num_tokens // self.page_size) <= len(table):
             return []
@@ -128,7 +113,6 @@ class KVCacheManager:
         """Pages referenced by some request (a shared page counts once)."""
         return self.allocator.num_usable - self.num_free_pages
 
-    # -- prefix caching ------------------------------------------------------------------
 
     def match_prefix(self, hashes: list[bytes], max_pages: int) -> list[int]:
         """Cached pages holding the longest prefix of ``hashes`` (none without caching)."""
@@ -137,8 +121,8 @@ class KVCacheManager:
         return self.prefix_cache.match(hashes, max_pages)
 
     def can_allocate_with_prefix(self, prefix: list[int], num_tokens: int) -> bool:
-        """Whether a request with no pages can take ``prefix`` and grow to ``num_tokens``:
-        the cached pages of ``prefix`` stop being room once referenced."""
+        """Whether a request with no pages can take ``prefix`` and grow to ``num_tokens``
+        (the cached pages of ``prefix`` stop being room once referenced)."""
         need = -(-num_tokens // self.page_size) - len(prefix)
         taken = sum(self.refcount[p] == 0 for p in prefix)
         return need <= self.num_free_pages - taken
@@ -158,17 +142,15 @@ class KVCacheManager:
         self._num_registered[req_id] = len(prefix)
 
     def set_kv_events(self, log: KVEventLog | None) -> None:
-        """Report KV events to ``log`` from now on (None: stop). Attached after pages
-        were cached, the log misses them: the engine attaches it before any request."""
+        """Report KV events to ``log`` from now on (None: stop)."""
         if self.prefix_cache is not None:
             self.prefix_cache.events = log
 
     def register_full_pages(self, req_id: str, hashes: list[bytes], num_computed: int,
                             prompt: Sequence[int] = (), output: Sequence[int] = ()) -> None:
-        """Register ``req_id``'s full pages whose hash is known and whose KV a dispatched
-        step writes (the first ``num_computed`` tokens): they become findable. Cheap when
-        nothing filled since the last call (every step, every runner). ``prompt`` and
-        ``output`` (the request's tokens) describe the pages to KV events, when on."""
+        """Make ``req_id``'s full pages findable: those whose hash is known and whose KV a
+        dispatched step writes (the first ``num_computed`` tokens). ``prompt`` and
+        ``output`` describe the pages to KV events, when on."""
         cache = self.prefix_cache
         if cache is None:
             return
@@ -188,11 +170,9 @@ class KVCacheManager:
         if upto > done:
             self._num_registered[req_id] = upto
 
-    # -- internals -----------------------------------------------------------------------
 
     def _take(self, n: int) -> list[int]:
-        """``n`` pages with one reference each: free ones first, then cached ones (the
-        least recently released first; they are forgotten)."""
+        """``n`` pages with one reference each: free ones first, then evicted cached ones."""
         if n > self.num_free_pages:
             raise MemoryError(f"asked for {n} pages, {self.num_free_pages} free")
         k = min(n, self.allocator.num_free)
@@ -211,9 +191,7 @@ class KVCacheManager:
         return cache.evict()
 
     def _release(self, pages: list[int]) -> list[int]:
-        """Drop one reference to each of ``pages``, tail first; returns the pages that
-        lost their last one. Those go to the cache when registered, else to the free list
-        (in the order the allocator has always been given them)."""
+        """Drop a reference to each of ``pages``, tail first; returns those left with none."""
         refcount, cache = self.refcount, self.prefix_cache
         if cache is None:  # nothing shared: each page is in this one table (docstring)
             for p in pages:
@@ -228,3 +206,31 @@ class KVCacheManager:
                 unref.append(p)
         self.allocator._free.extend(p for p in unref if not cache.on_released(p))
         return unref
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the device page bookkeeping is inconsistent."""
+        dev_owned = [d for t in self.page_tables.values() for d in t]
+        dev_free = list(self.allocator._free)
+        counts: dict[int, int] = {}
+        for d in dev_owned:
+            counts[d] = counts.get(d, 0) + 1
+        for d in range(self.allocator.num_pages):
+            assert self.refcount[d] == counts.get(d, 0), f"refcount of page {d}"
+        for t in self.page_tables.values():
+            assert len(set(t)) == len(t), "a page twice in one table"
+        cache = self.prefix_cache
+        cached = [] if cache is None else list(cache.evictable)
+        if cache is None:
+            assert len(set(dev_owned)) == len(dev_owned), "a page shared without caching"
+        else:
+            assert set(cache.evictable) == {p for p in cache.page_hash
+                                            if self.refcount[p] == 0}, \
+                "cached pages are not exactly the registered pages without a reference"
+            for h, pages in cache.pages_of.items():
+                assert pages and all(cache.page_hash[p] == h for p in pages), "hash index"
+            assert sum(len(v) for v in cache.pages_of.values()) == len(cache.page_hash)
+            assert not set(cache.page_hash) & set(dev_free), "a registered page is free"
+        assert sorted(set(dev_owned) | set(dev_free) | set(cached)) == \
+            list(range(1, self.allocator.num_pages)) and \
+            len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
+            "device pages: some page is lost, or both free and owned"

@@ -1,37 +1,20 @@
 """Automatic prefix caching, device tier: content-addressed full pages.
 
-A page full of tokens gets a *block hash* chained from its parent page's hash, its own
-token ids and the request's isolation key (the model identity and the request's
-``cache_salt``): two pages with the same hash hold the KV of the same tokens after the
-same prefix, for the same model and tenant, so they are interchangeable. Hashes are
-blake2b over bytes (stable across processes, unlike ``hash``), computed incrementally:
-``extend_block_hashes`` hashes only the pages that filled since the last call.
+A full page's *block hash* chains its parent page's hash, its token ids and the
+request's isolation key (model and ``cache_salt``): pages with one hash hold the same KV
+and are interchangeable. Hashes are blake2b (stable across processes), computed
+incrementally (``extend_block_hashes``).
 
-``PrefixCache`` is the device tier's bookkeeping, pure host ints (the page manager,
-``KVCacheManager``, composes it):
-
-- every device page held by a request has a reference count (the number of page tables
-  it is in); a full page whose KV is written is *registered* under its hash;
-- a registered page whose count drops to 0 stays cached and findable, in ``evictable``
-  (least recently released first); it is reclaimed only when the free list is empty and a
-  page is needed. A request releases its pages tail first (as vLLM V1 does), so within
-  one chain the child is always evicted before its parent: the set of registered hashes
-  stays *prefix-closed* (every registered page's parent hash is registered too), and
-  ``match`` never finds a chain with a hole;
-- the same hash may be registered for several pages (two requests that computed the same
-  prompt at once): each copy is cached and findable, so none is lost early;
+``PrefixCache`` keeps what is findable (reference counts live in ``KVCacheManager``):
+- a full page whose KV is written is *registered* under its hash; at reference count 0 it
+  stays cached in ``evictable`` and is reclaimed only when the free list is empty;
+- pages are released tail first (as in vLLM V1), so a chain's child is evicted before its
+  parent: the registered hashes stay *prefix-closed* and ``match`` finds no holes;
+- one hash may be registered for several pages (two requests computed one prompt);
 - a partial tail page is never registered, so never shared;
-- *wanted* hashes (``want``): the prompt pages of requests waiting for their first
-  admission. A cached page whose hash is wanted is reclaimed only once no other cached
-  page is left (``loose`` holds the others, oldest release first): the queue is known
-  demand, a certain hit ahead, where the least recently used unwanted page is only a
-  possible one. In the offline replay of the Mooncake conversation trace a request
-  waited while the 64-page prefix it was about to reuse aged out of the LRU under it
-  (``benchmarks.prefix_cache``). Wanted sets are prefix-closed (a request wants its
-  chain from the first page), so the cache stays prefix-closed.
-
-With ``events`` set (a ``kv.events.KVEventLog``), a hash's first registered page and
-the eviction of its last one are reported there (KV events, ``kv.events``).
+- *wanted* hashes (``want``: prompt pages of requests waiting for their first admission)
+  are reclaimed only when no other cached page is left: the queue is certain demand.
+  Wanted sets are prefix-closed, so the cache stays prefix-closed.
 """
 
 from __future__ import annotations
@@ -80,8 +63,7 @@ def page_tokens(prompt: Sequence[int], output: Sequence[int], index: int,
 
 def extend_block_hashes(hashes: list[bytes], prompt: Sequence[int], output: Sequence[int],
                         page_size: int, key: bytes) -> None:
-    """Append the hashes of the full pages of ``prompt + output`` not hashed yet (only
-    the new ones: a decode step that fills no page costs one comparison)."""
+    """Append the hashes of the full pages of ``prompt + output`` not hashed yet."""
     known = len(prompt) + len(output)
     while (len(hashes) + 1) * page_size <= known:
         tokens = page_tokens(prompt, output, len(hashes), page_size)
@@ -89,19 +71,13 @@ def extend_block_hashes(hashes: list[bytes], prompt: Sequence[int], output: Sequ
 
 
 class PrefixCache:
-    """Hashes of registered device pages and the LRU of cached, unreferenced ones.
-
-    Reference counts live in the page manager (``KVCacheManager.refcount``); this class
-    keeps what is findable. ``evictable`` holds registered pages with no reference,
-    oldest release first; ``queries`` / ``hits`` count prompt tokens looked up and found
-    at admissions (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``)."""
+    """Registered device pages by hash, and the LRU of unreferenced ones (``evictable``)."""
 
     def __init__(self) -> None:
         self.page_hash: dict[int, bytes] = {}  # registered page -> its hash
         self.pages_of: dict[bytes, dict[int, None]] = {}  # hash -> registered pages
         self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0; LRU first
-        # waiting requests per hash (``want``), and the evictable pages of hashes no one
-        # waits for, oldest release first: the ones ``evict`` takes first
+        # waiting requests per hash, and the evictable pages no one waits for (LRU)
         self.wanted: dict[bytes, int] = {}
         self.loose: OrderedDict[int, None] = OrderedDict()
         self.queries = 0
@@ -113,15 +89,12 @@ class PrefixCache:
         return len(self.page_hash)
 
     def __bool__(self) -> bool:
-        # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
+        # mypyc tests a native object's truth without ``__len__`` (see mypyc_build)
         return len(self) > 0
 
     def register(self, page: int, h: bytes, parent: bytes | None = None,
                  token_ids: Sequence[int] | None = None) -> None:
-        """``page`` (referenced, full, its KV written or being written by a dispatched
-        step) holds the tokens hashed ``h``. ``parent`` (the previous page's hash, None
-        for a first page) and ``token_ids`` describe it to KV events."""
+        """``page`` holds the tokens hashed ``h`` (``parent``, ``token_ids``: for events)."""
         if page in self.page_hash:
             return
         self.page_hash[page] = h
@@ -148,8 +121,7 @@ class PrefixCache:
         self.loose.pop(page, None)
 
     def on_released(self, page: int) -> bool:
-        """``page`` lost its last reference: cache it (True) if registered, else it goes
-        back to the free list (False)."""
+        """``page`` lost its last reference: cache it (True) if registered, else False."""
         h = self.page_hash.get(page)
         if h is not None:
             self.evictable[page] = None
@@ -159,8 +131,7 @@ class PrefixCache:
         return False
 
     def want(self, hashes: Sequence[bytes]) -> None:
-        """A request waiting for its first admission will look these pages up (its
-        prompt's chain from the first page): keep their cached copies past the others."""
+        """A waiting request will look these pages up: keep them past the others."""
         wanted, loose, pages_of = self.wanted, self.loose, self.pages_of
         for h in hashes:
             n = wanted.get(h, 0)
@@ -170,9 +141,7 @@ class PrefixCache:
                     loose.pop(p, None)
 
     def unwant(self, hashes: Sequence[bytes]) -> None:
-        """The request that ``want``-ed ``hashes`` left the queue (admitted, aborted).
-        A cached page nobody waits for any more rejoins the others as the most recently
-        released, tail first, so a chain's child still goes before its parent."""
+        """The request that wanted ``hashes`` left the queue: unwanted pages rejoin the LRU."""
         wanted, loose, pages_of, evictable = self.wanted, self.loose, self.pages_of, \
             self.evictable
         for h in reversed(hashes):
@@ -186,8 +155,7 @@ class PrefixCache:
                     loose[p] = None
 
     def victim(self) -> int:
-        """The cached page ``evict`` reclaims next: the least recently released one no
-        waiting request wants, else the least recently released one."""
+        """The cached page ``evict`` takes: the LRU one nobody wants, else the LRU one."""
         return next(iter(self.loose if self.loose else self.evictable))
 
     def evict(self) -> int:

@@ -1,39 +1,18 @@
 """Two-tier page bookkeeping: device page tables, host page tables, host shadows.
 
-Pure host code over ints, like ``KVCacheManager`` which it extends. The scheduler sees
-rotation only through this seam:
-
-    can_rotate_out(req_id)  rotate_out(req_id, num_computed_tokens) -> PageMoves
-    can_rotate_in(req_id)   rotate_in(req_id) -> PageMoves
-    is_resident(req_id)     rotation_cost_out/_in(req_id)   num_host_free_pages
-
-Where a request's KV lives (``Residency``):
+Pure host ints, extending ``KVCacheManager``. Where a request's KV lives (``Residency``):
 
     DEVICE --rotate_out--> ROTATING_OUT --finish_rotate_out--> HOST
     HOST --rotate_in--> ROTATING_IN --finish_rotate_in--> DEVICE
 
-A *shadow* is a host copy of a full device page of a DEVICE request. Full pages never
-change (pages are append-only; only the tail page is written), so a shadow stays valid
-until its device page is freed, and a later rotate_out moves only the *dirty* pages (those
-without a shadow: normally just the partially filled tail). rotate_out frees the device
-pages at once: the rotation engine gathers them before the step that may reuse them is
-dispatched (ordering is by JAX data dependencies, see ``duplexkv.rotation``). rotate_in
-reserves device pages at once; the pages are written when the copies arrive.
+A *shadow* is a host copy of a full device page. Pages are append-only, so a shadow stays
+valid until its device page is freed, and a rotate_out copies only the *dirty* pages
+(normally just the tail). rotate_out frees device pages at once (the rotation engine
+gathers them before the step that may reuse them: ``duplexkv.rotation``); rotate_in
+reserves them at once. A page shared by several tables (prefix caching) keeps its
+shadow for the others when one request leaves.
 
-With prefix caching a full device page may be in several page tables (shared read-only,
-reference-counted); rotate_out then drops only this request's references (the others
-keep the page, and lose its shadow if this request takes the host copy with it), free
-keeps the shadow of a page others still hold, and rotate_in takes pages of its own.
-
-Invariants (``check_invariants``, property-tested here and in ``test_prefix_cache``):
-- every device page in [1, num_pages) is free, or cached (registered, no reference), or
-  in page tables, its reference count being how many (one at most without caching);
-- every host page in [1, num_host_pages] is free, or exactly one shadow, or in exactly
-  one host page table;
-- shadows belong to device pages of DEVICE or ROTATING_IN requests (a page arriving from
-  the host keeps its host copy as its shadow); HOST and ROTATING_OUT requests hold
-  no device pages; ROTATING_IN requests hold device pages, plus the host copy of their
-  tail page until it lands. Host pages a copy in flight reads are never reclaimed.
+Invariants: ``check_invariants``. Host pages a copy in flight reads are never reclaimed.
 """
 
 from __future__ import annotations
@@ -44,10 +23,10 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import cast
 
-from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.events import KVEventLog
 from superinfer_jax.kv.host_cache import HostCache
-from superinfer_jax.kv.page_allocator import KVCacheManager, pop_many
+from superinfer_jax.kv.host_tier import HostTier, ShadowTable
+from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.kv.prefix_cache import PrefixCache
 
 
@@ -58,18 +37,15 @@ class Residency(enum.IntEnum):
     ROTATING_IN = 3
 
 
-# The members as module constants: on Python 3.11 ``Residency.X`` (an enum member looked
-# up on its class) costs several times a global, and every rotation asks a few of them.
+# as globals: an enum member looked up on its class costs several times as much
 _DEVICE, _ROTATING_OUT, _HOST, _ROTATING_IN = (
     Residency.DEVICE, Residency.ROTATING_OUT, Residency.HOST, Residency.ROTATING_IN)
 
 
 @dataclass
 class PageMoves:
-    """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Not
-    frozen, but never changed once made: compiled, a frozen dataclass took 0.6 us to
-    make against 0.2 us, and a paper-scale step makes tens of them. Its ``__init__`` is
-    written out (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
+    """Copies of one request's pages: ``device_pages[i]`` <-> ``host_pages[i]``. Never
+    changed, not frozen, ``__init__`` written out (``NATIVE_INIT`` in mypyc_build)."""
 
     req_id: str
     device_pages: tuple[int, ...]
@@ -87,8 +63,7 @@ class PageMoves:
         return len(self.device_pages)
 
     def __bool__(self) -> bool:
-        # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
+        # mypyc tests a native object's truth without ``__len__`` (see mypyc_build)
         return len(self) > 0
 
 
@@ -100,58 +75,25 @@ class TwoTierKVManager(KVCacheManager):
                  host_cache_max_pages: int | None = None):
         super().__init__(num_pages, page_size, prefix_caching=prefix_caching)
         self.num_host_pages = num_host_pages
-        # Host tier of the prefix cache: with caching, a host tier, and room for it.
-        self.host_cache: HostCache | None = None
         self.host_cache_max_pages = num_host_pages if host_cache_max_pages is None \
             else min(host_cache_max_pages, num_host_pages)
+        self.host_cache: HostCache | None = None
         if prefix_caching and self.host_cache_max_pages > 0:
             self.host_cache = HostCache(host_cache_eviction)
-        # Hashes of host-tier hits on their way in (hash -> req_id): the pages become
-        # findable on the device once they land; until then a request needing them waits.
+        self.host_tier = HostTier(num_host_pages, self.host_cache, self.host_cache_max_pages)
+        self.shadow_table = ShadowTable(num_pages)
+        # host-tier hits on their way in (hash -> req_id): a request needing them waits
         self.arriving: dict[bytes, str] = {}
         self._arriving_of: dict[str, list[bytes]] = {}
-        # Spill on eviction: a cached device page without a shadow, reclaimed by the
-        # device, is copied to a host page first (up to ``spill_budget`` pages; the
-        # scheduler sets it each step and issues ``take_spills``). Until then the host page
-        # belongs to the copy (in ``_spills``): not findable, not reclaimable.
+        # an evicted cached page without a shadow is copied to the host first (up to
+        # ``spill_budget`` pages a step); the host page is the copy's until ``take_spills``
         self.spill_budget = 0
         self._spills: list[tuple[int, int, bytes]] = []  # (device page, host page, hash)
-        self._host_free: list[int] = list(range(num_host_pages, 0, -1))  # LIFO
         self.host_tables: dict[str, list[int]] = {}  # HOST / ROTATING_OUT requests
-        # Shadows, indexed by device page: lists, not dicts, because a rotation moves
-        # tens of pages and indexing a list costs a fraction of a dict operation (in the
-        # paper-scale simulation, per-page dict work was a third of RotaSched's run).
-        # ``_shadow_host[d]``: the host page holding d's copy (0: no shadow); when it
-        # was made (``_reclaimable`` takes the oldest first): ``_shadow_batch[d]``, the
-        # number of the ``_add_shadows`` call, and ``_shadow_pos[d]``, d's place in it;
-        # ``_shadow_owner[d]`` below. All three are stale where ``_shadow_host[d]`` is 0.
-        # (A batch number is one int object shared by the batch's pages, stored as
-        # ``object``: mypyc would box a typed int again for every page.)
-        self._shadow_host: list[int] = [0] * num_pages
-        self._shadow_batch: list[object] = [0] * num_pages
-        self._shadow_pos: list[int] = [0] * num_pages
-        self._num_batches = 0
         self.residency: dict[str, Residency] = {}
         self._num_full: dict[str, int] = {}  # full pages of a parked request
-        self._freed_host: list[int] = []  # freed since the last take_freed_host_pages
-        # Scan positions, so that the per-step shadow planning and dirty counts do not
-        # rescan every page table: ``_num_clean[r] = k`` promises that the first k device
-        # pages of r are shadowed (absent: 0; a lower bound is always safe). Dropping a
-        # shadow finds its request in ``_shadow_owner`` (device page -> req_id of its
-        # shadow) and forgets that promise.
+        # the first k device pages of r are shadowed (a lower bound): scans start there
         self._num_clean: dict[str, int] = {}
-        # None: the shadow of a cached device page (registered, no reference). It stays,
-        # so that when the device evicts the page, the page stays findable on the host.
-        self._shadow_owner: list[str | None] = [None] * num_pages
-
-    @classmethod
-    def for_config(cls, config: EngineConfig, num_pages: int, num_host_pages: int
-                   ) -> TwoTierKVManager:
-        """The manager a config asks for (the engine's and the simulator's)."""
-        return cls(num_pages, config.page_size, num_host_pages,
-                   prefix_caching=config.enable_prefix_caching,
-                   host_cache_eviction=config.host_cache_eviction,
-                   host_cache_max_pages=config.host_cache_max_pages)
 
     def set_kv_events(self, log: KVEventLog | None) -> None:
         """Both tiers report KV events to ``log`` (see ``KVCacheManager.set_kv_events``)."""
@@ -159,34 +101,28 @@ class TwoTierKVManager(KVCacheManager):
         if self.host_cache is not None:
             self.host_cache.events = log
 
-    # -- queries -------------------------------------------------------------------------
 
     @property
     def num_host_free_pages(self) -> int:
         """Host pages a rotation or shadow may take: free, plus cache-only ones."""
-        cache = self.host_cache
-        return len(self._host_free) + (len(cache) if cache is not None else 0)
+        return self.host_tier.num_free
 
     @property
     def num_host_cached_pages(self) -> int:
-        """Host pages no request needs that hold cached KV: cache-only pages (findable by
-        hash) and the shadows of cached device pages. Reclaimable, so free in the
-        reports, as the device tier's cached pages are."""
+        """Cache-only host pages and shadows of cached device pages (reclaimable)."""
         cache_only = 0 if self.host_cache is None else len(self.host_cache)
-        owner = self._shadow_owner
-        return cache_only + sum(owner[d] is None for d in self._shadowed_pages())
+        return cache_only + self.shadow_table.num_cached()
 
     @property
     def num_host_unused_pages(self) -> int:
-        """Host pages in use by no request: free or cached (what reports call free)."""
-        return len(self._host_free) + self.num_host_cached_pages
+        """Host pages in use by no request: free or cached."""
+        return len(self.host_tier.free) + self.num_host_cached_pages
 
     @property
     def shadows(self) -> dict[int, int]:
-        """Device page -> host page of every shadow, oldest first (a copy, for reports
-        and tests: the manager keeps them in lists indexed by device page)."""
-        host = self._shadow_host
-        return {d: host[d] for d in self._shadows_oldest_first()}
+        """Device page -> host page of every shadow, oldest first (a copy)."""
+        host = self.shadow_table.host
+        return {d: host[d] for d in self.shadow_table.oldest_first()}
 
     def residency_of(self, req_id: str) -> Residency:
         return self.residency.get(req_id, _DEVICE)
@@ -201,12 +137,11 @@ class TwoTierKVManager(KVCacheManager):
     def dirty_pages(self, req_id: str) -> list[int]:
         """Device pages of ``req_id`` whose host copy is missing or stale."""
         table = self.page_table(req_id)
-        host = self._shadow_host
+        host = self.shadow_table.host
         return [d for d in table[self._num_clean.get(req_id, 0):] if not host[d]]
 
     def num_shadowed_pages(self, req_id: str) -> int:
-        """Leading device pages of ``req_id`` known to have a shadow (a lower bound):
-        ``plan_shadows`` has nothing to copy for a request with no more full pages."""
+        """Leading device pages of ``req_id`` known to have a shadow (a lower bound)."""
         return self._num_clean.get(req_id, 0)
 
     def rotation_cost_out(self, req_id: str) -> int:
@@ -217,16 +152,11 @@ class TwoTierKVManager(KVCacheManager):
         return len(self.host_table(req_id))
 
     def can_rotate_out(self, req_id: str) -> bool:
-        """Resident, holds pages, and the host tier has room (reclaiming others' shadows).
-
-        Others' shadows are looked at only when the free host pages fall short, and only
-        as many as are missing: listing every reclaimable shadow costs a pass over all of
-        them, on every rotation the policies consider."""
+        """Resident, holds pages, and the host tier has room (reclaiming others' shadows)."""
         return self._out_cost(req_id) is not None
 
     def _out_cost(self, req_id: str) -> int | None:
-        """``rotation_cost_out`` when ``can_rotate_out``, else None (one pass for both:
-        a rotation asks both)."""
+        """``rotation_cost_out`` when ``can_rotate_out``, else None (one pass for both)."""
         table = self.page_table(req_id)
         if not self.is_resident(req_id) or not table:
             return None
@@ -238,7 +168,6 @@ class TwoTierKVManager(KVCacheManager):
         return (self.residency_of(req_id) == _HOST
                 and self.rotation_cost_in(req_id) <= self.num_free_pages)
 
-    # -- device tier (base class), guarded -----------------------------------------------
 
     def allocate_for(self, req_id: str, num_tokens: int) -> list[int]:
         state = self.residency.get(req_id)  # ``is_resident`` inlined: called every row
@@ -247,15 +176,11 @@ class TwoTierKVManager(KVCacheManager):
         return super().allocate_for(req_id, num_tokens)
 
     def free(self, req_id: str) -> int:
-        """Free every page of ``req_id`` in both tiers (finish, abort, preempt, failure).
-
-        A device page others still share keeps its shadow (its owner becomes one of
-        them). A page that loses its last reference keeps its shadow, owned by nobody,
-        when it stays cached on the device (registered) and the host tier caches too:
-        evicted from the device later, it stays findable on the host. Otherwise its
-        shadow is freed."""
+        """Free every page of ``req_id`` in both tiers. A shadow stays with a page others
+        share, or, owned by nobody, with a page cached on the device when the host tier
+        caches too (evicted later, it stays findable on the host)."""
         table = self.page_tables.get(req_id, [])
-        host, owner, refcount = self._shadow_host, self._shadow_owner, self.refcount
+        host, owner, refcount = self.shadow_table.host, self.shadow_table.owner, self.refcount
         host_ids = cast(list[object], host)  # ids as objects (``OBJECT_IDS``)
         shadowed = [i for i in range(len(table)) if host[table[i]]]  # positions in table
         registered = self.prefix_cache.page_hash if self.prefix_cache is not None else {}
@@ -270,56 +195,49 @@ class TwoTierKVManager(KVCacheManager):
             else:
                 dropped.append(host_ids[d])
                 host[d] = 0
-        # one batch: the free list's order as it has been
-        self._release_host(cast(list[int], dropped))
+        self.host_tier.release(cast(list[int], dropped))  # one batch: the same free order
         for i in shadowed:
             d = table[i]
             if refcount[d] > 1 and owner[d] == req_id:
                 owner[d] = next(r for r in self._holders({d}) if r != req_id)
         self._num_clean.pop(req_id, None)
-        self._release_host(self.host_tables.pop(req_id, []))
+        self.host_tier.release(self.host_tables.pop(req_id, []))
         self._forget_arriving(req_id)
         self.residency.pop(req_id, None)
         self._num_full.pop(req_id, None)
         return super().free(req_id)
 
-    # -- rotation ------------------------------------------------------------------------
 
     def rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves:
-        """Park ``req_id`` on the host. Frees its device pages now; returns the copies to
-        issue (dirty pages only) before any later step is dispatched."""
+        """Park ``req_id`` on the host: frees its device pages now; returns the copies of
+        its dirty pages, to issue before any later step is dispatched."""
         moves = self.try_rotate_out(req_id, num_computed_tokens)
         if moves is None:
             raise RuntimeError(f"cannot rotate out {req_id}")
         return moves
 
     def try_rotate_out(self, req_id: str, num_computed_tokens: int) -> PageMoves | None:
-        """``rotate_out`` if ``can_rotate_out``, else None (the scheduler's question and
-        its rotation in one look at the page table)."""
+        """``rotate_out`` if ``can_rotate_out``, else None (one look at the page table)."""
         cost = self._out_cost(req_id)
         if cost is None:
             return None
-        short = self._free_host_cache(cost)
+        tier = self.host_tier
+        short = tier.free_cache(cost)
         for d in self._reclaim(self.page_table(req_id), short):
-            self._release_host([self._drop_shadow(d)])
+            tier.release([self._drop_shadow(d)])
         table = self.page_tables.pop(req_id)
         self._num_clean.pop(req_id, None)
         self._num_registered.pop(req_id, None)
         moves_dev: list[int] = []
         moves_host: list[int] = []
-        # A page table per rotation, several rotations a contended step, and most pages
-        # shadowed already: their host copies move to req_id's host table in one pass,
-        # then the dirty ones (0) get fresh host pages, in table order. Page ids are moved
-        # as objects (``OBJECT_IDS`` in ``page_allocator``).
-        shadow_host, refcount = cast(list[object], self._shadow_host), self.refcount
+        # shadows become the host table in one pass, dirty pages (0) get fresh host pages
+        shadow_host, refcount = cast(list[object], self.shadow_table.host), self.refcount
         pages = cast(list[object], table)
         hosts = [shadow_host[d] for d in table]  # 0: dirty
         for d in table:
             shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
             # the others sharing a shadowed page lose its shadow: one ``_holders`` pass
-            # for all of them (a pass per page was a quarter of a 32k-context Mooncake
-            # simulation, whose tables are thousands of pages long)
             shared = {table[i] for i in range(len(table)) if hosts[i] and refcount[table[i]] > 1}
             if shared:
                 for r in self._holders(shared):
@@ -327,7 +245,7 @@ class TwoTierKVManager(KVCacheManager):
         dirty = [i for i in range(len(hosts)) if not hosts[i]]
         if dirty:
             moves_dev = cast(list[int], [pages[i] for i in dirty])
-            moves_host = self._take_host(len(dirty))
+            moves_host = tier.take(len(dirty))
             fresh = cast(list[object], moves_host)
             for j in range(len(dirty)):  # indexed: a zip with ``strict`` is a generic call
                 hosts[dirty[j]] = fresh[j]
@@ -344,17 +262,14 @@ class TwoTierKVManager(KVCacheManager):
 
     def rotate_in(self, req_id: str) -> PageMoves:
         """Bring ``req_id`` back: reserves device pages now; returns every page to copy.
-
-        The host copies of full pages stay, as shadows of the new device pages; the tail
-        page's host copy is kept until the pages land, then freed (it goes stale as soon
-        as the request appends)."""
+        Full pages' host copies stay as shadows; the tail's is freed once they land."""
         if not self.can_rotate_in(req_id):
             raise RuntimeError(f"cannot rotate in {req_id}")
         host_table = self.host_tables.pop(req_id)
         device = self._take(len(host_table))  # pages of its own, never shared ones
         self.page_tables[req_id] = device
         num_full = self._num_full.pop(req_id)
-        self._add_shadows(device[:num_full], host_table[:num_full], req_id)
+        self.shadow_table.add(device[:num_full], host_table[:num_full], req_id)
         self._num_clean[req_id] = num_full
         self.host_tables[req_id] = host_table[num_full:]  # the tail, freed on arrival
         self.residency[req_id] = _ROTATING_IN
@@ -362,7 +277,7 @@ class TwoTierKVManager(KVCacheManager):
 
     def finish_rotate_in(self, req_id: str) -> None:
         self._expect(req_id, _ROTATING_IN)
-        self._release_host(self.host_tables.pop(req_id))
+        self.host_tier.release(self.host_tables.pop(req_id))
         del self.residency[req_id]  # back to the default, DEVICE
         self._forget_arriving(req_id)
 
@@ -371,27 +286,19 @@ class TwoTierKVManager(KVCacheManager):
             if self.arriving.get(h) == req_id:
                 del self.arriving[h]
 
-    # -- shadows -------------------------------------------------------------------------
 
     def plan_shadows(self, num_computed: dict[str, int], max_pages: int) -> list[PageMoves]:
         """Host copies for full, unshadowed pages of resident requests (eager shadowing).
-
-        ``num_computed``: req_id -> tokens whose KV is in the pool the copy will read.
-        Uses free host pages, then cache-only ones (the newest content replaces the
-        coldest); it never drops another request's shadow (a shadow is an optimisation).
-        This runs every step over every running request, so a request whose full pages
-        are all shadowed costs a dict look-up, not a pass over its page table."""
+        ``num_computed``: req_id -> tokens whose KV is in the pool the copy reads. Takes
+        free host pages, then cache-only ones; never drops another request's shadow."""
         out: list[PageMoves] = []
-        shadow_host, clean = self._shadow_host, self._num_clean
+        shadow_host, clean = self.shadow_table.host, self._num_clean
         page_size = self.page_size
         room = self.num_host_free_pages  # changes only where pages are taken below
         if max_pages <= 0 or not room:
             return out
-        # Most requests have every full page shadowed (the common case): they are left out
-        # in one comprehension, not a turn of this loop each (the loop changes no other
-        # request's scan position, so the filter may run first).
         due = [(q, c) for q, c in num_computed.items() if c // page_size > clean.get(q, 0)]
-        residency = self.residency
+        residency, tier = self.residency, self.host_tier
         for req_id, n in due:
             start = clean.get(req_id, 0)
             table = self.page_tables.get(req_id)
@@ -407,9 +314,9 @@ class TwoTierKVManager(KVCacheManager):
                 continue
             pages = cast(list[object], table)  # ids as objects (``OBJECT_IDS``)
             dev = cast(list[int], [pages[i] for i in dirty[:take]])
-            self._free_host_cache(take)
-            host = self._take_host(take)
-            self._add_shadows(dev, host, req_id)
+            tier.free_cache(take)
+            host = tier.take(take)
+            self.shadow_table.add(dev, host, req_id)
             out.append(PageMoves(req_id, tuple(dev), tuple(host)))
             max_pages -= take
             room = self.num_host_free_pages
@@ -418,45 +325,39 @@ class TwoTierKVManager(KVCacheManager):
         return out
 
     def take_spills(self) -> PageMoves | None:
-        """The copies of pages spilled to the host tier since the last call, to issue with
-        the eager shadows (before the step that reuses their device pages); their host
-        pages become findable cache-only pages now (the host tier's cap respected)."""
+        """Copies of the pages spilled since the last call, to issue with the shadows."""
         if not self._spills:
             return None
         spills, self._spills = self._spills, []
         for _, host, h in spills:  # a hash spilled twice (two device copies): one is kept
-            self._cache_on_host(host, h)
+            self.host_tier.cache_page(host, h)
         return PageMoves("", tuple(d for d, _, _ in spills), tuple(h for _, h, _ in spills))
 
     def drop_shadows(self, host_pages: list[int]) -> None:
-        """Forget shadows whose copy failed; their device pages become dirty again. A
-        failed copy that reached the host cache (its device page was evicted since) is
-        forgotten there too: a hit must never read it."""
+        """Forget shadows whose copy failed, in the host cache too (never served)."""
         gone = set(host_pages)
-        shadow_host = self._shadow_host
-        for d in self._shadows_oldest_first():
+        shadow_host, tier = self.shadow_table.host, self.host_tier
+        for d in self.shadow_table.oldest_first():
             if shadow_host[d] in gone:
-                self._release_host([self._drop_shadow(d)])
+                tier.release([self._drop_shadow(d)])
         cache = self.host_cache
         if cache is not None:
             for h in gone:
                 if h in cache.hash_of:
                     cache.discard(h)
-                    self._release_host([h])
+                    tier.release([h])
 
-    # -- prefix caching, both tiers -----------------------------------------------------
 
     def take_prefix(self, req_id: str, prefix: list[int]) -> None:
         """Device hit: as the base class; a cached page's shadow gets ``req_id`` as owner."""
         super().take_prefix(req_id, prefix)
-        host, owner = self._shadow_host, self._shadow_owner
+        host, owner = self.shadow_table.host, self.shadow_table.owner
         for p in prefix:
             if host[p] and owner[p] is None:
                 owner[p] = req_id
 
     def match_host_prefix(self, hashes: list[bytes], start: int, max_pages: int) -> list[int]:
-        """Cache-only host pages holding ``hashes[start:max_pages]``'s longest prefix: the
-        continuation of a device hit of ``start`` pages (none without a host cache)."""
+        """Cache-only host pages holding ``hashes[start:max_pages]``'s longest prefix."""
         cache = self.host_cache
         if cache is None or start >= max_pages or not cache.page_of:
             return []
@@ -464,14 +365,9 @@ class TwoTierKVManager(KVCacheManager):
 
     def take_host_prefix(self, req_id: str, prefix: list[int], host_pages: list[int],
                          num_tokens: int) -> PageMoves:
-        """Host hit: start ``req_id``'s table with the device pages ``prefix`` (shared),
-        fresh device pages for ``host_pages`` (cache-only host copies of the pages that
-        follow) and for the rest of ``num_tokens`` (its first chunk: reserved now, so it
-        can run once the copies land), and return the copies that bring the hit in.
-        ``req_id`` is ROTATING_IN until they land (``finish_rotate_in``); the host pages
-        become the new pages' shadows (so they are never reclaimed while a copy reads
-        them). The new pages are registered once they landed and ``req_id`` runs
-        (``register_full_pages``)."""
+        """Host hit: ``req_id``'s table takes the shared pages ``prefix`` and fresh pages
+        for ``host_pages`` and its first chunk; returns the copies that bring the hit in.
+        ROTATING_IN until they land; the host pages become the new pages' shadows."""
         cache = self.host_cache
         assert cache is not None and host_pages
         num_tokens = max(num_tokens, (len(prefix) + len(host_pages)) * self.page_size)
@@ -485,7 +381,7 @@ class TwoTierKVManager(KVCacheManager):
         new = self._take(self.pages_needed(req_id, num_tokens))
         self.page_tables[req_id].extend(new)
         device = new[:len(host_pages)]
-        self._add_shadows(device, host_pages, req_id)
+        self.shadow_table.add(device, host_pages, req_id)
         self.host_tables[req_id] = []  # no tail page to free on arrival
         self.residency[req_id] = _ROTATING_IN
         cache.hits += len(host_pages) * self.page_size
@@ -493,132 +389,61 @@ class TwoTierKVManager(KVCacheManager):
 
     def take_freed_host_pages(self) -> list[int]:
         """Host pages freed since the last call: their arrays can be dropped."""
-        out, self._freed_host = self._freed_host, []
-        return out
+        return self.host_tier.take_freed()
 
-    # -- internals -----------------------------------------------------------------------
 
     def _reclaimable(self, keep: set[int]) -> Iterator[int]:
-        """Device pages whose shadow may be dropped for room: first the shadows of cached
-        device pages (owned by nobody; the device copy stays findable), then those of
-        DEVICE requests outside ``keep`` (a ROTATING_IN request's copies are in use),
-        oldest first. Lazy: callers take only the few they are short of.
-
-        Cost: a sort of every shadowed page per call (only when the host tier is short),
-        where the dicts this replaced cost a pass over them. A log of the shadows made,
-        compacted when half stale, made this lazy again but cost every shadow a log
-        entry: the knee simulation (20k requests, where the host tier is never short)
-        ran 10.8/13.0/12.0 s against 9.2/10.3/9.1 s with the sort, alternating."""
-        owner = self._shadow_owner
-        shadowed = self._shadows_oldest_first()
+        """Device pages whose shadow may be dropped for room, oldest first: cached pages
+        first, then DEVICE requests' pages outside ``keep`` (never ROTATING_IN ones)."""
+        owner = self.shadow_table.owner
+        shadowed = self.shadow_table.oldest_first()
         yield from (d for d in shadowed if owner[d] is None)
         arriving = {d for r, state in self.residency.items()
                     if state == _ROTATING_IN for d in self.page_tables[r]}
         yield from (d for d in shadowed
                     if owner[d] is not None and d not in keep and d not in arriving)
 
-    def _shadowed_pages(self) -> list[int]:
-        """Device pages with a shadow, by page id (a pass over the device pages)."""
-        host = self._shadow_host
-        return [d for d in range(len(host)) if host[d]]
-
-    def _shadows_oldest_first(self) -> list[int]:
-        """Device pages with a shadow, the oldest shadow first."""
-        batch, pos = self._shadow_batch, self._shadow_pos
-        return sorted(self._shadowed_pages(), key=lambda d: (cast(int, batch[d]), pos[d]))
-
-    def _add_shadows(self, device_pages: list[int], host_pages: list[int],
-                     owner: str) -> None:
-        """Host pages ``host_pages`` become the shadows of ``device_pages`` (which have
-        none), owned by ``owner``, newest last."""
-        if len(device_pages) != len(host_pages):
-            raise ValueError(f"{len(device_pages)} device pages, {len(host_pages)} host")
-        shadow_host, shadow_owner, shadow_batch, shadow_pos = cast(list[object], (
-            self._shadow_host)), self._shadow_owner, self._shadow_batch, self._shadow_pos
-        hosts = cast(list[object], host_pages)  # ids as objects (``OBJECT_IDS``)
-        batch: object = self._num_batches
-        self._num_batches += 1
-        for i in range(len(device_pages)):  # indexed: mypyc runs a zip generically
-            d = device_pages[i]
-            shadow_host[d] = hosts[i]
-            shadow_owner[d] = owner
-            shadow_batch[d] = batch
-            shadow_pos[d] = i
-
-    def _free_host_cache(self, need: int) -> int:
-        """Evict cache-only host pages until ``need`` host pages are free (they go first,
-        before any shadow); returns how many are still missing."""
-        cache, free = self.host_cache, self._host_free
-        while len(free) < need and cache is not None and len(cache) > 0:
-            self._release_host([cache.evict()])
-        return need - len(free)
-
     def _evict(self, cache: PrefixCache) -> int:
         """The device reclaims a cached page: its shadow, if any, becomes a cache-only host
-        page under the same hash (the host tier's cap respected, the coldest going
-        first); without a host cache the shadow is freed."""
+        page under the same hash; without one, the page may spill (``spill_budget``)."""
         page = cache.victim()
         h = cache.page_hash[page]
         cache.evict()
-        host = self._shadow_host[page]
-        hc = self.host_cache
+        host = self.shadow_table.host[page]
+        hc, tier = self.host_cache, self.host_tier
         if not host:
             if hc is not None and self.spill_budget > 0 and h not in hc \
-                    and self._free_host_cache(1) <= 0:
+                    and tier.free_cache(1) <= 0:
                 self.spill_budget -= 1
-                self._spills.append((page, self._host_free.pop(), h))
+                self._spills.append((page, tier.free.pop(), h))
             return page
-        self._shadow_host[page] = 0
-        self._cache_on_host(host, h)
+        self.shadow_table.host[page] = 0
+        tier.cache_page(host, h)
         return page
 
-    def _cache_on_host(self, host: int, h: bytes) -> None:
-        """``host`` (holding the KV hashed ``h``) becomes a cache-only page, the coldest
-        going first at the cap; freed instead without a host cache, or when ``h`` is
-        cached on the host already (one copy is enough)."""
-        hc = self.host_cache
-        if hc is None or h in hc:
-            self._release_host([host])
-            return
-        while len(hc) >= self.host_cache_max_pages:
-            self._release_host([hc.evict()])
-        hc.insert(host, h)
-
     def _reclaim(self, table: list[int], short: int) -> list[int]:
-        """The first ``short`` pages of ``_reclaimable`` outside ``table`` (fewer when there
-        are not that many), as a list: the caller may drop them while walking it."""
+        """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
         if short <= 0:
             return []
         return list(islice(self._reclaimable(keep=set(table)), short))
 
     def _drop_shadow(self, device_page: int) -> int:
-        """Forget one shadow (its owner's scan restarts at 0, and so does every other
-        request sharing the page); returns its host page."""
-        host = self._shadow_host[device_page]
+        """Forget one shadow (its holders' scans restart at 0); returns its host page."""
+        host = self.shadow_table.host[device_page]
         if not host:
             raise KeyError(f"device page {device_page} has no shadow")
-        owner = self._shadow_owner[device_page]
+        owner = self.shadow_table.owner[device_page]
         if owner is not None:
             self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
             for r in self._holders({device_page}):
                 self._num_clean.pop(r, None)
-        self._shadow_host[device_page] = 0
+        self.shadow_table.host[device_page] = 0
         return host
 
     def _holders(self, device_pages: set[int]) -> list[str]:
-        """Requests whose page table holds any of ``device_pages`` (one pass over every
-        table, however many pages are asked about: only shared pages are, when their
-        shadows change hands)."""
+        """Requests whose page table holds any of ``device_pages`` (one pass)."""
         return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
-
-    def _take_host(self, n: int) -> list[int]:
-        """``n`` free host pages, as ``n`` pops of the free list (the caller checked)."""
-        return pop_many(self._host_free, n, "host pages")
-
-    def _release_host(self, pages: list[int]) -> None:
-        self._host_free.extend(reversed(pages))
-        self._freed_host.extend(pages)
 
     def _expect(self, req_id: str, state: Residency) -> None:
         if self.residency_of(req_id) != state:
@@ -626,52 +451,20 @@ class TwoTierKVManager(KVCacheManager):
                 f"{req_id} is {self.residency_of(req_id).name}, expected {state.name}")
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the page bookkeeping is inconsistent."""
-        dev_owned = [d for t in self.page_tables.values() for d in t]
-        dev_free = list(self.allocator._free)
-        counts: dict[int, int] = {}
-        for d in dev_owned:
-            counts[d] = counts.get(d, 0) + 1
-        for d in range(self.allocator.num_pages):
-            assert self.refcount[d] == counts.get(d, 0), f"refcount of page {d}"
-        for t in self.page_tables.values():
-            assert len(set(t)) == len(t), "a page twice in one table"
-        cache = self.prefix_cache
-        cached = [] if cache is None else list(cache.evictable)
-        if cache is None:
-            assert len(set(dev_owned)) == len(dev_owned), "a page shared without caching"
-        else:
-            assert set(cache.evictable) == {p for p in cache.page_hash
-                                            if self.refcount[p] == 0}, \
-                "cached pages are not exactly the registered pages without a reference"
-            for h, pages in cache.pages_of.items():
-                assert pages and all(cache.page_hash[p] == h for p in pages), "hash index"
-            assert sum(len(v) for v in cache.pages_of.values()) == len(cache.page_hash)
-            assert not set(cache.page_hash) & set(dev_free), "a registered page is free"
-        assert sorted(set(dev_owned) | set(dev_free) | set(cached)) == \
-            list(range(1, self.allocator.num_pages)) and \
-            len(dev_free) + len(cached) + len(set(dev_owned)) == self.allocator.num_usable, \
-            "device pages: some page is lost, or both free and owned"
+        """Raise AssertionError when the page bookkeeping of either tier is inconsistent."""
+        super().check_invariants()
         host_cached = [] if self.host_cache is None else list(self.host_cache.hash_of)
         shadows = self.shadows
-        shadow_owner = {d: self._shadow_owner[d] for d in shadows}
         host_owned = list(shadows.values()) + [h for t in self.host_tables.values()
                                                     for h in t] + [h for _, h, _ in self._spills]
-        assert sorted(host_owned + list(self._host_free) + host_cached) == \
+        assert sorted(host_owned + list(self.host_tier.free) + host_cached) == \
             list(range(1, self.num_host_pages + 1)), "host pages: lost or owned twice"
         if self.host_cache is not None:
             self.host_cache.check_invariants()
             assert len(self.host_cache) <= self.host_cache_max_pages, "host cache over its cap"
-        assert set(shadows) <= set(dev_owned) | set(cached), \
-            "a shadow of a free device page"
-        assert len({(self._shadow_batch[d], self._shadow_pos[d]) for d in shadows}) == \
-            len(shadows), "two shadows made at once"
-        for d, r in shadow_owner.items():
-            if r is None:
-                assert d in cached, f"unowned shadow of {d}, not a cached page"
-            else:
-                assert d in self.page_tables.get(r, ()), \
-                    f"shadow of {d} owned by {r}, not its table"
+        cached: set[int] = set() if self.prefix_cache is None else set(self.prefix_cache.evictable)
+        self.shadow_table.check_invariants(
+            {d for t in self.page_tables.values() for d in t}, cached, self.page_tables)
         for r, k in self._num_clean.items():
             assert all(d in shadows for d in self.page_tables[r][:k]), f"{r} clean prefix"
         for req_id, state in self.residency.items():

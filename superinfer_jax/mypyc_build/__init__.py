@@ -1,60 +1,23 @@
-"""The scheduler, KV manager and simulator compiled to C with mypyc, used only when they
-match the source exactly.
+"""The scheduler, KV manager and simulator (``MODULES``) compiled to C with mypyc, for
+paper-scale simulations; plain Python unless a build for the exact source exists.
 
-Why: RotaSched's host work is Python (ranking, rotation bookkeeping, page tables), and a
-paper-scale simulation runs it for 100k requests. mypyc compiles these typed modules as
-they are, with no change to what they compute: measured with ``benchmarks.sim_speed
---baseline-plain`` (knee, 20k requests, a 2-core AMD EPYC box, idle) rotasched took
-13.0 s against 36.8 s as plain Python (fcfs 2.1 against 6.0 s), and the seeded
-simulator outputs of ``tests.superinfer_jax.sim.plan_trace --outputs-only`` hash the same
-as plain Python's on all 7 cases.
+Build (opt-in, needs mypy and a C compiler): ``python -m superinfer_jax.mypyc_build``.
+The build goes under ``$SUPERINFER_COMPILED_CACHE`` in a folder named by a hash of the
+package's ``.py`` files and the Python version; importing ``superinfer_jax`` installs
+an import finder for it, so an edited tree runs as Python. ``SUPERINFER_COMPILED=0``
+turns it off (the test suite does: its hooks on instances fail when compiled).
 
-Build, opt-in: ``python -m superinfer_jax.mypyc_build`` (``make compiled``; it needs
-mypy, from the dev extra, and a C compiler: about 5 minutes on 2 cores). It is for
-simulations (``superinfer simulate``, ``benchmarks.sim_speed``); ``make install`` does not
-build it, so serving runs the modules as Python unless a build exists. Why opt-in: under a
-build, the tests that hook instances fail (below), so the test suite turns it off
-(``tests/conftest.py``) unless ``SUPERINFER_COMPILED`` is set. The result goes
-under ``$SUPERINFER_COMPILED_CACHE`` (default ``~/.cache/superinfer_jax/mypyc_build``), in a
-folder named by a hash of every ``.py`` file of this package and the Python version.
-
-Use: importing ``superinfer_jax`` calls ``install()``, which puts an import finder in
-front for exactly ``MODULES`` when a build for the current hash exists. Any edit to the
-package changes the hash, so an edited tree runs as plain Python until it is rebuilt:
-a stale compiled module is never imported. ``SUPERINFER_COMPILED=0`` turns it off.
-
-Where compiled code differs from Python, and what this code base does about it:
-- NATIVE_INIT: a compiled dataclass's generated ``__init__`` is an interpreted function
-  (the ``dataclasses`` module writes it at import), called through ``slot_tp_init``:
-  1,600 instructions to make a ``PageMoves``, 9,000 a frozen ``CallShape`` (callgrind,
-  a 2,000-request knee simulation, where they were 6% of all instructions). The
-  dataclasses made every simulated step write their ``__init__`` out, which mypyc
-  compiles (84 against 220 ns for a four-field class); ``repr``, equality and
-  ``dataclasses.replace`` are still the generated ones. Frozen ones are not frozen
-  (a frozen ``__init__`` sets each field through ``object.__setattr__``), and never
-  changed once made;
-- the truth of a compiled object ignores ``__len__`` (``if cache:`` is ``cache is not
-  None``): found by the prefix-cache state-machine test (``HostCache.evict`` on an empty
-  heap); classes with ``__len__`` define ``__bool__``, and tests of emptiness say so;
-- a value typed ``float`` is a C double when compiled, so an int there is converted
-  (``2**64 - 1`` becomes ``2**64``): found by the gRPC seed-bound test; fields that hold
-  exact ints say ``int | float``;
-- compiled classes take no instance attributes beyond those declared, cannot be
-  subclassed by interpreted classes, and their methods cannot be replaced on an instance
-  (``AttributeError: ... is read-only``; compiled callers would not see it anyway): the
-  tests that hook ``Scheduler.schedule``, ``Scheduler._run_rows`` or
-  ``TwoTierKVManager.page_table`` on an instance fail under a build, and ``plan_trace``
-  needs plain Python for its step trace;
-- a compiled dataclass type-checks its fields in ``__init__``: ``SamplingParams(
-  max_tokens="7")`` raised ``TypeError``, not the ``FieldError`` naming the field that the
-  API promises, so ``SamplingParams`` is a plain Python class (``mypyc_attr(native_class=
-  False)``) inside the compiled module;
-- a class with a decorator is compiled as a plain Python class, which a native class
-  cannot extend ("Non-extension classes may not inherit from extension classes"): the
-  built-in policies are registered after their definitions, not by ``@register_policy``;
-- a native class is closed to interpreted subclasses unless it is marked
-  ``mypyc_attr(allow_interpreted_subclasses=True)``, as every built-in policy is (plug-ins
-  and tests subclass them).
+Where compiled code differs, and what the code base does about it:
+- NATIVE_INIT: a compiled dataclass's generated ``__init__`` is interpreted, so hot
+  dataclasses write theirs out (not frozen, never changed once made);
+- the truth of a native object ignores ``__len__``: classes with one define ``__bool__``;
+- a ``float`` is a C double, so fields holding exact ints say ``int | float``;
+- methods cannot be replaced on an instance, and no attribute beyond those declared;
+- a compiled dataclass type-checks its fields, so ``SamplingParams`` (whose errors name
+  the field) is a plain class (``mypyc_attr(native_class=False)``);
+- a decorated class is plain Python, which a native class cannot extend: built-in
+  policies are registered after their definitions, and open to interpreted subclasses.
+Measurements: docs/results/simulator.md.
 """
 
 from __future__ import annotations
@@ -75,9 +38,8 @@ from superinfer_jax.local_cache import cache_root, switched_on
 
 _C = TypeVar("_C")
 
-# The compiled modules' class options (``mypyc_attr``), from here, for every module: where
-# mypy_extensions is missing (it comes with mypy, the dev extra; serving-only installs
-# lack it) nothing is compiled, and the decorator leaves the class as it is.
+# ``mypyc_attr`` for the compiled modules; without mypy_extensions (serving-only
+# installs) nothing is compiled and it leaves the class as it is.
 try:
     from mypy_extensions import mypyc_attr
 except ImportError:  # pragma: no cover - serving-only installs
@@ -94,6 +56,7 @@ MODULES = (
     "superinfer_jax.kv.page_allocator",
     "superinfer_jax.kv.prefix_cache",
     "superinfer_jax.kv.host_cache",
+    "superinfer_jax.kv.host_tier",
     "superinfer_jax.kv.two_tier",
     "superinfer_jax.sched.rotasched.lag",
     "superinfer_jax.sched.rotasched.ranking",
@@ -102,6 +65,7 @@ MODULES = (
     "superinfer_jax.sched.latency",  # priced every step by the policies (rotate-ins, budgets)
     "superinfer_jax.sim.cost_model",  # the roofline, priced every simulated step
     "superinfer_jax.sim.cost",
+    "superinfer_jax.sim.workload",
     "superinfer_jax.sim.simulator",
 )
 _SWITCH_ENV = "SUPERINFER_COMPILED"
@@ -156,8 +120,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> Path | None:
-    """Use the build for this source, if there is one and nothing is imported yet; returns
-    its folder, or None (plain Python)."""
+    """Use the build for this source, if any and nothing is imported yet; its folder."""
     global _active
     if _active is not None or not enabled():
         return _active

@@ -1,6 +1,4 @@
-"""``python -m superinfer_jax.mypyc_build``: compile the scheduler, KV and simulator
-modules with mypyc now (see ``superinfer_jax.mypyc_build``; ``make compiled`` runs it) and print
-the build folder. A failure is not fatal: those modules then run as plain Python."""
+"""Compile ``MODULES`` now and print the build folder (on failure they run as Python)."""
 
 import sys
 

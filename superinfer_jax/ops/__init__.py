@@ -1,13 +1,10 @@
 """Attention and KV-write ops over the paged pool, behind one backend switch.
 
-``backend="xla"`` is the plain XLA reference (the CPU default); ``"pallas"`` selects the
-Pallas kernels (GPU, or interpret mode on CPU); ``"auto"`` picks Pallas on GPU and XLA
-elsewhere.
-
-``write_and_attend`` is what a model layer calls: the KV write, then attention. Under
-tensor parallelism it runs once per shard inside ``jax.shard_map``, on that shard's KV
-heads and its slice of the pool, so neither the pool nor any page ever crosses devices
-(and the Pallas kernel, which the SPMD partitioner cannot split, sees local shapes).
+``backend="xla"``: the plain XLA reference (the CPU default); ``"pallas"``: the Pallas
+kernels (GPU, or interpret mode on CPU); ``"auto"``: Pallas on GPU, XLA elsewhere.
+``write_and_attend`` is what a model layer calls. Under tensor parallelism it runs once
+per shard inside ``jax.shard_map``, on that shard's KV heads and slice of the pool, so
+no page crosses devices and the Pallas kernel sees local shapes.
 """
 
 from __future__ import annotations
@@ -63,9 +60,7 @@ def write_and_attend(q, k, v, kv_pool, layer, page_tables, positions, context_le
     """Write this step's K/V into the pool, then attend. Returns (out, kv_pool).
 
     q: [B, C, H, D]; k, v: [B, C, K, D]; kv_pool: [N, L, 2, S, K, D]; out: [B, C, H, D].
-    With a mesh, H and K are split over its ``tp`` axis (query head ``h`` of a shard uses
-    that shard's KV head ``h // (H / K)``, which holds as long as heads are grouped by KV
-    head and both counts divide the mesh size) and each shard works on its own slice.
+    With a mesh, H and K are split over its ``tp`` axis (both must divide its size).
     """
     local = functools.partial(_write_and_attend, layer=layer, scale=scale, backend=backend)
     if mesh is None:

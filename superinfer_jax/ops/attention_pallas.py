@@ -1,57 +1,26 @@
 """Pallas paged attention over the KV page pool: one kernel body, a decode and a prefill grid.
 
 Why our own kernel: JAX ships no maintained GPU paged-attention kernel for our layout (the
-Pallas Triton ops are deprecated and use a head-major ``[K, pages, S, D]`` pool; the TPU
-ragged kernel does not interpret on CPU). This one reads our block-first pool
-``[N, L, 2, S, K, D]`` in place and lowers through the Pallas Triton backend (Hopper and
-earlier); on any other backend it runs in interpret mode, which is how CI tests it.
+Pallas Triton ops use a head-major ``[K, pages, S, D]`` pool; the TPU ragged kernel does
+not interpret on CPU). This one reads the block-first pool ``[N, L, 2, S, K, D]`` in place
+and lowers through the Pallas Triton backend; elsewhere it runs in interpret mode, which
+is how CI tests it (``test_cuda_lowering.py`` also lowers the engine step for CUDA).
 
-Layout of the work. Query heads are grouped by KV head (GQA): row ``c * G + g`` of the
-``[B, K, C * G, D]`` query matrix is query column ``c``, head ``kh * G + g``. One program
-owns ``block_rows`` such rows of one (request, KV head), so the K/V tile it loads feeds
-every query head that shares it. Rows are padded to a power of two >= 16 because Triton's
-``dot`` wants such operand dims (a decode step with ``G = 3`` computes 16 rows, 13 idle).
+Query heads are grouped by KV head (GQA): row ``c * G + g`` of the ``[B, K, C * G, D]``
+query matrix is query column ``c``, head ``kh * G + g``, so one program's K/V tile feeds
+every query head sharing it. Rows are padded to a power of two >= 16 (Triton's ``dot``).
+- Decode (``C == 1``): grid ``(B, K, 1, num_splits)``; each program walks its slice of the
+  KV length (flash-decoding) and an XLA epilogue combines the splits' partial outputs.
+- Ragged prefill (``C > 1``): grid ``(B, K, R, 1)`` over ``R`` row blocks; a block past
+  the row's ``query_lens`` does no work, a live one reads keys up to its last query.
+K/V are read token by token through the page table (a ``[T, D]`` load with integer
+indexers, a pointer gather in Triton), so tiles are independent of the page size.
 
-- Decode (``C == 1``): grid ``(B, K, 1, num_splits)``. Each program walks its slice of the
-  KV length (flash-decoding) with an online softmax and writes a normalised partial output
-  plus its log-sum-exp; a small XLA epilogue combines the splits. Long contexts thereby use
-  ``B * K * num_splits`` programs instead of ``B * K``.
-- Ragged prefill (``C > 1``, mixed prefill and decode rows): grid ``(B, K, R, 1)`` over
-  ``R`` row blocks. A block whose first column is at or past the row's ``query_lens`` is
-  padding and does no work; a live block reads keys only up to its last query's position
-  (causal), from the pool, so a chunk sees its request's past and its own new tokens.
-  A flattened ``[T_total, H, D]`` layout with per-request offsets ``cu_q[b]`` maps onto the
-  same body: a program's row block would start at ``cu_q[b] + r * block_rows / G``
-  instead of ``b * C``; only the query/output index arithmetic changes.
-
-K/V are read token by token through the page table: for a tile of ``block_tokens`` key
-positions, the kernel loads each position's page id from the table (a cached broadcast
-load) and gathers rows ``pool[page, layer, 0|1, pos % S, kh, :]``: one ``[T, D]`` load with
-integer indexers in front and the contiguous head dim last, which the Triton lowering
-turns into a pointer gather and the interpreter into a plain gather (no ref reshapes or
-bitcasts). Tiles are therefore independent of the page size.
-
-Without a GPU, the Triton IR this module lowers to (``lowering_platforms=("cuda",)``) was
-compiled with upstream Triton 3.9 for sm_90a: decode pipelines its gathers (cp.async, 80
-registers, 38 KiB shared), prefill uses wgmma; no register spills. Speed is unmeasured.
-``tests/superinfer_jax/test_cuda_lowering.py`` lowers the whole engine step for CUDA with
-this kernel (TP 1 and 2) in every CI run, and checks the Triton call is in the module.
-
-Triton backend deprecation and the pin. Pallas's Triton backend is deprecated from JAX
-0.11; 0.10.2 is the newest JAX the package registry offers here, so ``pyproject.toml`` pins
-``jax<0.11`` (the cuda12 extra too) until the kernel is checked on a newer one. The
-migration path is Pallas Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``, present in
-0.10.2) on Hopper: K/V tiles come in by TMA (``copy_gmem_to_smem``) into shared memory
-and the dots are ``wgmma``, pipelined with ``emit_pipeline``. TMA moves rectangular
-tiles, so the per-token pointer gather above becomes a per-page copy: one tile per page
-id of the table (``S`` tokens x ``D``, contiguous in the block-first pool), which the
-layout already allows. Pre-Hopper GPUs would keep the XLA path (``attention_backend:
-xla``).
-
-The KV write stays the XLA scatter ``attention_xla.write_kv``: it moves ``B * C`` tokens
-per step against the ``sum(context_lens)`` this kernel reads, so it is not the bottleneck,
-and fusing it would need a grid-wide barrier (other programs of the same request read the
-new tokens). ``benchmarks/attention.py`` reports its time next to the kernel's.
+The pin: Pallas's Triton backend is deprecated from JAX 0.11, so ``pyproject.toml`` pins
+``jax<0.11`` until the kernel moves to Pallas Mosaic GPU on Hopper (TMA copies one tile
+per page id, which the block-first layout allows, and ``wgmma`` dots). The KV write
+stays the XLA scatter ``attention_xla.write_kv``: it moves ``B * C`` tokens a step, and
+fusing it would need a grid-wide barrier.
 """
 
 from __future__ import annotations
@@ -194,12 +163,7 @@ def _dot_dim(n: int) -> int:
 
 @dataclass(frozen=True)
 class _Launch:
-    """Tiling and Triton options of one kernel launch, already rounded to what Triton takes.
-
-    Decode and prefill choose the tiling differently (decode splits the KV length, prefill
-    blocks the rows) but launch the same kernel; ``_launch`` builds this for both, so the
-    rounding and the interpret default cannot drift apart between the two entry points.
-    """
+    """Tiling and Triton options of one launch, rounded in one place for both grids."""
 
     block_rows: int
     block_tokens: int
@@ -264,12 +228,8 @@ def _paged_call(
 
 
 def _grid_call(kernel: Callable[..., None], qg: jax.Array, launch: _Launch) -> Callable[..., Any]:
-    """The ``pallas_call`` over grid ``(B, K, Rp / block_rows, num_splits)``.
-
-    Takes (context_lens, query_lens, padded page tables, grouped queries, pool) and returns
-    the partial outputs [B, K, NS, Rp, D] and their log-sum-exp [B, K, NS, Rp]. One split's
-    partial is final, so it stays in q's dtype; several are combined in float32.
-    """
+    """The ``pallas_call`` over grid ``(B, K, Rp / block_rows, num_splits)``: partial
+    outputs [B, K, NS, Rp, D] (q's dtype for one split, else float32) and their LSE."""
     batch, num_kv_heads, rows_padded, head_dim = qg.shape
     block_rows, num_splits = launch.block_rows, launch.num_splits
     partial_dtype = qg.dtype if num_splits == 1 else jnp.float32

@@ -53,29 +53,17 @@ def paged_attention(
 ) -> jax.Array:
     """Causal attention of each row's queries over its paged past plus its new tokens.
 
-    On CPU the block's pages are gathered by ``native.gather_kv`` (a memcpy custom call)
-    when it is available: XLA:CPU's own gather moves scalars, at a third or less of the
-    speed (measured, SmolLM2 batch 32, 30 layers: the gather took 72 of ~85 ms). Both give
-    the same bytes, so the result does not depend on which ran.
-
     Query column ``c`` of row ``b`` sits at position ``context_lens[b] - query_lens[b] + c``
     and sees keys at positions ``<=`` its own. Returns [B, C, H, D] in q's dtype; padded
-    rows and columns hold finite garbage.
+    rows and columns hold finite garbage. ``pages_per_block``: 4 for decode (fewer
+    padding keys past the context), else 8.
 
-    ``pages_per_block`` defaults to 4 pages for decode (one column) and 8 otherwise:
-    measured on CPU (SmolLM2-135M, batch 32, contexts 136-250), a decode block of 4
-    pages runs the layer's attention 1.3-1.9x faster than 8, because it gathers and
-    masks half as many padding keys past the context while the loop's per-block cost
-    stays small.
-
-    ``gather_impl``: ``"auto"`` (the native ops on CPU where available, else XLA's) or
-    ``"xla"`` (XLA's everywhere: the reference the native ones are tested against). With
-    ``"auto"``, a decode step (one query column, float32 q and pool, no soft cap) on CPU
-    skips the block loop for ``native.decode_attention``: each row reads its own pages
-    once, up to its own context, with the softmax state in registers (the loop's dozen
-    thunks per block of pages were most of a batch-1 step's attention, and a batch-32
-    step padded every row to the longest context). It sums in 16-token chunks, so it
-    equals the loop to float32 rounding, not bit for bit.
+    ``gather_impl="auto"``: on CPU the pages are gathered by ``native.gather_kv`` (XLA:CPU's
+    gather moves scalars; the bytes are the same), and a float32 decode step without soft
+    cap runs ``native.decode_attention`` instead of the block loop (each row over its own
+    context; equal to the loop to float32 rounding). ``"xla"``: XLA's everywhere, the
+    reference the native ops are tested against. One function, long for a kernel: the
+    gathers and the loop body close over its shapes, so the trace reads top to bottom.
     """
     if gather_impl not in ("auto", "xla"):
         raise ValueError(f"gather_impl must be 'auto' or 'xla', got {gather_impl!r}")
@@ -116,10 +104,8 @@ def paged_attention(
     heads = jnp.arange(num_kv_heads)[None, :, None]  # [1, K, 1]
 
     def xla_gather(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # [B, 1, ppb] pages x [1, K, 1] heads -> [B, K, ppb, S, D]: the gather writes each
-        # head's keys contiguously, so the dots below read them with (B, K) as their batch
-        # dims. Gathering [B, ppb, S, K, D] instead made XLA:CPU add a transpose copy of
-        # every gathered K and V block (two extra passes over the block per layer).
+        # [B, 1, ppb] pages x [1, K, 1] heads -> [B, K, ppb, S, D]: heads contiguous, so the
+        # dots batch over (B, K) with no transpose copy of each gathered block
         return (kv_pool[ids[:, None, :], layer, 0, :, heads],
                 kv_pool[ids[:, None, :], layer, 1, :, heads])
 

@@ -1,10 +1,5 @@
-"""Page-table arithmetic shared by the XLA reference and the Pallas kernel.
-
-Both backends walk a row's keys in fixed-size tiles through its page table, so both round
-the table up to whole tiles and fill the extra slots with the null page: reads of it are
-masked out and writes to it are discarded. Keeping that padding in one place keeps the two
-backends reading the same pages, which is what lets one be tested against the other.
-"""
+"""Page-table arithmetic shared by the XLA reference and the Pallas kernel: both pad a
+row's table to whole tiles with the null page, so both read the same pages."""
 
 from __future__ import annotations
 

@@ -135,11 +135,15 @@ class ModelRunner:
         self.model = model = self._place_model(model)
         self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
         self.num_device_pages = self._choose_num_pages()
-        self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
+        self.num_host_pages = num_host_pages_for(
+            config.host_memory_gb, config.num_host_pages, self.layout.page_bytes)
         # The pages' bookkeeping (host only): the scheduler plans with it, DuplexKV copies
         # the pages it names.
-        self.kv = TwoTierKVManager.for_config(config, self.num_device_pages,
-                                              self.num_host_pages)
+        self.kv = TwoTierKVManager(
+            self.num_device_pages, config.page_size, self.num_host_pages,
+            prefix_caching=config.enable_prefix_caching,
+            host_cache_eviction=config.host_cache_eviction,
+            host_cache_max_pages=config.host_cache_max_pages)
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
             self.duplex = self._new_duplex()

@@ -41,9 +41,8 @@ TRANSFER_MODES = ("duplex", "simplex", "naive")
 
 @dataclass
 class CallShape:
-    """One model call of a step, as counts (no ids): what a cost model prices. Not
-    frozen, but never changed once made, with its ``__init__`` written out: two are made
-    every simulated step (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
+    """One model call of a step, as counts: what a cost model prices (``__init__`` written
+    out: ``NATIVE_INIT`` in mypyc_build)."""
 
     num_rows: int  # real rows (requests)
     max_query: int  # longest row: 1 for decode, the longest chunk for prefill
@@ -179,13 +178,9 @@ class HostOverhead:
 
 @dataclass(frozen=True)
 class CalibratedCost:
-    """This machine, from the engine's profile of its compiled buckets.
-
-    The profile times a prefill call with one row (``prefill_s(chunk, past)``) and a
-    decode call with every row at one context (``decode_s(rows, rows * context)``), at
-    bucket shapes. The engine's XLA attention walks every row for as many pages as the
-    longest context, and padded rows compute like real ones, so a call is priced at its
-    padded shape with every row at the longest context."""
+    """This machine, from the engine's profile of its compiled buckets: a call is priced
+    at its padded shape with every row at the longest context (the engine's attention
+    walks every row that far, and padded rows compute like real ones)."""
 
     latency: LatencyModel
     config: EngineConfig

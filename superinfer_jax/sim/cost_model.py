@@ -1,20 +1,14 @@
 """Hardware cost model for the simulator: a roofline per step and per-direction transfers.
 
-A model step costs ``max(bytes / HBM bandwidth, flops / compute) + overhead``, where bytes
-are the weights (read once per step) plus the KV read by attention plus the KV written,
-and flops are ``2 * params`` per token plus attention's ``4 * heads * head_dim`` per
-(query, key) pair. A page transfer costs a fixed per-copy overhead plus bytes over the
-link bandwidth of its direction; when both directions run at once on a superchip they
-share host DRAM bandwidth, which is why GH200 gets ~190 GB/s each way, not 450.
-
-Two ways to move the same bytes, priced apart because they measure apart:
-
+A model step costs ``max(bytes / HBM bandwidth, flops / compute) + overhead`` (bytes: the
+weights, the KV read and the KV written; flops: ``2 * params`` per token plus attention's
+``4 * heads * head_dim`` per (query, key) pair). A page transfer costs a per-copy
+overhead plus bytes over its direction's link; on a superchip both directions share the
+host DRAM bandwidth. Two ways to move the same bytes, priced apart:
 - *naive*: one synchronous copy per (page, layer, K|V) plane, as a per-layer pool forces
-  (vLLM's swap): ``2 * num_layers`` copies of a few tens of KB per page, each paying
-  ``copy_overhead_s``. The paper measured about 10 GB/s this way on GH200.
+  (vLLM's swap), each paying ``copy_overhead_s``;
 - *batched* (DuplexKV, block-first pages): one batch of whole-page copies, paying
-  ``batch_overhead_s`` once and ``batched_copy_overhead_s`` per page (the copies are
-  pipelined, so the per-copy cost mostly hides); 181 + 179 GB/s measured on GH200.
+  ``batch_overhead_s`` once and ``batched_copy_overhead_s`` per page (pipelined).
 """
 
 from __future__ import annotations
@@ -103,10 +97,8 @@ HARDWARE: dict[str, Hardware] = {
 
 def num_device_pages_for(model: ModelShape, hw: Hardware, page_size: int,
                          memory_fraction: float = 0.9) -> int:
-    """KV pages that fit: ``(HBM * fraction - weights) / page bytes``, plus the null page.
-
-    Activations and the compiled program's scratch are ignored (vLLM's profiling run
-    measures them; at these batch sizes they are a few GB, inside the 10% left over)."""
+    """KV pages that fit: ``(HBM * fraction - weights) / page bytes``, plus the null page
+    (activations and scratch fit in what ``fraction`` leaves)."""
     free = hw.hbm_bytes * memory_fraction - model.weight_bytes
     pages = int(free // model.page_bytes(page_size))
     if pages < 1:
@@ -118,9 +110,8 @@ def num_device_pages_for(model: ModelShape, hw: Hardware, page_size: int,
 
 @dataclass
 class StepWork:
-    """What one model step does, in counts the roofline prices. Not frozen, but never
-    changed once made, with its ``__init__`` written out: two are made every simulated
-    step (``NATIVE_INIT`` in ``superinfer_jax.mypyc_build``)."""
+    """What one model step does, in counts the roofline prices (``__init__`` written out:
+    ``NATIVE_INIT`` in mypyc_build)."""
 
     num_tokens: int  # query tokens (prefill chunk tokens + decode rows)
     kv_tokens_read: int  # sum over rows of the context each row attends to

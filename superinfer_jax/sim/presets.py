@@ -1,30 +1,19 @@
 """Paper-scale setups: a model, a dataset, the request rates swept, the engine knobs.
 
-The SuperInfer artifact (``AE_AIO_0309_v1.py`` in its repository) runs each (model,
-dataset) at six request rates with 120 s of Poisson arrivals (burstiness 1), requests
-with ``ignore_eos`` and ``max_tokens`` = the recorded output length, vLLM V1 with
-``--max-num-seqs 16384 --max-num-batched-tokens 16384``, a 400 GiB swap space and a
-proactive swap budget of 2400 blocks; SLOs TTFT 5 s and TBT 100 ms. The rates here are
-that script's: Qwen2.5-32B on ShareGPT 5..20 req/s, Llama-3-8B on ShareGPT 35..60.
-
-What differs, and why:
+The rates, engine limits and SLOs (``ttft_ms``, ``tbt_ms``) are those of the SuperInfer
+artifact (``AE_AIO_0309_v1.py``: 120 s of Poisson arrivals, ``ignore_eos``, recorded
+output lengths). What differs, and why:
 - ShareGPT output lengths are the recorded replies (``vllm bench serve``'s choice); the
-  paper replayed Llama-3-8B's own sampled replies (up to 8192 tokens), which are longer,
-  so contention starts at higher rates here.
-- The paper's LMSYS-Chat-1M runs need that dataset, which cannot be fetched here; the
-  Azure 2023 conversation trace stands in (much longer prompts: mean 1155 tokens, so
-  its rates are lower and chosen around the knee the simulator finds, not the paper's).
-- Mooncake (prefix caching, issue 15): the conversation trace replays its own timestamps
-  scaled to each rate (it records 3.4 req/s) with its 512-token hash ids as prompt
-  content, at recorded lengths (mean 12k tokens), so the context is Llama-3.1-8B's
-  (same shapes as Llama-3-8B) cut at 32k: the 7% of prompts beyond keep their first
-  32767 tokens. Every rate simulates the same first 3000 requests (hit rates grow with
-  the window replayed: an unbounded cache could serve 33% of their prompt tokens). The
-  hardware pairs put the same HBM behind a superchip link and behind PCIe: gh200-144g
-  against h200-pcie, gh200-96g against h100-nvl-pcie.
-- Prefill is priced ragged (``pad=False``), as in vLLM: this engine pads a prefill call
-  to ``[row bucket, chunk bucket]`` (up to 4 x 2048 tokens here), which on these models
-  costs more than the policies differ; ``--pad`` prices the engine's buckets as they are.
+  paper replayed Llama-3-8B's own, longer replies, so contention starts later here.
+- LMSYS-Chat-1M cannot be fetched here; the Azure 2023 conversation trace stands in
+  (much longer prompts, so its rates are chosen around the simulator's knee).
+- Mooncake (prefix caching): the conversation trace replays its own timestamps scaled to
+  each rate, with its 512-token hash ids as prompt content, Llama-3.1-8B's context cut at
+  32k; every rate simulates the same first 3000 requests. The hardware pairs put the
+  same HBM behind a superchip link and behind PCIe (gh200-144g against h200-pcie,
+  gh200-96g against h100-nvl-pcie).
+- Prefill is priced ragged (``pad=False``), as in vLLM: this engine's padded prefill
+  buckets cost more than the policies differ on these models; ``--pad`` prices them.
 """
 
 from __future__ import annotations

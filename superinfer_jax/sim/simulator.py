@@ -1,40 +1,22 @@
 """Discrete-event simulator: the engine's step loop, with the model and the copies priced.
 
-It drives the *same* scheduler (``make_scheduler``: fcfs, swap, rotasched or a plug-in
-policy) and the same page bookkeeping (``TwoTierKVManager``) as ``engine.LLMEngine``, and
-executes its plans as they are (rotations and eager shadows included); only the jitted
-model step and the page copies are replaced by a ``CostModel``. Events, in time order:
+It drives the *same* scheduler (``make_scheduler``) and page bookkeeping
+(``TwoTierKVManager``) as ``engine.LLMEngine`` and executes its plans as they are; only
+the model step and the page copies are priced by a ``CostModel``. Events, in time order:
 
-- *arrival*: a request joins the scheduler at the next step start, stamped with its
-  true arrival time (the replay loop adds arrivals at the top of each iteration);
-- *copy done*: a batch of page copies completed; observed at the next step start, as
-  the engine's ``DuplexKV.poll`` observes ``is_ready`` (rotate-outs first, then
-  rotate-ins, each in issue order);
-- *step done*: the engine is one process. A step starting at ``t`` schedules at ``t``,
-  issues the plan's copies (and eager shadows) at ``t``, runs the prefill call and then
-  the decode call; prefill rows get their token when the first call ends, decode rows
-  when the second ends (the engine reads them back in that order), and the next step
-  starts when the second ends. With nothing to run, the loop waits for the next arrival
-  or copy completion (the engine spins until one is observed).
+- *arrival*: a request joins the scheduler at the next step start, stamped with its true
+  arrival time;
+- *copy done*: observed at the next step start, as ``DuplexKV.poll`` observes
+  ``is_ready`` (rotate-outs first, then rotate-ins, each in issue order);
+- *step done*: a step starting at ``t`` schedules and issues its copies at ``t``, then runs
+  the prefill call and the decode call; prefill rows get their token when the first call
+  ends, decode rows when the second ends, and the next step starts then. With nothing
+  to run, the loop waits for the next arrival or copy completion.
 
-Copies queue per direction (``Link``): a batch starts when the previous batch of its
-direction ended; where the cost model overlaps the directions (GH200, PCIe), a batch that
-runs while the other direction is busy gets the duplex bandwidth, else the one-way rate.
-A rotate-out is done when its batch is, which is after every earlier shadow copy of the
-same direction (the engine waits on all of the request's host pages).
-
-Requests are ``SimRequest``: a ``Request`` whose prompt is a ``range`` and whose token
-times are a compact ``array``, so 100,000 requests fit in memory; the policies read them
-exactly like engine requests.
-
-Prefix caching: a ``RequestSpec`` with ``hash_ids`` (one id per block of ``block_tokens``
-prompt tokens, as in the Mooncake traces: equal ids, identical blocks) gets a synthetic
-prompt (``HashIdTokens``) whose tokens spell its block ids, so the engine's own block
-hashing (``extend_block_hashes``, called by the scheduler) gives two requests equal page
-hashes exactly over the pages their common leading ids cover, and the scheduler's
-admission takes cached prefixes as in the engine. A spec without ``hash_ids`` has no
-content (``cache_key`` None): it never hits and never fills the cache. Output tokens are
-not known, so output pages are never shared.
+Copies queue per direction (``Link``); where the cost model overlaps the directions, a
+batch that runs while the other direction is busy gets the duplex bandwidth. A
+rotate-out is done after every earlier copy of its direction, shadows included.
+Workloads and their synthetic prompts: ``sim.workload``.
 """
 
 from __future__ import annotations
@@ -42,119 +24,36 @@ from __future__ import annotations
 import dataclasses
 import gc
 import heapq
-import math
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast, overload
+from typing import cast
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.prefix_cache import isolation_key
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.request import Request, RequestStatus, SamplingParams
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched.registry import make_scheduler
 from superinfer_jax.sched.scheduler import StepPlan
 from superinfer_jax.sim.cost import CallShape, CostModel
+from superinfer_jax.sim.workload import (
+    ConversationSpec,
+    HashIdTokens,
+    RequestSpec,
+    check_conversations,
+    check_specs,
+)
 
 OUT, IN = 0, 1  # copy directions: device -> host, host -> device
 _SAMPLING = SamplingParams(max_tokens=1, ignore_eos=True)  # unused by policies; shared
-HASH_BLOCK_TOKENS = 512  # prompt tokens per hash id in the Mooncake traces
-_MAX_TOKEN = 2**63 - 1  # block hashing packs token ids as int64
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One simulated request: when it arrives, its lengths, its SLO and, for prefix
-    caching, its prompt content as ``hash_ids``: one id per ``block_tokens`` prompt
-    tokens (``ceil(prompt_len / block_tokens)`` ids, the last block possibly partial).
-    Two specs share exactly the prompt prefix their leading ids share. Without
-    ``hash_ids`` the request has no content and never uses the cache."""
-
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-    slo: SLO = field(default_factory=SLO)
-    hash_ids: tuple[int, ...] | None = None
-    block_tokens: int = HASH_BLOCK_TOKENS
-
-
-@dataclass(frozen=True)
-class ConversationSpec:
-    """A closed-loop conversation (``Simulator.run_conversations``): turn 0 arrives at
-    ``start_s``, and turn k+1 only ``think_s[k + 1]`` after turn k's last token, as
-    ``benchmarks.multiturn`` replays one through the engine (the user reads the answer,
-    then types). So the load is what the conversations' pace makes it: a slow answer
-    delays the next turn. The turns' own ``arrival_s`` is ignored. For the cache to find
-    the history, turn k+1's ``hash_ids`` extend turn k's (with ``block_tokens`` 1 they
-    are the prompt's token ids themselves)."""
-
-    start_s: float
-    turns: tuple[RequestSpec, ...]
-    think_s: tuple[float, ...]  # one per turn; think_s[0] is unused
-
-
-class HashIdTokens(Sequence[int]):
-    """The synthetic prompt of a spec with ``hash_ids``, computed on demand (a Mooncake
-    prompt averages 12k tokens: storing them for 12,000 requests would take gigabytes).
-
-    Token ``t`` is ``hash_ids[t // B] * B + t % B`` (``B`` = ``block_tokens``): distinct
-    (id, offset) pairs give distinct tokens, so a page's tokens are equal in two prompts
-    exactly when the ids of the blocks it covers are, and the chained page hashes are
-    equal exactly over the common leading ids. Slices (how ``extend_block_hashes`` reads
-    a page) are built a block at a time from ``range``."""
-
-    __slots__ = ("hash_ids", "block_tokens", "length")
-
-    def __init__(self, hash_ids: tuple[int, ...], block_tokens: int, length: int):
-        self.hash_ids, self.block_tokens, self.length = hash_ids, block_tokens, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __bool__(self) -> bool:
-        # Explicit, because mypyc-compiled code tests a native object's truth without
-        # ``__len__`` (an empty one would be true there): see superinfer_jax.mypyc_build.
-        return len(self) > 0
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        b, ids = self.block_tokens, self.hash_ids
-        if isinstance(index, slice):
-            start, stop, step = index.indices(self.length)
-            if step != 1:
-                return [self[i] for i in range(start, stop, step)]
-            out: list[int] = []
-            while start < stop:
-                blk = start // b
-                end = min(stop, (blk + 1) * b)
-                base = (ids[blk] - blk) * b  # token t of block blk: ids[blk] * b + t - blk * b
-                out.extend(range(base + start, base + end))
-                start = end
-            return out
-        i = index + self.length if index < 0 else index
-        if not 0 <= i < self.length:
-            raise IndexError(f"token {index} of a {self.length}-token prompt")
-        return (ids[i // b] - i // b) * b + i
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self[:])
 
 
 class SimRequest(Request):
-    """A ``Request`` without stored token ids (its prompt is a ``range``, or
-    ``HashIdTokens`` when the spec has content): ``num_tokens`` is a plain counter, and
-    token times are a list while it is unfinished (a token a step is appended to each
-    runner's: compiled, an append to a list is a C call, to an array a generic method call)
-    and an ``array('d')`` once finished (8 bytes a token, for the run's 100,000 requests).
-    Equality is identity, which is what the scheduler's list membership tests mean
-    (request ids are unique)."""
+    """A ``Request`` without stored token ids (a ``range`` or ``HashIdTokens`` prompt), so
+    100,000 fit in memory: token times are a list while it runs (a C call to append when
+    compiled) and an ``array('d')`` once finished. Equality is identity."""
 
     num_tokens = 0  # shadows Request.num_tokens (a property): an instance counter here
     __eq__ = object.__eq__
@@ -180,10 +79,7 @@ class SimRequest(Request):
         return self.output_len - self.num_output
 
     def _log_transition(self, now: float, status: RequestStatus) -> None:
-        """No transition log: nothing reads a simulated request's, and under RotaSched a
-        request changes status about 50 times (four per rotation), so 100,000 requests
-        at the knee peaked at 2.13 GB of memory with the logs and 1.61 GB without
-        (``benchmarks.sim_speed``; the time did not change measurably)."""
+        """No transition log: nothing reads it, and it would cost memory per rotation."""
 
 
 @dataclass
@@ -196,8 +92,7 @@ class Link:
     busy_s: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def issue(self, direction: int, num_pages: int, now: float, other_active: bool) -> float:
-        """Queue a batch; returns when it completes (an empty batch: when the queue
-        drains, since it waits for earlier copies of the same pages)."""
+        """Queue a batch; returns when it completes (an empty batch: when the queue drains)."""
         start = max(now, self.busy_until[direction])
         if not self.cost.overlaps_directions:
             start = max(start, self.busy_until[1 - direction])
@@ -229,17 +124,13 @@ class SimResult:
     num_host_pages: int
     cost_name: str
     policy: str
-    # Prefix caching (on when the config enables it and some spec has hash_ids). The
-    # cache's own counters, over every admission (a preempted request is looked up again):
-    # prompt tokens looked up, and found on the device / on the host. Per request, the
-    # tokens served at the first admission are ``SimRequest.num_cached_tokens``.
+    # prefix caching: the caches' counters of prompt tokens over every admission
     prefix_caching: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_device_hits: int = 0
     prefix_cache_host_hits: int = 0
     prefix_hit_pages_in: int = 0  # of pages_in: host-tier hits copied in (not rotations)
-    # ``run(..., time_schedule=True)``: per ``schedule`` call, the requests waiting when it
-    # was called and the host seconds it took (``benchmarks.sim_speed``)
+    # ``time_schedule``: per ``schedule`` call, the queue length and the host seconds
     schedule_queue: array | None = None  # array('l')
     schedule_s: array | None = None  # array('d')
     # ``run_conversations``: request id -> (conversation index, turn index)
@@ -269,22 +160,16 @@ class Simulator:
             time_schedule: bool = False) -> SimResult:
         """Simulate ``specs`` (sorted by arrival) until every request finished.
         ``time_schedule``: record each ``schedule`` call's queue length and host time.
-
-        The cyclic garbage collector is off while it runs (and back on after, if it was
-        on): every step allocates thousands of short-lived tuples and lists, which
-        reference counting frees, and each allocation burst made the collector walk the
-        run's live requests again. At the ``sim_speed`` knee (20,000 requests,
-        rotasched) that was 16% of the run's time (31.2 s against 26.1 s), for 22
-        objects of cyclic garbage at the end."""
-        _check_specs(specs, self.config)
+        The cyclic garbage collector is off meanwhile: each step's burst of short-lived
+        objects would make it walk the run's live requests again."""
+        check_specs(specs, self.config)
         return self._play(_Run(self, specs, progress, time_schedule))
 
     def run_conversations(self, convs: Sequence[ConversationSpec],
                           progress: Callable[[int], None] | None = None) -> SimResult:
-        """Simulate ``convs`` in closed loop (``ConversationSpec``) until every turn of
-        every conversation finished. ``SimResult.requests`` are the turns in arrival
-        order and ``SimResult.turn_of`` names each one's conversation and turn."""
-        _check_conversations(convs, self.config)
+        """Simulate ``convs`` in closed loop until every turn finished; the result's
+        ``requests`` are the turns in arrival order, ``turn_of`` names each one's."""
+        check_conversations(convs, self.config)
         order = sorted(range(len(convs)), key=lambda ci: convs[ci].start_s)
         firsts = [dataclasses.replace(convs[ci].turns[0], arrival_s=convs[ci].start_s)
                   for ci in order]
@@ -302,55 +187,6 @@ class Simulator:
                 gc.enable()
 
 
-def _check_specs(specs: Sequence[RequestSpec], config: EngineConfig) -> None:
-    last = float("-inf")
-    for i, s in enumerate(specs):
-        if s.arrival_s < last:
-            raise ValueError(f"requests must be sorted by arrival_s (request {i}: "
-                             f"{s.arrival_s} < {last})")
-        _check_spec(f"request {i}", s, config)
-        last = s.arrival_s
-
-
-def _check_spec(name: str, s: RequestSpec, config: EngineConfig) -> None:
-    if s.prompt_len < 1 or s.output_len < 1:
-        raise ValueError(f"{name}: prompt_len and output_len must be >= 1, got "
-                         f"{s.prompt_len}, {s.output_len}")
-    if s.prompt_len >= config.max_model_len:
-        raise ValueError(f"{name}: prompt has {s.prompt_len} tokens; max_model_len "
-                         f"is {config.max_model_len} (the engine rejects it)")
-    if s.hash_ids is not None:
-        _check_hash_ids(name, s)
-
-
-def _check_conversations(convs: Sequence[ConversationSpec], config: EngineConfig) -> None:
-    for i, c in enumerate(convs):
-        if not c.turns:
-            raise ValueError(f"conversation {i}: no turns")
-        if len(c.think_s) != len(c.turns):
-            raise ValueError(f"conversation {i}: {len(c.turns)} turns need as many think_s, "
-                             f"got {len(c.think_s)}")
-        if not 0 <= c.start_s < math.inf or any(not 0 <= x < math.inf for x in c.think_s):
-            raise ValueError(f"conversation {i}: start_s and think_s must be finite and "
-                             f">= 0, got {c.start_s}, {c.think_s}")
-        for k, turn in enumerate(c.turns):
-            _check_spec(f"conversation {i} turn {k}", turn, config)
-
-
-def _check_hash_ids(name: str, s: RequestSpec) -> None:
-    """Ids that cover the prompt exactly and keep every synthetic token an int64."""
-    b = s.block_tokens
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"{name}: block_tokens must be an int >= 1, got {b!r}")
-    want = -(-s.prompt_len // b)
-    if len(s.hash_ids or ()) != want:
-        raise ValueError(f"{name}: {s.prompt_len} prompt tokens need {want} hash ids "
-                         f"(one per {b}-token block), got {len(s.hash_ids or ())}")
-    if s.hash_ids and (min(s.hash_ids) < 0 or max(s.hash_ids) > _MAX_TOKEN // b - 1):
-        raise ValueError(f"{name}: hash ids must be in [0, {_MAX_TOKEN // b - 1}], "
-                         f"got {min(s.hash_ids)}..{max(s.hash_ids)}")
-
-
 class _Run:
     """The state of one simulation (the scheduler and pages are fresh per run)."""
 
@@ -360,15 +196,11 @@ class _Run:
                  first_of: Sequence[int] = ()):
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
-        # The cache exists only when some request has content: without any, nothing could
-        # hit, and the run stays the page manager's cache-free path exactly (no per-step
-        # scan of the runners for pages to register).
+        # a cache only when some request has content: nothing else could hit
         self.prefix_caching = cfg.enable_prefix_caching and (
             any(s.hash_ids is not None for s in specs)
             or any(t.hash_ids is not None for c in conversations for t in c.turns))
-        # Closed loop: ``specs`` are the first turns (``first_of``: their conversations);
-        # a finished turn's next turn joins ``later``, a heap of (arrival, order pushed,
-        # conversation, turn).
+        # closed loop: a finished turn's next joins ``later`` (arrival, seq, conv, turn)
         self.conversations = conversations
         self.turn_of: dict[str, tuple[int, int]] = {}
         self.first_of = list(first_of)
@@ -378,15 +210,10 @@ class _Run:
                                    prefix_caching=self.prefix_caching,
                                    host_cache_eviction=cfg.host_cache_eviction,
                                    host_cache_max_pages=cfg.host_cache_max_pages)
-        # One model per run: the isolation key is the cost model's name (no cache_salt).
         self.cache_key = isolation_key(f"sim:{sim.cost.name}", None) \
             if self.prefix_caching else None
-        # Shadows matter to a later rotate-out, and plain FCFS never rotates: unless
-        # copies cost the host time (a CPU, where they share the cores with the model),
-        # skipping them changes no timeline (the link has no other traffic) and saves
-        # the simulator the per-step scan of every running request's pages. With prefix
-        # caching and a host tier they also matter to FCFS: a cached device page that has
-        # a shadow stays findable on the host once evicted (the engine always shadows).
+        # FCFS never rotates: its shadows change no timeline unless copies cost the host
+        # time, or a host cache keeps evicted pages findable through them
         copies_cost_host = sim.cost.host_s(1, 1) > sim.cost.host_s(1, 0)
         host_caching = self.prefix_caching and sim.num_host_pages > 0
         self.sched = make_scheduler(cfg, self.kv, sim.latency, page_bytes=sim.cost.page_bytes,
@@ -403,7 +230,6 @@ class _Run:
         self.last_token = 0.0
         self.timing = (array("l"), array("d")) if time_schedule else None
 
-    # -- the loop ------------------------------------------------------------------------
 
     def play(self) -> SimResult:
         wall0 = time.perf_counter()
@@ -468,8 +294,7 @@ class _Run:
         return nxt
 
     def _add(self, spec: RequestSpec, index: int) -> None:
-        """Spec ``index`` arrives (a first turn, in closed loop). Request ids count the
-        requests added, so they are the spec indices in open loop."""
+        """Spec ``index`` arrives; request ids count the requests added."""
         req_id = str(self.num_added)
         if self.conversations:
             self.turn_of[req_id] = (self.first_of[index], 0)
@@ -491,7 +316,6 @@ class _Run:
         self.order.append(req)
         self.sched.add(req)
 
-    # -- the model step ------------------------------------------------------------------
 
     def _step(self, plan: StepPlan, t: float, num_pages: int) -> float:
         """Run the plan's two calls from ``t``; returns when the step ends."""
@@ -520,8 +344,7 @@ class _Run:
         return t
 
     def _advance_decode(self, rows: list[SimRequest], now: float) -> None:
-        """``_advance`` of decode rows (one token each), without a ``(req, 1)`` pair per
-        row: most rows of most steps are these."""
+        """``_advance`` of decode rows (one token each; most rows are these)."""
         max_len = self.cfg.max_model_len
         for req in rows:
             req.num_computed_tokens += 1
@@ -536,10 +359,7 @@ class _Run:
 
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
-        final row samples one. One call per call of the model, not per row: this is the
-        simulator's innermost loop (a row per running request per step). The length
-        decision is the engine's own (``output_processor.at_length_limit``), written out:
-        its prompt plus outputs are ``num_tokens`` here."""
+        final row samples one. The length check is ``at_length_limit``, written out."""
         max_len = self.cfg.max_model_len
         for req, n in rows:
             req.num_computed_tokens += n
@@ -569,11 +389,9 @@ class _Run:
                                             conv, turn + 1))
                 self.num_pushed += 1
 
-    # -- copies --------------------------------------------------------------------------
 
     def _issue_copies(self, plan: StepPlan, t: float) -> int:
-        """The plan's rotations and eager shadows, as the engine issues them; returns the
-        number of pages issued."""
+        """Issue the plan's rotations and shadows; returns the number of pages."""
         shadows = plan.shadows
         if not (plan.moves_out or shadows or plan.moves_in):
             return 0
@@ -617,9 +435,7 @@ class _Run:
                 self.sched.on_rotated_in(req, t)
 
     def _prefix_counters(self) -> tuple[int, int, int]:
-        """(prompt tokens looked up, found on the device, found on the host), summed over
-        every admission by the caches' own counters (the device tier counts lookups and
-        its hits; the host tier the tokens it served after the device's hit)."""
+        """(prompt tokens looked up, found on the device, found on the host)."""
         cache, host = self.kv.prefix_cache, self.kv.host_cache
         if cache is None:
             return 0, 0, 0

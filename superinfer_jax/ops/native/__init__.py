@@ -1,33 +1,20 @@
 """Native CPU ops as typed XLA FFI custom calls, compiled from C++ source here.
 
-Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves (about 5 GB/s),
-and the paged attention's page gather was most of a batch-32 decode step's attention
-(see ``kv_gather.cc``). A memcpy per head-row, in the order the pool stores them, on the
-caller's and XLA's intra-op threads, is the same bytes at memory speed. XLA fills a
-zeroed KV pool by faulting in and writing every page of it, seconds of a server's start
-for a pool the kernel can hand out as zero pages for free (``lazy_zeros.cc``). XLA's
-bfloat16 dot streamed a decode step's weights at about half the memory's speed
-(``bf16_matmul.cc``, AVX512-BF16 CPUs only; batch-invariant by construction). A decode
-step's attention ran as a loop of a dozen thunks per block of pages, every row padded to
-the longest context (``decode_attention.cc``, AVX-512F). And DuplexKV's page copies ran as
-XLA loops with regular stores (``page_copy.cc``: one non-temporal copy per page).
+Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves, so the paged
+attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_copy.cc``,
+non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
+pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
+memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant); decode attention reads
+each row's own pages once (``decode_attention.cc``, AVX-512F).
 
-The library is built from the ``.cc`` files here with the system C++ compiler (``$CXX``,
-else ``g++``) against the FFI headers that ship in jaxlib, on first use or ahead of time by
-``python -m superinfer_jax.ops.native`` (``make install`` runs it). The result is cached
-under ``$SUPERINFER_NATIVE_CACHE`` (default ``~/.cache/superinfer_jax/native``), named by
-a hash of the source, the compile command and jaxlib's version, and written to a
-temporary file then renamed, so parallel builders (test workers) never load half a file.
-No flag targets the build CPU: memcpy is glibc's, which picks its code per CPU at run
-time, and the matmul's AVX512-BF16 functions are compiled by attribute and called only
-where the CPU reports that ISA, so a cache copied to another x86-64 machine still runs.
-
-Where no compiler is found, the build fails, or ``SUPERINFER_NATIVE_OPS=0`` is set, the
-callers use their plain-XLA paths (byte-identical results for the copies and the zeros,
-equal to float32 rounding for the matmul and the attention; slower); the reason is
-logged once. Only the CPU platform gets the custom calls: their callers select them with
-``jax.lax.platform_dependent``, so a program lowered for CUDA never contains them, and
-the pool's lazy zeros are used only when the pool's device is a CPU.
+Built with ``$CXX`` (else ``g++``) against jaxlib's FFI headers, on first use or by
+``python -m superinfer_jax.ops.native``; cached under ``$SUPERINFER_NATIVE_CACHE`` by a
+hash of source, command and jaxlib, written then renamed (parallel builders are safe).
+No flag targets the build CPU, so a cache runs on any x86-64. Without a compiler, on a
+failed build, or with ``SUPERINFER_NATIVE_OPS=0``, callers take their XLA paths (the same
+bytes for copies and zeros, float32 rounding for matmul and attention). Every call is
+CPU only: callers select it in a ``jax.lax.platform_dependent`` branch after
+``available()`` (or the kernel's own check). Page ids are clamped to ``[0, N)``.
 """
 
 from __future__ import annotations
@@ -131,8 +118,8 @@ _attention_supported = False
 
 @functools.cache
 def _register() -> str | None:
-    """Build, load and register the custom call once per process; the library's path, or
-    None (with the reason logged) when the plain-XLA path must be used."""
+    """Build, load and register the custom calls once per process; the library's path, or
+    None (the reason logged)."""
     if not enabled():
         log.info("native CPU ops off (%s=0): plain XLA page gathers", _DISABLE_ENV)
         return None
@@ -160,14 +147,12 @@ def available() -> bool:
 
 
 def bf16_matmul_available() -> bool:
-    """Whether ``bf16_matmul`` may be used: the ops are registered and this CPU has
-    AVX512-BF16. Fixed for the process, so a model takes one path for every shape."""
+    """Whether ``bf16_matmul`` may be used (registered, AVX512-BF16); fixed per process."""
     return _register() is not None and _bf16_supported
 
 
 def decode_attention_available() -> bool:
-    """Whether ``decode_attention`` may be used: the ops are registered and this CPU has
-    AVX-512F."""
+    """Whether ``decode_attention`` may be used (registered, AVX-512F)."""
     return _register() is not None and _attention_supported
 
 
@@ -175,10 +160,8 @@ DECODE_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def fingerprint() -> str:
-    """What a compiled program using these ops depends on, for executable caches: the
-    library file and which CPU-dependent kernels it runs here (bfloat16 matmul, decode
-    attention), or ``off``. Registers the custom calls, so that an executable loaded from a
-    cache (without tracing) finds its targets."""
+    """What a compiled program using these ops depends on, for executable caches (and
+    registers the calls, for an executable loaded without tracing)."""
     path = _register()
     if not path:
         return "off"
@@ -187,12 +170,8 @@ def fingerprint() -> str:
 
 
 def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
-    """``pool[ids, layer, kv]`` with heads first, for K and V, through the custom call.
-
-    pool [N, L, 2, S, K, D]; ids [B, P] (clamped to [0, N)); returns two [B, K, P, S, D]
-    arrays in the pool's dtype, equal byte for byte to
-    ``pool[ids[:, None, :], layer, kv, :, arange(K)[None, :, None]]``. CPU only: call it
-    from a ``jax.lax.platform_dependent`` branch after ``available()``.
+    """``pool[ids, layer, kv]`` with heads first, for K and V: two [B, K, P, S, D] arrays,
+    byte for byte ``pool[ids[:, None, :], layer, kv, :, arange(K)[None, :, None]]``.
     """
     _, num_layers, two, page_size, kv_heads, head_dim = pool.shape
     if two != 2 or not 0 <= layer < num_layers:
@@ -205,11 +184,8 @@ def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, j
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array:
-    """An all-zero array whose memory is not written now: large page-aligned spans are
-    released to the kernel (``madvise``), which maps zero pages until they are first
-    written, so the cost of a zeroed KV pool moves from start-up to the pages' first
-    writes. Byte-identical to ``jnp.zeros``. CPU only, one device (call it inside
-    ``jax.jit`` after ``available()``): a sharded pool keeps XLA's fill."""
+    """An all-zero array whose memory is not written now (``madvise``: the kernel maps
+    zero pages until first written). One CPU device; a sharded pool keeps XLA's fill."""
     out = jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
     return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, out)()
 
@@ -218,11 +194,8 @@ MAX_MATMUL_WEIGHTS = 4  # kMaxWeights in bf16_matmul.cc
 
 
 def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
-    """``[x @ w for w in weights]`` for bfloat16 x [M, K] and 1-4 bfloat16 w [K, N_i],
-    float32 results [M, N_i], in one custom call (``bf16_matmul.cc``): the threads split
-    every weight's columns at once, one wait per call. Each output is one float32 sum over
-    k in increasing pairs, whatever M, so a row's bits never depend on its batch. CPU only:
-    call it from a ``jax.lax.platform_dependent`` branch after ``bf16_matmul_available()``.
+    """``[x @ w for w in weights]`` for bfloat16 x [M, K] and 1-4 w [K, N_i], float32
+    out, in one call; a row's bits never depend on its batch.
     """
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"bf16_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
@@ -242,12 +215,8 @@ def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,
                      context_lens: jax.Array, layer: int, scale: float) -> jax.Array:
-    """One query token per row against its paged keys and values, through the custom call
-    (``decode_attention.cc``): q [B, H, D] float32, pool [N, L, 2, S, K, D] float32,
-    page_tables [B, P] (clamped to [0, N)), context_lens [B] (keys [0, len) are visible;
-    the row's own new key included) -> [B, H, D] float32; a row with no context gives
-    zeros. Each row alone, so its result does not depend on the batch. CPU only: call it
-    from a ``jax.lax.platform_dependent`` branch after ``decode_attention_available()``."""
+    """One float32 query token per row against keys ``[0, context_lens[b])`` of its pages
+    -> [B, H, D] float32 (zeros without context); each row alone, batch-invariant."""
     batch, heads, head_dim = q.shape
     _, num_layers, two, _, kv_heads, pool_dim = pool.shape
     if two != 2 or pool_dim != head_dim or heads % kv_heads or not 0 <= layer < num_layers:
@@ -266,9 +235,7 @@ def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,
 
 
 def gather_pages(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
-    """``tuple(pool[ids[i]] for i)`` (ids [B], clamped to [0, N)) through the custom call
-    (``page_copy.cc``): one streaming copy per page, byte-exact. CPU only: call it from a
-    ``jax.lax.platform_dependent`` branch after ``available()``."""
+    """``tuple(pool[ids[i]] for i)``: one streaming copy per page, byte-exact."""
     if ids.ndim != 1:
         raise ValueError(f"gather_pages: ids must be [B], got {ids.shape}")
     page = jax.ShapeDtypeStruct(pool.shape[1:], pool.dtype)
@@ -277,10 +244,8 @@ def gather_pages(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def scatter_pages(pool: jax.Array, ids: jax.Array, pages: Sequence[jax.Array]) -> jax.Array:
-    """``pool`` with ``pool[ids[i]] = pages[i]`` (ids clamped; a repeated id: the later
-    page wins), in place (the result aliases ``pool``: donate it), through the custom call
-    (``page_copy.cc``): one streaming copy per page, byte-exact. CPU only: call it from a
-    ``jax.lax.platform_dependent`` branch after ``available()``."""
+    """``pool`` with ``pool[ids[i]] = pages[i]`` (a repeated id: the later page wins), in
+    place (donate ``pool``): one streaming copy per page, byte-exact."""
     if ids.ndim != 1 or ids.shape[0] != len(pages):
         raise ValueError(f"scatter_pages: {ids.shape} ids for {len(pages)} pages")
     for page in pages:

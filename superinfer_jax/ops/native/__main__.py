@@ -1,5 +1,4 @@
-"""``python -m superinfer_jax.ops.native``: build the native CPU ops now (``make install``
-runs it, so the first serving start does not compile C++) and print the library's path."""
+"""Build the native CPU ops now (``make install`` runs it) and print the library's path."""
 
 import sys
 

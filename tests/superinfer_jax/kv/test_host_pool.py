@@ -11,9 +11,9 @@ from superinfer_jax.kv.host_pool import HostPool, host_memory_kind, num_host_pag
 
 
 def test_sizing_from_pages_or_gib():
-    assert num_host_pages_for(EngineConfig(), 1 << 20) == 0  # off by default
-    assert num_host_pages_for(EngineConfig(host_memory_gb=1.0), 1 << 20) == 1024
-    assert num_host_pages_for(EngineConfig(host_memory_gb=1.0, num_host_pages=7), 1 << 20) == 7
+    assert num_host_pages_for(EngineConfig().host_memory_gb, None, 1 << 20) == 0  # off
+    assert num_host_pages_for(1.0, None, 1 << 20) == 1024
+    assert num_host_pages_for(1.0, 7, 1 << 20) == 7
 
 
 @pytest.mark.parametrize("field,value", [("num_host_pages", -1), ("num_host_pages", 2.5),
