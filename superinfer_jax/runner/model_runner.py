@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from superinfer_jax import ops
+import superinfer_jax.ops as ops
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
 from superinfer_jax.dist import parallel
 from superinfer_jax.duplexkv import DuplexKV, RotationEvent
