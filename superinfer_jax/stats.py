@@ -25,6 +25,20 @@ _TRANSFER_PREFIX = "transfer_"
 _TRANSFER_KEYS = tuple(_TRANSFER_PREFIX + f.name for f in dataclasses.fields(TransferStats))
 
 
+@dataclass
+class StepStats:
+    """What one ``LLMEngine.step`` did: tokens, preemptions, rotations issued (each
+    direction), and its host and wall time."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    num_rotated_out: int = 0
+    num_rotated_in: int = 0
+    host_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class HostTierStats:
     """The DuplexKV tier: requests parked there, its pages, and the copies made."""

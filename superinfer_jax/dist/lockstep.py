@@ -130,7 +130,7 @@ class Recorder:
 
         runner._step_fn = step
         runner._resample_fn = self._wrapped("resample", runner._resample_fn)
-        runner._committed = self._wrapped("commit", runner._committed)  # type: ignore[method-assign]
+        runner.committed = self._wrapped("commit", runner.committed)  # type: ignore[method-assign]
         if runner.duplex is not None:
             mover = runner.duplex.mover
             for name in ("to_host", "to_device", "scatter"):
@@ -223,7 +223,7 @@ class Replayer:
         self.fns: dict[str, Callable[..., Any]] = {
             "step": lambda *a: step_fn(params, *a),
             "resample": runner._resample_fn,
-            "commit": runner._committed,
+            "commit": runner.committed,
         }
         if runner.duplex is not None:
             mover = runner.duplex.mover

@@ -23,13 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from superinfer_jax.runner.step_programs import BucketCompiler, compile_order, default_num_threads
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.dist.distributed import DistributedConfig, Group, flatten_config, initialize
 from superinfer_jax.engine import LLMEngine
 from superinfer_jax.dist.lockstep import Recorder, run_follower
 from superinfer_jax.model_api import ServableModel
-from superinfer_jax.runner.model_runner import ModelRunner
 
 
 def start_group(dist: DistributedConfig, config: Mapping[str, Any] | Any) -> Group:
@@ -69,15 +67,5 @@ def follow(model: ServableModel, config: EngineConfig, group: Group) -> None:
     run, one at a time, while process 0 waits in that run's collectives (and, on a slow
     host, past ``step_timeout_s``)."""
     engine = LLMEngine(model, config.replace(warmup=False))
-    ready = compile_ahead(engine.runner).wait_done if config.warmup else None
+    ready = engine.runner.compilation.compile_ahead().wait_done if config.warmup else None
     run_follower(engine.runner, group, ready)
-
-
-def compile_ahead(runner: ModelRunner) -> BucketCompiler:
-    """Compile every program of ``runner`` ahead of time, as ``ModelRunner.warmup`` does,
-    without running any (a follower runs only what process 0 sends)."""
-    duplex = runner.duplex.mover.buckets if runner.duplex is not None else ()
-    order = compile_order(runner.config, runner.resample_buckets, duplex)
-    # runner._compile: warm-up's own per-program compile (abstract arguments, any thread)
-    return BucketCompiler(runner._compile, order, len(order), default_num_threads(),
-                          background=False)
