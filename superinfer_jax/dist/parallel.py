@@ -21,10 +21,15 @@ mesh at all, so single-device behaviour (and every compiled step) is exactly as 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:
+    from superinfer_jax.model_api import ServableModel
 
 TP_AXIS = "tp"
 
@@ -86,3 +91,24 @@ def check_kv_heads(num_kv_heads: int, mesh: Mesh) -> None:
             f"tensor_parallel_size {mesh.size}: shard the model for this mesh first "
             "(models.sharding pads or replicates heads)"
         )
+
+
+def place_model(model: ServableModel, mesh: Mesh | None) -> ServableModel:
+    """``model`` on ``mesh``: as given when it already is (loaded with
+    ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
+    model_mesh: Mesh | None = getattr(model, "mesh", None)
+    if model_mesh == mesh:
+        if mesh is not None:
+            check_kv_heads(model.kv_spec.num_kv_heads, mesh)
+        return model
+    if mesh is None:
+        assert model_mesh is not None  # else the meshes would be equal (both None)
+        raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
+                         f"{model_mesh.size} devices; set tensor_parallel_size to match")
+    shard = getattr(model, "shard", None)
+    if shard is None:
+        raise ValueError(f"tensor_parallel_size={mesh.size}: this model cannot be "
+                         "sharded (it has no shard(mesh))")
+    model = shard(mesh)
+    check_kv_heads(model.kv_spec.num_kv_heads, mesh)
+    return model

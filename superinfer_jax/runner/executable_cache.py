@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from superinfer_jax.config import EngineConfig
 from superinfer_jax.ops import native
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,28 @@ class ExecutableCache:
         self._pending: list[tuple[str, str, Callable[[], Any]]] = []
         self._lock = threading.Lock()
         self.num_loaded = 0  # programs this process loaded from the cache
+
+    @classmethod
+    def for_runner(cls, config: EngineConfig, model: Any, backend: str, feedback_width: int,
+                   params_treedef: Any, mesh: Any) -> ExecutableCache | None:
+        """The cache of a ``ModelRunner``'s step and resample, keyed also by what they
+        close over: the engine config (less what no program reads), the model's plain
+        attributes and class, the attention backend, the weights' tree and the mesh.
+        None without a cache directory, and for a multi-process group (each process
+        loads its own devices' programs; not validated there)."""
+        if not config.compilation_cache_dir or jax.process_count() > 1:
+            return None
+        context = {
+            "engine": config.replace(compilation_cache_dir=None, show_progress=True,
+                                     warmup=True, compile_in_background=False, seed=0),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "model": describe(model),
+            "backend": backend,
+            "feedback_width": feedback_width,
+            "params": str(params_treedef),
+            "mesh": repr(mesh),
+        }
+        return cls.under(config.compilation_cache_dir, context)
 
     @classmethod
     def under(cls, cache_dir: str, context: Mapping[str, Any]) -> ExecutableCache:

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 import superinfer_jax.ops as ops
 from superinfer_jax.config import BucketLimits, EngineConfig, bucket
@@ -35,7 +34,6 @@ from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import Request
-from superinfer_jax.runner import executable_cache
 from superinfer_jax.runner.compilation_manager import CompilationManager
 from superinfer_jax.runner.device_pool import DevicePool, choose_num_pages
 from superinfer_jax.runner.executable_cache import ExecutableCache
@@ -67,8 +65,9 @@ class ModelRunner:
         self.config = config
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
-        self.mesh = self._make_mesh()  # None: one device, exactly as without TP
-        self.model = model = self._place_model(model)
+        tp = config.tensor_parallel_size
+        self.mesh = parallel.make_mesh(tp) if tp > 1 else None  # None: one device
+        self.model = model = parallel.place_model(model, self.mesh)
         self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
         self.num_device_pages = choose_num_pages(config, self.layout)
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
@@ -92,7 +91,8 @@ class ModelRunner:
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         # Called like the jitted functions; each shape compiled ahead of time (warm-up).
-        cache = self._executable_cache()
+        cache = ExecutableCache.for_runner(config, model, self.backend, self.feedback_width,
+                                           self._params_treedef, self.mesh)
         self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape,
                                       cache=cache, name=STEP)
         # in_step copy mode: the step with page copies inside, per (step shape, pages
@@ -111,30 +111,6 @@ class ModelRunner:
         self.compilation = CompilationManager(self)
 
     # -- setup -------------------------------------------------------------------------
-
-    def _make_mesh(self) -> Mesh | None:
-        tp = self.config.tensor_parallel_size
-        return parallel.make_mesh(tp) if tp > 1 else None
-
-    def _place_model(self, model: ServableModel) -> ServableModel:
-        """The model on this engine's mesh: as given when it already is (loaded with
-        ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
-        model_mesh: Mesh | None = getattr(model, "mesh", None)
-        if model_mesh == self.mesh:
-            if self.mesh is not None:
-                parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
-            return model
-        if self.mesh is None:
-            assert model_mesh is not None  # else the meshes would be equal (both None)
-            raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
-                             f"{model_mesh.size} devices; set tensor_parallel_size to match")
-        shard = getattr(model, "shard", None)
-        if shard is None:
-            raise ValueError(f"tensor_parallel_size={self.mesh.size}: this model cannot be "
-                             "sharded (it has no shard(mesh))")
-        model = shard(self.mesh)
-        parallel.check_kv_heads(model.kv_spec.num_kv_heads, self.mesh)
-        return model
 
     @property
     def kv_pool(self) -> jax.Array:
@@ -167,29 +143,6 @@ class ModelRunner:
         return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
                         pool_sharding=parallel.pool_sharding(self.mesh),
                         copy_mode=cfg.copy_mode)
-
-    def _executable_cache(self) -> ExecutableCache | None:
-        """The serialized-executable cache (``superinfer_jax.runner.executable_cache``) beside
-        the XLA cache, keyed also by what the step and resample close over: the engine
-        config (less what no program reads), the model's plain attributes and class, the
-        attention backend, the weights' tree and the mesh. None without a cache
-        directory, and for a multi-process group (each process loads its own devices'
-        programs; not validated there)."""
-        cfg = self.config
-        if not cfg.compilation_cache_dir or jax.process_count() > 1:
-            return None
-        model = self.model
-        context = {
-            "engine": cfg.replace(compilation_cache_dir=None, show_progress=True, warmup=True,
-                                  compile_in_background=False, seed=0),
-            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "model": executable_cache.describe(model),
-            "backend": self.backend,
-            "feedback_width": self.feedback_width,
-            "params": str(self._params_treedef),
-            "mesh": repr(self.mesh),
-        }
-        return ExecutableCache.under(cfg.compilation_cache_dir, context)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
