@@ -8,15 +8,10 @@ sharded over ``tp``:
     host page    [num_layers, 2, page_size, kv_heads, head_dim]              on kv_heads
                   (memory kind pinned_host: each shard's slice sits in its host's memory)
 
-So a page is split across devices head-wise, and every device holds its own slice of
-every page. Rotation gathers, copies and scatters each slice on its own device: a
-``device_put`` between two shardings that differ only in memory kind moves no byte
-between devices. Page ids, page tables and the scheduler are host-side and global: the
-same page id names the same page on every shard.
-
-Model weights are sharded by the model family (``models.sharding``); the engine only needs
-the mesh and the two shardings below. With ``tensor_parallel_size == 1`` the engine uses no
-mesh at all, so single-device behaviour (and every compiled step) is exactly as before.
+Every device holds its heads' slice of every page, so rotation copies each slice on its
+own device and moves no byte between devices; page ids, page tables and the scheduler
+stay host-side and global. Model weights are sharded by the model family
+(``models.sharding``). With ``tensor_parallel_size == 1`` the engine uses no mesh at all.
 """
 
 from __future__ import annotations
@@ -42,13 +37,9 @@ HEADS_SPEC = P(None, None, TP_AXIS, None)
 
 
 def make_mesh(tensor_parallel_size: int, devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``tp`` mesh over the first ``tensor_parallel_size`` devices.
-
-    Axis type Auto: the partitioner chooses collectives from the input shardings (JAX's
-    ``make_mesh`` defaults to Explicit axes, which would put shardings into the types).
-    Across hosts, ``jax.devices()`` lists every process's devices once
-    ``jax.distributed.initialize`` has run, so the same call builds the global mesh.
-    """
+    """A 1-D ``tp`` mesh over the first ``tensor_parallel_size`` devices (every host's,
+    once ``jax.distributed.initialize`` has run). Axis type Auto: the partitioner chooses
+    the collectives from the input shardings."""
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel_size > len(devices):
         raise ValueError(
@@ -75,9 +66,8 @@ def page_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 
 def host_value(array: jax.Array) -> np.ndarray:
-    """A replicated array's value on the host: this process's copy. Across hosts a
-    replicated array is not fully addressable (``np.asarray`` refuses it), and every copy
-    holds the same value, so the first local shard is the whole value."""
+    """A replicated array's value on the host: this process's copy (across hosts it is
+    not fully addressable, and every copy holds the same value)."""
     if array.is_fully_addressable:
         return np.asarray(array)
     return np.asarray(array.addressable_data(0))

@@ -46,8 +46,7 @@ class CompilationManager:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.config = runner.config
-        # What the scheduler may plan: every bucket, unless warm-up compiles in the
-        # background (then what is compiled so far, growing).
+        # what the scheduler may plan: with background compiles, what is compiled so far
         self.limits: BucketLimits = self.config.bucket_limits
         self.compiler: BucketCompiler | None = None
         self.duplex_warm = True  # DuplexKV's copy programs compiled (or none to compile)
@@ -200,9 +199,8 @@ class CompilationManager:
             runner.resample_programs.compile(*self.resample_specs(program.shape[0]))
 
     def _refill(self) -> None:
-        """Store in the executable cache the ready set's programs that XLA's cache served
-        (only those: a warm start waits for their load, and compiling every program again
-        after each source edit would be minutes of background CPU)."""
+        """Store in the executable cache the ready set's programs XLA's cache served (only
+        those: a warm start waits for their load)."""
         cache = self.runner.step_programs.cache
         assert cache is not None  # only listed with a cache
         ready = {cache.key(STEP, self.step_specs(*p.shape)) for p in ready_set(self.config)}
@@ -215,13 +213,10 @@ class CompilationManager:
 
     def first_run_on_scratch(self, rows: int, cols: int) -> None:
         """Run the step program of ``[rows, cols]`` once on a scratch pool, on the compile
-        thread, before its bucket is published. An XLA:CPU executable's first run pays a
-        one-time cost (YNNPACK's matmul fusions prepare then), about doubled when it was
-        loaded from the executable cache; paid here, the first request to reach the
-        bucket does not pay it, and the engine thread, which owns the pool, never waits.
-        Only with ``DevicePool.lazy`` zeros: the scratch pool costs address space, not
-        memory. One scratch pool for every compile thread, dropped after the last step
-        program's run. A failure is a warning: the bucket is published all the same."""
+        thread, before its bucket is published: an XLA:CPU executable's first run pays a
+        one-time cost, which then no request pays. Only with ``DevicePool.lazy`` zeros
+        (the scratch pool costs address space, not memory); one scratch pool, dropped
+        after the last step program. A failure is a warning: the bucket is published."""
         runner = self.runner
         with self._scratch_lock:
             self._scratch_left -= 1
@@ -244,9 +239,8 @@ class CompilationManager:
                 self._scratch_pool = out[3]
 
     def _run_once(self, program: Program) -> None:
-        """Run a compiled program once on empty inputs (its first run pays one-time
-        costs; it only writes the null page). DuplexKV's copies run in ``warm_duplex``;
-        in_step variants run first when a step takes copies."""
+        """Run a compiled step or resample once on the null page (its first run pays
+        one-time costs). DuplexKV's copies run in ``warm_duplex``."""
         runner = self.runner
         if program.kind == STEP:
             rows, cols = program.shape
@@ -259,11 +253,9 @@ class CompilationManager:
     # -- shapes and abstract arguments ---------------------------------------------------
 
     def in_step_shapes(self) -> list[tuple[int, int, int, int]]:
-        """The in_step variants compiled: (rows, 1, pages out, pages in) for every decode
-        bucket, with ``B = in_step_pages`` pages out, in, or both ways. A step's copies
-        ride the step only when its first call is a decode call and a direction has at
-        least ``B`` pages; then ``B`` pages go in the step and the rest by the separate
-        programs. One count bucket per direction keeps the compiles bounded."""
+        """The in_step variants: (rows, 1, pages out, pages in) for every decode bucket,
+        with ``B = in_step_pages`` pages out, in, or both ways (a step carries ``B`` pages
+        of a direction that has that many; the rest go by the separate programs)."""
         duplex = self.runner.duplex
         if duplex is None or not duplex.in_step:
             return []
@@ -310,9 +302,8 @@ class CompilationManager:
                                     sharding=self.runner.constant_sharding())
 
     def empty_inputs(self, rows: int, cols: int, num_tokens: int = 0) -> StepInputs:
-        """A call on the null page only (which only padding reads or writes), each row
-        with ``num_tokens`` real tokens: 0, every row padding (argument specs, lowering);
-        ``cols``, what warm-up's first runs use (``null_page_inputs``)."""
+        """A call on the null page only, each row with ``num_tokens`` real tokens (0: all
+        padding, for argument specs)."""
         return StepInputs.from_numpy(
             tokens=np.zeros((rows, cols)),
             positions=np.broadcast_to(np.arange(cols) if num_tokens else 0, (rows, cols)),
@@ -323,8 +314,7 @@ class CompilationManager:
 
     def null_page_inputs(self, rows: int, cols: int) -> StepInputs:
         """Every row runs ``cols`` real tokens on the null page: warm-up's first run goes
-        through the attention's page loop, so the first request does not pay for entering
-        it the first time."""
+        through the attention's page loop, so the first request does not."""
         return self.empty_inputs(rows, cols, num_tokens=cols)
 
     # -- limits --------------------------------------------------------------------------

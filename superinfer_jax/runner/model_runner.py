@@ -71,8 +71,7 @@ class ModelRunner:
         self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
         self.num_device_pages = choose_num_pages(config, self.layout)
         self.num_host_pages = num_host_pages_for(config, self.layout.page_bytes)
-        # The pages' bookkeeping (host only): the scheduler plans with it, DuplexKV copies
-        # the pages it names.
+        # the pages' bookkeeping (host only): the scheduler plans with it
         self.kv = TwoTierKVManager.for_config(config, self.num_device_pages,
                                               self.num_host_pages)
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
@@ -85,18 +84,16 @@ class ModelRunner:
         self._inflight: InflightStep | None = None  # dispatched, tokens not read yet
         self.last_logprobs: StepLogprobs | None = None  # of the last call_step
         self.last_deferred_logits: jax.Array | None = None
-        # The step takes the weights as a flat list: jit flattens its arguments on every
-        # call, and a list is cheaper to flatten than the nnx.State, twice a step.
+        # the weights as a flat list: jit flattens its arguments at every call, and a list
+        # is cheaper to flatten than the nnx.State
         self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
-        # Called like the jitted functions; each shape compiled ahead of time (warm-up).
         cache = ExecutableCache.for_runner(config, model, self.backend, self.feedback_width,
                                            self._params_treedef, self.mesh)
         self.step_programs = Programs(self._jit_step(), key=lambda a: a[2].tokens.shape,
                                       cache=cache, name=STEP)
-        # in_step copy mode: the step with page copies inside, per (step shape, pages
-        # out, pages in); see ``CompilationManager.in_step_shapes``
+        # in_step copy mode: per (step shape, pages out, pages in)
         self.in_step_programs = Programs(
             self._jit_step_in_step(),
             key=lambda a: (*a[2].tokens.shape, a[6].shape[0], a[7].shape[0]))
@@ -156,15 +153,13 @@ class ModelRunner:
 
     def _jit_step_in_step(self):
         """The jitted step with DuplexKV's copies inside (``in_step`` copy mode), pool
-        donated: the gathered pages are outputs in pinned_host (on GPU, XLA schedules
-        them as asynchronous copy-start/copy-done beside the compute), the landed pages
-        operands in pinned_host. Without a host tier it is never called."""
+        donated: gathered pages out and landed pages in, both in pinned_host (on GPU, XLA
+        overlaps the copies with the compute)."""
         if self.duplex is None:
             return jax.jit(self._step_in_step, donate_argnums=(1,))
         const = self.constant_sharding()
-        # the placement promised to the compiles, not the pool's own: reading
-        # ``kv_pool`` here would wait for its zeroing (2.7 s of a 6 s warm start)
-        # before the ready set could even load
+        # the placement promised to the compiles: reading ``kv_pool`` would wait for
+        # its zeroing before the ready set could load
         pool = self.duplex.pool_sharding or self.pool.spec.sharding
         out = (const, const, const, pool, self.duplex.host.host_sharding)
         return jax.jit(self._step_in_step, donate_argnums=(1,), out_shardings=out)
@@ -266,8 +261,7 @@ class ModelRunner:
         cfg = self.config
         if prefill:
             num_rows = bucket(len(rows), cfg.prefill_row_buckets)
-            # at least the shortest compiled chunk (before the background compiles
-            # reach the short buckets)
+            # at least the shortest compiled chunk
             cols = self.limits.prefill_columns(
                 bucket(max(n for _, n in rows), cfg.prefill_chunk_buckets))
         else:
@@ -474,8 +468,8 @@ class ModelRunner:
                 and self._step_fn is self.step_programs)
 
     def flush_rotations(self, keep_events: bool = False) -> list[RotationEvent]:
-        """After a step's calls are dispatched: make the copies no call took (no call
-        ran), and return the failures of copies issued with the calls."""
+        """After a step's calls are dispatched: make the copies no call took, and return
+        the failures of copies issued with the calls."""
         if self.duplex is not None and self.duplex.has_deferred:
             self.kv_pool, events = self.duplex.flush(self.kv_pool)
             self._rotation_events += events
