@@ -115,8 +115,6 @@ class LLMEngine:
         if config.warmup:
             self.warmup()
 
-    # -- the runner's device state, read through the engine ----------------------------
-
     @property
     def model(self) -> ServableModel:
         return self.runner.model
@@ -149,17 +147,10 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compile the buckets (the runner), then load or measure the latency model
-        RotaSched prices its budgets with. Each phase's time is logged and kept in
-        ``warmup_times_s``.
-
-        With ``compile_in_background`` (one process) this returns as soon as the
-        smallest buckets are compiled: the engine is ready and serves, its scheduler
-        keeping every call within what is compiled. What is left finishes behind: the
-        other buckets on the runner's compile threads; DuplexKV's copy programs, then a
-        latency profile that is not on disk, through ``idle_work`` (until it is
-        measured, RotaSched plans with the configured token budget). Slack ranking needs
-        the profile from its first step: without a saved one, that engine is ready only
-        once it is measured."""
+        RotaSched prices its budgets with; each phase's time is kept in ``warmup_times_s``.
+        With ``compile_in_background`` (one process) this returns once the smallest
+        buckets are compiled; the rest, DuplexKV's copies and a latency profile not on
+        disk follow through ``idle_work`` (slack ranking waits for the profile)."""
         background = self.config.compile_in_background and jax.process_count() == 1
         times = self.runner.warmup(background)
         t0 = time.perf_counter()
@@ -185,18 +176,14 @@ class LLMEngine:
 
     @property
     def warmup_pending(self) -> bool:
-        """Whether deferred warm-up is left (``compile_in_background``): compiles,
-        DuplexKV's copy programs or the latency profile, until ``idle_work`` sees all
-        three done."""
+        """Whether deferred warm-up (``compile_in_background``) is left for ``idle_work``."""
         return self._warmup_started is not None
 
     def idle_work(self) -> bool:
         """One piece of deferred warm-up, for the engine's thread while it has no
-        request (``AsyncEngine`` calls it): a first run of DuplexKV's copy programs once
-        the compile threads have compiled them, then, once every bucket is, the latency
-        profile one measurement at a time (so a request that arrives meanwhile waits at
-        most one). Returns whether it did something (False: nothing is due before the
-        background compiles finish). Raises when a background compile failed."""
+        request: a first run of DuplexKV's copy programs once they are compiled, then,
+        once every bucket is, one measurement of the latency profile. Returns whether it
+        did something; raises when a background compile failed."""
         self.runner.check_compiler()
         if self.runner.duplex_warmup_due:
             self.warmup_times_s["duplex"] = self.runner.warm_duplex()
@@ -220,15 +207,13 @@ class LLMEngine:
 
     def stop_warmup(self, wait_s: float = STOP_COMPILE_WAIT_S) -> None:
         """Compile nothing more in the background (a server that stops), and wait up to
-        ``wait_s`` for a compile under way to finish, so the process exits with its own
-        exit code rather than aborting inside XLA."""
+        ``wait_s`` for a compile under way, so the process does not abort inside XLA."""
         if not self.runner.stop_compiling(wait_s):
             log.warning("a background compile still runs after %.0f s; exiting anyway",
                         wait_s)
 
     def _latency_optional(self) -> bool:
-        """Whether the policy plans correctly without a latency model until one is
-        measured: RotaSched's lag ranking does (the configured budget meanwhile)."""
+        """Whether the policy plans without a latency model until one is measured."""
         return self.config.policy == "rotasched" and self.config.rotasched.mode == "vlt"
 
     def _latency_path(self) -> str | None:
@@ -254,13 +239,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         fork_of: str | None = None,
     ) -> str:
-        """Queue a request; bounds that need the model are checked here (``intake``).
-        ``cache_salt``: requests share cached KV pages only with the same salt (and none
-        with a request of another salt): a tenant's secret keeps others from timing it.
-        ``fork_of``: a request in flight with the same prompt (``n > 1``); this one is
-        held back until that one's prompt is in the pool, then takes its full pages from
-        the prefix cache, so the prompt is prefilled once (without prefix caching it is
-        simply prefilled again)."""
+        """Queue a request (``intake`` checks it). ``cache_salt``: requests share cached KV
+        pages only with the same salt (a tenant's secret keeps others from timing it).
+        ``fork_of``: a request in flight with the same prompt (``n > 1``); this one waits
+        until that prompt is in the pool, then takes its pages from the prefix cache."""
         req = self.intake.new_request(prompt_token_ids, sampling, req_id, slo, arrival_time,
                                       cache_salt, fork_of, self.requests)
         self.requests[req.req_id] = req
@@ -282,21 +264,17 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def force_rotate_out(self, req_id: str) -> None:
-        """Test hook: rotate ``req_id`` out at the next step if it is running then (falls
-        back to recomputation without room on the host). Policies rotate on their own."""
+        """Test hook: rotate ``req_id`` out at the next step if it is running then."""
         self.scheduler.force_rotate_out.add(req_id)
 
     # -- KV events ---------------------------------------------------------------------
 
     def set_kv_event_sink(self, sink: Callable[[float, list[KVEvent]], None] | None
                           ) -> None:
-        """Report KV-cache events (``superinfer_jax.kv.events``: blocks stored on and
-        removed from the device and host tiers of the prefix cache): at the end of each
-        step that changed the caches, ``sink(wall-clock time, events)`` is called on the
-        engine's thread, so it should only hand them on (``serving.kv_events`` queues
-        them for its publisher thread). None turns them off. Set it before requests
-        arrive: pages cached earlier are not reported. Without prefix caching nothing is
-        ever cached, so no event comes."""
+        """Report KV-cache events (``superinfer_jax.kv.events``: prefix-cache blocks
+        stored and removed, each tier): ``sink(wall-clock time, events)`` is called on
+        the engine's thread at the end of each step that changed the caches, so it should
+        only hand them on. None turns them off. Set it before requests arrive."""
         self._kv_event_sink = sink
         self._kv_events = None if sink is None else KVEventLog(self.config.page_size)
         self.kv.set_kv_events(self._kv_events)
@@ -310,11 +288,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Plan and dispatch one step, then return the outputs of the step that finished.
-
-        With ``async_scheduling`` the outputs are those of the previous step: this call
-        plans step t+1 and dispatches it behind step t (the device never idles while the
-        host plans), and only then blocks on step t's tokens. Without it, the step just
-        dispatched is collected at once."""
+        With ``async_scheduling`` that is the previous step: step t+1 is dispatched behind
+        step t (the device never idles while the host plans) before the host blocks on
+        step t's tokens."""
         t0 = time.perf_counter()
         self._failed = []
         self.runner.check_compiler()
@@ -431,9 +407,8 @@ class LLMEngine:
 
     def _resample(self, step: InflightStep) -> None:
         """Sample a dispatched step's deferred rows (structured outputs whose previous
-        token was in flight at dispatch), now that those tokens have landed and each
-        grammar gives its mask; the tokens feed the next step from the device. A request
-        that finished meanwhile keeps its slot, unused."""
+        token was in flight at dispatch) now that each grammar gives its mask; the tokens
+        feed the next step from the device."""
         assert step.deferred_logits is not None
         slots = sorted(step.deferred_index.items(), key=lambda item: item[1])
         reqs = [self.requests[req_id] for req_id, _ in slots]

@@ -1,13 +1,9 @@
 """Request intake: from an ``add_request`` call to a ``Request`` the scheduler can take.
 
-``SamplingParams`` and ``SLO`` check every bound they can on their own
-(``request.FIELD_RANGES``); what needs the vocabulary or the context length is checked or
-fitted here, so the Python API is covered exactly like the servers: prompt and stop token
-ids in the vocabulary, a prompt that leaves room for one new token, ``top_k`` clamped to
-the vocabulary, and the seed folded into the sampler's 32 bits (an unseeded random
-request gets one at intake, so a rotation or a recomputation replays the same tokens).
-``RequestIntake`` also names the request, resolves ``fork_of``, keys it for the prefix
-cache and compiles its grammar.
+What needs the model (vocabulary, context length) is checked or fitted here, for the
+Python API as for the servers; an unseeded random request gets a seed, so a rotation or
+a recomputation replays the same tokens. ``RequestIntake`` also names the request,
+resolves ``fork_of``, keys it for the prefix cache and compiles its grammar.
 """
 
 from __future__ import annotations

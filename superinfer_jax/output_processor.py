@@ -1,11 +1,9 @@
 """The output processor: what a sampled token means for its request.
 
-It owns everything between a token id on the host and a streamed delta, as vLLM V1's
-output processor does: incremental detokenization, the stop decisions (stop strings, stop
-tokens, EOS) and the length decision, and the text that is safe to stream (held back
-while it could still turn out to start a stop string). The length check is one function,
-``at_length_limit``, shared with the engine's in-flight prediction and with the
-simulator, so all three agree on when a request ends.
+Everything between a token id on the host and a streamed delta, as vLLM V1's output
+processor: detokenization, the stop and length decisions, and the text safe to stream
+(held back while it could start a stop string). ``at_length_limit`` is shared with the
+engine's in-flight prediction and the simulator, so all three agree on when a request ends.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ def at_length_limit(num_prompt_tokens: int, num_outputs: int, max_tokens: int,
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: a delta for streaming. ``error`` is set
-    when the engine failed this request alone (its inputs could not be built, its token
-    not detokenized): it is finished (aborted) and the fronts report the error."""
+    """What one step produced for one request: a delta for streaming. ``error``: the
+    engine failed this request alone, which is finished (aborted)."""
 
     req_id: str
     new_token_ids: list[int]
@@ -82,9 +79,8 @@ class OutputProcessor:
                                req.sampling.max_tokens, self.max_model_len)
 
     def land(self, req: Request, token: int, now: float) -> TokenOutcome:
-        """Append a sampled token to ``req``, detokenize it and decide whether it ends
-        the request (its grammar, when it has one, must accept it). The caller finishes
-        the request when ``finish`` is set."""
+        """Append a sampled token to ``req`` (its grammar must accept it), detokenize it
+        and decide whether it ends the request; the caller finishes it then."""
         grammar = req.grammar
         if grammar is not None and not grammar.accept_token(token):
             raise RuntimeError(f"structured output: the grammar rejected token {token} "
@@ -151,8 +147,7 @@ class OutputProcessor:
 
 def land_logprobs(req: Request, lp: HostLogprobs, b: int, row: CallRow, token: int) -> None:
     """Keep a call row's logprobs on its request: the prompt positions it computed (once
-    each: a recomputed chunk adds nothing), and the sampled token's on a final row
-    (``OutputProcessor.request_output`` hands it out with the token)."""
+    each), and the sampled token's on a final row (``request_output`` hands it out)."""
     sp = req.sampling
     if sp.prompt_logprobs is not None:
         if not req.prompt_logprobs:

@@ -156,8 +156,7 @@ def initialize(config: DistributedConfig) -> Group:
     t0 = time.monotonic()
     if not config.is_leader:
         _wait_reachable(config, t0)
-    # JAX's client aborts the process from C++ when registration times out (a process
-    # missing, a wrong --num-processes): say why first, just before its deadline.
+    # JAX's client aborts from C++ when registration times out: say why first
     formed = threading.Event()
     threading.Thread(target=_init_deadline, args=(config, formed), daemon=True).start()
     # Ours fire first (the watchdog below); JAX's abort stays as the backstop.
@@ -286,7 +285,6 @@ class Group:
             raise ConfigMismatchError([tuple(d) for d in verdict["diffs"]], verdict["process"])
         self.check_membership()
 
-    # -- liveness --------------------------------------------------------------------
 
     def end(self) -> None:
         """Process 0 is ending the group on purpose: its watchdog stops, so followers
@@ -342,8 +340,7 @@ class Group:
                              "unreachable); the group cannot continue without it")
                         return
                     done = int(text.split(":")[1]) if text else -1
-                    # the clock runs from its last progress or from when it fell behind
-                    # (not while it waits, caught up, on process 0's compiles)
+                    # from its last progress or from when it fell behind
                     if done != progress[p][0] or max(done, 0) >= sent():
                         progress[p] = (done, now)
                     elif now - progress[p][1] > cfg.step_timeout_s:

@@ -44,8 +44,8 @@ from superinfer_jax.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-# Calls whose program spans processes (the step's all-reduces and all-gathers; committing a
-# numpy value to the mesh, which JAX checks equal on every process): sent before they run.
+# Calls whose program spans processes (the step's collectives; committing a value to the
+# mesh): sent before they run.
 COLLECTIVE_CALLS = frozenset({"step", "resample", "mover_warmup", "commit"})
 POLL_S = 1.0  # a follower's wait for the next message, in slices of this
 
@@ -99,7 +99,6 @@ class Recorder:
             self._register(array, Handle(-1, k))
         self._wrap_runner()
 
-    # -- the entry points --------------------------------------------------------------
 
     def _wrap_runner(self) -> None:
         runner = self.runner
@@ -170,7 +169,6 @@ class Recorder:
             self._pending.append(Call(self._next, "stop", (), []))
             self.flush()
 
-    # -- handles -----------------------------------------------------------------------
 
     def _encode(self, leaf: Any) -> Any:
         if not isinstance(leaf, jax.Array):
@@ -242,11 +240,9 @@ class Replayer:
 
 def run_follower(runner: ModelRunner, group: Group,
                  ready: Callable[[], object] | None = None) -> None:
-    """A follower's whole life after start-up: replay process 0's messages until told to
-    stop. Waits are sliced (``POLL_S``) so an idle server costs nothing; a read that
-    fails for any other reason than "not yet" means process 0 (which hosts the
-    coordination service) is gone, and raises ``GroupError``. ``ready``: blocks until
-    the runner may replay (its programs compiled ahead); the heartbeat beats meanwhile."""
+    """A follower's life after start-up: replay process 0's messages until told to stop.
+    A read that fails other than "not yet" means process 0 is gone (``GroupError``).
+    ``ready`` blocks until the runner may replay; the heartbeat beats meanwhile."""
     replayer = Replayer(runner)
     done = 0
     group.start_heartbeat(lambda: done)

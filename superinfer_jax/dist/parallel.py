@@ -28,11 +28,9 @@ if TYPE_CHECKING:
 
 TP_AXIS = "tp"
 
-# [num_pages, num_layers, 2, page_size, kv_heads, head_dim]: split the kv-head axis.
 POOL_SPEC = P(None, None, None, None, TP_AXIS, None)
-# [num_layers, 2, page_size, kv_heads, head_dim]: one page, split the same way.
 PAGE_SPEC = P(None, None, None, TP_AXIS, None)
-# q / k / v / attention output [B, C, heads, head_dim]: split the head axis.
+# q / k / v / attention output [B, C, heads, head_dim]
 HEADS_SPEC = P(None, None, TP_AXIS, None)
 
 

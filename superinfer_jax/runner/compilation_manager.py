@@ -57,7 +57,6 @@ class CompilationManager:
         self._scratch_pool: jax.Array | None = None
         self._scratch_lock = threading.Lock()
 
-    # -- warm-up -------------------------------------------------------------------------
 
     def program_order(self, in_step: bool = True) -> list[Program]:
         """Every program of the runner, in the order they compile (``in_step``: with the
@@ -70,13 +69,10 @@ class CompilationManager:
         return order
 
     def warmup(self, background: bool = False) -> dict[str, float]:
-        """Compile every program ahead of time, the smallest first, on one thread per
-        core; returns each phase's seconds.
-
-        ``background``: return once the ready set is compiled and run once; the rest
-        compiles behind (``compiler``, ``limits`` grow as it does) and DuplexKV's copies
-        are left to ``warm_duplex``. Else everything is compiled and run once (a
-        multi-host follower compiles by replaying these runs), DuplexKV's copies too."""
+        """Compile every program ahead of time, the smallest first, and run each once;
+        returns each phase's seconds. ``background``: return once the ready set is
+        compiled and run; the rest compiles behind (``limits`` grow) and DuplexKV's
+        copies are left to ``warm_duplex``."""
         t0 = time.perf_counter()
         order = self.program_order()
         if background and self.runner.step_programs.cache is not None:
@@ -178,7 +174,6 @@ class CompilationManager:
         """Compile nothing more; False when a compile still runs after ``wait_s``."""
         return self.compiler is None or self.compiler.cancel(wait_s)
 
-    # -- one program ---------------------------------------------------------------------
 
     def compile_program(self, program: Program) -> None:
         """Lower and compile one program from abstract arguments (worker threads: it
@@ -250,7 +245,6 @@ class CompilationManager:
             jax.block_until_ready(runner.resample(self.resample_warmup_logits(),
                                                   [None] * program.shape[0]))
 
-    # -- shapes and abstract arguments ---------------------------------------------------
 
     def in_step_shapes(self) -> list[tuple[int, int, int, int]]:
         """The in_step variants: (rows, 1, pages out, pages in) for every decode bucket,
@@ -317,7 +311,6 @@ class CompilationManager:
         through the attention's page loop, so the first request does not."""
         return self.empty_inputs(rows, cols, num_tokens=cols)
 
-    # -- limits --------------------------------------------------------------------------
 
     def _compiled_limits(self) -> BucketLimits:
         runner = self.runner

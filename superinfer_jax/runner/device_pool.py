@@ -44,10 +44,9 @@ def choose_num_pages(config: EngineConfig, layout: PoolLayout) -> int:
 
 
 class DevicePool:
-    """The zeroed pool of one engine. Zeroing it where XLA must fill it (a sharded pool)
-    is seconds of CPU, so it runs on its own thread, beside the loading or compiling of
-    the ready set; the first read of ``array`` waits for it. ``spec`` is the placement
-    promised to the compiles: a pool placed otherwise is an error at allocation, not a
+    """The zeroed pool of one engine, built on its own thread (zeroing can be seconds of
+    CPU) beside the ready set's compiles; the first read of ``array`` waits for it.
+    ``spec`` is the placement promised to the compiles: another is an error, not a
     recompile in the serving path."""
 
     def __init__(self, layout: PoolLayout, num_pages: int, mesh: Mesh | None,

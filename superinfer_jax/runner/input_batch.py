@@ -51,10 +51,9 @@ class InflightStep:
 
 @dataclass
 class Dispatched:
-    """One dispatched call: its sampled tokens (None when no row was left), its logprobs
-    (None when no row asked), the rows that run, in order, and the requests whose rows
-    could not be built, with why. ``sources[b]``: where row ``b``'s sampled token lies
-    for the next step's token feedback."""
+    """One dispatched call: its sampled tokens (None: no row left), its logprobs (None:
+    none asked), its rows in order, the requests whose rows failed, with why, and where
+    each row's token lies for the next step's token feedback (``sources``)."""
 
     sampled: jax.Array | None
     logprobs: StepLogprobs | None
@@ -175,10 +174,8 @@ class LogitsRows:
                 array[b] = np.asarray(getattr(neutral, name))[0]
 
     def build(self) -> LogitsInputs:
-        """The call's inputs. What stands in for a committed constant (the wide arrays,
-        ``deferred_rows``) is committed too, so every call of a shape passes its arguments
-        committed alike whichever features its rows use: jit keys its cache on that, and
-        without an executable per shape (warm-up off) each mix would compile again."""
+        """The call's inputs; what stands in for a committed constant is committed too,
+        so every call of a shape hits one jit cache entry whichever features it uses."""
         neutral = self.neutral(self.rows, self.cols)
         small = dict(self.small)
         placed = dict(self.wide)

@@ -338,9 +338,8 @@ class ModelRunner:
     def resample(self, raw_logits: jax.Array, reqs: Sequence[Request | None]
                  ) -> tuple[jax.Array, StepLogprobs | None]:
         """Sample the deferred rows of a dispatched step (``raw_logits``, slot ``j`` for
-        ``reqs[j]``), now that each request's previous token has landed and its grammar
-        gives the mask. Returns the padded tokens (a feedback source for the next step)
-        and their logprobs when one asked."""
+        ``reqs[j]``) under each grammar's mask, now that their previous tokens landed;
+        returns the padded tokens (fed back to the next step) and logprobs if asked."""
         rows = bucket(max(len(reqs), 1), self.resample_buckets)
         context = np.zeros(rows, np.int32)
         temperature = np.zeros(rows, np.float32)
@@ -410,8 +409,7 @@ class ModelRunner:
 
     def _take_copies(self, inputs: StepInputs) -> StepCopies | None:
         """The copies the call about to be dispatched makes in its own program (in_step
-        mode), else None; copies left by ``poll_rotations`` and ``issue_rotations`` that
-        it does not take are made now, by the separate programs, before the call."""
+        mode), else None; the copies it does not take are made now, before the call."""
         if self.duplex is None or not self.duplex.has_deferred:
             return None
         rows, cols = inputs.tokens.shape
@@ -462,8 +460,7 @@ class ModelRunner:
     @property
     def _defer_copies(self) -> bool:
         """in_step mode: the step's copies wait for its first call, which may make them
-        in its own program (``flush_rotations`` makes what no call took). Not under
-        multi-host lockstep, which replays only the calls it records."""
+        in its own program; not under multi-host lockstep (it replays recorded calls)."""
         return (self.duplex is not None and self.duplex.in_step
                 and self._step_fn is self.step_programs)
 

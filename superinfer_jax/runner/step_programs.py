@@ -33,8 +33,7 @@ RESAMPLE = "resample"
 DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
 REFILL = "refill"  # compile for real what XLA's cache served (``ExecutableCache.refill``)
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
-# A background compile starts once the engine has been idle for QUIET_S, or busy for
-# BUSY_WAIT_S (a server that never idles still compiles): see BucketCompiler.
+# a background compile starts after the engine idled QUIET_S or was busy BUSY_WAIT_S
 QUIET_S = 0.5
 BUSY_WAIT_S = 2.0
 
@@ -53,10 +52,8 @@ class Program:
 
 class Programs:
     """Ahead-of-time executables of one jitted function, one per shape, called like it.
-
     ``key(args)`` gives a call's shape; the first ``num_static`` arguments are static
-    (the jitted function's ``static_argnums``), part of the key and not passed to the
-    executable."""
+    (part of the key, not passed to the executable)."""
 
     def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0,
                  cache: ExecutableCache | None = None, name: str = ""):
@@ -99,11 +96,9 @@ def ready_set(config: EngineConfig) -> list[Program]:
 
 def compile_order(config: EngineConfig, resample_buckets: Sequence[int],
                   duplex_buckets: Sequence[int] = ()) -> list[Program]:
-    """Every program, the ready set first, then DuplexKV's copies (small, and eager
-    shadows copy pages from the first requests on), then in the order that lifts the
-    limits soonest: longer single-row chunks (a prompt's TTFT) alternating with more
-    decode rows (concurrency), deferred sampling, and the packed prefill shapes
-    (throughput when several prompts arrive at once)."""
+    """Every program, the ready set first, then DuplexKV's copies (eager shadows copy
+    from the first requests on), then what lifts the limits soonest: single-row chunks
+    alternating with more decode rows, deferred sampling, and packed prefill shapes."""
     ready = ready_set(config)
     # the shorter chunks first: they end the padding of short prompts to the ready chunk
     chunks = [Program(STEP, (1, c)) for c in config.prefill_chunk_buckets
@@ -164,16 +159,11 @@ def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
 class BucketCompiler:
     """Compiles ``programs`` in order on ``num_threads`` worker threads.
 
-    ``wait_ready`` returns once the first ``num_ready`` programs are compiled; the rest go
-    on behind (``done`` is set when all are), on threads of lower CPU priority when
-    ``background``. A compile that fails stops the rest; ``error`` holds it and
-    ``wait_ready`` raises it. ``on_compiled(program)`` runs on the worker thread after
-    each compile.
-
-    Background compiles wait for the engine: the next one starts once it has been idle
-    (``set_busy(False)``) for ``quiet_s``, or busy for ``busy_wait_s``. A compile holds
-    the GIL while it traces and lowers, whatever its nice value, so a request that meets
-    one waits; under sustained load the compiles still go on, and the limits grow."""
+    ``wait_ready`` returns once the first ``num_ready`` are compiled; the rest go on behind
+    (``done`` when all are), at lower CPU priority when ``background``, each starting once
+    the engine has been idle for ``quiet_s`` or busy for ``busy_wait_s`` (a compile holds
+    the GIL while it traces, whatever its nice value). A failed compile stops the rest
+    (``error``, raised by the waits). ``on_compiled(program)`` runs after each compile."""
 
     def __init__(self, compile_one: Callable[[Program], None], programs: Sequence[Program],
                  num_ready: int, num_threads: int, background: bool,
