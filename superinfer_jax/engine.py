@@ -41,7 +41,6 @@ invariant, a DuplexKV copy failing, or the device step itself failing.
 The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``).
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +53,7 @@ import numpy as np
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
-from superinfer_jax.intake import RequestIntake
+from superinfer_jax.intake import RequestIntake, model_identity
 from superinfer_jax.kv.events import KVEvent, KVEventLog
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import ServableModel
@@ -100,7 +99,8 @@ class LLMEngine:
                                         shadowing=self.runner.duplex is not None)
         self.output = OutputProcessor(self.model.tokenizer, self.model.eos_token_ids,
                                       config.max_model_len)
-        self.intake = RequestIntake(self.model, config, self.kv)
+        self.intake = RequestIntake(self.model, config, self.kv,
+                                    model_identity(model, config))
         self.requests: dict[str, Request] = {}
         self._failed: list[RequestOutput] = []  # requests failed alone during this step
         self.last_stats = StepStats()

@@ -74,9 +74,10 @@ def model_identity(model: ServableModel, config: EngineConfig) -> str:
 class RequestIntake:
     """Builds the engine's requests: names, bounds, seeds, forks, prefix keys, grammars."""
 
-    def __init__(self, model: ServableModel, config: EngineConfig, kv: TwoTierKVManager):
+    def __init__(self, model: ServableModel, config: EngineConfig, kv: TwoTierKVManager,
+                 identity: str):
         self.model, self.config, self.kv = model, config, kv
-        self.model_identity = model_identity(model, config)
+        self.model_identity = identity  # ``model_identity`` of the model as loaded
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained one
