@@ -1,26 +1,20 @@
 """A thread-safe front for ``LLMEngine``: one engine thread steps, servers only enqueue.
 
 ``LLMEngine`` is single-threaded by design (one deterministic loop owns the KV pool and
-the scheduler). Servers have many threads or an event loop, so they talk to it through
-commands, in this order:
+the scheduler); servers talk to it through commands, in this order:
 
-1. A server calls ``submit(...)``: the request gets an id and a ``RequestStream`` and is
-   put on the command queue. The call returns at once; ``stream.admitted`` resolves on
-   the engine thread (``None`` when added; ``ValueError``, ``QueueFullError`` or
-   ``EngineUnavailableError`` when refused), so validation stays the engine's.
-2. The engine thread drains the command queue between steps, in arrival order: adds
-   (``engine.add_request``) and aborts (``engine.abort_request``).
+1. ``submit(...)`` gives the request an id and a ``RequestStream``, queues an add and
+   returns at once; ``stream.admitted`` resolves on the engine thread (``None``, or the
+   refusal), so validation stays the engine's.
+2. Between steps the engine thread drains the commands in arrival order (adds, aborts).
 3. It steps while work exists and routes every ``RequestOutput`` to its stream; a
-   finished request is released from the engine at once, so nothing accumulates.
-4. Observers (metrics) see each step's outputs and a fresh stats snapshot, on this
-   thread, after the step: they never race the engine.
-5. With no work and no commands it waits on a condition variable: an idle server burns
-   no CPU. While the engine's warm-up is not finished (``compile_in_background``), an
-   idle loop first does the engine's deferred warm-up a piece at a time
-   (``LLMEngine.idle_work``), between commands, never inside a step.
+   finished request is released from the engine at once.
+4. Observers (metrics) see each step's outputs and a stats snapshot on this thread.
+5. With no work it waits on a condition variable, after the engine's deferred warm-up
+   (``LLMEngine.idle_work``), a piece at a time, between commands.
 
-Every stream is guaranteed a final item (finished, aborted, or the engine's failure), so
-a consumer may block on it without a timeout.
+Every stream gets a final item (finished, aborted, or the engine's failure), so a
+consumer may block on it without a timeout.
 """
 
 from __future__ import annotations
@@ -65,12 +59,9 @@ class EngineState(enum.Enum):
 
 
 class RequestStream:
-    """Outputs of one request, pushed by the engine thread, read by one consumer.
-
-    With ``loop`` set the consumer is a coroutine on that event loop (``async for``);
-    otherwise a thread (``for``). Items are ``RequestOutput``s; the last one has
-    ``finished`` set. An engine failure is raised from the iterator instead.
-    """
+    """Outputs of one request, pushed by the engine thread, read by one consumer: a
+    coroutine on ``loop`` (``async for``), else a thread (``for``). The last item has
+    ``finished`` set; an engine failure is raised from the iterator instead."""
 
     def __init__(self, req_id: str, loop: asyncio.AbstractEventLoop | None = None):
         self.req_id = req_id
@@ -157,16 +148,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # -- any thread --------------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
                req_id: str | None = None, slo: SLO | None = None,
                loop: asyncio.AbstractEventLoop | None = None,
                cache_salt: str | None = None, fork_of: str | None = None) -> RequestStream:
         """Queue a request; returns its stream at once (see ``stream.admitted``).
-        ``cache_salt`` is checked here, so a bad one fails the caller, not the loop.
-        ``fork_of``: the id of a request submitted earlier with the same prompt (``n >
-        1``): this one waits for its prompt's pages and shares them."""
+        ``cache_salt`` is checked here, so a bad one fails the caller, not the loop;
+        ``fork_of``: as ``LLMEngine.add_request``."""
         check_cache_salt(cache_salt)
         arrival = time.perf_counter()
         req_id = req_id or uuid.uuid4().hex
@@ -229,7 +218,6 @@ class AsyncEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    # -- the engine thread -------------------------------------------------------------
 
     def _has_work(self) -> bool:
         return bool(self._commands or self._stop or self.engine.has_unfinished_requests())

@@ -12,12 +12,10 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas for streaming responses.
 
-    Byte-level BPE tokens can end in the middle of a UTF-8 character, and SentencePiece
-    decoders drop the leading space of the first token, so decoding one token at a time is
-    wrong. Each step decodes a short window that starts at the last point where the text
-    was complete and emits only what the new tokens add; a delta whose text ends in the
-    replacement character is held back until the character completes. The deltas of all
-    ``push`` calls plus ``flush`` concatenate to exactly ``decode(all_ids)``.
+    Decoding one token at a time is wrong (a byte-level token can end inside a UTF-8
+    character; SentencePiece drops a first token's leading space), so each step decodes a
+    short window from the last complete point and holds back a trailing replacement
+    character. ``push`` deltas plus ``flush`` concatenate to ``decode(all_ids)``.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),

@@ -4,9 +4,9 @@
 (``superinfer_jax.sched.scheduler``, a ``StepPlan`` of host ints), the model runner executes on
 the device (``superinfer_jax.runner.model_runner``: the pool, the jitted step, DuplexKV, token
 feedback), and the output processor says what each token means
-(``superinfer_jax.output_processor``: detokenization, stop and length). The engine itself
-owns request intake (with the bounds that need the model), the token accounting between
-plan and tokens, request failures, and stats.
+(``superinfer_jax.output_processor``: detokenization, stop and length). Requests come in
+through ``superinfer_jax.intake`` (the bounds that need the model); the engine itself owns
+the token accounting between plan and tokens, request failures, and stats.
 
 One engine step, in order:
 1. The scheduler looks at waiting and running requests and the free pages and returns a
@@ -44,80 +44,43 @@ The engine is model-agnostic: it drives any ``ServableModel`` (see ``model_api``
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.duplexkv import DuplexKV, EventKind, RotationEvent
-from superinfer_jax.intake import check_prompt, fit_sampling
+from superinfer_jax.intake import RequestIntake, model_identity
 from superinfer_jax.kv.events import KVEvent, KVEventLog
 from superinfer_jax.kv.layout import PoolLayout
-from superinfer_jax.kv.prefix_cache import extend_block_hashes, isolation_key
 from superinfer_jax.model_api import ServableModel
-from superinfer_jax.output_processor import OutputProcessor
-from superinfer_jax.request import (
-    SLO,
-    FieldError,
-    Request,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprobs,
-    check_cache_salt,
-)
+from superinfer_jax.output_processor import OutputProcessor, RequestOutput, land_logprobs
+from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.runner.input_batch import CallRow, InflightStep
 from superinfer_jax.runner.logits import HostLogprobs, read_logprobs
 from superinfer_jax.runner.model_runner import (  # noqa: F401  (enable_compilation_cache: re-export)
-    CallRow,
-    InflightStep,
     ModelRunner,
     enable_compilation_cache,
 )
-from superinfer_jax.runner.profiler import profile_engine, profile_pieces
+from superinfer_jax.runner.profiler import (
+    latency_profile_path,
+    load_latency_model,
+    profile_engine,
+    profile_pieces,
+    save_latency_model,
+)
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched import make_scheduler
 from superinfer_jax.sched.scheduler import StepPlan
-from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats
-from superinfer_jax.structured import GrammarCompiler
+from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats, StepStats
+
+__all__ = ["LLMEngine", "RequestOutput", "StepStats"]
 
 log = logging.getLogger(__name__)
 STOP_COMPILE_WAIT_S = 120.0  # a stopping server waits this long for a compile under way
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: a delta for streaming. ``error`` is set
-    when the engine failed this request alone (its inputs could not be built, its token
-    not detokenized): it is finished (aborted) and the fronts report the error."""
-
-    req_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    request: Request
-    error: str | None = None
-    # When the sampling asks for logprobs: one per new token; the prompt's once, on the
-    # request's first output (position 0 is None).
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-@dataclass
-class StepStats:
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_preempted: int = 0
-    num_rotated_out: int = 0  # rotations issued this step, each direction
-    num_rotated_in: int = 0
-    host_time_s: float = 0.0
-    step_time_s: float = 0.0
 
 
 class LLMEngine:
@@ -136,13 +99,9 @@ class LLMEngine:
                                         shadowing=self.runner.duplex is not None)
         self.output = OutputProcessor(self.model.tokenizer, self.model.eos_token_ids,
                                       config.max_model_len)
+        self.intake = RequestIntake(self.model, config, self.kv,
+                                    model_identity(model, config))
         self.requests: dict[str, Request] = {}
-        # What KV pages are a function of, besides the tokens (prefix caching's key).
-        self._model_identity = (f"{type(model).__module__}.{type(model).__qualname__}:"
-                                f"{model.vocab_size}:{model.kv_spec}:{model.dtype}:"
-                                f"{config.dtype}:{config.page_size}")
-        self._ids = itertools.count()
-        self._seed_rng = np.random.default_rng(config.seed)
         self._failed: list[RequestOutput] = []  # requests failed alone during this step
         self.last_stats = StepStats()
         self.warmup_times_s: dict[str, float] = {}
@@ -152,12 +111,9 @@ class LLMEngine:
         self.num_model_steps = 0  # steps that ran the model
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
-        self._grammars: GrammarCompiler | None = None  # structured outputs, built lazily
         self.total_host_time_s = 0.0  # host work of those steps before the first block
         if config.warmup:
             self.warmup()
-
-    # -- the runner's device state, read through the engine ----------------------------
 
     @property
     def model(self) -> ServableModel:
@@ -191,29 +147,21 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compile the buckets (the runner), then load or measure the latency model
-        RotaSched prices its budgets with. Each phase's time is logged and kept in
-        ``warmup_times_s``.
-
-        With ``compile_in_background`` (one process) this returns as soon as the
-        smallest buckets are compiled: the engine is ready and serves, its scheduler
-        keeping every call within what is compiled (``superinfer_jax.runner.step_programs``).
-        What is left finishes behind: the other buckets on the runner's compile
-        threads; DuplexKV's copy programs, then a latency profile that is not on disk,
-        through ``idle_work`` (until it is measured, RotaSched plans with the configured
-        token budget). Slack ranking needs the profile from its first step: without a
-        saved one, that engine is ready only once it is measured."""
+        RotaSched prices its budgets with; each phase's time is kept in ``warmup_times_s``.
+        With ``compile_in_background`` (one process) this returns once the smallest
+        buckets are compiled; the rest, DuplexKV's copies and a latency profile not on
+        disk follow through ``idle_work`` (slack ranking waits for the profile)."""
         background = self.config.compile_in_background and jax.process_count() == 1
         times = self.runner.warmup(background)
         t0 = time.perf_counter()
         if self.scheduler.policy.uses_latency:
-            saved = self._saved_latency_model()
+            saved = load_latency_model(self._latency_path())
             if saved is not None:
                 self.set_latency_model(saved)
             elif background and self._latency_optional():
                 self._profiling = profile_pieces(self.runner)
             else:
-                if self.runner.compiler is not None:
-                    self.runner.compiler.wait_done()  # the profile times every bucket
+                self.runner.wait_compiled()  # the profile times every bucket
                 self._set_measured_latency(profile_engine(self.runner))
         times["latency_profile"] = time.perf_counter() - t0
         self.warmup_times_s = times
@@ -228,21 +176,16 @@ class LLMEngine:
 
     @property
     def warmup_pending(self) -> bool:
-        """Whether deferred warm-up is left (``compile_in_background``): compiles,
-        DuplexKV's copy programs or the latency profile, until ``idle_work`` sees all
-        three done."""
+        """Whether deferred warm-up (``compile_in_background``) is left for ``idle_work``."""
         return self._warmup_started is not None
 
     def idle_work(self) -> bool:
         """One piece of deferred warm-up, for the engine's thread while it has no
-        request (``AsyncEngine`` calls it): a first run of DuplexKV's copy programs once
-        the compile threads have compiled them, then, once every bucket is, the latency
-        profile one measurement at a time (each a fraction of a second, so a request
-        that arrives meanwhile waits at most that). Returns whether it did something
-        (False: nothing is due before the background compiles finish). Raises when a
-        background compile failed."""
+        request: a first run of DuplexKV's copy programs once they are compiled, then,
+        once every bucket is, one measurement of the latency profile. Returns whether it
+        did something; raises when a background compile failed."""
         self.runner.check_compiler()
-        if not self.runner.duplex_warm and self.runner.duplex_compiled:
+        if self.runner.duplex_warmup_due:
             self.warmup_times_s["duplex"] = self.runner.warm_duplex()
             log.info("warm-up: DuplexKV copies %.1f s", self.warmup_times_s["duplex"])
             return True
@@ -264,44 +207,20 @@ class LLMEngine:
 
     def stop_warmup(self, wait_s: float = STOP_COMPILE_WAIT_S) -> None:
         """Compile nothing more in the background (a server that stops), and wait up to
-        ``wait_s`` for a compile under way to finish, so the process exits with its own
-        exit code rather than aborting inside XLA."""
-        if self.runner.compiler is not None and not self.runner.compiler.cancel(wait_s):
+        ``wait_s`` for a compile under way, so the process does not abort inside XLA."""
+        if not self.runner.stop_compiling(wait_s):
             log.warning("a background compile still runs after %.0f s; exiting anyway",
                         wait_s)
 
     def _latency_optional(self) -> bool:
-        """Whether the policy plans correctly without a latency model until one is
-        measured: RotaSched's lag ranking does (the configured budget meanwhile)."""
+        """Whether the policy plans without a latency model until one is measured."""
         return self.config.policy == "rotasched" and self.config.rotasched.mode == "vlt"
 
     def _latency_path(self) -> str | None:
-        """Where the latency model is kept: ``rotasched.latency_profile``, else in the
-        compilation cache directory under a key of what the timings depend on (model
-        shapes, buckets, backend, device and CPU count), else nowhere."""
-        if self.config.rotasched.latency_profile:
-            return self.config.rotasched.latency_profile
-        cache = self.config.compilation_cache_dir
-        if not cache:
-            return None
-        cfg, device = self.config, jax.devices()[0]
-        facts = (self._model_identity, cfg.max_model_len, cfg.decode_buckets,
-                 cfg.prefill_shapes, cfg.attention_backend, cfg.tensor_parallel_size,
-                 device.platform, device.device_kind, os.cpu_count(), jax.__version__)
-        key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
-        return os.path.join(cache, f"latency-profile-{key}.json")
-
-    def _saved_latency_model(self) -> LatencyModel | None:
-        path = self._latency_path()
-        if path and os.path.exists(path):
-            return LatencyModel.load(path)
-        return None
+        return latency_profile_path(self.config, self.intake.model_identity)
 
     def _set_measured_latency(self, model: LatencyModel) -> None:
-        path = self._latency_path()
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            model.save(path)
+        save_latency_model(model, self._latency_path())
         self.set_latency_model(model)
 
     def set_latency_model(self, model: LatencyModel) -> None:
@@ -320,60 +239,16 @@ class LLMEngine:
         cache_salt: str | None = None,
         fork_of: str | None = None,
     ) -> str:
-        """Queue a request; bounds that need the model are checked here (``intake``).
-        ``cache_salt``: requests share cached KV pages only with the same salt (and none
-        with a request of another salt): a tenant's secret keeps others from timing it.
-        ``fork_of``: a request in flight with the same prompt (``n > 1``); this one is
-        held back until that one's prompt is in the pool, then takes its full pages from
-        the prefix cache, so the prompt is prefilled once (without prefix caching it is
-        simply prefilled again)."""
-        vocab, max_len = self.model.vocab_size, self.config.max_model_len
-        sampling = fit_sampling(sampling or SamplingParams(), vocab, self._seed_rng)
-        prompt = check_prompt(prompt_token_ids, vocab, max_len)
-        check_cache_salt(cache_salt)
-        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
-        if req_id in self.requests:
-            raise ValueError(f"request_id {req_id!r} is already in flight")
-        parent = None
-        if fork_of is not None:
-            parent = self.requests.get(fork_of)
-            if parent is None:
-                raise FieldError("fork_of", f"fork_of names no request in flight: {fork_of!r}")
-            if parent.prompt_token_ids != prompt:
-                raise FieldError("fork_of", "fork_of names a request with another prompt")
-        req = Request(
-            req_id=req_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            slo=slo or self.config.default_slo,
-            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-            cache_salt=cache_salt,
-            fork_of=parent,
-        )
-        # Prompt logprobs need every prompt position computed: such a request neither
-        # reads nor fills the prefix cache (vLLM does the same).
-        if self.kv.prefix_cache is not None and sampling.prompt_logprobs is None:
-            req.cache_key = isolation_key(self._model_identity, cache_salt)
-            extend_block_hashes(req.block_hashes, prompt, (), self.kv.page_size, req.cache_key)
-        if sampling.structured is not None:
-            req.grammar = self._grammar_compiler().compile(sampling.structured).matcher()
-        self.requests[req_id] = req
+        """Queue a request (``intake`` checks it). ``cache_salt``: requests share cached KV
+        pages only with the same salt (a tenant's secret keeps others from timing it).
+        ``fork_of``: a request in flight with the same prompt (``n > 1``); this one waits
+        until that prompt is in the pool, then takes its pages from the prefix cache."""
+        req = self.intake.new_request(prompt_token_ids, sampling, req_id, slo, arrival_time,
+                                      cache_salt, fork_of, self.requests)
+        self.requests[req.req_id] = req
         self.output.add(req)
         self.scheduler.add(req)
-        return req_id
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler, built at the first constrained request (it
-        indexes the vocabulary: about half a second for SmolLM2)."""
-        if self._grammars is None:
-            to_json = getattr(self.model.tokenizer, "to_json_str", None)
-            if to_json is None:
-                raise FieldError("structured_outputs", "structured outputs need a model "
-                                 "with a Hugging Face tokenizer; this one has none")
-            self._grammars = GrammarCompiler(
-                to_json(), self.model.vocab_size, self.model.eos_token_ids,
-                whitespace_flexible=not self.config.disable_any_whitespace)
-        return self._grammars
+        return req.req_id
 
     def abort_request(self, req_id: str) -> bool:
         """Abort and free a request; False when it is unknown or already finished."""
@@ -389,21 +264,17 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def force_rotate_out(self, req_id: str) -> None:
-        """Test hook: rotate ``req_id`` out at the next step if it is running then (falls
-        back to recomputation without room on the host). Policies rotate on their own."""
+        """Test hook: rotate ``req_id`` out at the next step if it is running then."""
         self.scheduler.force_rotate_out.add(req_id)
 
     # -- KV events ---------------------------------------------------------------------
 
     def set_kv_event_sink(self, sink: Callable[[float, list[KVEvent]], None] | None
                           ) -> None:
-        """Report KV-cache events (``superinfer_jax.kv.events``: blocks stored on and
-        removed from the device and host tiers of the prefix cache): at the end of each
-        step that changed the caches, ``sink(wall-clock time, events)`` is called on the
-        engine's thread, so it should only hand them on (``serving.kv_events`` queues
-        them for its publisher thread). None turns them off. Set it before requests
-        arrive: pages cached earlier are not reported. Without prefix caching nothing is
-        ever cached, so no event comes."""
+        """Report KV-cache events (``superinfer_jax.kv.events``: prefix-cache blocks
+        stored and removed, each tier): ``sink(wall-clock time, events)`` is called on
+        the engine's thread at the end of each step that changed the caches, so it should
+        only hand them on. None turns them off. Set it before requests arrive."""
         self._kv_event_sink = sink
         self._kv_events = None if sink is None else KVEventLog(self.config.page_size)
         self.kv.set_kv_events(self._kv_events)
@@ -417,11 +288,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Plan and dispatch one step, then return the outputs of the step that finished.
-
-        With ``async_scheduling`` the outputs are those of the previous step: this call
-        plans step t+1 and dispatches it behind step t (the device never idles while the
-        host plans), and only then blocks on step t's tokens. Without it, the step just
-        dispatched is collected at once."""
+        With ``async_scheduling`` that is the previous step: step t+1 is dispatched behind
+        step t (the device never idles while the host plans) before the host blocks on
+        step t's tokens."""
         t0 = time.perf_counter()
         self._failed = []
         self.runner.check_compiler()
@@ -440,10 +309,8 @@ class LLMEngine:
             self.num_model_steps += 1
             self.total_host_time_s += stats.host_time_s
         self._apply_rotation_events(self.runner.flush_rotations(), t0)  # in_step mode
-        if self.config.async_scheduling:
-            done, self.runner.inflight = self.runner.inflight, launched
-        else:
-            done = launched
+        done = self.runner.put_in_flight(launched) if self.config.async_scheduling \
+            else launched
         outputs = self._collect(done) if done is not None else []
         if launched is not None and launched.deferred_index:
             self._resample(launched)  # their previous tokens have just landed
@@ -470,8 +337,6 @@ class LLMEngine:
             sampled, reqs = call.sampled, call.rows
             if sampled is None:
                 continue
-            width = self.runner.feedback_width
-            offset = 0 if prefill else width
             deferred = {b: j for j, b in enumerate(call.deferred)}
             finals = []
             for b, (req, n) in enumerate(reqs):
@@ -481,9 +346,8 @@ class LLMEngine:
                 if final:
                     req.num_inflight_tokens += 1
                     req.final_token_inflight = self._surely_final(req)
-                    step.sources[req.req_id] = offset + b
-                    if b in deferred:  # sampled by ``_resample`` into the third array
-                        step.sources[req.req_id] = 2 * width + deferred[b]
+                    step.sources[req.req_id] = call.sources[b]
+                    if b in deferred:  # sampled by ``_resample``
                         step.deferred_index[req.req_id] = deferred[b]
                 finals.append(CallRow(req, start, n, final))
             if call.deferred:
@@ -521,7 +385,7 @@ class LLMEngine:
                     token, lp, lp_row = deferred_tokens[slot], deferred_lp, slot
                 try:
                     if lp is not None and not req.status.is_finished:
-                        self._land_logprobs(req, lp, lp_row, row, int(token))
+                        land_logprobs(req, lp, lp_row, row, int(token))
                     if not row.final:
                         continue
                     out = self._advance(req, int(token), now)
@@ -543,9 +407,8 @@ class LLMEngine:
 
     def _resample(self, step: InflightStep) -> None:
         """Sample a dispatched step's deferred rows (structured outputs whose previous
-        token was in flight at dispatch), now that those tokens have landed and each
-        grammar gives its mask; the tokens feed the next step from the device. A request
-        that finished meanwhile keeps its slot, unused."""
+        token was in flight at dispatch) now that each grammar gives its mask; the tokens
+        feed the next step from the device."""
         assert step.deferred_logits is not None
         slots = sorted(step.deferred_index.items(), key=lambda item: item[1])
         reqs = [self.requests[req_id] for req_id, _ in slots]
@@ -557,27 +420,6 @@ class LLMEngine:
                 if not req.status.is_finished:
                     self._fail_request(req, e)
             step.deferred_index.clear()
-
-    @staticmethod
-    def _land_logprobs(req: Request, lp: HostLogprobs, b: int, row: CallRow,
-                       token: int) -> None:
-        """Keep a row's logprobs on its request: the prompt positions it computed (once
-        each: a recomputed chunk adds nothing), and the sampled token's on a final row
-        (``_advance`` hands it out with the token)."""
-        sp = req.sampling
-        if sp.prompt_logprobs is not None:
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)  # nothing predicts the first token
-            prompt = req.prompt_token_ids
-            for j in range(row.num_tokens):
-                pos = row.start + j + 1  # the prompt position column j predicts
-                if pos >= len(prompt):
-                    break
-                if pos == len(req.prompt_logprobs):
-                    req.prompt_logprobs.append(
-                        lp.prompt(b, j, prompt[pos], sp.prompt_logprobs))
-        if row.final and sp.logprobs is not None:
-            req.pending_logprobs = lp.sampled(b, token, sp.logprobs)
 
     # -- rotation (DuplexKV) -------------------------------------------------------------
 
@@ -615,29 +457,10 @@ class LLMEngine:
         """Land a sampled token (the output processor) and finish its request if it ends."""
         if req.status.is_finished:
             return None  # aborted, or ended by an earlier token: this row was wasted
-        first = not req.output_token_ids
-        grammar = req.grammar
-        if grammar is not None and not grammar.accept_token(token):
-            raise RuntimeError(f"structured output: the grammar rejected token {token} "
-                               f"({grammar.error})")
         outcome = self.output.land(req, token, now)
-        finish = outcome.finish
-        delta = outcome.delta
-        if finish is None and grammar is not None and grammar.is_terminated():
-            finish = RequestStatus.FINISHED_STOPPED  # complete: only EOS could follow
-            delta += req.output_text[req.num_emitted_chars:]  # nothing is held back now
-            req.num_emitted_chars = len(req.output_text)
-        if finish is not None:
-            self._finish(req, finish, now)
-        out = RequestOutput(req.req_id, [token], delta, finish is not None,
-                            req.status.finish_reason, req)
-        if req.sampling.logprobs is not None and req.pending_logprobs is not None:
-            req.output_logprobs.append(req.pending_logprobs)
-            out.logprobs = [req.pending_logprobs]
-            req.pending_logprobs = None
-        if first and req.sampling.prompt_logprobs is not None:
-            out.prompt_logprobs = list(req.prompt_logprobs)
-        return out
+        if outcome.finish is not None:
+            self._finish(req, outcome.finish, now)
+        return self.output.request_output(req, token, outcome)
 
     def _finish(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         self.scheduler.remove(req)

@@ -1,11 +1,8 @@
 """Offline Python API: ``LLM(model, EngineConfig(...)).generate(prompts, SamplingParams())``.
 
-``generate(..., n=4)`` samples each prompt n times (prefilled once: the other n-1 are
-forks that share its prompt pages); the outputs are prompt-major, ``outputs[i * n + j]``
-is sample j of prompt i, sample j seeded ``seed + j`` when the sampling has a seed.
-``SamplingParams(logprobs=k)`` / ``prompt_logprobs=k`` put ``TokenLogprobs`` on each
-output (``logprobs``, one per token; ``prompt_logprobs``, one per prompt position, None
-at position 0).
+``generate(..., n=4)`` samples each prompt n times, prefilled once (the other n-1 fork
+its prompt pages); outputs are prompt-major, ``outputs[i * n + j]`` is sample j of prompt
+i, seeded ``seed + j`` when the sampling has a seed.
 """
 
 from __future__ import annotations

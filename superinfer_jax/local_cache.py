@@ -1,7 +1,5 @@
-"""Where this package keeps what it builds on the user's machine, and how an environment
-switch reads: shared by the native ops (``ops/native``) and the mypyc build
-(``compiled``), so both live under one folder and turn off the same way. Standard library
-only: ``compiled`` imports it before anything else of the package."""
+"""Where the native ops and the mypyc build keep what they build, and how an environment
+switch reads. Standard library only: the mypyc build imports it first."""
 
 from __future__ import annotations
 

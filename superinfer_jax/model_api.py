@@ -4,15 +4,13 @@ The engine never imports a model. It drives anything that provides:
 
 - ``kv_spec``: the per-token KV shape (layers, KV heads, head dim) the pool is built from;
 - ``params``: a pytree of arrays (the NNX state, split once at load time);
-- ``forward(params, kv_pool, inputs, attention_backend=..., all_logits=...,
-  return_hidden=...)``: a pure function, traceable under ``jax.jit``, that writes the
-  step's new K/V into the pool and returns logits and the updated pool (and the hidden
-  states of every column, which ``project(params, hidden)`` maps to logits);
+- ``forward(params, kv_pool, inputs, ...)``: a pure, jit-traceable step that writes the
+  new K/V into the pool and returns logits and the pool (``ServableModel.forward``);
 - ``tokenizer`` with ``encode(text) -> list[int]`` and ``decode(ids) -> str``;
 - ``eos_token_ids`` and ``max_position_embeddings``.
 
-One step is a padded, ragged batch (``StepInputs``): ``B`` rows, each a request taking
-``query_lens[b]`` new tokens (1 for decode, a chunk for prefill) padded to ``C`` columns.
+One step is a padded, ragged batch (``StepInputs``): ``B`` rows of ``query_lens[b]`` new
+tokens each, padded to ``C`` columns.
 """
 
 from __future__ import annotations
@@ -90,14 +88,9 @@ class ServableModel(Protocol):
         all_logits: bool = False,
         return_hidden: bool = False,
     ) -> tuple[jax.Array, ...]:
-        """Run one step. Returns (logits, kv_pool), or (logits, kv_pool, hidden) with
-        ``return_hidden``.
-
-        logits: [B, vocab] float32 at each row's last valid token, or [B, C, vocab]
-        when ``all_logits``. hidden: [B, C, hidden] final-normed states of every column,
-        which ``project`` turns into logits (prompt logprobs). The pool is updated with
-        the step's K/V.
-        """
+        """Run one step: (logits, kv_pool), plus ``hidden`` with ``return_hidden``.
+        logits: [B, vocab] float32 at each row's last valid token ([B, C, vocab] with
+        ``all_logits``); hidden: [B, C, hidden] final-normed states, for ``project``."""
         ...
 
     def project(self, params: Any, hidden: jax.Array) -> jax.Array:

@@ -1,21 +1,24 @@
 """The output processor: what a sampled token means for its request.
 
-It owns everything between a token id on the host and a streamed delta, as vLLM V1's
-output processor does: incremental detokenization, the stop decisions (stop strings, stop
-tokens, EOS) and the length decision, and the text that is safe to stream (held back
-while it could still turn out to start a stop string). The length check is one function,
-``at_length_limit``, shared with the engine's in-flight prediction and with the
-simulator, so all three agree on when a request ends.
+Everything between a token id on the host and a streamed delta, as vLLM V1's output
+processor: detokenization, the stop and length decisions, and the text safe to stream
+(held back while it could start a stop string). ``at_length_limit`` is shared with the
+engine's in-flight prediction and the simulator, so all three agree on when a request ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from superinfer_jax.detokenize import IncrementalDetokenizer
 from superinfer_jax.model_api import Tokenizer
-from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.request import Request, RequestStatus, TokenLogprobs
+
+if TYPE_CHECKING:
+    from superinfer_jax.runner.input_batch import CallRow
+    from superinfer_jax.runner.logits import HostLogprobs
 
 
 def at_length_limit(num_prompt_tokens: int, num_outputs: int, max_tokens: int,
@@ -25,12 +28,31 @@ def at_length_limit(num_prompt_tokens: int, num_outputs: int, max_tokens: int,
 
 
 @dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta for streaming. ``error``: the
+    engine failed this request alone, which is finished (aborted)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    request: Request
+    error: str | None = None
+    # When the sampling asks for logprobs: one per new token; the prompt's once, on the
+    # request's first output (position 0 is None).
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
 class TokenOutcome:
-    """One landed token: the request's finish status (None: it goes on) and the text
-    delta safe to stream now."""
+    """One landed token: the request's finish status (None: it goes on), the text delta
+    safe to stream now, and whether it is the request's first output token."""
 
     finish: RequestStatus | None
     delta: str
+    first: bool = False
 
 
 class OutputProcessor:
@@ -57,8 +79,13 @@ class OutputProcessor:
                                req.sampling.max_tokens, self.max_model_len)
 
     def land(self, req: Request, token: int, now: float) -> TokenOutcome:
-        """Append a sampled token to ``req``, detokenize it and decide whether it ends
-        the request. The caller finishes the request when ``finish`` is set."""
+        """Append a sampled token to ``req`` (its grammar must accept it), detokenize it
+        and decide whether it ends the request; the caller finishes it then."""
+        grammar = req.grammar
+        if grammar is not None and not grammar.accept_token(token):
+            raise RuntimeError(f"structured output: the grammar rejected token {token} "
+                               f"({grammar.error})")
+        first = not req.output_token_ids
         req.num_inflight_tokens -= 1
         req.output_token_ids.append(token)
         req.token_times.append(now)
@@ -68,7 +95,26 @@ class OutputProcessor:
         if reason is not None and detok is not None and reason != RequestStatus.FINISHED_STOPPED:
             text += detok.flush()  # an incomplete character at the very end
         req.output_text = text
-        return TokenOutcome(reason, self._emit_text(req, finished=reason is not None))
+        delta = self._emit_text(req, finished=reason is not None)
+        if reason is None and grammar is not None and grammar.is_terminated():
+            reason = RequestStatus.FINISHED_STOPPED  # complete: only EOS could follow
+            delta += req.output_text[req.num_emitted_chars:]  # nothing is held back now
+            req.num_emitted_chars = len(req.output_text)
+        return TokenOutcome(reason, delta, first)
+
+    @staticmethod
+    def request_output(req: Request, token: int, outcome: TokenOutcome) -> RequestOutput:
+        """The streamed output of a landed token (after its request was finished, when
+        it ends it), with the logprobs the request asked for."""
+        out = RequestOutput(req.req_id, [token], outcome.delta, outcome.finish is not None,
+                            req.status.finish_reason, req)
+        if req.sampling.logprobs is not None and req.pending_logprobs is not None:
+            req.output_logprobs.append(req.pending_logprobs)
+            out.logprobs = [req.pending_logprobs]
+            req.pending_logprobs = None
+        if outcome.first and req.sampling.prompt_logprobs is not None:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+        return out
 
     @staticmethod
     def _emit_text(req: Request, finished: bool) -> str:
@@ -97,3 +143,21 @@ class OutputProcessor:
         if self.at_length_limit(req, len(req.output_token_ids)):
             return RequestStatus.FINISHED_LENGTH, text
         return None, text
+
+
+def land_logprobs(req: Request, lp: HostLogprobs, b: int, row: CallRow, token: int) -> None:
+    """Keep a call row's logprobs on its request: the prompt positions it computed (once
+    each), and the sampled token's on a final row (``request_output`` hands it out)."""
+    sp = req.sampling
+    if sp.prompt_logprobs is not None:
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # nothing predicts the first token
+        prompt = req.prompt_token_ids
+        for j in range(row.num_tokens):
+            pos = row.start + j + 1  # the prompt position column j predicts
+            if pos >= len(prompt):
+                break
+            if pos == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(lp.prompt(b, j, prompt[pos], sp.prompt_logprobs))
+    if row.final and sp.logprobs is not None:
+        req.pending_logprobs = lp.sampled(b, token, sp.logprobs)

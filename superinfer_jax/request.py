@@ -39,9 +39,8 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
-# The members as module constants, for the scheduler's per-request loops: on Python 3.11
-# ``RequestStatus.X`` (an enum member looked up on its class) costs several times what a
-# global does.
+# The members as module constants, for the scheduler's per-request loops (a global is
+# cheaper to read than an enum member looked up on its class).
 WAITING, RUNNING, ROTATING_OUT, ROTARY, ROTATING_IN = (
     RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.ROTATING_OUT,
     RequestStatus.ROTARY, RequestStatus.ROTATING_IN)
@@ -52,21 +51,16 @@ PRIORITY_CLASSES = ("critical", "standard", "batch")
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**64 - 1  # seeds are unsigned 64-bit; the engine folds them into the sampler's 32
 _MAX_SLO_MS = 3_600_000.0  # an hour: anything above is a unit mistake, not an SLO
-# Stop conditions are checked on the engine thread for every token of the request, so
-# their size is bounded like any other field (150k stop strings cost 24 ms per token).
+# Stop conditions are checked on the engine thread for every token: bounded in size.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-# Logprobs: the top alternatives per token are computed on the device for a fixed k
-# (OpenAI's limit for ``top_logprobs``); a request asks for at most that many.
+# top alternatives per token, computed on the device for this fixed k (OpenAI's limit)
 MAX_LOGPROBS = 20
-# ``logit_bias`` entries per request (OpenAI documents no cap; the device step takes a
-# fixed-width sparse row, so the cap is the width).
+# ``logit_bias`` entries per request: the width of the step's fixed sparse row
 MAX_LOGIT_BIAS = 300
-# Structured-output rows whose previous token is still in flight (async scheduling) run
-# in the step with their sampling deferred: the step hands out their raw logits, and a
-# small second call samples them once the host has the grammar's mask. At most this many
-# per step (the rest sit the step out).
+# Structured-output rows whose previous token is in flight (async scheduling) sample in a
+# second call, once the host has the grammar's mask: at most this many per step.
 MAX_DEFERRED_ROWS = 8
 
 
@@ -82,10 +76,9 @@ class FieldError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """The bounds of one numeric request field, in one place: ``check`` validates a value
-    (the engine's, for every front and the Python API) and ``json_schema`` publishes the
-    same bounds in the HTTP front's OpenAPI document. Integer fields that reach a
-    fixed-width device array have an upper bound too, so no value can overflow it."""
+    """The bounds of one numeric request field: ``check`` validates a value (for every
+    front and the Python API), ``json_schema`` publishes the same bounds in the HTTP
+    front's OpenAPI document. Integer fields reaching a device array are bounded above."""
 
     # ``int | float``, not ``float``: compiled (superinfer_jax.mypyc_build), a ``float`` field
     # is a C double, and 2**64 - 1 would become 2**64 there.
@@ -180,17 +173,13 @@ class SLO:
         return self.tbt_ms / 1000
 
 
-# Compiled (superinfer_jax.mypyc_build), a native dataclass type-checks its fields in
-# ``__init__`` and raises TypeError; the API promises a FieldError naming the field, which
-# ``__post_init__`` raises, so this class stays a plain Python class.
+# A plain Python class even when compiled (``mypyc_build``): a native dataclass raises
+# TypeError in ``__init__``, where the API promises ``__post_init__``'s FieldError.
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
-
-    ``seed`` is any integer in [0, 2**64); ``top_k`` -1 or 0 means no cut (stored as 0).
-    Bounds that need the model (the vocabulary) are checked by ``LLMEngine.add_request``.
-    """
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy; ``seed`` is
+    any integer in [0, 2**64); ``top_k`` -1 or 0 means no cut (stored as 0)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -200,10 +189,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    # Logprobs of each output token and its top-``logprobs`` alternatives (None: none);
-    # ``prompt_logprobs`` the same for every prompt position (evaluation harnesses score
-    # with them). Raw model distribution, before temperature and penalties (vLLM's
-    # default ``raw_logprobs``).
+    # Logprobs of each output token (``prompt_logprobs``: of each prompt position) and
+    # its top alternatives (None: none), from the raw distribution (vLLM's default).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # OpenAI's penalties over the output so far, vLLM's repetition penalty over prompt
@@ -301,9 +288,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool (or being written)
-    # Async scheduling: output tokens sampled on the device that the host has not read
-    # yet. They count in ``num_tokens`` (the scheduler plans the next step as if they
-    # were known; the step takes them from the device), not in ``output_token_ids``.
+    # Async scheduling: output tokens sampled on the device, not read by the host yet;
+    # they count in ``num_tokens``, not in ``output_token_ids``.
     num_inflight_tokens: int = 0
     final_token_inflight: bool = False  # the in-flight tokens surely end the request
     token_times: MutableSequence[float] = field(default_factory=list)  # one per output token
@@ -315,10 +301,8 @@ class Request:
     num_emitted_chars: int = 0  # prefix of output_text already streamed
     running_since: float | None = None
     first_scheduled_time: float | None = None
-    # Prefix caching (``kv.prefix_cache``): the isolation key (model identity and
-    # ``cache_salt``; None: this request neither reads nor fills the cache), the hashes of
-    # its full pages so far (extended as pages fill), and the prompt tokens served from
-    # the cache at its first admission.
+    # Prefix caching: the isolation key (None: no cache use), the hashes of its full
+    # pages so far, and the prompt tokens served from the cache at its first admission.
     cache_salt: str | None = None
     cache_key: bytes | None = None
     block_hashes: list[bytes] = field(default_factory=list)
@@ -350,9 +334,8 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens whose K/V are not in the pool yet: 1 when decoding, more when prefilling
-        (a new prompt, or a preempted request being recomputed), 0 when the token in
-        flight surely finishes the request (nothing left to schedule)."""
+        """Tokens whose K/V are not in the pool yet (0 when the token in flight surely
+        finishes the request)."""
         if self.final_token_inflight:
             return 0
         return self.num_tokens - self.num_computed_tokens

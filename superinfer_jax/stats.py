@@ -1,14 +1,9 @@
 """The engine's stats, typed: what ``LLMEngine.stats()`` reports, field by field.
 
-The engine builds an ``EngineStats`` directly. ``EngineStats.from_dict`` reads the flat
-form back (a serving loop's snapshot, with its ``num_requests_total`` beside it) and
-accepts exactly those keys: a key it does not know is an error, so a renamed stat fails a
-test instead of reporting 0. An ``EngineStats`` is also a read-only mapping of the same
-flat keys (``as_dict``, built once per snapshot), so code that indexes the dict
-(``stats["device_pages_free"]``) reads it unchanged.
-
-Without a host tier the engine reports no host or transfer keys: ``host`` is None and
-the host-tier properties read 0.
+An ``EngineStats`` is also a read-only mapping of its flat keys
+(``stats["device_pages_free"]``); ``EngineStats.from_dict`` reads that form back and
+refuses a key it does not know, so a renamed stat fails a test instead of reading 0.
+Without a host tier, ``host`` is None and the host-tier properties read 0.
 """
 
 from __future__ import annotations
@@ -25,6 +20,20 @@ _TRANSFER_PREFIX = "transfer_"
 _TRANSFER_KEYS = tuple(_TRANSFER_PREFIX + f.name for f in dataclasses.fields(TransferStats))
 
 
+@dataclass
+class StepStats:
+    """What one ``LLMEngine.step`` did: tokens, preemptions, rotations issued (each
+    direction), and its host and wall time."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    num_rotated_out: int = 0
+    num_rotated_in: int = 0
+    host_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class HostTierStats:
     """The DuplexKV tier: requests parked there, its pages, and the copies made."""
@@ -38,9 +47,8 @@ class HostTierStats:
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """The prefix cache: prompt tokens looked up at admissions (``queries``) and found on
-    the device (``hits``: vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``) or, past
-    the device's hit, in the host tier (``host_hits``); pages cached now in each tier
-    (referenced by no request, reclaimable)."""
+    the device (``hits``, as vLLM's) or, past that, in the host tier (``host_hits``);
+    pages cached now in each tier (referenced by no request)."""
 
     queries: int
     hits: int
@@ -65,7 +73,6 @@ class EngineStats(Mapping[str, float]):
     num_requests_total: int | None = None  # admitted so far: the serving loop's count
     prefix_cache: PrefixCacheStats | None = None  # None: prefix caching off
 
-    # -- what the servers report --------------------------------------------------------
 
     @property
     def num_rotary(self) -> int:
@@ -101,7 +108,6 @@ class EngineStats(Mapping[str, float]):
                        else (self.host_pages_total, self.host_pages_free))
         return 0.0 if total <= 0 else (total - free) / total
 
-    # -- the flat dict ------------------------------------------------------------------
 
     def as_dict(self) -> dict[str, float]:
         """The flat dict the engine has always reported (``transfer_bytes_out``, ...)."""

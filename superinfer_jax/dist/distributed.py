@@ -1,36 +1,21 @@
 """Joining a multi-host process group: ``jax.distributed`` with bounded waits and clear errors.
 
-One engine process per host. Each is started with the same configuration plus where the
+One engine process per host, each started with the same configuration plus where the
 group meets (``--coordinator HOST:PORT --num-processes N --process-id I``, or JAX's own
-``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``). Process 0 hosts
-JAX's coordination service at the coordinator address; once every process has connected,
-``jax.devices()`` lists every host's devices and ``parallel.make_mesh`` builds one global
-mesh over them (process order: each host's devices are adjacent on the ``tp`` axis).
+``JAX_*`` variables). Process 0 hosts JAX's coordination service; once every process has
+connected, ``parallel.make_mesh`` builds one global mesh. What this module adds:
 
-What this module adds to ``jax.distributed.initialize``:
+- *Bad input fails fast, naming the flag*: a bad id or coordinator is refused before
+  anything connects; an unreachable coordinator or a missing process ends within
+  ``init_timeout_s`` with one message saying which flag to check, never a hang.
+- *Same configuration everywhere* (``Group.check_same_config``), naming each differing key.
+- *A process that dies takes the group down*: followers write a heartbeat into the
+  coordination service's key-value store, and process 0's watchdog turns a silent or
+  stuck follower into one clear error and exit status 1 (JAX's own, slower heartbeat
+  timeout stays the backstop). A follower that loses process 0 exits 1 at its next read.
 
-- *Bad input fails fast, naming the flag.* A ``process_id`` outside ``[0, N)`` or a
-  malformed coordinator is refused before anything connects; an unreachable coordinator,
-  a missing process or a wrong ``num_processes`` ends within ``init_timeout_s`` with one
-  message saying which of the three flags to check, never a hang.
-- *Same configuration everywhere.* Every process must compile the same steps with the
-  same shapes, so ``Group.check_same_config`` compares the flattened configuration of
-  every process with process 0's at start-up and refuses the group, naming each
-  differing key and both values.
-- *A process that dies takes the group down.* JAX's coordination service notices a dead
-  process only after its heartbeat timeout and then aborts the others from a C++ thread.
-  Followers therefore write a heartbeat (with how far they got) into the coordination
-  service's key-value store, and process 0's watchdog turns a silent or stuck follower
-  into one clear error and exit status 1 after ``liveness_timeout_s`` /
-  ``step_timeout_s``; JAX's own heartbeat timeout is set well above ours as the
-  backstop. A follower that loses process 0 sees its coordination service vanish on its
-  next read and exits 1 (``lockstep.run_follower``).
-
-The key-value store of the coordination service (gRPC on the coordinator's port) is also
-the channel of ``superinfer_jax.dist.lockstep``: a host-side channel with a timeout on every
-read, which adds nothing to the device streams (see there for why that matters).
+The key-value store is also ``lockstep``'s channel.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -171,8 +156,7 @@ def initialize(config: DistributedConfig) -> Group:
     t0 = time.monotonic()
     if not config.is_leader:
         _wait_reachable(config, t0)
-    # JAX's client aborts the process from C++ when registration times out (a process
-    # missing, a wrong --num-processes): say why first, just before its deadline.
+    # JAX's client aborts from C++ when registration times out: say why first
     formed = threading.Event()
     threading.Thread(target=_init_deadline, args=(config, formed), daemon=True).start()
     # Ours fire first (the watchdog below); JAX's abort stays as the backstop.
@@ -278,11 +262,8 @@ class Group:
 
     def check_same_config(self, flat: Mapping[str, Any]) -> None:
         """Refuse the group unless every process has ``flat`` (and ``num_processes``)
-        equal to process 0's.
-
-        Each process publishes its configuration; process 0 compares and publishes a
-        verdict that every process reads, so all of them stop (or go on) together, and
-        each names the same differing keys."""
+        equal to process 0's: process 0 compares and publishes one verdict, so all of
+        them stop (or go on) together."""
         mine = dict(flat, num_processes=self.num_processes)
         self.put(self.key("config", self.process_id), json.dumps(mine).encode())
         timeout = float(self.config.init_timeout_s)
@@ -304,7 +285,6 @@ class Group:
             raise ConfigMismatchError([tuple(d) for d in verdict["diffs"]], verdict["process"])
         self.check_membership()
 
-    # -- liveness --------------------------------------------------------------------
 
     def end(self) -> None:
         """Process 0 is ending the group on purpose: its watchdog stops, so followers
@@ -337,9 +317,8 @@ class Group:
                        on_failure: Callable[[str], None] | None = None) -> threading.Thread:
         """Process 0: watch every follower's heartbeat. A follower whose counter stops
         for ``liveness_timeout_s`` is dead; one whose progress stays behind ``sent()``
-        (messages sent) for ``step_timeout_s`` is stuck. Either way ``on_failure``
-        (default: log, then exit with ``EXIT_GROUP_FAILED``: the main thread may be
-        blocked in a collective that will never complete, so only an exit is sure)."""
+        for ``step_timeout_s`` is stuck. Either way ``on_failure`` (default: exit with
+        ``EXIT_GROUP_FAILED``: the main thread may be blocked in a collective forever)."""
         cfg = self.config
         fail = on_failure or _exit_group
         followers = range(1, self.num_processes)
@@ -361,8 +340,7 @@ class Group:
                              "unreachable); the group cannot continue without it")
                         return
                     done = int(text.split(":")[1]) if text else -1
-                    # the clock runs from its last progress or from when it fell behind
-                    # (not while it waits, caught up, on process 0's compiles)
+                    # from its last progress or from when it fell behind
                     if done != progress[p][0] or max(done, 0) >= sent():
                         progress[p] = (done, now)
                     elif now - progress[p][1] > cfg.step_timeout_s:

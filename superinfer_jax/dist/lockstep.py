@@ -1,50 +1,32 @@
 """Multi-controller discipline: every process makes the same device calls in the same order.
 
-JAX across hosts is multi-controller: one Python process per host drives its own devices,
-and a program that spans the mesh runs only when every process has dispatched it, with
-the same numpy inputs, in the same order relative to the other cross-process programs.
-Process 0 owns the servers, the request queue, the scheduler and every page's
-bookkeeping. The others decide nothing: they replay process 0's *device calls*.
-
-What is broadcast: the plan at its lowest level, the device calls themselves. Every call
-the model runner makes on the device goes through one of six entry points (the jitted
-step, the deferred resample, committing a constant, and the page mover's ``to_host``,
-``to_device`` and ``scatter``, plus its warm-up). On process 0 a ``Recorder`` wraps them:
-each call is appended to the tape as its name and its arguments, numpy arrays and ints as
-they are, and every ``jax.Array`` as a handle: (the call that produced it, its leaf
-index). The other processes (``run_follower``) build the same ``ModelRunner`` from the
-same configuration and the same model, decode each call, look the handles up in their own
-table, and make the same call on their own shards.
+JAX across hosts is multi-controller: a program that spans the mesh runs only when every
+process has dispatched it, with the same numpy inputs, in the same order. Process 0 owns
+the servers, the scheduler and the page bookkeeping; the others decide nothing and replay
+process 0's *device calls*. Every call the model runner makes on the device goes through
+one of six entry points (the step, the deferred resample, committing a constant, and the
+page mover's ``to_host``, ``to_device``, ``scatter``, plus its warm-up). On process 0 a
+``Recorder`` wraps them and appends each call to the tape: numpy arrays and ints as they
+are, every ``jax.Array`` as a handle (the call that produced it, its leaf index). Each
+follower (``run_follower``) builds the same ``ModelRunner`` and makes the same calls on
+its own shards.
 
 Why this cannot diverge:
-- A follower runs nothing it was not sent, in the order sent: it has no scheduler, no
-  clock, no tokenizer, no request, and reads no device value (its sampled tokens are never
-  fetched), so there is nothing on it that could decide differently.
-- Process 0 records and executes each call under one lock, so the tape's order is the
-  order process 0 itself dispatched them in (the engine thread, warm-up, a profiler).
-- The numpy inputs a cross-process program needs identical everywhere are process 0's
-  bytes; device arrays are named by handle, and a handle is only ever produced by a call
-  both sides made, so both sides mean the same logical array by it.
-- Decisions that read the device stay on process 0: whether a page copy has arrived
-  (``is_ready`` sees this process's shards only) decides when process 0 issues the
-  scatter; a follower's scatter then waits on its own copy by data dependency, exactly as
-  process 0's step waits on a scatter. A follower's copy that fails fails its scatter,
-  and so its step, and so the group (it cannot fall back alone).
-- A call that raises on process 0 after it was sent is followed by a ``forget`` of its
-  handles: nothing will ever name them.
+- A follower runs nothing it was not sent, in the order sent, and reads no device value:
+  nothing on it could decide differently.
+- Process 0 records and executes each call under one lock: the tape's order is its own.
+- Numpy inputs are process 0's bytes; a handle is only produced by a call both sides made.
+- Decisions that read the device (has a page copy arrived) stay on process 0; a
+  follower's scatter waits on its own copy by data dependency, and a copy that fails
+  there fails its step, and so the group.
+- A call that raises on process 0 after it was sent is followed by a ``forget``.
 
-Why the channel is the coordination service's key-value store and not a device
-broadcast (``multihost_utils.broadcast_one_to_all``): a device broadcast is itself a
-cross-process program, so it would have to be ordered against the step programs; the
-key-value store is host-side, so process 0 sends a call and dispatches it at once, and
-every read on a follower has a timeout. Calls without cross-process collectives (page
-copies, constants) are buffered and sent with the next step, one message per step.
-
-Array lifetimes: process 0 holds a weak reference to every handled array; when its array
-is garbage collected, the next message tells the followers to drop theirs, so each
-follower holds exactly the arrays process 0 holds.
+The channel is the coordination service's key-value store, not a device broadcast (itself
+a cross-process program that would need ordering against the steps): host-side, with a
+timeout on every read. Calls without collectives are buffered and sent with the next
+step. Process 0 holds a weak reference to every handled array; when one is collected,
+the next message tells the followers to drop theirs.
 """
-
 from __future__ import annotations
 
 import logging
@@ -62,8 +44,8 @@ from superinfer_jax.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
-# Calls whose program spans processes (the step's all-reduces and all-gathers; committing a
-# numpy value to the mesh, which JAX checks equal on every process): sent before they run.
+# Calls whose program spans processes (the step's collectives; committing a value to the
+# mesh): sent before they run.
 COLLECTIVE_CALLS = frozenset({"step", "resample", "mover_warmup", "commit"})
 POLL_S = 1.0  # a follower's wait for the next message, in slices of this
 
@@ -117,7 +99,6 @@ class Recorder:
             self._register(array, Handle(-1, k))
         self._wrap_runner()
 
-    # -- the entry points --------------------------------------------------------------
 
     def _wrap_runner(self) -> None:
         runner = self.runner
@@ -130,7 +111,7 @@ class Recorder:
 
         runner._step_fn = step
         runner._resample_fn = self._wrapped("resample", runner._resample_fn)
-        runner._committed = self._wrapped("commit", runner._committed)  # type: ignore[method-assign]
+        runner.committed = self._wrapped("commit", runner.committed)  # type: ignore[method-assign]
         if runner.duplex is not None:
             mover = runner.duplex.mover
             for name in ("to_host", "to_device", "scatter"):
@@ -188,7 +169,6 @@ class Recorder:
             self._pending.append(Call(self._next, "stop", (), []))
             self.flush()
 
-    # -- handles -----------------------------------------------------------------------
 
     def _encode(self, leaf: Any) -> Any:
         if not isinstance(leaf, jax.Array):
@@ -223,7 +203,7 @@ class Replayer:
         self.fns: dict[str, Callable[..., Any]] = {
             "step": lambda *a: step_fn(params, *a),
             "resample": runner._resample_fn,
-            "commit": runner._committed,
+            "commit": runner.committed,
         }
         if runner.duplex is not None:
             mover = runner.duplex.mover
@@ -260,11 +240,9 @@ class Replayer:
 
 def run_follower(runner: ModelRunner, group: Group,
                  ready: Callable[[], object] | None = None) -> None:
-    """A follower's whole life after start-up: replay process 0's messages until told to
-    stop. Waits are sliced (``POLL_S``) so an idle server costs nothing; a read that
-    fails for any other reason than "not yet" means process 0 (which hosts the
-    coordination service) is gone, and raises ``GroupError``. ``ready``: blocks until
-    the runner may replay (its programs compiled ahead); the heartbeat beats meanwhile."""
+    """A follower's life after start-up: replay process 0's messages until told to stop.
+    A read that fails other than "not yet" means process 0 is gone (``GroupError``).
+    ``ready`` blocks until the runner may replay; the heartbeat beats meanwhile."""
     replayer = Replayer(runner)
     done = 0
     group.start_heartbeat(lambda: done)

@@ -1,21 +1,14 @@
 """One engine over several hosts: process 0 runs the engine, the others replay its calls.
 
-Start-up, on every process, in this order (``serving.cli`` and the tests do exactly this):
+Start-up, on every process, in this order (as ``serving.cli`` does):
 
-1. ``start_group``: join the group (``distributed.initialize``, before any other JAX call)
-   and refuse it unless every process has the same configuration;
-2. load the model onto the global mesh: each process places only its own devices' slices
-   (``models.load_model(..., tensor_parallel_size=N)`` builds the mesh over
-   ``jax.devices()``, which now lists every host's devices);
-3. process 0: ``leader_engine`` (an ``LLMEngine`` whose device calls are recorded, with
-   the watchdog running; it serves as any engine does and calls ``Recorder.stop`` at
-   exit); every other process: ``follow``, which returns when process 0 stops the group.
-
-The engine is built with its warm-up deferred until the recorder is attached, so the
-compile calls of warm-up are on the tape too: the followers compile the same buckets.
-``leader_engine(..., warm=False)`` hands the recorder back before warming up (``warm_up``
-then), so a caller that may be interrupted during the long warm-up (``serving.group``)
-can still tell the followers to stop.
+1. ``start_group``: join the group (before any other JAX call), refused unless every
+   process has the same configuration;
+2. load the model onto the global mesh (each process places its own devices' slices);
+3. process 0: ``leader_engine``, an ``LLMEngine`` whose device calls are recorded (its
+   warm-up too, so the followers compile the same buckets); every other process:
+   ``follow``, which returns when process 0 stops the group. ``warm=False`` hands the
+   recorder back before the long warm-up, so an interrupted caller can still stop them.
 """
 
 from __future__ import annotations
@@ -23,13 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from superinfer_jax.runner.step_programs import BucketCompiler, compile_order, default_num_threads
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.dist.distributed import DistributedConfig, Group, flatten_config, initialize
-from superinfer_jax.engine import LLMEngine
 from superinfer_jax.dist.lockstep import Recorder, run_follower
+from superinfer_jax.engine import LLMEngine
 from superinfer_jax.model_api import ServableModel
-from superinfer_jax.runner.model_runner import ModelRunner
 
 
 def start_group(dist: DistributedConfig, config: Mapping[str, Any] | Any) -> Group:
@@ -53,31 +44,16 @@ def leader_engine(model: ServableModel, config: EngineConfig, group: Group,
 
 
 def warm_up(engine: LLMEngine, recorder: Recorder) -> None:
-    """Process 0's warm-up (every bucket compiled and run once, on the tape: the
-    followers compile by replaying it), sent at once rather than with the first step."""
+    """Process 0's warm-up, on the tape, sent at once rather than with the first step."""
     engine.warmup()
     recorder.flush()
 
 
 def follow(model: ServableModel, config: EngineConfig, group: Group) -> None:
-    """A follower: the same runner as process 0's (the engine is built only for it: the
-    same construction, the same clamps), then its calls until process 0 stops.
-
-    With ``config.warmup`` the follower compiles the programs process 0's warm-up
-    compiles, in the same order on as many threads, while process 0 does, and replays
-    once they are compiled. Replaying alone would compile each program at its first
-    run, one at a time, while process 0 waits in that run's collectives (and, on a slow
-    host, past ``step_timeout_s``)."""
+    """A follower: the same runner as process 0's, then its calls until process 0 stops.
+    With ``config.warmup`` it compiles warm-up's programs on as many threads while
+    process 0 does, and replays once they are compiled (compiling each at its first
+    replayed run would keep process 0 waiting in that run's collectives)."""
     engine = LLMEngine(model, config.replace(warmup=False))
-    ready = compile_ahead(engine.runner).wait_done if config.warmup else None
+    ready = engine.runner.compilation.compile_ahead().wait_done if config.warmup else None
     run_follower(engine.runner, group, ready)
-
-
-def compile_ahead(runner: ModelRunner) -> BucketCompiler:
-    """Compile every program of ``runner`` ahead of time, as ``ModelRunner.warmup`` does,
-    without running any (a follower runs only what process 0 sends)."""
-    duplex = runner.duplex.mover.buckets if runner.duplex is not None else ()
-    order = compile_order(runner.config, runner.resample_buckets, duplex)
-    # runner._compile: warm-up's own per-program compile (abstract arguments, any thread)
-    return BucketCompiler(runner._compile, order, len(order), default_num_threads(),
-                          background=False)

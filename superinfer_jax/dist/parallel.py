@@ -8,42 +8,36 @@ sharded over ``tp``:
     host page    [num_layers, 2, page_size, kv_heads, head_dim]              on kv_heads
                   (memory kind pinned_host: each shard's slice sits in its host's memory)
 
-So a page is split across devices head-wise, and every device holds its own slice of
-every page. Rotation gathers, copies and scatters each slice on its own device: a
-``device_put`` between two shardings that differ only in memory kind moves no byte
-between devices. Page ids, page tables and the scheduler are host-side and global: the
-same page id names the same page on every shard.
-
-Model weights are sharded by the model family (``models.sharding``); the engine only needs
-the mesh and the two shardings below. With ``tensor_parallel_size == 1`` the engine uses no
-mesh at all, so single-device behaviour (and every compiled step) is exactly as before.
+Every device holds its heads' slice of every page, so rotation copies each slice on its
+own device and moves no byte between devices; page ids, page tables and the scheduler
+stay host-side and global. Model weights are sharded by the model family
+(``models.sharding``). With ``tensor_parallel_size == 1`` the engine uses no mesh at all.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+if TYPE_CHECKING:
+    from superinfer_jax.model_api import ServableModel
+
 TP_AXIS = "tp"
 
-# [num_pages, num_layers, 2, page_size, kv_heads, head_dim]: split the kv-head axis.
 POOL_SPEC = P(None, None, None, None, TP_AXIS, None)
-# [num_layers, 2, page_size, kv_heads, head_dim]: one page, split the same way.
 PAGE_SPEC = P(None, None, None, TP_AXIS, None)
-# q / k / v / attention output [B, C, heads, head_dim]: split the head axis.
+# q / k / v / attention output [B, C, heads, head_dim]
 HEADS_SPEC = P(None, None, TP_AXIS, None)
 
 
 def make_mesh(tensor_parallel_size: int, devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``tp`` mesh over the first ``tensor_parallel_size`` devices.
-
-    Axis type Auto: the partitioner chooses collectives from the input shardings (JAX's
-    ``make_mesh`` defaults to Explicit axes, which would put shardings into the types).
-    Across hosts, ``jax.devices()`` lists every process's devices once
-    ``jax.distributed.initialize`` has run, so the same call builds the global mesh.
-    """
+    """A 1-D ``tp`` mesh over the first ``tensor_parallel_size`` devices (every host's,
+    once ``jax.distributed.initialize`` has run). Axis type Auto: the partitioner chooses
+    the collectives from the input shardings."""
     devices = list(jax.devices() if devices is None else devices)
     if tensor_parallel_size > len(devices):
         raise ValueError(
@@ -70,9 +64,8 @@ def page_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 
 
 def host_value(array: jax.Array) -> np.ndarray:
-    """A replicated array's value on the host: this process's copy. Across hosts a
-    replicated array is not fully addressable (``np.asarray`` refuses it), and every copy
-    holds the same value, so the first local shard is the whole value."""
+    """A replicated array's value on the host: this process's copy (across hosts it is
+    not fully addressable, and every copy holds the same value)."""
     if array.is_fully_addressable:
         return np.asarray(array)
     return np.asarray(array.addressable_data(0))
@@ -86,3 +79,24 @@ def check_kv_heads(num_kv_heads: int, mesh: Mesh) -> None:
             f"tensor_parallel_size {mesh.size}: shard the model for this mesh first "
             "(models.sharding pads or replicates heads)"
         )
+
+
+def place_model(model: ServableModel, mesh: Mesh | None) -> ServableModel:
+    """``model`` on ``mesh``: as given when it already is (loaded with
+    ``tensor_parallel_size``), else sharded now through its ``shard(mesh)``."""
+    model_mesh: Mesh | None = getattr(model, "mesh", None)
+    if model_mesh == mesh:
+        if mesh is not None:
+            check_kv_heads(model.kv_spec.num_kv_heads, mesh)
+        return model
+    if mesh is None:
+        assert model_mesh is not None  # else the meshes would be equal (both None)
+        raise ValueError(f"tensor_parallel_size is 1 but the model is sharded over "
+                         f"{model_mesh.size} devices; set tensor_parallel_size to match")
+    shard = getattr(model, "shard", None)
+    if shard is None:
+        raise ValueError(f"tensor_parallel_size={mesh.size}: this model cannot be "
+                         "sharded (it has no shard(mesh))")
+    model = shard(mesh)
+    check_kv_heads(model.kv_spec.num_kv_heads, mesh)
+    return model

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import superinfer_jax.ops.native as native
 from superinfer_jax.kv.layout import NULL_PAGE
-from superinfer_jax.ops import native
 from superinfer_jax.ops.paging import pad_page_table
 
 _MASKED = -1e30

@@ -1,27 +1,18 @@
 """Serialized-executable cache: a warm start loads each compiled program instead of
 tracing, lowering and looking it up in XLA's persistent cache.
 
-XLA's persistent compilation cache is keyed by the lowered program, so even a hit pays
-JAX's tracing and lowering first: for SmolLM2's step about 1 s of CPU per bucket, then
-0.6 s to read the entry (measured on this 2-core CPU, load ~7). This cache is keyed by
-what *determines* the program instead, computed without tracing: the JAX and jaxlib
-versions, the backend and its devices (the CPU's instruction-set flags on CPU, since
-XLA:CPU's object code is specialised to them), ``XLA_FLAGS``, the source of the packages
-the step is written in, a description of the model and engine config from the runner
-(``context``: everything the traced function closes over), the program's name and its
-arguments' tree, shapes, dtypes and placements. A hit is one
-``jax.experimental.serialize_executable.deserialize_and_load`` (about 0.5 s of CPU).
-
-Anything wrong with an entry (unreadable, written by another format or for another key,
-an executable whose argument signature differs from the call's, a deserialization
-error) costs a warning naming the file, and the program is compiled as before and the
-entry rewritten. Writing is best effort: a failure is a warning, never the compile. An
-entry is written to a temporary file and renamed, so a reader never sees half of one.
+XLA's persistent cache is keyed by the lowered program, so even a hit pays JAX's tracing
+and lowering first. This cache is keyed by what *determines* the program, computed
+without tracing: JAX and jaxlib, the backend and its devices (the CPU's instruction-set
+flags on CPU), ``XLA_FLAGS``, the source of the packages the step is written in, the
+runner's ``context`` (everything the traced function closes over), the program's name
+and its arguments' tree, shapes, dtypes and placements. A hit is one
+``deserialize_and_load``. An unusable entry costs a warning naming the file, and the
+program is compiled as before; writing is best effort, through a temporary file renamed.
 
 Loading an executable runs code from the cache directory: it must be as trusted as the
-XLA cache beside it (the same directory, ``hardware.compilation_cache_dir``).
+XLA cache beside it (``hardware.compilation_cache_dir``).
 """
-
 from __future__ import annotations
 
 import functools
@@ -39,17 +30,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from superinfer_jax.config import EngineConfig
 from superinfer_jax.ops import native
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SUBDIR = "superinfer-executables"
-# Packages whose source the compiled programs are written in: any change to one of their
-# files changes every key (conservative: a docstring edit costs one compile per program).
+# Packages whose source the compiled programs are written in: any edit changes every key.
 SOURCE_PACKAGES = ("superinfer_jax", "models")
-# An XLA option that only debug printing reads (how many buffers a buffer-assignment dump
-# lists), part of XLA's cache key: ``refill`` sets it to miss that cache.
+# An XLA option only debug printing reads, part of XLA's cache key: ``refill`` sets it.
 BYPASS_OPTION = "xla_debug_buffer_assignment_show_max"
 
 
@@ -64,6 +54,26 @@ class ExecutableCache:
         self._pending: list[tuple[str, str, Callable[[], Any]]] = []
         self._lock = threading.Lock()
         self.num_loaded = 0  # programs this process loaded from the cache
+
+    @classmethod
+    def for_runner(cls, config: EngineConfig, model: Any, backend: str, feedback_width: int,
+                   params_treedef: Any, mesh: Any) -> ExecutableCache | None:
+        """The cache of a ``ModelRunner``'s programs, keyed also by what they close over
+        (engine config, model, backend, weights' tree, mesh). None without a cache
+        directory, and for a multi-process group (not validated there)."""
+        if not config.compilation_cache_dir or jax.process_count() > 1:
+            return None
+        context = {
+            "engine": config.replace(compilation_cache_dir=None, show_progress=True,
+                                     warmup=True, compile_in_background=False, seed=0),
+            "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "model": describe(model),
+            "backend": backend,
+            "feedback_width": feedback_width,
+            "params": str(params_treedef),
+            "mesh": repr(mesh),
+        }
+        return cls.under(config.compilation_cache_dir, context)
 
     @classmethod
     def under(cls, cache_dir: str, context: Mapping[str, Any]) -> ExecutableCache:
@@ -99,10 +109,8 @@ class ExecutableCache:
         _thread.xla_cache_hit = False
         compiled = lower().compile()
         if _thread.xla_cache_hit:
-            # XLA:CPU (jaxlib 0.10) serializes an executable it loaded from its own
-            # cache without its fused kernels: the copy loads, then fails at its first
-            # run ("Function ..._fusion not found"). Only a real compile is stored;
-            # this one is compiled again by ``refill``.
+            # XLA:CPU serializes an executable it loaded from its own cache without its
+            # fused kernels (the copy fails at its first run): ``refill`` compiles it
             log.debug("executable cache: %s came from XLA's cache; refilled later", name)
             with self._lock:
                 self._pending.append((key, name, lower))
@@ -118,12 +126,9 @@ class ExecutableCache:
     def refill(self, keys: Collection[str] | None = None,
                stop: Callable[[], bool] = lambda: False) -> int:
         """Compile for real, and store, the programs XLA's persistent cache served since
-        the last call (a start after an edit of the source, or with a cache written by an
-        older version), only those of ``keys`` when given (the others are dropped);
-        returns how many were stored. Each compile passes an option that only debug
-        output reads, set to a random value, so that XLA's cache (whose key includes the
-        options) misses; run it in the background: it is a full compile. ``stop`` is
-        asked before each compile (a stopping server must not wait for them all)."""
+        the last call (only those of ``keys`` when given); returns how many were stored.
+        A random value of a debug-only option makes XLA's cache miss, so each is a full
+        compile: run it in the background. ``stop`` is asked before each compile."""
         stored = 0
         while True:
             with self._lock:
@@ -249,10 +254,9 @@ def _sharding_text(sharding: Any) -> str:
 
 @functools.cache
 def environment_fingerprint() -> str:
-    """What, outside this repository's code and the call, an executable depends on: JAX
-    and jaxlib, the backend, its devices, the CPU's features, XLA_FLAGS, the source
-    of ``SOURCE_PACKAGES`` and the native ops' library (which this registers, so that a
-    loaded executable finds its custom-call targets)."""
+    """What else an executable depends on: JAX, the backend, its devices, the CPU's
+    features, XLA_FLAGS, the source of ``SOURCE_PACKAGES`` and the native ops' library
+    (registered here, so a loaded executable finds its custom-call targets)."""
     import jaxlib
 
     devices = jax.devices()
@@ -311,9 +315,8 @@ def source_hash(packages: Iterable[str]) -> str:
 
 
 def describe(obj: Any, skip: Iterable[str] = ()) -> dict[str, str]:
-    """``obj``'s plain attributes (numbers, strings, tuples, dataclasses such as a model
-    config) as text: the part of a context that an object's traced methods read. Arrays,
-    weights and other objects are left out (arrays are arguments, in the signature)."""
+    """``obj``'s plain attributes (numbers, strings, tuples, dataclasses) as text: what
+    its traced methods read besides their arguments."""
     skipped = set(skip)
     out = {}
     for name, value in sorted(vars(obj).items()):

@@ -6,21 +6,13 @@ penalties (repetition over prompt and output, CTRL's rule; then frequency and pr
 over the output, OpenAI's rule). After sampling, the logprobs of the sampled token and
 its top-k alternatives, and for prefill rows that ask, of every prompt token.
 
-Every feature sits behind a ``lax.cond`` on "does any row of this call use it", so a
-batch that uses none pays only for the test; the inputs of an unused feature are
-committed constants of the right shape (``ModelRunner`` keeps them), so nothing crosses
-to the device either. Shapes are fixed per step bucket (history ``max_model_len`` wide,
-bias ``MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS`` wide, the mask ``ceil(vocab / 32)`` words),
-so no feature adds a compiled variant.
-
-Penalties are stateless: a row carries its token history (every position before the
-step; the step's own input tokens are added on the device, which is where an in-flight
-token fed back by async scheduling is known). Nothing to keep consistent across
-rotation, recomputation or prefix-cache hits, at the price of a ``[rows, max_model_len]``
-int32 transfer for a call that has a penalised row.
-
-Logprobs are of the raw model distribution (log-softmax of the logits before bias,
-penalties, masks and temperature): vLLM's default ``raw_logprobs``.
+Every feature sits behind a ``lax.cond`` on "does any row of this call use it", and an
+unused feature's inputs are committed constants, so a batch that uses none pays only for
+the test; shapes are fixed per step bucket, so no feature adds a compiled variant.
+Penalties are stateless: a row carries its token history (the step's own tokens are added
+on the device, where a fed-back token is known), so rotation, recomputation and
+prefix-cache hits have nothing to keep consistent. Logprobs are of the raw model
+distribution (vLLM's default ``raw_logprobs``).
 """
 
 from __future__ import annotations
@@ -147,8 +139,7 @@ def _top(logits: jax.Array, chosen: jax.Array) -> tuple[jax.Array, ...]:
     are returned get the log-sum-exp subtracted (no [.., V] log-softmax is written)."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0]
-    # counted in float32 (exact below 2**24 tokens): XLA:CPU's int32 count of a [32, 49k]
-    # comparison cost 10 ms inside the step, the float sum 0.5 ms
+    # counted in float32 (exact below 2**24 tokens): XLA:CPU's int32 count is far slower
     above = jnp.where(logits > picked[..., None], 1.0, 0.0)
     rank = 1 + jnp.sum(above, axis=-1).astype(jnp.int32)
     top, top_ids = jax.lax.top_k(logits, MAX_LOGPROBS)

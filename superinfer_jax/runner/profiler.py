@@ -6,12 +6,15 @@ to the scratch page, while attention still reads (and pays for) the requested co
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Generator
 
 import jax
 import numpy as np
 
+from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.layout import NULL_PAGE
 from superinfer_jax.model_api import StepInputs
 from superinfer_jax.runner.sampling import SamplingInputs
@@ -87,3 +90,33 @@ def profile_pieces(engine, repeats: int = 2) -> Generator[None, None, LatencyMod
                 for n in (1, 8, 32)]
     return LatencyModel.fit(prefill, decode, transfer,
                             model_name=getattr(engine.model, "name", ""))
+
+
+def latency_profile_path(config: EngineConfig, model_identity: str) -> str | None:
+    """Where the latency model is kept: ``rotasched.latency_profile``, else in the
+    compilation cache directory under a key of what the timings depend on (model
+    shapes, buckets, backend, device and CPU count), else nowhere."""
+    if config.rotasched.latency_profile:
+        return config.rotasched.latency_profile
+    cache = config.compilation_cache_dir
+    if not cache:
+        return None
+    device = jax.devices()[0]
+    facts = (model_identity, config.max_model_len, config.decode_buckets,
+             config.prefill_shapes, config.attention_backend, config.tensor_parallel_size,
+             device.platform, device.device_kind, os.cpu_count(), jax.__version__)
+    key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+    return os.path.join(cache, f"latency-profile-{key}.json")
+
+
+def load_latency_model(path: str | None) -> LatencyModel | None:
+    """The latency model saved at ``path``, if there is one."""
+    if path and os.path.exists(path):
+        return LatencyModel.load(path)
+    return None
+
+
+def save_latency_model(model: LatencyModel, path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        model.save(path)

@@ -1,46 +1,17 @@
 """Start-up compilation: each call shape compiled ahead of time, smallest first, on
-several threads, and a step that never compiles.
+several threads, so that a serving step never compiles.
 
-The engine's device programs are jitted functions specialised per shape bucket: the
-model step per ``[rows, columns]`` (15 buckets in the default config) and deferred
-sampling (``ModelRunner.resample``) per row bucket. Each bucket is a full XLA compile,
-seconds on a CPU. ``Programs`` holds one ahead-of-time executable per shape
-(``jit(f).lower(...).compile()``) and is called like the jitted function: a call finds
-its executable by shape, so once a shape is compiled nothing on the call path traces,
-lowers or compiles. ``BucketCompiler`` compiles a list of programs in priority order on
-worker threads: XLA's compiler releases the GIL, so two compiles run on two cores at once
-(tracing and lowering, which are Python, take turns).
-
-Ready (``EngineConfig.compile_in_background``): the engine serves once the *ready set*
-is compiled, one decode row ``[1, 1]`` and one prefill row ``[1, ready_prefill_chunk]``
-(32 columns by default), which between them can run any request; the rest compiles
-behind it, on threads of lower CPU priority than the step's. What is compiled is
-published as ``BucketLimits``, each limit a bucket whose smaller buckets are compiled
-too (prefill chunks: a run of buckets around the ready one), and the scheduler keeps
-every call within them: fewer decode rows a step, shorter prefill chunks, one prefill
-row, no deferred sampling (a structured-output row then sits out the step after each of
-its tokens), a chunk shorter than the shortest compiled one padded to it. So a request
-whose bucket is not compiled yet runs at once, split into compiled buckets, rather than
-waiting: on a cold start a bucket takes seconds to compile, while a prompt split into
-32-token chunks costs a few short steps (and the split is the chunked prefill the engine
-does anyway: the same tokens).
-
-Why 32 columns and not the shortest bucket (16): a prefill call has a fixed cost (every
-weight is read once) that a short chunk pays per few tokens. SmolLM2 on the 2-core CPU
-(the latency profile: 49 ms + 1.74 ms a token) runs a 100-token prompt as seven 16-token
-calls in 2.0x the TTFT of its one 128-column call, as four 32-token calls in 1.55x, as
-two 64-token calls in 1.2x. Against the same steady state, the worst prompt length is
-2.5x with a 16-column ready chunk (long prompts), 1.7x with 32 (long prompts; a prompt
-of at most 16 tokens pays 1.36x padding), 2.1x with 64 (a 16-token prompt padded to 64)
-and 3.5x with 128: 32 is the ready chunk with the smallest worst case. Where a call's
-fixed cost dominates longer chunks (a GPU reading the weights from HBM), a larger
-``ready_prefill_chunk`` is the better choice.
-
-A shape nobody compiled ahead (a test calling ``call_step`` on its own shape, a
-multi-host follower replaying process 0's calls) falls back to the jitted function,
-which compiles it as before; the engine never asks for one while serving.
+``Programs`` holds one ahead-of-time executable per shape bucket and is called like the
+jitted function it wraps; ``BucketCompiler`` compiles a priority-ordered list on worker
+threads (XLA's compiler releases the GIL). With ``compile_in_background`` the engine
+serves once the *ready set* (one decode row, one prefill row of ``ready_prefill_chunk``
+columns) is compiled, and the scheduler keeps every call within the published
+``BucketLimits`` while the rest compiles behind: a request whose bucket is not compiled
+yet runs at once, split into compiled chunks, instead of waiting seconds for a compile.
+The ready chunk defaults to 32 columns, the one with the smallest worst-case TTFT on a
+CPU (``docs/results/runner.md``); where a call's fixed cost dominates (a GPU), a larger
+chunk is better. A shape nobody compiled ahead falls back to the jitted function.
 """
-
 from __future__ import annotations
 
 import logging
@@ -62,8 +33,7 @@ RESAMPLE = "resample"
 DUPLEX = "duplex"  # DuplexKV's page gather and scatter, per staging bucket
 REFILL = "refill"  # compile for real what XLA's cache served (``ExecutableCache.refill``)
 BACKGROUND_NICE = 10  # background compile threads yield the CPU to the serving step
-# A background compile starts once the engine has been idle for QUIET_S, or busy for
-# BUSY_WAIT_S (a server that never idles still compiles): see BucketCompiler.
+# a background compile starts after the engine idled QUIET_S or was busy BUSY_WAIT_S
 QUIET_S = 0.5
 BUSY_WAIT_S = 2.0
 
@@ -82,18 +52,15 @@ class Program:
 
 class Programs:
     """Ahead-of-time executables of one jitted function, one per shape, called like it.
-
     ``key(args)`` gives a call's shape; the first ``num_static`` arguments are static
-    (the jitted function's ``static_argnums``), part of the key and not passed to the
-    executable."""
+    (part of the key, not passed to the executable)."""
 
     def __init__(self, jitted: Any, key: Callable[[tuple], Hashable], num_static: int = 0,
                  cache: ExecutableCache | None = None, name: str = ""):
         self.jitted = jitted
         self._key = key
         self._num_static = num_static
-        # serialized executables on disk: a warm start skips tracing and lowering
-        self.cache = cache
+        self.cache = cache  # serialized executables on disk
         self.name = name
         self._executables: dict[Hashable, Any] = {}
         self.num_fallback_calls = 0  # calls on a shape nobody compiled ahead
@@ -129,11 +96,9 @@ def ready_set(config: EngineConfig) -> list[Program]:
 
 def compile_order(config: EngineConfig, resample_buckets: Sequence[int],
                   duplex_buckets: Sequence[int] = ()) -> list[Program]:
-    """Every program, the ready set first, then DuplexKV's copies (small, and eager
-    shadows copy pages from the first requests on), then in the order that lifts the
-    limits soonest: longer single-row chunks (a prompt's TTFT) alternating with more
-    decode rows (concurrency), deferred sampling, and the packed prefill shapes
-    (throughput when several prompts arrive at once)."""
+    """Every program, the ready set first, then DuplexKV's copies (eager shadows copy
+    from the first requests on), then what lifts the limits soonest: single-row chunks
+    alternating with more decode rows, deferred sampling, and packed prefill shapes."""
     ready = ready_set(config)
     # the shorter chunks first: they end the padding of short prompts to the ready chunk
     chunks = [Program(STEP, (1, c)) for c in config.prefill_chunk_buckets
@@ -194,23 +159,11 @@ def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
 class BucketCompiler:
     """Compiles ``programs`` in order on ``num_threads`` worker threads.
 
-    ``wait_ready`` returns once the first ``num_ready`` programs are compiled; the rest go
-    on behind (``done`` is set when all are). Threads that pass the ready set lower
-    their CPU priority when ``background``, so that serving steps get the cores first.
-    A compile that fails stops the rest; ``error`` holds it and ``wait_ready`` raises it.
-    ``on_compiled(program)`` runs on the worker thread after each compile.
-
-    No background compile starts before the ready set is compiled (a thread done with
-    its ready program waits), and then background compiles wait for the engine: the
-    next one starts once the engine has
-    been idle (``set_busy(False)``) for ``quiet_s``, or busy (``set_busy(True)``: requests
-    in flight) for ``busy_wait_s``; until the engine first says either (its first runs
-    after the ready set), they wait. Nice 10 does not stop a compile from holding the GIL
-    while it traces and lowers, and on a 2-core machine the first request after ready
-    took 3.5-4.3x the steady-state TTFT when it met two compiles; now a request that
-    arrives within ``quiet_s`` of ready, or of the last one, runs on an idle CPU (a
-    compile already under way finishes). Under sustained load the compiles go on after
-    ``busy_wait_s``, so the limits still grow."""
+    ``wait_ready`` returns once the first ``num_ready`` are compiled; the rest go on behind
+    (``done`` when all are), at lower CPU priority when ``background``, each starting once
+    the engine has been idle for ``quiet_s`` or busy for ``busy_wait_s`` (a compile holds
+    the GIL while it traces, whatever its nice value). A failed compile stops the rest
+    (``error``, raised by the waits). ``on_compiled(program)`` runs after each compile."""
 
     def __init__(self, compile_one: Callable[[Program], None], programs: Sequence[Program],
                  num_ready: int, num_threads: int, background: bool,
@@ -293,10 +246,8 @@ class BucketCompiler:
 
     def cancel(self, wait_s: float = 0.0) -> bool:
         """Compile nothing more; a compile under way finishes. With ``wait_s``, wait up to
-        that long for it: a process must not exit while a thread is inside XLA's compiler
-        (the interpreter's exit tears down what it uses, and the process aborts with
-        "terminate called ..." instead of its exit code). Returns whether every compile
-        thread has ended."""
+        that long for it (a process that exits while a thread is inside XLA's compiler
+        aborts). Returns whether every compile thread has ended."""
         self.cancelled.set()
         with self._lock:
             self._queue.clear()
@@ -314,9 +265,8 @@ class BucketCompiler:
                 with self._lock:  # next is past the ready set: the ready set first
                     past_ready = bool(self._queue) and self._queue[0][0] >= self._num_ready
                 if past_ready or self.ready.is_set():
-                    # A thread done with its ready program waits for the others: on a
-                    # cold start a background compile beside the last ready one took
-                    # CPU from it (on 2 shared cores, [1, 16] finished after duplex 1).
+                    # the ready set first: a background compile beside the last ready
+                    # one would take CPU from it
                     self.ready.wait()
                     self._wait_for_engine()
             with self._lock:

@@ -1,12 +1,9 @@
 """Device-side token feedback: step t+1 reads the tokens step t sampled without the host.
 
-Async scheduling plans and dispatches step t+1 while step t still runs, so the host does
-not know the tokens step t is sampling. A decode row of step t+1 whose input token is
-one of them names where it lies instead: ``source[row]`` indexes the concatenation of
-step t's three sampled arrays (prefill call, decode call, then the deferred sampling of
-structured-output rows, ``ModelRunner.resample``), each padded to the fixed ``width``.
-Fixed shapes keep the number of compiled step variants unchanged; the
-data dependency on step t's outputs orders the two steps on the device.
+Async scheduling dispatches step t+1 before the host knows the tokens step t samples. A
+row of step t+1 whose input token is one of them names where it lies: ``source[row]``
+indexes the concatenation of step t's three sampled arrays (prefill call, decode call,
+deferred sampling), each padded to a fixed ``width`` so no new step variant compiles.
 """
 
 from __future__ import annotations

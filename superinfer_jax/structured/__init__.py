@@ -1,10 +1,8 @@
 """Structured outputs: constrain generation to a JSON schema, regex, choice or grammar.
 
-The engine compiles each constrained request's ``StructuredOutputSpec`` once
-(``GrammarCompiler.compile``, cached), gives the request a ``GrammarMatcher``, and each
-step fills the packed token bitmask (``fill_bitmasks``) that the device applies to the
-logits, then advances the matcher with the sampled token (``accept_token``). This package
-takes the vocabulary as a Hugging Face tokenizer; it never imports ``models``.
+Each constrained request's spec compiles once (cached) into a ``GrammarMatcher``; each
+step fills the token bitmask the device applies to the logits, then advances the matcher
+with the sampled token. The vocabulary comes as a Hugging Face tokenizer.
 """
 
 from superinfer_jax.structured.grammar import (

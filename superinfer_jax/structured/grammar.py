@@ -1,20 +1,12 @@
 """Grammar compilation and per-request token masks, on llguidance.
 
-The engine asks, once per decode step and constrained request, which tokens may come next
-(``GrammarMatcher.fill_bitmask``, or ``fill_bitmasks`` for the whole batch), sends the
-packed masks to the device, and advances each matcher with the sampled token
-(``accept_token``). llguidance was chosen by measurement over outlines-core
-(``python -m benchmarks.grammar_mask``): it also compiles Lark/GBNF grammars, which
-outlines-core's regex-only index cannot.
+llguidance rather than outlines-core (``python -m benchmarks.grammar_mask``): it also
+compiles Lark/GBNF grammars, which outlines-core's regex-only index cannot.
 
-Bitmask layout (one row per request): ``bitmask_words(vocab_size) = ceil(vocab_size / 32)``
-int32 words; token ``t`` is allowed iff bit ``t % 32`` (bit 0 = least significant) of word
-``t // 32`` is set, i.e. ``(row[t // 32] >> (t % 32)) & 1`` (with an arithmetic shift on
-int32 this is still right for bit 31). On a little-endian host that is also
-``np.unpackbits(row.view(np.uint8), bitorder="little")[t]``. Bits for ids at or above the
-tokenizer's vocabulary (the model's embedding may be padded past it) are always 0, as are
-the unused high bits of the last word. A row of all ones (-1) allows everything: use it
-for unconstrained rows of a batch (``allocate_bitmask`` starts there).
+Bitmask layout (one row per request): ``ceil(vocab_size / 32)`` int32 words; token ``t``
+is allowed iff bit ``t % 32`` (least significant first) of word ``t // 32`` is set. Ids at
+or above the tokenizer's vocabulary (a padded embedding) are never allowed. A row of all
+ones (-1) allows everything: unconstrained rows of a batch (``allocate_bitmask``).
 """
 
 from __future__ import annotations
@@ -63,11 +55,8 @@ def _tokenizer_json(tokenizer: tokenizers.Tokenizer | str) -> str:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar. Not thread-safe; one per request.
-
-    A rejected token (``accept_token`` returns False) leaves the matcher in an error state
-    for good (``error`` says why); its mask then allows only EOS.
-    """
+    """One request's position in its grammar; not thread-safe. A rejected token leaves it
+    in an error state for good (``error`` says why): its mask then allows only EOS."""
 
     __slots__ = ("_m", "_words", "_vocab_size")
 
@@ -89,9 +78,8 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it (the
-        engine then ends the request with an error). Accepting EOS where the grammar may
-        end terminates the matcher."""
+        """Advance by one sampled token; False if the grammar does not allow it. Accepting
+        EOS where the grammar may end terminates the matcher."""
         if token_id < 0:
             raise ValueError(f"token id must be >= 0, got {token_id}")
         return self._m.consume_token(int(token_id))
@@ -110,9 +98,7 @@ class GrammarMatcher:
 
 
 class CompiledGrammar:
-    """A compiled spec: makes fresh matchers by copying one compiled at the start, so
-    the grammar (lexer, JSON schema translation) is built once per spec, not per
-    request."""
+    """A compiled spec: fresh matchers are copies of one, so the grammar is built once."""
 
     __slots__ = ("spec", "_template", "_vocab_size")
 
@@ -127,14 +113,9 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles ``StructuredOutputSpec``s against one tokenizer, with an LRU cache.
-
-    Model-agnostic: it takes the Hugging Face ``tokenizers.Tokenizer`` (or its
-    ``tokenizer.json`` text), the model's ``vocab_size`` (which may exceed the tokenizer's:
-    the extra ids are never allowed) and the EOS ids that may end a constrained output.
-    Building it indexes the whole vocabulary (0.4-0.6 s for SmolLM2's 49k tokens): make one
-    per model. ``compile`` may be called from any thread.
-    """
+    """Compiles ``StructuredOutputSpec``s against one Hugging Face tokenizer (or its
+    ``tokenizer.json`` text), with an LRU cache. Building it indexes the whole vocabulary:
+    make one per model. ``compile`` may be called from any thread."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer | str, vocab_size: int,
                  eos_token_ids: Sequence[int], *, cache_size: int = 256,
@@ -157,8 +138,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.whitespace_flexible = whitespace_flexible
         self._tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
-        # Errors name the position in the grammar, not the parser's state dump (which
-        # quotes the whole schema into every rejected-token message).
+        # errors name the position in the grammar, not the parser's whole state
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -241,15 +221,9 @@ def _usable_cpus() -> int:
 
 def fill_bitmasks(matchers: Sequence[GrammarMatcher], out: np.ndarray,
                   rows: Sequence[int] | None = None, *, parallel: bool | None = None) -> None:
-    """Fill ``out[rows[k]]`` with ``matchers[k]``'s mask (``rows`` defaults to 0..n-1);
-    other rows are left as they are (``allocate_bitmask`` makes them allow everything).
-    ``out`` is a C-contiguous int32 ``[batch, words]`` array.
-
-    ``parallel``: on llguidance's thread pool, in one call with the GIL released, or one
-    matcher after another. The pool was 2x slower than the loop at batch 32 on a 2-CPU
-    host (benchmarks/grammar_mask.py: thread hand-off against ~10 us of work per matcher),
-    so by default it is used only with 4 or more usable CPUs.
-    """
+    """Fill ``out[rows[k]]`` (C-contiguous int32 ``[batch, words]``) with ``matchers[k]``'s
+    mask, other rows left as they are. ``parallel``: on llguidance's thread pool (GIL
+    released); by default only with 4 or more CPUs, below which the hand-off costs more."""
     if not matchers:
         return
     words = matchers[0].words

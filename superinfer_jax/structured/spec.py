@@ -1,8 +1,7 @@
 """What a constrained request asks for: one ``StructuredOutputSpec`` per request.
 
-The spec is validated for shape (types and sizes) when it is built, on the front's thread,
-so an oversized or mistyped field is a ``FieldError`` before the request reaches the
-engine; whether the backend can compile it is checked by ``GrammarCompiler.compile``.
+Types and sizes are checked when it is built, on the front's thread (a ``FieldError``
+before the engine); whether the backend compiles it, by ``GrammarCompiler.compile``.
 """
 
 from __future__ import annotations
@@ -29,19 +28,14 @@ def _field(kind: str) -> str:
 @dataclass(frozen=True)
 class StructuredOutputSpec:
     """A constraint on the generated text; equal specs share one compiled grammar.
-
     ``kind`` and ``value``:
 
-    - ``"json"``: ``value`` is a JSON Schema, as JSON text (draft 2020-12 subset that
-      llguidance implements; unsupported keywords are a compile error, not ignored).
-    - ``"json_object"``: ``value`` is None; any JSON object (OpenAI's ``json_object``).
-    - ``"regex"``: ``value`` is a pattern in Rust ``regex`` syntax (no look-around, no
-      back-references); the whole output must match it, as with ``re.fullmatch``.
-    - ``"choice"``: ``value`` is a tuple of strings; the output is exactly one of them.
-      A list is accepted and stored as a tuple (the spec must be hashable).
-    - ``"grammar"``: ``value`` is a context-free grammar in llguidance's Lark syntax
-      (``start: ...``, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)
-      or in llama.cpp's GBNF (``root ::= ...``), which is converted to Lark.
+    - ``"json"``: a JSON Schema as JSON text (llguidance's subset; an unsupported keyword
+      is a compile error); ``"json_object"``: None, any JSON object;
+    - ``"regex"``: a Rust ``regex`` pattern the whole output matches;
+    - ``"choice"``: a tuple of strings (a list is stored as one), the output is one of them;
+    - ``"grammar"``: llguidance's Lark syntax (``start: ...``) or llama.cpp's GBNF
+      (``root ::= ...``).
     """
 
     kind: StructuredKind
@@ -77,8 +71,7 @@ class StructuredOutputSpec:
         if len(value) > MAX_SPEC_CHARS:
             raise FieldError(field, f"exceeds {MAX_SPEC_CHARS} characters ({len(value)})")
         if kind == "json":
-            # Cheap here and the most common mistake; the schema's meaning is the
-            # backend's to check.
+            # cheap here and the most common mistake; the schema's meaning is the backend's
             try:
                 schema = json.loads(value)
             except ValueError as e:

@@ -75,19 +75,21 @@ def _step_cases(engine) -> dict[str, dict]:
     for kind, shapes in (("decode", {decode[0], decode[-1]}),
                          ("prefill", {smallest, *largest})):
         for rows, cols in sorted(shapes):
-            args = (runner.step_params, engine.kv_pool, runner.empty_inputs(rows, cols),
+            args = (runner.step_params, engine.kv_pool, runner.compilation.empty_inputs(rows, cols),
                     SamplingInputs.greedy(rows), runner.neutral_logits_inputs(rows, cols),
                     TokenFeedback.none(rows, runner.no_tokens))
             out[f"step {kind} {rows}x{cols}"] = _summary(
                 _lower_text(runner.step_programs.jitted, *args))
-    for rows, cols, num_out, num_in in runner.in_step_shapes():
+    for rows, cols, num_out, num_in in runner.compilation.in_step_shapes():
         if rows in (decode[0][0], decode[-1][0]) and num_out and num_in:
-            args = runner._in_step_specs(rows, cols, num_out, num_in)
+            args = runner.compilation.in_step_specs(rows, cols, num_out, num_in)
             out[f"in_step decode {rows}x{cols} out{num_out} in{num_in}"] = _summary(
                 _lower_text(runner.in_step_programs.jitted, *args))
     rows = runner.resample_buckets[0]
-    resample_args = (rows, runner._resample_warmup_logits(), runner.empty_inputs(rows, 1),
-                     SamplingInputs.greedy(rows), runner.neutral_logits_inputs(rows, 1))
+    compilation = runner.compilation
+    resample_args = (rows, compilation.resample_warmup_logits(),
+                     compilation.empty_inputs(rows, 1), SamplingInputs.greedy(rows),
+                     runner.neutral_logits_inputs(rows, 1))
     out[f"resample {rows}"] = _summary(
         _lower_text(runner.resample_programs.jitted, *resample_args))
     return out

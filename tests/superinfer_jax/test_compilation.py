@@ -150,14 +150,14 @@ def test_requests_run_in_compiled_buckets_while_the_rest_compile(tiny):
     want = run_jobs(LLMEngine(tiny, CFG), jobs())
     engine = LLMEngine(tiny, CFG.replace(warmup=False, compile_in_background=True))
     gate = threading.Event()
-    compile_one = engine.runner._compile
+    compile_one = engine.runner.compilation.compile_program
 
     def held(program: Program) -> None:
         if program not in ready_set(CFG):
             gate.wait()
         compile_one(program)
 
-    engine.runner._compile = held  # type: ignore[method-assign]
+    engine.runner.compilation.compile_program = held  # type: ignore[method-assign]
     engine.warmup()
     shapes: list[tuple[int, int]] = []
     step_fn = engine.runner._step_fn
@@ -212,7 +212,7 @@ def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
     background = [p.shape for p in compile_order(CFG, runner.resample_buckets)
                   if p.kind == STEP and p not in ready_set(CFG)]
     runs: list[tuple[tuple[int, int], BucketLimits, str]] = []
-    first_run, inputs = runner._first_run_on_scratch, runner.null_page_inputs
+    first_run, inputs = runner.compilation.first_run_on_scratch, runner.compilation.null_page_inputs
     steps_run = threading.Event()  # the refill waits for it: programs follow the last step
 
     def recorded(rows: int, cols: int) -> None:
@@ -226,10 +226,10 @@ def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
             raise RuntimeError("no inputs")
         return inputs(rows, cols)
 
-    runner._first_run_on_scratch = recorded  # type: ignore[method-assign]
-    runner.null_page_inputs = failing  # type: ignore[method-assign]
+    runner.compilation.first_run_on_scratch = recorded  # type: ignore[method-assign]
+    runner.compilation.null_page_inputs = failing  # type: ignore[method-assign]
     gate = threading.Event()
-    compile_one = runner._compile
+    compile_one = runner.compilation.compile_program
 
     def held(program: Program) -> None:
         if program not in ready_set(CFG):
@@ -238,7 +238,7 @@ def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
             steps_run.wait(600)
         compile_one(program)
 
-    runner._compile = held  # type: ignore[method-assign]
+    runner.compilation.compile_program = held  # type: ignore[method-assign]
     engine.warmup()
     assert [p.kind for p in runner.compiler._programs][-1] == (REFILL if cached else STEP)
     pool = np.asarray(runner.kv_pool).copy()
@@ -255,7 +255,7 @@ def test_background_step_programs_run_once_on_a_scratch_pool_before_publication(
                 limits.prefill_chunk < cols or limits.prefill_rows < rows \
                 or limits.min_prefill_chunk > cols
     assert runner.limits == CFG.bucket_limits  # [2, 1] too, its scratch run failed
-    assert runner._scratch_pool is None
+    assert runner.compilation._scratch_pool is None
     np.testing.assert_array_equal(np.asarray(runner.kv_pool), pool)
 
 
@@ -406,19 +406,19 @@ def test_the_pool_is_zeroed_off_the_callers_thread_and_placed_as_compiled(tiny, 
     engine = LLMEngine(tiny, CFG.replace(warmup=False, num_host_pages=host_pages))
     runner = engine.runner
     pool = runner.kv_pool
-    assert runner._pool_thread.name == "kv-pool" and not runner._pool_thread.is_alive()
-    assert pool.shape == runner._pool_spec.shape and pool.dtype == runner._pool_spec.dtype
-    assert pool.sharding == runner._pool_spec.sharding
+    assert runner.pool.thread.name == "kv-pool" and not runner.pool.thread.is_alive()
+    assert pool.shape == runner.pool.spec.shape and pool.dtype == runner.pool.spec.dtype
+    assert pool.sharding == runner.pool.spec.sharding
     assert not np.asarray(pool).any()
 
 
 def test_a_pool_that_failed_to_allocate_is_an_error_at_its_first_read(tiny, monkeypatch):
-    from superinfer_jax.runner.model_runner import ModelRunner
+    from superinfer_jax.runner.device_pool import DevicePool
 
     def fail(self):
         raise MemoryError("no room for the pool")
 
-    monkeypatch.setattr(ModelRunner, "_new_pool", fail)
+    monkeypatch.setattr(DevicePool, "zeros", fail)
     engine = LLMEngine(tiny, CFG.replace(warmup=False))
     with pytest.raises(RuntimeError, match="allocating the KV pool failed: no room"):
         _ = engine.runner.kv_pool

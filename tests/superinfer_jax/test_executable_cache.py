@@ -153,7 +153,8 @@ def test_a_mismatched_entry_is_compiled_again_with_a_warning(tiny, filled, exe_d
     runner = LLMEngine(tiny, _config().replace(warmup=False)).runner
     cache = runner.step_programs.cache
     assert cache is not None
-    decode, prefill = (cache.key("step", runner._step_specs(*s)) for s in ((1, 1), (1, 16)))
+    specs = runner.compilation.step_specs
+    decode, prefill = (cache.key("step", specs(*s)) for s in ((1, 1), (1, 16)))
     entry = pickle.loads(cache.path(prefill).read_bytes())
     entry["key"] = decode
     cache.path(decode).write_bytes(pickle.dumps(entry))
@@ -172,12 +173,12 @@ def test_a_mismatched_entry_is_compiled_again_with_a_warning(tiny, filled, exe_d
 def test_the_key_follows_what_determines_the_program(tiny):
     runner = LLMEngine(tiny, CFG.replace(warmup=False)).runner
     cache = ExecutableCache.under("/nonexistent", {"a": 1})
-    args = runner._step_specs(1, 1)
+    args = runner.compilation.step_specs(1, 1)
     key = cache.key("step", args)
     assert key == ExecutableCache.under("/nonexistent", {"a": 1}).key("step", args)
     others = [
         cache.key("resample", args),
-        cache.key("step", runner._step_specs(2, 1)),
+        cache.key("step", runner.compilation.step_specs(2, 1)),
         ExecutableCache.under("/nonexistent", {"a": 2}).key("step", args),
     ]
     assert key not in others and len(set(others)) == len(others)

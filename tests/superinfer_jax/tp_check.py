@@ -133,7 +133,7 @@ def compile_widest_step(engine) -> tuple[int, int]:
     run from other arguments compiled it a second time (a whole 30-layer compile for
     SmolLM2). Returns the shape, the key ``step_hlo`` takes."""
     shape = (engine.config.decode_buckets[-1], 1)
-    engine.runner.step_programs.compile(*engine.runner._step_specs(*shape))
+    engine.runner.step_programs.compile(*engine.runner.compilation.step_specs(*shape))
     return shape
 
 

@@ -12,7 +12,7 @@ import pytest
 from models.servable import random_servable
 from superinfer_jax import LLMEngine
 from superinfer_jax.ops import native
-from superinfer_jax.runner import model_runner
+from superinfer_jax.runner import device_pool
 from tests.superinfer_jax.engine_testlib import SMALL, TINY
 
 pytestmark = pytest.mark.skipif(
@@ -63,11 +63,11 @@ def test_engine_pool_is_zero_and_built_by_the_call(monkeypatch):
         calls.append(shape)
         return lazy_zeros(shape, dtype)
 
-    monkeypatch.setattr(model_runner.native, "lazy_zeros", counted)
+    monkeypatch.setattr(device_pool.native, "lazy_zeros", counted)
     engine = LLMEngine(random_servable(TINY), SMALL.replace(num_host_pages=8))
     runner = engine.runner
     pool = runner.kv_pool
     assert calls == [runner.layout.pool_shape(runner.num_device_pages)]
     assert pool.shape == calls[0]
-    assert pool.sharding == runner._pool_spec.sharding
+    assert pool.sharding == runner.pool.spec.sharding
     np.testing.assert_array_equal(np.asarray(pool).view(np.uint8), 0)

@@ -1,0 +1,122 @@
+"""The device KV pool: how many pages it holds, where it lives, and its allocation on a
+thread of its own (as tpu-inference's runner owns a KV cache manager)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+
+import jax
+from jax.sharding import Mesh
+
+import superinfer_jax.ops.native as native
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.dist import parallel
+from superinfer_jax.duplexkv import DuplexKV
+from superinfer_jax.kv.layout import PoolLayout
+
+_CPU_DEFAULT_POOL_BYTES = 2 << 30
+
+
+def choose_num_pages(config: EngineConfig, layout: PoolLayout) -> int:
+    """``num_device_pages``, else what fits ``device_memory_fraction`` of the free device
+    memory (a CPU reports none: a pool of at most 2 GiB); at least one full request."""
+    need_one = config.max_pages_per_seq + 1
+    if config.num_device_pages is not None:
+        pages = config.num_device_pages
+    else:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:  # per device; a device holds 1/tp of each page
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            shard_bytes = layout.page_bytes // config.tensor_parallel_size
+            pages = int(free * config.device_memory_fraction) // shard_bytes
+        else:
+            want = config.max_num_seqs * config.max_pages_per_seq + 1
+            pages = min(want, _CPU_DEFAULT_POOL_BYTES // layout.page_bytes)
+        pages = max(pages, need_one)
+    if pages < need_one:
+        raise ValueError(
+            f"num_device_pages ({pages}) cannot hold one request of max_model_len "
+            f"{config.max_model_len} ({need_one} pages incl. the null page)"
+        )
+    return pages
+
+
+class DevicePool:
+    """The zeroed pool of one engine, built on its own thread (zeroing can be seconds of
+    CPU) beside the ready set's compiles; the first read of ``array`` waits for it.
+    ``spec`` is the placement promised to the compiles: another is an error, not a
+    recompile in the serving path."""
+
+    def __init__(self, layout: PoolLayout, num_pages: int, mesh: Mesh | None,
+                 duplex: DuplexKV | None):
+        self.layout, self.num_pages, self.mesh, self.duplex = layout, num_pages, mesh, duplex
+        self.spec = jax.ShapeDtypeStruct(layout.pool_shape(num_pages),
+                                         jax.numpy.dtype(layout.dtype),
+                                         sharding=self._sharding())
+        self._array: jax.Array | None = None
+        self._error: BaseException | None = None
+        # Not a daemon: the interpreter joins it at exit. A daemon thread still inside
+        # XLA's fill when a short script ends is torn down mid-call and aborts the process.
+        self.thread = threading.Thread(target=self._allocate, name="kv-pool", daemon=False)
+        if jax.process_count() == 1:
+            self.thread.start()
+        else:  # several processes issue their device programs in one order: inline
+            self._allocate()
+
+    @property
+    def array(self) -> jax.Array:
+        """The pool; the first read waits for the allocation (and raises its error)."""
+        if self._array is None:
+            if self.thread.ident is not None:
+                self.thread.join()
+            if self._error is not None:
+                raise RuntimeError(f"allocating the KV pool failed: {self._error}"
+                                   ) from self._error
+            assert self._array is not None
+        return self._array
+
+    @array.setter
+    def array(self, pool: jax.Array) -> None:
+        self._array = pool
+
+    def _allocate(self) -> None:
+        try:
+            pool = self.zeros()
+            if self.duplex is not None:
+                pool = self.duplex.adopt(pool)
+            if pool.sharding != self.spec.sharding:
+                raise RuntimeError(f"the pool is placed {pool.sharding}, its programs are "
+                                   f"compiled for {self.spec.sharding}")
+            self._array = pool
+        except BaseException as e:  # raised by the first read of ``array``
+            self._error = e
+
+    def _sharding(self) -> jax.sharding.Sharding:
+        """Where ``_allocate`` places the pool (known before it has run)."""
+        if self.duplex is not None:
+            return self.duplex.pool_sharding or self.duplex.host.device_sharding
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return parallel.pool_sharding(self.mesh)
+
+    def zeros(self) -> jax.Array:
+        """A zeroed pool, committed (an uncommitted array is another jit cache key, and
+        the first real step would recompile a bucket warm-up compiled). Sharded, each
+        device allocates only its own slice. With ``lazy`` the zeros come from the
+        kernel: untouched pages cost nothing, where XLA's fill writes every page."""
+        n, device = self.num_pages, jax.devices()[0]
+        sharding = parallel.pool_sharding(self.mesh) if self.mesh is not None \
+            else jax.sharding.SingleDeviceSharding(device)
+        zeros: Callable[[], jax.Array] = functools.partial(self.layout.zeros, n)
+        if self.lazy:
+            zeros = functools.partial(native.lazy_zeros, self.layout.pool_shape(n),
+                                      self.layout.dtype)
+        return jax.jit(zeros, out_shardings=sharding)()
+
+    @property
+    def lazy(self) -> bool:
+        """Whether ``zeros`` comes from the kernel (one CPU device, native ops built)."""
+        return (self.mesh is None and jax.devices()[0].platform == "cpu"
+                and native.available())
