@@ -3,9 +3,10 @@
 - Core kinds (Deployment, Service, ConfigMap, PersistentVolumeClaim) validate strictly
   (unknown fields refused) with ``kubernetes-validate`` against Kubernetes ``K8S_VERSION``,
   whose schemas ship in the package: the tests block network connections while they run.
-- The ``InferencePool`` validates against the CRD's OpenAPI v3 schema in
-  ``crds/`` (vendored; source and licence in ``crds/README.md``) with ``jsonschema``, with unknown fields refused (as
-  ``kubectl apply --validate=strict`` would) and the CRD's two CEL rules checked by hand.
+- The ``InferencePool`` validates against the CRD's OpenAPI v3 schema in ``crds/``
+  (vendored; source and licence in ``crds/README.md``) with ``jsonschema``, with unknown
+  fields refused (as ``kubectl apply --validate=strict`` would) and the CRD's two CEL
+  rules checked by hand.
 - The Deployment agrees with the real server: the ConfigMap's config loads with the
   server's own loader, the probe paths are routes the HTTP front serves, the ports are the
   config's, the Service and the InferencePool select the pods and target the HTTP port,
