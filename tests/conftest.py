@@ -28,6 +28,17 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """``TINY`` (``tests/superinfer_jax/engine_testlib.py``: a 2-layer random Llama over 256
+    tokens) with seed-1 weights, the model of the engine-level tests and of the KV events
+    test. Module-scoped: a module's engines share it, and no state outlives the module."""
+    from models.servable import random_servable
+    from tests.superinfer_jax.engine_testlib import TINY
+
+    return random_servable(TINY, seed=1)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M, float32, loaded once per session (it takes seconds)."""

@@ -63,7 +63,8 @@ def test_switch_parses(monkeypatch, value, want):
 def test_plain_python_subprocess_when_switched_off(tmp_path):
     import subprocess
 
-    code = ("import superinfer_jax.sched.scheduler as s; import superinfer_jax.mypyc_build as compiled; "
+    code = ("import superinfer_jax.sched.scheduler as s; "
+            "import superinfer_jax.mypyc_build as compiled; "
             "print(s.__file__, compiled.active())")
     env = {"SUPERINFER_COMPILED": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
            "JAX_PLATFORMS": "cpu"}

@@ -14,11 +14,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.superinfer_jax.rotasched.test_incremental_rank import random_state
 
 from superinfer_jax.request import RequestStatus
 from superinfer_jax.sched.scheduler import Ranking
 from superinfer_jax.sched.step_plan import StepBudget
+from tests.superinfer_jax.rotasched.test_incremental_rank import random_state
 
 
 @pytest.mark.parametrize("seed", range(200))
