@@ -42,6 +42,7 @@ def test_the_switch_decides_every_native_call(tiny, monkeypatch) -> None:
         return ffi_call(target, *args, **kwargs)
 
     monkeypatch.setattr(jax.ffi, "ffi_call", recorded)
+    jax.clear_caches()  # every program of the run is traced here, none reused
     engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=64))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 4)]
