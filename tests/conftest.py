@@ -4,11 +4,11 @@ run as plain Python.
 
 Why plain Python: a mypyc build of the scheduler modules (``make compiled``, opt-in, for
 simulations) is used whenever one matching the source sits in ``~/.cache``, and CI shares
-that cache with the machine that built it. Under a build the tests that hook a method on an
-instance fail (``superinfer_jax/mypyc_build/__init__.py`` says why), so a machine with a build would
-fail a suite that passes on a fresh one (stop 29's CI did). The suite tests the source;
+that cache with the machine that built it. Under a build the tests that hook a method on
+an instance fail (``superinfer_jax/mypyc_build/__init__.py`` says why), so a machine with a
+build would fail a suite that passes on a fresh one. The suite tests the source;
 ``SUPERINFER_COMPILED=1 make test`` runs it against a build on purpose, and
-``tests.superinfer_jax.sim.plan_trace`` checks that a build plans what the source plans.
+``benchmarks.plan_trace`` checks that a build plans what the source plans.
 """
 
 from __future__ import annotations
@@ -26,6 +26,17 @@ _CACHE = os.environ.get("SUPERINFER_TEST_XLA_CACHE") or os.path.join(
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """``TINY`` (``tests/superinfer_jax/engine_testlib.py``: a 2-layer random Llama over 256
+    tokens) with seed-1 weights, the model of the engine-level tests and of the KV events
+    test. Module-scoped: a module's engines share it, and no state outlives the module."""
+    from models.servable import random_servable
+    from tests.superinfer_jax.engine_testlib import TINY
+
+    return random_servable(TINY, seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,10 @@
 - Core kinds (Deployment, Service, ConfigMap, PersistentVolumeClaim) validate strictly
   (unknown fields refused) with ``kubernetes-validate`` against Kubernetes ``K8S_VERSION``,
   whose schemas ship in the package: the tests block network connections while they run.
-- The ``InferencePool`` validates against the CRD's OpenAPI v3 schema in
-  ``../shared/k8s/`` with ``jsonschema``, with unknown fields refused (as
-  ``kubectl apply --validate=strict`` would) and the CRD's two CEL rules checked by hand.
+- The ``InferencePool`` validates against the CRD's OpenAPI v3 schema in ``crds/``
+  (vendored; source and licence in ``crds/README.md``) with ``jsonschema``, with unknown
+  fields refused (as ``kubectl apply --validate=strict`` would) and the CRD's two CEL
+  rules checked by hand.
 - The Deployment agrees with the real server: the ConfigMap's config loads with the
   server's own loader, the probe paths are routes the HTTP front serves, the ports are the
   config's, the Service and the InferencePool select the pods and target the HTTP port,
@@ -37,7 +38,7 @@ from serving.deploy_config import DeploymentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-CRD = ROOT.parent / "shared" / "k8s" / "inference.networking.k8s.io_inferencepools.yaml"
+CRD = Path(__file__).with_name("crds") / "inference.networking.k8s.io_inferencepools.yaml"
 K8S_VERSION = "1.34.0"  # one of the versions kubernetes-validate 1.37.0 ships
 CORE_KINDS = {"ConfigMap", "Deployment", "Service", "PersistentVolumeClaim"}
 CONFIG_PATH = "/etc/superinfer/superinfer_config.yaml"

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import zmq
 
-from models.servable import random_servable
 from serving.kv_events import (
     END_SEQ,
     ZmqKVEventPublisher,
@@ -31,7 +30,7 @@ from superinfer_jax.kv.events import (
     KVEventLog,
 )
 from superinfer_jax.kv.prefix_cache import page_tokens
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL
 
 H1, H2, H3 = (bytes([i]) * 16 for i in (1, 2, 3))
 
@@ -126,11 +125,6 @@ class Subscriber:
             self.apply(payload)
             n += 1
         return n
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
 
 
 def engine_view(engine: LLMEngine) -> dict[str, set[int]]:

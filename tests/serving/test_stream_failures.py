@@ -18,7 +18,7 @@ from serving.http_server import OpenAIFront
 from serving.runtime import Runtime
 from superinfer_jax.async_engine import AsyncEngine
 from superinfer_jax.engine import RequestOutput
-from tests.serving.test_async_engine_loop import FakeEngine
+from tests.serving.fake_engine_testlib import FakeEngine
 
 MODEL = "smollm2-135m"
 

@@ -1,8 +1,9 @@
-"""Model and engine configs shared by the engine-level invariance tests.
+"""Model and engine configs, and engine drivers, shared by the engine-level tests.
 
 The rotation and policy invariance tests compare token streams of the same tiny random
 model under different memory pressure; they share these so that a change to the model or
-to the compiled step shapes reaches both (and the persistent XLA cache serves both).
+to the compiled step shapes reaches both (and the persistent XLA cache serves both). The
+``tiny`` fixture (``tests/conftest.py``) is ``TINY`` with random weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_siz
 SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                      max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                      show_progress=False, warmup=False)
+# The engine tests' shapes (test_engine, test_async_scheduling): 16 rows, 64-token prefills.
+# warmup=False: each engine compiles only the shapes it runs, on first use (warm-up itself
+# is tested in test_compilation and by every server the serving tests start).
+BASE = EngineConfig(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
+                    max_prefill_chunk=64, page_size=8, show_progress=False, warmup=False)
 # SMALL for the real SmolLM2 (30 layers, about 7 s per compiled step program): every
 # SmolLM2 engine test (rotation, policy and prefix-cache invariance) uses these shapes,
 # so the persistent XLA cache compiles them once per suite run. 7 usable pages of 16.
@@ -32,6 +38,16 @@ VOCAB_CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_t
                             max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
                             show_progress=False, num_device_pages=96, num_host_pages=96,
                             warmup=False)  # compile only the shapes the requests run
+
+
+class CharTokenizer:
+    """One token, one letter: text is easy to predict, so stop strings are testable."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(32 + (i % 95)) for i in ids)
 
 
 def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
@@ -61,6 +77,22 @@ def run_alone(engine, prompts, sp) -> list[list[int]]:
         assert done.num_preemptions == done.num_rotations == 0
         out.append(done.output_token_ids)
     return out
+
+
+def run_rotating(engine, prompts, sp, every: int) -> list:
+    """All requests at once; every ``every`` steps one of the running requests (when more
+    than one runs) rotates out."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+        step += 1
+        assert step < 100_000, "no progress"  # steps that only poll copies are quick
+        running = [r.req_id for r in engine.scheduler.running]
+        if step % every == 0 and len(running) > 1:
+            engine.force_rotate_out(running[step % len(running)])
+    return [engine.release(rid) for rid in ids]
 
 
 def run_jobs(engine, jobs, rotate_every: int = 0) -> list:

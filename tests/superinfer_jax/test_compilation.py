@@ -18,7 +18,6 @@ import jax.monitoring
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.async_engine import AsyncEngine
 from superinfer_jax.config import BucketLimits
@@ -35,7 +34,7 @@ from superinfer_jax.runner.step_programs import (
     compile_order,
     ready_set,
 )
-from tests.superinfer_jax.engine_testlib import TINY, run_jobs
+from tests.superinfer_jax.engine_testlib import run_jobs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,11 +44,6 @@ CFG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                    max_prefill_chunk=32, max_prefill_rows=2, page_size=8,
                    show_progress=False)
 CFG16 = CFG.replace(ready_prefill_chunk=16)  # ready with the shortest chunk
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
 
 
 @contextmanager

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
-from tests.superinfer_jax.engine_testlib import SMALL, TINY, drain_prefilled
+from tests.superinfer_jax.engine_testlib import SMALL, drain_prefilled
 
 PROMPT = np.random.default_rng(5).integers(0, 250, 45).tolist()  # 5 full pages of 8, + 5
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -18,15 +17,10 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 CONFIG = SMALL.replace(max_prefill_rows=2)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return random_servable(TINY, seed=1)
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
+def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(tiny,
                                                                          async_scheduling):
-    engine = LLMEngine(model, CONFIG.replace(async_scheduling=async_scheduling))
+    engine = LLMEngine(tiny, CONFIG.replace(async_scheduling=async_scheduling))
     ids = [engine.add_request(PROMPT, GREEDY, cache_salt="together") for _ in range(3)]
     prefilled = drain_prefilled(engine)
     reqs = [engine.release(r) for r in ids]
@@ -35,7 +29,7 @@ def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
     # the prompt once, then each later request only its tail past the last full page
     assert prefilled == len(PROMPT) + 2 * (len(PROMPT) - full)
 
-    off = LLMEngine(model, CONFIG.replace(enable_prefix_caching=False,
+    off = LLMEngine(tiny, CONFIG.replace(enable_prefix_caching=False,
                                          async_scheduling=async_scheduling))
     alone = off.add_request(PROMPT, GREEDY)
     drain_prefilled(off)
@@ -43,8 +37,8 @@ def test_a_shared_prompt_is_prefilled_once_when_requests_arrive_together(model,
     assert [r.output_token_ids for r in reqs] == [expected] * 3
 
 
-def test_different_salts_do_not_wait_for_each_other(model):
-    engine = LLMEngine(model, CONFIG)
+def test_different_salts_do_not_wait_for_each_other(tiny):
+    engine = LLMEngine(tiny, CONFIG)
     ids = [engine.add_request(PROMPT, GREEDY, cache_salt=f"tenant-{i}") for i in range(2)]
     drain_prefilled(engine)
     assert [engine.release(r).num_cached_tokens for r in ids] == [0, 0]

@@ -7,34 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.config import ModelConfig
-from models.servable import random_servable
 from superinfer_jax import LLM, EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.request import FieldError, RequestStatus
-
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                   max_position_embeddings=256, eos_token_ids=(255,))
-# warmup=False: these tests check what requests generate, so each engine compiles only the
-# shapes it runs, on first use (warm-up itself is tested in test_compilation and by every
-# server the serving tests start); compiling all nine buckets per config doubled the file.
-BASE = EngineConfig(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
-                    max_prefill_chunk=64, page_size=8, show_progress=False, warmup=False)
-
-
-class CharTokenizer:
-    """One token, one letter: text is easy to predict, so stop strings are testable."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 32 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(32 + (i % 95)) for i in ids)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_servable(TINY, seed=1, tokenizer=CharTokenizer())
+from tests.superinfer_jax.engine_testlib import BASE
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +32,19 @@ def reference_greedy(model, prompt: list[int], n: int, width: int = 128) -> list
     return out
 
 
-def test_matches_full_sequence_reference(model, prompts):
-    llm = LLM(model, BASE)
+def test_matches_full_sequence_reference(tiny_chars, prompts):
+    llm = LLM(tiny_chars, BASE)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = llm.generate(prompts[:3], sp)
     for prompt, out in zip(prompts[:3], outs, strict=True):
-        assert out.token_ids == reference_greedy(model, prompt, 12)
+        assert out.token_ids == reference_greedy(tiny_chars, prompt, 12)
         assert out.finish_reason == "length"
         assert len(out.token_times) == 12
         assert all(b >= a for a, b in zip(out.token_times, out.token_times[1:], strict=False))
 
 
-def test_alone_equals_batched_with_15_others(model, prompts):
-    llm = LLM(model, BASE)
+def test_alone_equals_batched_with_15_others(tiny_chars, prompts):
+    llm = LLM(tiny_chars, BASE)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     batched = llm.generate(prompts, sp)
     for i in (0, 5, 15):
@@ -77,11 +52,11 @@ def test_alone_equals_batched_with_15_others(model, prompts):
         assert alone.token_ids == batched[i].token_ids
 
 
-def test_preemption_by_recompute_keeps_tokens(model, prompts):
+def test_preemption_by_recompute_keeps_tokens(tiny_chars, prompts):
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = LLM(model, BASE).generate(prompts[:8], sp)
+    want = LLM(tiny_chars, BASE).generate(prompts[:8], sp)
     # 8 requests of up to ~90 tokens need ~90 pages of 8; give them 20.
-    llm = LLM(model, BASE.replace(num_device_pages=20))
+    llm = LLM(tiny_chars, BASE.replace(num_device_pages=20))
     got = llm.generate(prompts[:8], sp)
     assert sum(o.num_preemptions for o in got) > 0
     for a, b in zip(want, got, strict=True):
@@ -89,16 +64,16 @@ def test_preemption_by_recompute_keeps_tokens(model, prompts):
     assert llm.engine.kv.num_free_pages == llm.engine.kv.allocator.num_usable
 
 
-def test_chunked_prefill_with_small_budget(model, prompts):
+def test_chunked_prefill_with_small_budget(tiny_chars, prompts):
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = LLM(model, BASE).generate(prompts[:4], sp)
+    want = LLM(tiny_chars, BASE).generate(prompts[:4], sp)
     small = BASE.replace(max_num_batched_tokens=16, max_prefill_chunk=16, max_prefill_rows=1)
-    got = LLM(model, small).generate(prompts[:4], sp)
+    got = LLM(tiny_chars, small).generate(prompts[:4], sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_seeded_sampling_is_batch_invariant(model, prompts):
-    llm = LLM(model, BASE)
+def test_seeded_sampling_is_batch_invariant(tiny_chars, prompts):
+    llm = LLM(tiny_chars, BASE)
     sp = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=7,
                         ignore_eos=True)
     together = llm.generate(prompts[:6], sp)
@@ -111,8 +86,8 @@ def test_seeded_sampling_is_batch_invariant(model, prompts):
     assert top1.token_ids == greedy.token_ids
 
 
-def test_stop_conditions(model, prompts):
-    llm = LLM(model, BASE)
+def test_stop_conditions(tiny_chars, prompts):
+    llm = LLM(tiny_chars, BASE)
     free = llm.generate([prompts[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     text = free.text
     stop = text[10:12]
@@ -128,15 +103,15 @@ def test_stop_conditions(model, prompts):
     assert out.token_ids == free.token_ids[:free.token_ids.index(tok) + 1]
 
 
-def test_max_model_len_stops_with_length(model):
-    llm = LLM(model, BASE.replace(max_model_len=40))
+def test_max_model_len_stops_with_length(tiny_chars):
+    llm = LLM(tiny_chars, BASE.replace(max_model_len=40))
     out = llm.generate([list(range(1, 31))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 10
 
 
-def test_abort_frees_pages(model, prompts):
-    engine = LLMEngine(model, BASE)
+def test_abort_frees_pages(tiny_chars, prompts):
+    engine = LLMEngine(tiny_chars, BASE)
     ids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
            for p in prompts[:4]]
     for _ in range(3):
@@ -198,8 +173,8 @@ def test_invalid_engine_config_names_field(kwargs, field):
         EngineConfig(**kwargs)
 
 
-def test_bad_prompts_rejected(model):
-    engine = LLMEngine(model, BASE)
+def test_bad_prompts_rejected(tiny_chars):
+    engine = LLMEngine(tiny_chars, BASE)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([])
     with pytest.raises(ValueError, match="max_model_len"):
@@ -207,6 +182,6 @@ def test_bad_prompts_rejected(model):
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request([1, 2, 999])
     with pytest.raises(ValueError, match="empty"):
-        LLM(model, BASE).generate([""])
+        LLM(tiny_chars, BASE).generate([""])
     with pytest.raises(ValueError, match="num_device_pages"):
-        LLMEngine(model, BASE.replace(num_device_pages=5))
+        LLMEngine(tiny_chars, BASE.replace(num_device_pages=5))

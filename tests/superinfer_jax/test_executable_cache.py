@@ -17,22 +17,16 @@ import numpy as np
 import pytest
 from jax._src import compilation_cache as jax_compilation_cache
 
-from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.runner import executable_cache as ec
 from superinfer_jax.runner.executable_cache import ExecutableCache
-from tests.superinfer_jax.engine_testlib import TINY, run_jobs
+from tests.superinfer_jax.engine_testlib import run_jobs
 
 # decode 1/2 rows, prefill [1, 16], deferred sampling 1/2 rows: 5 programs
 CFG = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                    max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
                    show_progress=False)
 NUM_PROGRAMS = 5
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=2)
 
 
 def _isolate(mp: pytest.MonkeyPatch, path: Path) -> None:

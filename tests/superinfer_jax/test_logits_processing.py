@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.model_api import StepInputs
 from superinfer_jax.runner.logits import (
@@ -114,11 +113,6 @@ def test_neutral_inputs_change_nothing():
 
 
 # -- end to end on the tiny random model ------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
-
 
 def _generate(engine: LLMEngine, prompts, sampling, rotate_every: int = 0):
     done = run_jobs(engine, [(p, sampling) for p in prompts], rotate_every)

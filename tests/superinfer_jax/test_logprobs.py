@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from models import random_servable
 from models.hf_export import to_transformers
 from superinfer_jax import LLMEngine, SamplingParams
 from tests.numerics import logits_tolerance
@@ -31,14 +30,9 @@ CONFIG = SMALL  # compile only the shapes these requests run (shared with the en
 
 
 @pytest.fixture(scope="module")
-def model():
-    return random_servable(TINY, seed=1)
-
-
-@pytest.fixture(scope="module")
-def reference(model):
+def reference(tiny):
     """(prompt ids, greedy output ids, transformers' log-softmax over prompt + output)."""
-    hf = to_transformers(model)
+    hf = to_transformers(tiny)
     prompt = PROMPT
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
@@ -48,8 +42,8 @@ def reference(model):
 
 
 @pytest.fixture(scope="module")
-def engines(model):
-    return {mode: LLMEngine(model, CONFIG.replace(async_scheduling=mode == "async"))
+def engines(tiny):
+    return {mode: LLMEngine(tiny, CONFIG.replace(async_scheduling=mode == "async"))
             for mode in ("sync", "async")}
 
 
@@ -82,9 +76,9 @@ def _rank_ok(rank: int, row: np.ndarray, token: int, tol: float) -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_token_and_prompt_logprobs_match_transformers(model, reference, engines, mode):
+def test_token_and_prompt_logprobs_match_transformers(tiny, reference, engines, mode):
     prompt, want_tokens, ref_lp, ref_logits = reference
-    tol = 2 * logits_tolerance(model.config, ref_logits, len(prompt) + 6)
+    tol = 2 * logits_tolerance(tiny.config, ref_logits, len(prompt) + 6)
     req, outputs = _run(engines[mode], prompt, SamplingParams(
         max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3))
     assert req.output_token_ids == want_tokens

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.kv.two_tier import PageMoves
 from superinfer_jax.request import FieldError, RequestStatus
@@ -26,11 +25,6 @@ from tests.numerics import assert_close, f32_tolerance, max_abs_diff
 from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
 
 
 def drain(engine: LLMEngine, ids, rotate_every: int = 0) -> list:

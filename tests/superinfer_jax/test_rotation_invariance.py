@@ -10,31 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.request import RequestStatus
-from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY, run_alone
-
-
-def run_rotating(engine: LLMEngine, prompts, sp, every: int) -> list:
-    """All requests at once; every ``every`` steps one of the running requests (when more
-    than one runs) rotates out."""
-    ids = [engine.add_request(p, sp) for p in prompts]
-    step = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.kv.check_invariants()
-        step += 1
-        assert step < 100_000, "no progress"  # steps that only poll copies are quick
-        running = [r.req_id for r in engine.scheduler.running]
-        if step % every == 0 and len(running) > 1:
-            engine.force_rotate_out(running[step % len(running)])
-    return [engine.release(rid) for rid in ids]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, run_alone, run_rotating
 
 
 def test_tiny_model_rotation_keeps_greedy_tokens(tiny):

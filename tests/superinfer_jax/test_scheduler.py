@@ -4,28 +4,9 @@ from __future__ import annotations
 
 from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.kv.page_allocator import KVCacheManager
-from superinfer_jax.request import Request, RequestStatus, SamplingParams
+from superinfer_jax.request import RequestStatus
 from superinfer_jax.sched.rotasched.registry import make_scheduler
-from superinfer_jax.sched.scheduler import Scheduler
-
-
-def make(num_pages=64, **kw):
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, **kw)
-    kv = KVCacheManager(num_pages, cfg.page_size)
-    return make_scheduler(cfg, kv), kv
-
-
-def req(rid: str, n: int) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8))
-
-
-def complete(sched: Scheduler, plan, token: int = 7) -> None:
-    """What the engine does after a step: account tokens, append one where a row ended."""
-    for rid, n in plan.prefill + [(r, 1) for r in plan.decode]:
-        r = next(x for x in sched.running if x.req_id == rid)
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_token_ids.append(token)
+from tests.superinfer_jax.sched_kit import complete, make, req
 
 
 def test_chunked_prefill_under_budget_then_decode():
@@ -68,7 +49,7 @@ def test_prefill_rows_pack_only_within_the_padded_budget():
 
 
 def test_fcfs_head_blocks_admission_when_pages_run_out():
-    sched, kv = make(num_pages=9, max_num_batched_tokens=64, max_prefill_chunk=32)
+    sched, kv = make(device_pages=9, max_num_batched_tokens=64, max_prefill_chunk=32)
     sched.add(req("big", 28))  # 7 pages of the 8 usable
     sched.add(req("small", 8))  # 2 pages: does not fit behind it
     sched.add(req("tiny", 2))  # would fit, but FCFS lets nobody overtake
@@ -79,7 +60,7 @@ def test_fcfs_head_blocks_admission_when_pages_run_out():
 
 
 def test_decode_out_of_pages_preempts_most_recent():
-    sched, kv = make(num_pages=7, max_num_batched_tokens=64, max_prefill_chunk=32)
+    sched, kv = make(device_pages=7, max_num_batched_tokens=64, max_prefill_chunk=32)
     for rid in ("a", "b", "c"):
         sched.add(req(rid, 8))  # 2 pages each: all 6 usable pages
     plan = sched.schedule(0.0)
@@ -148,7 +129,7 @@ def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
     import random
 
     rng = random.Random(0)
-    sched, _ = make(num_pages=40, max_num_batched_tokens=64, max_prefill_chunk=64,
+    sched, _ = make(device_pages=40, max_num_batched_tokens=64, max_prefill_chunk=64,
                     max_prefill_rows=4)
     cfg = sched.config
     compiled = set(cfg.prefill_shapes)

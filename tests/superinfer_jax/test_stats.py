@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from models.servable import random_servable
 from serving.stats_view import numeric, read
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.stats import EngineStats
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
+from tests.superinfer_jax.engine_testlib import SMALL
 
 
 @pytest.mark.parametrize("host_pages", [None, 16])

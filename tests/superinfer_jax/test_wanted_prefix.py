@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from superinfer_jax.config import EngineConfig
+from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.kv.page_allocator import KVCacheManager
-from superinfer_jax.kv.prefix_cache import isolation_key
-from superinfer_jax.request import Request, SamplingParams
-from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.request import Request
 from superinfer_jax.sched.scheduler import Scheduler
-
-PAGE = 4
-KEY = isolation_key("test-model", None)
-
-
-def request(rid: str, prompt: list[int], max_tokens: int = 2) -> Request:
-    r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    r.cache_key = KEY
-    return r
+from tests.superinfer_jax.sched_kit import PAGE, complete, make, req
 
 
 def run_until_done(sched: Scheduler, reqs: list[Request], t: float) -> float:
     """Step the scheduler as the engine would until every one of ``reqs`` finished."""
     while any(r in sched.running or r in sched.waiting for r in reqs):
-        plan = sched.schedule(t)
+        complete(sched, sched.schedule(t), token=5)
         t += 1.0
-        for rid, n in plan.prefill + [(x, 1) for x in plan.decode]:
-            r = next(x for x in sched.running if x.req_id == rid)
-            r.num_computed_tokens += n
-            if r.num_computed_tokens == r.num_tokens:
-                r.output_token_ids.append(5)
-                if len(r.output_token_ids) >= r.sampling.max_tokens:
-                    sched.remove(r)
+        for r in [x for x in sched.running if len(x.output_token_ids) >= x.sampling.max_tokens]:
+            sched.remove(r)
         assert t < 100, "no progress"
     return t
 
@@ -46,20 +31,19 @@ def test_a_waiting_requests_prefix_outlives_older_lru_pages(policy, keep_queued)
     free while W, which will reuse A's prompt, waits behind it. LRU alone would reclaim
     A's pages for B (they were released first) and W would prefill them again; with the
     queue's demand known, C's pages go instead and W hits all three of A's."""
-    cfg = EngineConfig(page_size=PAGE, max_model_len=64, warmup=False, policy=policy,
-                       max_num_seqs=4, enable_prefix_caching=True,
-                       prefix_cache_keep_queued=keep_queued)
-    kv = KVCacheManager(1 + 8, PAGE, prefix_caching=True)
-    sched = make_scheduler(cfg, kv)
-    a = request("a", list(range(1, 13)))  # 3 full pages, then 2 generated tokens
-    c = request("c", list(range(101, 113)))
+    sched, kv = make(policy, 1 + 8, prefix_caching=True, max_model_len=64, max_num_seqs=4,
+                     rotasched=RotaSchedConfig(), enable_prefix_caching=True,
+                     prefix_cache_keep_queued=keep_queued)
+    a = req("a", range(1, 13), max_tokens=2, cached=True)  # 3 full pages, 2 tokens more
+    c = req("c", range(101, 113), max_tokens=2, cached=True)
     sched.add(a)
     t = run_until_done(sched, [a], 0.0)
     sched.add(c)
     t = run_until_done(sched, [c], t)
     assert kv.num_cached_pages == 6 and kv.allocator.num_free == 2
-    b = request("b", list(range(201, 221)), max_tokens=1)  # 5 pages: 3 must be reclaimed
-    w = request("w", list(range(1, 13)) + [50, 51, 52, 53])  # A's 3 pages, then 1 more
+    b = req("b", range(201, 221), max_tokens=1, cached=True)  # 5 pages: 3 must be reclaimed
+    # A's 3 pages, then 1 more
+    w = req("w", list(range(1, 13)) + [50, 51, 52, 53], max_tokens=2, cached=True)
     sched.add(b)
     sched.add(w)
     run_until_done(sched, [b, w], t)

@@ -15,13 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.duplexkv import EventKind
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step
-from tests.superinfer_jax.duplexkv.test_rotation import Rig, assert_bytes_equal
-from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone
-from tests.superinfer_jax.test_rotation_invariance import run_rotating
+from tests.superinfer_jax.duplexkv.rig_testlib import Rig, assert_bytes_equal
+from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_rotating
 
 JUNK = 7.0
 
@@ -204,11 +202,6 @@ def test_compiled_step_keeps_the_pool_in_place():
     pool_type = f"f32[{','.join(map(str, rig.pool.shape))}]"
     copies = [line for line in hlo.splitlines() if " copy(" in line and pool_type in line]
     assert not copies, copies
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
 
 
 def test_in_step_mode_keeps_greedy_tokens(tiny):

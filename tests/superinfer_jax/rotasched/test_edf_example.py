@@ -8,14 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import SLO, Request, RequestStatus
 from superinfer_jax.sched.rotasched import make_scheduler, resolve_policy
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
-from tests.superinfer_jax.engine_testlib import SMALL, TINY
+from tests.superinfer_jax.engine_testlib import SMALL
 
 EDF = "examples.edf_policy:EDFPolicy"
 EDFPolicy = resolve_policy(EDF)  # imported by its path, as every command does
@@ -64,10 +63,9 @@ def test_in_the_simulator_short_deadlines_pass_a_hog():
     assert sum(r.num_rotations for r in results["fcfs"].requests) == 0
 
 
-def test_in_the_engine_edf_keeps_the_greedy_tokens():
+def test_in_the_engine_edf_keeps_the_greedy_tokens(tiny):
     """The real engine under memory pressure with EDF: every request rotates its way
     through and generates exactly the tokens of an unconstrained FCFS run."""
-    model = random_servable(TINY, seed=1)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -75,7 +73,7 @@ def test_in_the_engine_edf_keeps_the_greedy_tokens():
     for name, cfg in (("free", SMALL), ("edf", SMALL.replace(
             num_device_pages=12, num_host_pages=128, policy=EDF,
             rotasched=RotaSchedConfig(high_water_mark=0.5, min_residency_tokens=4)))):
-        engine = LLMEngine(model, cfg)
+        engine = LLMEngine(tiny, cfg)
         ids = [engine.add_request(p, sp, slo=SLO(20 + 10 * i, 5)) for i, p in enumerate(prompts)]
         while engine.has_unfinished_requests():
             engine.step()

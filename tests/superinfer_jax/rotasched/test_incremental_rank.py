@@ -5,11 +5,11 @@ running, in that order) stably sorted by ``(group, value, arrival)``, parked req
 whose rotate-in is due (priced by the latency model when there is one) in a group of
 their own after the protected runners (unless ``parked_replies`` is ``lag``, a parked
 reply only while it must start back now to be on time and still can; else right after
-them, taking free pages only, until it lags by ``beta_b``). Random scheduler
-states cover ties in arrival time, several SLOs and priority classes, requests that came
-back to the queue with and without tokens, parked requests with and without tokens, and
-runners inside and outside their protection; a simulated contended run checks the plans
-step for step.
+them, taking free pages only, until it lags by ``beta_b``). Random scheduler states
+(``sched_kit.random_state``) cover ties in arrival time, several SLOs and priority
+classes, requests that came back to the queue with and without tokens, parked requests
+with and without tokens, and runners inside and outside their protection; a simulated
+contended run checks the plans step for step.
 """
 
 from __future__ import annotations
@@ -18,16 +18,12 @@ import random
 
 import pytest
 
-from superinfer_jax.config import EngineConfig, RotaSchedConfig
-from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
-from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.config import RotaSchedConfig
+from superinfer_jax.request import Request, RequestStatus, SamplingParams
 from superinfer_jax.sched.rotasched.lag import virtual_lag
 from superinfer_jax.sched.rotasched.policies import RotaSchedPolicy
-from superinfer_jax.sched.rotasched.registry import make_scheduler
 from superinfer_jax.sched.scheduler import Ranking, Scheduler
-
-SLOS = (SLO(1000, 100), SLO(1000, 100, "critical"), SLO(400, 50, "batch"), SLO(2500, 150))
+from tests.superinfer_jax.sched_kit import random_state
 
 
 def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
@@ -112,56 +108,6 @@ class SortedLagPolicy(RotaSchedPolicy):
         ranked = plain_sort(s, now, self.params, free_only)
         listed = {id(r) for r in ranked if r.status != RequestStatus.RUNNING}
         return Ranking(ranked, s, listed, free_only=free_only or None)
-
-
-def random_state(rng: random.Random) -> tuple[Scheduler, float]:
-    cfg = EngineConfig(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
-                       rotasched=RotaSchedConfig(beta_b=rng.choice((0.0, 2.0, 5.0)),
-                                                 min_residency_tokens=rng.choice((1, 4, 16)),
-                                                 residency_share=rng.choice((0.1, 0.25, 1.0)),
-                                                 hopeless_last=rng.random() < 0.5,
-                                                 parked_replies=rng.choice(
-                                                     ("lag", "free_pages")),
-                                                 late_order=rng.choice(("shortest", "lag"))))
-    sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
-    if rng.random() < 0.5:  # priced: a late first token may be certain to miss
-        sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 1e-4],
-                                             decode=[0.02, 0.001, 0.0]))
-    now = 10.0
-    arrivals = [round(rng.uniform(5.0, 10.0), rng.choice((1, 3, 9))) for _ in range(8)]
-    for i in range(rng.randint(0, 60)):
-        # lengths from a short list too: ties in tokens over weight, broken by arrival
-        r = Request(f"r{i}", [1] * (rng.randint(1, 40) if rng.random() < 0.5
-                                    else rng.choice((8, 16))),
-                    SamplingParams(max_tokens=rng.choice((12, 40, 64))),
-                    slo=rng.choice(SLOS), arrival_time=rng.choice(arrivals)
-                    if rng.random() < 0.3 else rng.uniform(0.0, 10.0))
-        kind = rng.random()
-        if kind < 0.45:
-            sched.add(r)
-        elif kind < 0.6:  # back from the device: maybe with tokens, maybe one in flight
-            r.token_times.extend(sorted(rng.uniform(r.arrival_time, now)
-                                        for _ in range(rng.choice((0, 0, 2)))))
-            sched.waiting.appendleft(r)
-        elif kind < 0.75:
-            r.status = RequestStatus.ROTARY if rng.random() < 0.8 else RequestStatus.ROTATING_IN
-            r.token_times.extend(sorted(rng.uniform(r.arrival_time, now)
-                                        for _ in range(rng.choice((0, 1, 3)))))
-            if not r.token_times:  # parked part-way through its prompt, maybe
-                r.num_computed_tokens = rng.choice((0, len(r.prompt_token_ids) // 2))
-            sched.rotary.append(r)
-        else:
-            r.status = RequestStatus.RUNNING
-            r.running_since = rng.choice((None, rng.uniform(r.arrival_time, now)))
-            r.token_times.extend(sorted(rng.uniform(r.arrival_time, now)
-                                        for _ in range(rng.randint(0, 8))))
-            r.output_token_ids.extend([7] * rng.choice((len(r.token_times), 38)))
-            r.final_token_inflight = rng.random() < 0.1
-            sched.running.append(r)
-    for _ in range(rng.randint(0, 5)):  # leave from anywhere in the queue
-        if sched.waiting:
-            sched.waiting.remove(rng.choice(list(sched.waiting)))
-    return sched, now + rng.choice((0.0, 0.1, 0.5, 3.0))
 
 
 @pytest.mark.parametrize("seed", range(300))

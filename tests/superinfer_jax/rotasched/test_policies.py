@@ -1,7 +1,7 @@
 """Policies on scripted scenarios: who runs, who rotates, in what order (host code only).
 
-A tiny driver plays the engine's part: it applies each plan (tokens computed, one token
-sampled at the end of a row) and completes rotations at once, as landed copies would.
+``sched_kit.Driver`` plays the engine's part: it applies each plan (tokens computed, one
+token sampled at the end of a row) and completes rotations at once, as landed copies would.
 """
 
 from __future__ import annotations
@@ -12,63 +12,15 @@ import pytest
 
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 from superinfer_jax.kv.two_tier import TwoTierKVManager
-from superinfer_jax.request import SLO, Request, RequestStatus, SamplingParams
+from superinfer_jax.request import SLO, Request, RequestStatus
 from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
 from superinfer_jax.sched.rotasched.registry import make_scheduler
 from superinfer_jax.sched.scheduler import StepBudget, StepPlan
-
-PAGE = 4
-
-
-def make(policy: str, device_pages: int = 64, host_pages: int = 64, **kw):
-    """Scenarios are a few tokens long: residency 4 (not the default 16) lets them rotate,
-    in windows of 4 tokens whatever the request's max_tokens (``residency_share`` 1)."""
-    kw.setdefault("rotasched", RotaSchedConfig(min_residency_tokens=4, residency_share=1.0))
-    cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False, policy=policy,
-                       max_num_batched_tokens=64, max_prefill_chunk=32, **kw)
-    kv = TwoTierKVManager(device_pages, PAGE, host_pages)
-    return make_scheduler(cfg, kv), kv
-
-
-def req(rid: str, n: int, arrival: float, max_tokens: int = 8, slo: SLO | None = None):
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens),
-                   slo=slo or SLO(ttft_ms=1000, tbt_ms=100), arrival_time=arrival)
-
-
-class Driver:
-    """Applies plans like the engine: tokens advance, rotations land immediately."""
-
-    def __init__(self, sched, kv):
-        self.sched, self.kv = sched, kv
-        self.all: dict[str, Request] = {}
-
-    def add(self, r: Request) -> None:
-        self.all[r.req_id] = r
-        self.sched.add(r)
-
-    def step(self, now: float):
-        plan = self.sched.schedule(now)
-        for rid in plan.rotate_out:
-            self.kv.finish_rotate_out(rid)
-            self.sched.on_rotated_out(self.all[rid], now)
-        for rid in plan.rotate_in:
-            self.kv.finish_rotate_in(rid)
-            self.sched.on_rotated_in(self.all[rid], now)
-        for rid, n in plan.prefill + [(r, 1) for r in plan.decode]:
-            r = self.all[rid]
-            r.num_computed_tokens += n
-            if r.num_computed_tokens == r.num_tokens:
-                r.output_token_ids.append(7)
-                r.token_times.append(now)
-                if len(r.output_token_ids) >= r.sampling.max_tokens:
-                    self.sched.remove(r)
-                    r.set_status(RequestStatus.FINISHED_LENGTH, now)
-        self.kv.check_invariants()
-        return plan
+from tests.superinfer_jax.sched_kit import PAGE, Driver, make, req
 
 
 def plans_of(policy: str, reqs, steps: int, **kw):
-    sched, kv = make(policy, **kw)
+    sched, kv = make(policy, host_pages=64, **kw)
     d = Driver(sched, kv)
     out = []
     for t in range(steps):
@@ -88,9 +40,9 @@ def token_budget(sched, now: float, keep: set[str]) -> tuple[int, int]:
 
 
 def test_factory_picks_policy():
-    assert type(make("fcfs")[0].policy) is FCFSPolicy
-    assert type(make("swap")[0].policy) is SwapPolicy
-    assert type(make("rotasched")[0].policy) is RotaSchedPolicy
+    assert type(make("fcfs", host_pages=64)[0].policy) is FCFSPolicy
+    assert type(make("swap", host_pages=64)[0].policy) is SwapPolicy
+    assert type(make("rotasched", host_pages=64)[0].policy) is RotaSchedPolicy
 
 
 def test_no_contention_rotasched_is_exactly_fcfs():
@@ -523,7 +475,7 @@ def _late_pair(order: str, *, latency=None, short: bool = True):
     """A settled runner holding 4 of 8 pages, then a long prompt (7 pages) and, 0.1 s
     later, a short one (2 pages), both late at 0.7 s: the pool takes only one of them.
     Returns the step's plan and the ranking after it."""
-    sched, kv = make("rotasched", device_pages=8, rotasched=RotaSchedConfig(
+    sched, kv = make("rotasched", device_pages=8, host_pages=64, rotasched=RotaSchedConfig(
         min_residency_tokens=4, residency_share=1.0, late_order=order))
     d = Driver(sched, kv)
     d.add(req("run", 8, arrival=0.0, max_tokens=50))
@@ -572,7 +524,7 @@ def test_first_token_slack_prices_the_prefix_hit(monkeypatch):
     from superinfer_jax.sched.rotasched.ranking import first_token_slack
     from superinfer_jax.sched.step_plan import PrefixHit
 
-    sched, kv = make("rotasched")
+    sched, kv = make("rotasched", host_pages=64)
     lm = LatencyModel(prefill=[0.01, 0.001, 1e-5], decode=[0.01, 0.0, 0.0],
                       transfer=[0.002, 1e-6])
     sched.set_latency_model(lm)

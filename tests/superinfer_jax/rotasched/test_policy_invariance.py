@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.config import RotaSchedConfig
 from superinfer_jax.request import SLO
-from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, TINY, run_alone
+from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, run_alone
 
 # Tight SLOs make lag grow quickly, so rotasched rotates a lot.
 TIGHT = SLO(ttft_ms=20, tbt_ms=5)
@@ -45,11 +44,6 @@ def constrained(model, prompts, sp, config):
     stats = engine.stats()
     assert stats["device_pages_free"] == engine.kv.allocator.num_usable
     return done
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_servable(TINY, seed=1)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "swap", "rotasched"])
