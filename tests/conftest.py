@@ -8,7 +8,7 @@ that cache with the machine that built it. Under a build the tests that hook a m
 instance fail (``superinfer_jax/mypyc_build/__init__.py`` says why), so a machine with a build would
 fail a suite that passes on a fresh one (stop 29's CI did). The suite tests the source;
 ``SUPERINFER_COMPILED=1 make test`` runs it against a build on purpose, and
-``tests.superinfer_jax.sim.plan_trace`` checks that a build plans what the source plans.
+``benchmarks.plan_trace`` checks that a build plans what the source plans.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ paper-scale simulation runs it for 100k requests. mypyc compiles these typed mod
 they are, with no change to what they compute: measured with ``benchmarks.sim_speed
 --baseline-plain`` (knee, 20k requests, a 2-core AMD EPYC box, idle) rotasched took
 13.0 s against 36.8 s as plain Python (fcfs 2.1 against 6.0 s), and the seeded
-simulator outputs of ``tests.superinfer_jax.sim.plan_trace --outputs-only`` hash the same
+simulator outputs of ``benchmarks.plan_trace --outputs-only`` hash the same
 as plain Python's on all 7 cases.
 
 Build, opt-in: ``python -m superinfer_jax.mypyc_build`` (``make compiled``; it needs

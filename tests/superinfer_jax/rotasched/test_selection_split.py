@@ -6,7 +6,7 @@ the victims skip the runners (most of a contended step's selection); ``Ranking.l
 lets the ranking's tail skip listing every runner of the head. Each is checked against a
 recomputation from ``kept``, ``runners``, ``keep`` and the head, on the random scheduler
 states of ``test_incremental_rank``; the plans they lead to are checked step for step by
-``tests/superinfer_jax/sim/plan_trace`` and ``test_incremental_rank``'s simulated run.
+``benchmarks/plan_trace`` and ``test_incremental_rank``'s simulated run.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.superinfer_jax.rotasched.test_incremental_rank import random_state
 
 from superinfer_jax.request import RequestStatus
 from superinfer_jax.sched.scheduler import Ranking
 from superinfer_jax.sched.step_plan import StepBudget
+from tests.superinfer_jax.rotasched.test_incremental_rank import random_state
 
 
 @pytest.mark.parametrize("seed", range(200))
