@@ -386,8 +386,6 @@ def test_bad_multiturn_flags_get_clear_errors(argv, message, capsys, tmp_path):
 
 
 def test_cli_multiturn_run_against_a_scripted_server(fake_grpc, tmp_path, monkeypatch):
-    from serving.bench import cli as serve_bench
-
     monkeypatch.setattr(serve_bench, "default_tokenizer", lambda: (CharTokenizer(), "chars"))
     data = tmp_path / "sg.json"
     data.write_text(json.dumps(RECORDS))
