@@ -100,10 +100,10 @@ class StepRecorder:
         engine.step = self.step
         self._shapes = None
 
-    def schedule(self, now=None):
+    def schedule(self, now=None, *args):
         from superinfer_jax.sim import CallShape
 
-        plan = self._schedule(now)
+        plan = self._schedule(now, *args)
         reqs = self.engine.requests
         pre = [(n, reqs[r].num_computed_tokens) for r, n in plan.prefill]
         dec = [(1, reqs[r].num_computed_tokens) for r in plan.decode]
@@ -162,9 +162,10 @@ def speed_factor(engine, latency) -> float:
     calibrated model by this factor, measured just before each engine run."""
     from superinfer_jax.runner.profiler import _time_step
 
-    decode = _time_step(engine, 1, 1, 1, 64, repeats=3) / latency.decode_s(1, 64)
+    runner = engine.runner  # owns the compiled buckets
+    decode = _time_step(runner, 1, 1, 1, 64, repeats=3) / latency.decode_s(1, 64)
     cols = engine.config.prefill_chunk_buckets[0]
-    prefill = _time_step(engine, 1, cols, cols, cols, repeats=3) / latency.prefill_s(cols, 0)
+    prefill = _time_step(runner, 1, cols, cols, cols, repeats=3) / latency.prefill_s(cols, 0)
     return float(np.sqrt(decode * prefill))
 
 
