@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from benchmarks.offline_throughput import DEFAULT_CACHE
 
 SCHEMA = {"type": "object",

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from superinfer_jax.ops import attention_pallas, attention_xla
 
 HEADS = {"llama3-8b": (32, 8, 128), "qwen2.5-32b": (40, 8, 128)}  # (H, K, D)

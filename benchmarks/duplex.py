@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from superinfer_jax import ops
 from superinfer_jax.duplexkv import DuplexKV, PageMover, default_copy_mode
 from superinfer_jax.duplexkv.mover import gather_in_step, land_in_step

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 import superinfer_jax.duplexkv.rotation as rotation
-from benchmarks.common import add_common_args, print_table, write_json
 from benchmarks.duplex import OverlapRig, keep_freed_memory, memcpy_gbps, overlap_setup
+from benchmarks.lib.common import add_common_args, print_table, write_json
 
 
 def timed(fn: Callable[..., Any], acc: dict[str, float], key: str) -> Callable[..., Any]:

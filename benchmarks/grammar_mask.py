@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from superinfer_jax.structured import (
     GrammarCompiler,
     GrammarMatcher,

@@ -27,7 +27,7 @@ leaves it out); 2 is the knee (fcfs 0.42) and 3 is past it. Rates 4 and 5 only a
 deeper overload. The defaults take about 35 minutes on 2 cores, most of it rate 0.5.
 
 ``--workload multiturn``: instead of the trace, ShareGPT conversations replayed turn by
-turn in closed loop (``benchmarks.multiturn``): ``--rates`` are conversations/s (Poisson
+turn in closed loop (``serving.bench.multiturn``): ``--rates`` are conversations/s (Poisson
 starts), ``--num-conversations`` per seed (each seed samples other conversations), turn
 k+1 leaves after turn k's answer plus ``--think-time-s``; turn k's prompt is the whole
 history as token ids, an exact extension of turn k-1's, cut to ``--max-prompt`` tokens
@@ -52,18 +52,11 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.common import add_common_args, print_table, write_json
-from benchmarks.metrics import summarize, tbt_misses
-from benchmarks.replay import build_requests, replay
-from benchmarks.workloads import (
-    HISTORIES,
-    THINK_DISTS,
-    MultiTurnSpec,
-    SLOClass,
-    load_trace,
-    poisson_arrivals,
-    scale_lengths,
-)
+from benchmarks.lib.common import add_common_args, print_table, write_json
+from serving.bench.replay import build_requests, replay
+from superinfer_jax.sim.conversations import HISTORIES, THINK_DISTS, MultiTurnSpec
+from superinfer_jax.sim.metrics import summarize, tbt_misses
+from superinfer_jax.sim.workloads import SLOClass, load_trace, poisson_arrivals, scale_lengths
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "superinfer", "xla")
 
@@ -284,8 +277,8 @@ def multiturn_spec(args: argparse.Namespace, rate: float, seed: int,
 def sweep_multiturn(args: argparse.Namespace, model, seeds: list[int]) -> None:
     """The sweep on ``--workload multiturn``: the same engines, SLO rule and rows as the
     trace sweep, plus conversations, turns and prefix-cache hits."""
-    from benchmarks.sharegpt import load_conversations
-    from benchmarks.workloads import build_conversations
+    from superinfer_jax.sim.conversations import build_conversations
+    from superinfer_jax.sim.sharegpt import load_conversations
 
     records, parse = load_conversations(args.sharegpt_path)
     notes = [f"sharegpt: {parse.describe()}"]
@@ -314,7 +307,7 @@ def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
     """One closed-loop replay (``multiturn.replay_conversations``) under a fresh cache
     salt, so the run starts cold even on an engine that served these conversations at
     another rate; what ``run_once`` returns plus per-turn cached prompt tokens."""
-    from benchmarks.multiturn import replay_conversations
+    from serving.bench.multiturn import replay_conversations
 
     steps0, host0 = engine.num_model_steps, engine.total_host_time_s
     salt = f"sweep-{desc}-{time.time_ns()}"

@@ -2,7 +2,7 @@
 offline LRU reference and the Belady ceiling, and TTFT / throughput with caching on
 against off, on both Mooncake traces (issue 15), scaled to this machine, in one run.
 
-Scaling (``benchmarks.workloads.load_mooncake``): each 512-token hash block of the trace
+Scaling (``superinfer_jax.sim.mooncake.load_mooncake``): each 512-token hash block of the trace
 becomes ``--block-tokens`` token ids (default 8, so lengths shrink 64x), one KV page each
 (the engine's ``page_size`` is set to ``--block-tokens``); outputs shrink by the same
 factor; prompts are cut to ``--max-prompt`` tokens (their first blocks: shared prefixes
@@ -57,7 +57,7 @@ Per trace and replay (``--replays``), at a device capacity of ``--pages`` KV pag
 
 Multi-turn (``--multiturn``, on by default; the issue's TTFT goal): SmolLM2, the embedded
 default model, serving ShareGPT conversations replayed turn by turn in closed loop
-(``benchmarks.multiturn``: turn k+1's prompt is turn k's prompt, its recorded reply and
+(``serving.bench.multiturn``: turn k+1's prompt is turn k's prompt, its recorded reply and
 the next message, sent after turn k's answer plus a think time), with caching off, on
 (device tier) and on with the host tier, at the same device capacity
 (``--mt-device-pages``). TTFT P50/P99 of all turns and of later turns (those that can
@@ -76,9 +76,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from benchmarks.offline_throughput import DEFAULT_CACHE
-from benchmarks.workloads import BlockRequest, load_mooncake
+from superinfer_jax.sim.mooncake import BlockRequest, load_mooncake
 
 TRACES = ("mooncake_conv", "mooncake_synthetic")
 
@@ -308,11 +308,11 @@ def bench_trace(name: str, replay: str, args, model) -> dict:
 
 def bench_multiturn(args) -> dict:
     """SmolLM2 on ShareGPT conversations: caching off, on, on with the host tier."""
-    from benchmarks.multiturn import replay_conversations
-    from benchmarks.sharegpt import load_conversations
-    from benchmarks.workloads import MultiTurnSpec, build_conversations
     from models import load_model
+    from serving.bench.multiturn import replay_conversations
     from superinfer_jax import EngineConfig, LLMEngine
+    from superinfer_jax.sim.conversations import MultiTurnSpec, build_conversations
+    from superinfer_jax.sim.sharegpt import load_conversations
 
     model = load_model("smollm2-135m")
     records, _ = load_conversations()

@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 
 READY_TIMEOUT_S = 1800.0
 SETTLE_TIMEOUT_S = 1800.0

@@ -236,14 +236,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-# The tools that live in benchmarks/, as subcommands: (name, module, one-line help). Their
-# modules are imported only when the command is one of them, so `superinfer serve` never
-# imports benchmark code.
+# The measuring tools, as subcommands: (name, module, one-line help). Their modules are
+# imported only when the command is one of them, so `superinfer serve` never imports them.
 _TOOLS = {
-    "bench": ("benchmarks.serve_bench", "measure a running server (gRPC or OpenAI HTTP) on "
+    "bench": ("serving.bench.cli", "measure a running server (gRPC or OpenAI HTTP) on "
               "a workload: TTFT, TPOT, ITL, SLO attainment, goodput"),
-    "simulate": ("benchmarks.simulate", "simulate the policies at paper scale (GH200, H200 "
-                 "PCIe, ...) with a cost model"),
+    "simulate": ("superinfer_jax.sim.cli", "simulate the policies at paper scale (GH200, "
+                 "H200 PCIe, ...) with a cost model"),
 }
 
 
@@ -258,7 +257,12 @@ def _add_tool(sub: argparse._SubParsersAction, name: str, load: bool) -> None:
     p = sub.add_parser(name, help=help_text, description=module.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)
-    p.set_defaults(func=module.run)
+    if name == "simulate":  # the engine layer loads no model: ShareGPT's tokenizer is given
+        from serving.bench.sharegpt import default_tokenizer
+
+        p.set_defaults(func=lambda args: module.run(args, load_tokenizer=default_tokenizer))
+    else:
+        p.set_defaults(func=module.run)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -1,9 +1,9 @@
-"""Latency metrics of a simulation, with the keys and definitions of ``benchmarks.metrics``.
+"""Latency metrics of a simulation, with the keys and definitions of ``sim.metrics``.
 
-The simulator cannot import ``benchmarks`` (it sits above the library), and building one
-``Timeline`` list per request costs seconds and gigabytes at 100,000 requests, so the
-same numbers are computed here from the compact token-time arrays with numpy. A test
-checks that both give identical summaries on the same timelines.
+Building one ``Timeline`` per request costs seconds and gigabytes at 100,000 requests, so
+the same numbers are computed here from the compact token-time arrays with numpy (the
+distributions by ``metrics.dist``). A test checks that both give identical summaries on
+the same timelines.
 
 TTFT = first token - arrival; ITL = every gap between consecutive tokens; TPOT = (last -
 first) / (tokens - 1) per request; E2E = last token - arrival. A request meets its TTFT
@@ -25,25 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from superinfer_jax.sim.metrics import dist
 from superinfer_jax.sim.simulator import RequestSpec, SimResult
 
 
-def _dist(prefix: str, values: np.ndarray) -> dict[str, float]:
-    if values.size == 0:
-        return {f"{k}_{prefix}_ms": float("nan") for k in ("mean", "median", "std", "p90",
-                                                          "p99")}
-    v = values * 1000.0
-    return {
-        f"mean_{prefix}_ms": float(v.mean()),
-        f"median_{prefix}_ms": float(np.median(v)),
-        f"std_{prefix}_ms": float(v.std()),
-        f"p90_{prefix}_ms": float(np.percentile(v, 90)),
-        f"p99_{prefix}_ms": float(np.percentile(v, 99)),
-    }
-
-
 def summarize(result: SimResult) -> dict[str, Any]:
-    """``benchmarks.metrics.summarize`` keys for a simulated run, plus simulator counters."""
+    """``metrics.summarize`` keys for a simulated run, plus simulator counters."""
     reqs = [r for r in result.requests if len(r.token_times)]
     counts = np.array([len(r.token_times) for r in reqs], np.int64)
     arrival = np.array([r.arrival_time for r in reqs])
@@ -85,7 +72,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
     }
     for prefix, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl),
                            ("e2el", last - arrival)):
-        out.update(_dist(prefix, values))
+        out.update(dist(prefix, values))
     out.update(_counters(result))
     if result.prefix_caching:
         out.update(_prefix(result))

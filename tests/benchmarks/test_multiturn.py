@@ -12,18 +12,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import policy_sweep, serve_bench
-from benchmarks.bench_clients import OpenAIBackend, RequestRecord, _completion
-from benchmarks.multiturn import (
+from benchmarks import policy_sweep
+from serving.bench import cli as serve_bench
+from serving.bench.clients import OpenAIBackend, RequestRecord, _completion
+from serving.bench.multiturn import (
     NOT_SENT,
     dispatch_conversations,
     multiturn_stats,
     replay_conversations,
     timelines_of_records,
 )
-from benchmarks.sharegpt import conversation_turns
-from benchmarks.workloads import MultiTurnSpec, build_conversations
 from serving.cli import main as cli_main
+from superinfer_jax.sim.conversations import MultiTurnSpec, build_conversations
+from superinfer_jax.sim.sharegpt import conversation_turns
 
 
 class CharTokenizer:
@@ -150,11 +151,13 @@ def test_bad_specs_are_named(kw, says):
 
 def test_real_sharegpt_with_smollm2_tokenizer():
     """The packaged file and the real tokenizer: turns extend exactly, bounds hold."""
-    from benchmarks.workloads import load_multiturn
+    from serving.bench.sharegpt import default_tokenizer
+    from superinfer_jax.sim.conversations import load_multiturn
 
     notes: list[str] = []
     convs = load_multiturn(MultiTurnSpec(num_conversations=6, max_prompt=1024,
-                                         max_total=2048, seed=0), report=notes)
+                                         max_total=2048, seed=0), report=notes,
+                           load_tokenizer=default_tokenizer)
     assert len(convs) == 6 and all(c.num_turns >= 2 for c in convs)
     assert any("6 conversations" in n for n in notes)
     for c in convs:
@@ -383,9 +386,7 @@ def test_bad_multiturn_flags_get_clear_errors(argv, message, capsys, tmp_path):
 
 
 def test_cli_multiturn_run_against_a_scripted_server(fake_grpc, tmp_path, monkeypatch):
-    import benchmarks.sharegpt as sharegpt
-
-    monkeypatch.setattr(sharegpt, "default_tokenizer", lambda: (CharTokenizer(), "chars"))
+    monkeypatch.setattr(serve_bench, "default_tokenizer", lambda: (CharTokenizer(), "chars"))
     data = tmp_path / "sg.json"
     data.write_text(json.dumps(RECORDS))
     out = tmp_path / "mt.json"
@@ -435,7 +436,7 @@ def test_policy_sweep_multiturn_flags():
 
 
 def test_policy_sweep_rows_count_cached_tokens():
-    from benchmarks.metrics import Timeline
+    from superinfer_jax.sim.metrics import Timeline
 
     t = [Timeline(0.0, [0.1, 0.2], 100), Timeline(1.0, [1.1], 50), Timeline(2.0, [], 30,
                                                                             ok=False)]
@@ -459,7 +460,8 @@ MOONCAKE_ROWS = [
 
 
 def test_mooncake_workload_keeps_the_trace_prefixes(tmp_path):
-    from benchmarks.workloads import WorkloadSpec, load_mooncake, mooncake_workload
+    from superinfer_jax.sim.mooncake import load_mooncake, mooncake_workload
+    from superinfer_jax.sim.workloads import WorkloadSpec
 
     path = tmp_path / "mc.jsonl"
     path.write_text("\n".join(MOONCAKE_ROWS) + "\n")

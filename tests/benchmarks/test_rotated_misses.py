@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.metrics import Timeline, parked_spans, summarize, tbt_misses
 from superinfer_jax.request import (
     ROTARY,
     ROTATING_IN,
@@ -14,6 +13,7 @@ from superinfer_jax.request import (
     WAITING,
     RequestStatus,
 )
+from superinfer_jax.sim.metrics import Timeline, parked_spans, summarize, tbt_misses
 
 
 def test_parked_spans_from_a_status_log():

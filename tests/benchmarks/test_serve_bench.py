@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import serve_bench
-from benchmarks.metrics import Timeline, summarize, vllm_goodput
-from benchmarks.workloads import WorkloadSpec, build_workload
+from serving.bench import cli as serve_bench
 from serving.cli import main as cli_main
+from superinfer_jax.sim.metrics import Timeline, summarize, vllm_goodput
+from superinfer_jax.sim.workloads import WorkloadSpec, build_workload
 from tests.benchmarks.fake_servers import FIRST_S, GAP_S
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks.sim_sweep``'s pieces: policy strings with RotaSched knobs, the
+"""``benchmarks.lib.sim_sweep``'s pieces: policy strings with RotaSched knobs, the
 conversation -> simulator spec mapping, pooled rows and the knee verdict."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.sim_sweep import (
+from benchmarks.lib.sim_sweep import (
     engine_config,
     multiturn_verdict,
     parse_args,
@@ -16,9 +16,9 @@ from benchmarks.sim_sweep import (
     to_conversation_specs,
     trace_specs,
 )
-from benchmarks.workloads import Conversation
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.sim import ConstantCost, Simulator
+from superinfer_jax.sim.conversations import Conversation
 
 
 def test_policy_strings_carry_rotasched_knobs():
@@ -88,7 +88,7 @@ def test_verdict_reads_the_knee():
 
 def test_trace_requests_are_policy_sweeps():
     """The same sample, lengths and arrivals as ``policy_sweep`` builds for a seed."""
-    from benchmarks.workloads import load_trace, poisson_arrivals, scale_lengths
+    from superinfer_jax.sim.workloads import load_trace, poisson_arrivals, scale_lengths
 
     args = parse_args(["--workload", "trace"])
     assert (args.ttft_slo_ms, args.tbt_slo_ms, args.rates) == (1096.0, 84.0, "0.5,1,2,3")

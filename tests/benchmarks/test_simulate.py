@@ -7,17 +7,17 @@ import math
 
 import pytest
 
-from benchmarks.metrics import Timeline, summarize
 from serving.cli import main as cli_main
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.request import SLO
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
 from superinfer_jax.sim import stats as sim_stats
+from superinfer_jax.sim.metrics import Timeline, summarize
 from superinfer_jax.sim.presets import PRESETS, get_preset
 
 
 def test_sim_summary_equals_the_benchmark_summary():
-    """The simulator's numpy summary and ``benchmarks.metrics.summarize`` agree exactly."""
+    """The simulator's numpy summary and ``sim.metrics.summarize`` agree exactly."""
     cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy="swap",
                        max_num_batched_tokens=64, max_prefill_chunk=32, max_num_seqs=4)
     slo = SLO(ttft_ms=30, tbt_ms=12)

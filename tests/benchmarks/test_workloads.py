@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import sharegpt
-from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload, parse_slo_mix
+from superinfer_jax.sim import sharegpt
+from superinfer_jax.sim.workloads import SLOClass, WorkloadSpec, build_workload, parse_slo_mix
 
 
 def lengths(w):
@@ -50,7 +50,7 @@ def test_duration_window_and_trace_replay():
 
 
 def _trace_path(name: str) -> str:
-    from benchmarks.workloads import find_trace
+    from superinfer_jax.sim.workloads import find_trace
 
     return find_trace(name)
 
@@ -179,7 +179,7 @@ def _mooncake_file(tmp_path, rows: list[str]) -> str:
 
 
 def test_mooncake_equal_ids_equal_blocks_different_ids_different(tmp_path):
-    from benchmarks.workloads import load_mooncake
+    from superinfer_jax.sim.mooncake import load_mooncake
 
     path = _mooncake_file(tmp_path, [
         '{"timestamp": 0, "input_length": 1024, "output_length": 512, "hash_ids": [0, 1]}',
@@ -200,7 +200,7 @@ def test_mooncake_equal_ids_equal_blocks_different_ids_different(tmp_path):
 
 
 def test_hash_blocks_distinct_and_deterministic():
-    from benchmarks.workloads import hash_block
+    from superinfer_jax.sim.mooncake import hash_block
 
     blocks = {tuple(hash_block(h, 16, 256)) for h in range(3000)}
     assert len(blocks) == 3000
@@ -221,7 +221,7 @@ def test_hash_blocks_distinct_and_deterministic():
     ("not json", "not JSON"),
 ])
 def test_mooncake_bad_line_named(tmp_path, bad, says):
-    from benchmarks.workloads import load_mooncake
+    from superinfer_jax.sim.mooncake import load_mooncake
 
     path = _mooncake_file(tmp_path, [
         '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}', bad])
@@ -231,7 +231,7 @@ def test_mooncake_bad_line_named(tmp_path, bad, says):
 
 
 def test_mooncake_real_traces_share_prefixes():
-    from benchmarks.workloads import load_mooncake
+    from superinfer_jax.sim.mooncake import load_mooncake
 
     for name in ("mooncake_conv", "mooncake_synthetic"):
         reqs = load_mooncake(name, block_tokens=16, limit=50, max_prompt=512)

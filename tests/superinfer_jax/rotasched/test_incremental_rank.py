@@ -126,7 +126,7 @@ def test_incremental_rank_is_the_plain_sort(seed):
 def test_simulated_plans_equal_the_plain_sort():
     """A contended simulation (the CPU-calibrated case of ``plan_trace``) plans the same
     steps, rotations and token times with either ranking."""
-    from tests.superinfer_jax.sim.plan_trace import _cpu_preset, _workload
+    from benchmarks.plan_trace import _cpu_preset, _workload
 
     specs = _workload("cpu")[:150]
     preset = _cpu_preset()

@@ -6,7 +6,7 @@ the victims skip the runners (most of a contended step's selection); ``Ranking.l
 lets the ranking's tail skip listing every runner of the head. Each is checked against a
 recomputation from ``kept``, ``runners``, ``keep`` and the head, on the random scheduler
 states of ``sched_kit.random_state``; the plans they lead to are checked step for step by
-``benchmarks/plan_trace`` and ``test_incremental_rank``'s simulated run.
+``benchmarks.plan_trace`` and ``test_incremental_rank``'s simulated run.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from benchmarks.sim_mooncake import BlockTrace, is_block_trace, load_block_trace
 from serving.cli import main as cli_main
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
+from superinfer_jax.sim.mooncake import BlockTrace, is_block_trace, load_block_trace
 from superinfer_jax.sim.presets import get_preset
 from superinfer_jax.sim.stats import prefix_hit_ceiling, summarize
 

@@ -1,12 +1,12 @@
 """Serving benchmark: a workload against a running server, measured on the client.
 
-Sends a workload (``benchmarks.workloads``: ShareGPT prompts, the Azure 2023 / Mooncake
+Sends a workload (``superinfer_jax.sim.workloads``: ShareGPT prompts, the Azure 2023 / Mooncake
 traces' lengths, or random lengths; Poisson, gamma or the trace's own arrivals; per-request
 SLOs and priority mixes) to a server over gRPC (``superinfer.v1``) or OpenAI HTTP
 (``/v1/completions``, streamed), and reports what ``vllm bench serve`` reports, with its
 result keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_throughput``, ``ttfts``,
 ``itls``, ...), plus ours beside them: SLO attainment (TTFT, TBT) and ``request_goodput``
-(requests per second meeting every SLO given). Definitions: ``benchmarks.metrics``.
+(requests per second meeting every SLO given). Definitions: ``superinfer_jax.sim.metrics``.
 
     superinfer bench --backend grpc --target 127.0.0.1:50051 --dataset sharegpt \\
         --num-requests 200 --rates 1,2,4
@@ -19,12 +19,12 @@ result keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_throughput``, ``ttfts``
         --num-conversations 16 --rates 0.5 --think-time-s 2 --max-message-tokens 64
 
 ``--mooncake-block-tokens N`` with a Mooncake trace as ``--dataset`` sends prompts built
-from the trace's hash_ids (``workloads.mooncake_workload``), so requests share exactly
+from the trace's hash_ids (``sim.mooncake.mooncake_workload``), so requests share exactly
 the prefixes the trace says they share, e.g. ``--dataset mooncake_conv --arrival trace
 --mooncake-block-tokens 16 --time-scale 4``; without it a trace gives lengths only.
 
 ``--dataset sharegpt_multiturn`` replays ShareGPT conversations turn by turn in closed
-loop (``benchmarks.multiturn``): ``--rates`` are conversations/s, each turn's prompt is
+loop (``serving.bench.multiturn``): ``--rates`` are conversations/s, each turn's prompt is
 the whole history as token ids (an exact extension of the previous turn's, so a prefix
 cache can hit it), the next turn leaves after the answer plus ``--think-time-s``; the
 table adds turns, TTFT of first against later turns and the prompt tokens the server
@@ -42,28 +42,24 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import shlex
-import subprocess
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_clients import Backend, RequestRecord, make_backend
-from benchmarks.common import print_table
-from benchmarks.workloads import (
+from serving.bench.clients import Backend, RequestRecord, make_backend
+from serving.bench.launch import launch_server, stop_server
+from serving.bench.sharegpt import default_tokenizer
+from superinfer_jax.sim.conversations import HISTORIES, MULTITURN, THINK_DISTS, MultiTurnSpec
+from superinfer_jax.sim.mooncake import mooncake_workload
+from superinfer_jax.sim.report import print_table
+from superinfer_jax.sim.workloads import (
     ARRIVALS,
     DATASETS,
-    HISTORIES,
-    MULTITURN,
-    THINK_DISTS,
-    MultiTurnSpec,
     SLOClass,
     WorkloadRequest,
     WorkloadSpec,
     build_workload,
-    mooncake_workload,
     parse_slo_mix,
 )
 
@@ -219,7 +215,7 @@ def multiturn_spec(args: argparse.Namespace, rate: float) -> MultiTurnSpec:
 def check_workload_args(args: argparse.Namespace) -> None:
     """Flags that do not apply to the chosen workload are errors, not silently ignored."""
     if args.mooncake_block_tokens is not None:
-        from benchmarks.workloads import find_trace
+        from superinfer_jax.sim.workloads import find_trace
 
         if is_multiturn(args) or args.dataset in ("sharegpt", "random") \
                 or not find_trace(args.dataset).endswith(".jsonl"):
@@ -289,7 +285,7 @@ async def dispatch(backend: Backend, workload: list[WorkloadRequest],
 
 
 def timelines_of(records: list[RequestRecord], workload: list[WorkloadRequest]) -> list:
-    from benchmarks.metrics import Timeline
+    from superinfer_jax.sim.metrics import Timeline
 
     return [Timeline(arrival=rec.send_time, token_times=list(rec.chunk_times),
                      prompt_len=rec.prompt_tokens or req.prompt_len,
@@ -302,7 +298,7 @@ def timelines_of(records: list[RequestRecord], workload: list[WorkloadRequest]) 
 def result_of(timelines: list, duration: float, records: list[RequestRecord] | None,
               goodput: dict[str, float]) -> dict[str, Any]:
     """``summarize`` plus the per-request lists ``vllm bench serve`` saves."""
-    from benchmarks.metrics import summarize, vllm_goodput
+    from superinfer_jax.sim.metrics import summarize, vllm_goodput
 
     out: dict[str, Any] = summarize(timelines, duration)
     out["input_lens"] = [t.prompt_len for t in timelines]
@@ -366,7 +362,8 @@ def run_rates(args: argparse.Namespace, rates: list[float], policy: str, target:
             workload = [dataclasses.replace(r, cache_salt=salt) for r in mooncake_workload(
                 workload_spec(args, rate), args.mooncake_block_tokens, vocab, notes)]
         else:
-            workload = build_workload(workload_spec(args, rate), report=notes)
+            workload = build_workload(workload_spec(args, rate), report=notes,
+                                      load_tokenizer=default_tokenizer)
         if engine is not None:
             result, info = bench_in_process(engine, workload, args), {"policy": policy}
         else:
@@ -387,8 +384,8 @@ def run_multiturn_rates(args: argparse.Namespace, rates: list[float], policy: st
                         target: str | None, engine=None) -> list[dict[str, Any]]:
     """``--dataset sharegpt_multiturn`` at each rate (conversations/s). Token ids come
     from the in-process model's tokenizer, else SmolLM2's (the ids a server is sent)."""
-    from benchmarks.sharegpt import default_tokenizer, load_conversations
-    from benchmarks.workloads import build_conversations
+    from superinfer_jax.sim.conversations import build_conversations
+    from superinfer_jax.sim.sharegpt import load_conversations
 
     tokenizer = engine.model.tokenizer if engine is not None else default_tokenizer()[0]
     records, parse = load_conversations(args.sharegpt_path)
@@ -416,7 +413,7 @@ def bench_multiturn_server(args: argparse.Namespace, target: str, convs: list,
     """The conversations against one server: (result, server info)."""
     from tqdm.auto import tqdm
 
-    from benchmarks.multiturn import (
+    from serving.bench.multiturn import (
         dispatch_conversations,
         multiturn_stats,
         timelines_of_records,
@@ -454,7 +451,7 @@ def bench_multiturn_in_process(engine, convs: list, args: argparse.Namespace,
     """The conversations through an in-process engine (``multiturn.replay_conversations``)."""
     from tqdm.auto import tqdm
 
-    from benchmarks.multiturn import multiturn_stats, replay_conversations
+    from serving.bench.multiturn import multiturn_stats, replay_conversations
 
     turns = sum(c.num_turns for c in convs)
     with tqdm(total=turns, desc="turns", disable=args.no_progress, leave=False) as bar:
@@ -467,10 +464,10 @@ def bench_multiturn_in_process(engine, convs: list, args: argparse.Namespace,
 
 def bench_in_process(engine, workload: list[WorkloadRequest],
                      args: argparse.Namespace) -> dict[str, Any]:
-    """The same workload through an in-process engine (``benchmarks.replay``)."""
+    """The same workload through an in-process engine (``serving.bench.replay``)."""
     from tqdm.auto import tqdm
 
-    from benchmarks.replay import TimedRequest, replay
+    from serving.bench.replay import TimedRequest, replay
 
     tok = engine.model.tokenizer
     ids = prompt_ids_for(workload, engine.model.vocab_size, args.seed)
@@ -493,63 +490,6 @@ def in_process_engine(args: argparse.Namespace, policy: str):
                           compilation_cache_dir=args.compilation_cache or None,
                           show_progress=not args.no_progress)
     return LLMEngine(model, config)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_server(command: str, policy: str, backend: str, log_path: str,
-                  timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """Start the server command for ``policy`` and wait until it answers; returns the
-    process and the benchmark target."""
-    grpc_port, http_port = _free_port(), _free_port()
-    argv = shlex.split(command) + ["--policy", policy, "--grpc-port", str(grpc_port),
-                                   "--http-port", str(http_port)]
-    if argv[0] == "superinfer":
-        argv = [sys.executable, "-m", "serving.cli", *argv[1:]]
-    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{grpc_port}" if backend == "grpc" else f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ValueError(f"server for policy {policy} exited {proc.returncode}; see "
-                             f"{log_path}")
-        if _answers(backend, target):
-            return proc, target
-        time.sleep(0.5)
-    proc.kill()
-    raise ValueError(f"server for policy {policy} not ready after {timeout_s:.0f} s; see "
-                     f"{log_path}")
-
-
-def _answers(backend: str, target: str) -> bool:
-    async def probe() -> bool:
-        b = make_backend(backend, target)
-        try:
-            await b.open()
-        except ValueError:
-            return False
-        await b.close()
-        return True
-
-    return asyncio.run(probe())
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -589,8 +529,8 @@ def _run_policy(args: argparse.Namespace, rates: list[float], policy: str) -> li
 
 
 def finish(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    from benchmarks.bench_plots import attainment_vs_rate, latency_cdfs
-    from benchmarks.common import print_table, write_json
+    from serving.bench.plots import attainment_vs_rate, latency_cdfs
+    from superinfer_jax.sim.report import write_json
 
     print_table([{k: v for k, v in r.items() if k != "result"} for r in rows],
                 title="serving benchmark")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.metrics import Timeline, parked_spans
-from benchmarks.workloads import TraceRequest
+from superinfer_jax.sim.metrics import Timeline, parked_spans
+from superinfer_jax.sim.workloads import TraceRequest
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The simulator against the real engine, on this machine, per policy.
 
 The same workload runs twice: through the engine (SmolLM2 on this CPU, device pool
-capped so requests rotate or are recomputed; ``benchmarks.replay`` in real time) and
+capped so requests rotate or are recomputed; ``serving.bench.replay`` in real time) and
 through the simulator calibrated on that same engine (``CalibratedCost``: the engine's
 ``profile_engine`` latency model, priced at the padded bucket shapes it compiles, plus a
 per-step and per-row host overhead fitted on a separate calibration run whose every step
@@ -15,7 +15,7 @@ plus the host terms). On a shared CPU the machine's speed drifts between calibra
 run; ``refit`` removes that drift and so isolates the simulator's scheduling dynamics
 (who runs when, rotations, recomputation) from the cost model's error.
 
-    python -m benchmarks.sim_validation [--quick] [--out results/sim_validation.json]
+    python -m benchmarks.sim validate [--quick] [--out results/sim_validation.json]
 
 The engine runs its synchronous loop (``async_scheduling=False``): the simulator prices a
 step as host work, then the prefill call, then the decode call, one after the other, and
@@ -35,16 +35,16 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 from benchmarks.policy_sweep import DEFAULT_CACHE, unloaded_latency
-from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
+from superinfer_jax.sim.workloads import SLOClass, WorkloadSpec, build_workload
 
 METRICS = (("mean_ttft_ms", "mean TTFT"), ("p99_itl_ms", "P99 TBT"),
            ("ttft_attainment", "TTFT att"), ("tbt_attainment", "TBT att"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "sim_validation")
     p.add_argument("--policies", default="fcfs,swap,rotasched")
@@ -100,10 +100,10 @@ class StepRecorder:
         engine.step = self.step
         self._shapes = None
 
-    def schedule(self, now=None):
+    def schedule(self, now=None, *args):
         from superinfer_jax.sim import CallShape
 
-        plan = self._schedule(now)
+        plan = self._schedule(now, *args)
         reqs = self.engine.requests
         pre = [(n, reqs[r].num_computed_tokens) for r, n in plan.prefill]
         dec = [(1, reqs[r].num_computed_tokens) for r in plan.decode]
@@ -162,9 +162,10 @@ def speed_factor(engine, latency) -> float:
     calibrated model by this factor, measured just before each engine run."""
     from superinfer_jax.runner.profiler import _time_step
 
-    decode = _time_step(engine, 1, 1, 1, 64, repeats=3) / latency.decode_s(1, 64)
+    runner = engine.runner  # owns the compiled buckets
+    decode = _time_step(runner, 1, 1, 1, 64, repeats=3) / latency.decode_s(1, 64)
     cols = engine.config.prefill_chunk_buckets[0]
-    prefill = _time_step(engine, 1, cols, cols, cols, repeats=3) / latency.prefill_s(cols, 0)
+    prefill = _time_step(runner, 1, cols, cols, cols, repeats=3) / latency.prefill_s(cols, 0)
     return float(np.sqrt(decode * prefill))
 
 
@@ -185,7 +186,7 @@ def scaled(cost, factor: float):
 def calibrate(engine, args: argparse.Namespace, vocab: int):
     """This machine's cost model: the engine's profile, then the host overhead fitted on
     a calibration replay (its own seed, so the validation workload is not fitted)."""
-    from benchmarks.replay import replay
+    from serving.bench.replay import replay
     from superinfer_jax.runner.profiler import profile_engine
 
     latency = profile_engine(engine)
@@ -201,7 +202,7 @@ def calibrate(engine, args: argparse.Namespace, vocab: int):
 
 
 def timed_requests(work, vocab: int, seed: int):
-    from benchmarks.replay import TimedRequest
+    from serving.bench.replay import TimedRequest
 
     rng = np.random.default_rng(seed)
     return [TimedRequest(r.arrival_s, rng.integers(10, vocab - 10, r.prompt_len).tolist(),
@@ -210,8 +211,8 @@ def timed_requests(work, vocab: int, seed: int):
 
 def run_engine(engine, work, vocab: int, seed: int) -> tuple[dict[str, Any], list]:
     """The engine's summary, and its recorded steps (for the re-fitted simulator)."""
-    from benchmarks.metrics import summarize
-    from benchmarks.replay import replay
+    from serving.bench.replay import replay
+    from superinfer_jax.sim.metrics import summarize
 
     recorder = StepRecorder(engine)
     try:
@@ -223,8 +224,8 @@ def run_engine(engine, work, vocab: int, seed: int) -> tuple[dict[str, Any], lis
 
 
 def run_sim(engine, cost, work) -> dict[str, Any]:
-    from benchmarks.simulate import to_specs
     from superinfer_jax.sim import Simulator
+    from superinfer_jax.sim.cli import to_specs
     from superinfer_jax.sim.stats import summarize
 
     sim = Simulator(engine.config, cost, engine.num_device_pages, engine.num_host_pages,
@@ -307,7 +308,3 @@ def _step_json(step) -> dict[str, Any]:
             "decode": None if dec is None else dataclasses.asdict(dec), "rows": rows,
             "pages": pages,
             "measured_s": measured}
-
-
-if __name__ == "__main__":
-    main()

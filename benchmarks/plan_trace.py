@@ -10,8 +10,8 @@ profile with host overhead per step, row and page, as ``policy_sweep`` runs it: 
 device pages, 512 host pages), each for fcfs, swap, rotasched (and rotasched in slack
 mode on the CPU setup). Every run must rotate or preempt, else it proves little.
 
-    python -m tests.superinfer_jax.sim.plan_trace --out /tmp/sched_before
-    python -m tests.superinfer_jax.sim.plan_trace --out /tmp/sched_after \\
+    python -m benchmarks.plan_trace --out /tmp/sched_before
+    python -m benchmarks.plan_trace --out /tmp/sched_after \\
         --compare /tmp/sched_before
 
 With the mypyc build of the scheduler in use (``superinfer_jax.mypyc_build``), methods
@@ -113,8 +113,9 @@ def _cpu_preset():
 
 
 def _workload(case: str):
-    from benchmarks.simulate import to_specs
-    from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
+    from serving.bench.sharegpt import default_tokenizer
+    from superinfer_jax.sim.cli import to_specs
+    from superinfer_jax.sim.workloads import SLOClass, WorkloadSpec, build_workload
 
     if case == "paper":
         spec = WorkloadSpec(dataset="sharegpt", rate=15.0, num_requests=1, duration_s=20.0,
@@ -126,7 +127,7 @@ def _workload(case: str):
                             random_range_ratio=0.9, max_prompt=256, max_total=304,
                             slo_mix=(SLOClass(0.2, 1000.0, 150.0, "critical"),
                                      SLOClass(0.8, 1000.0, 150.0)), seed=0)
-    return to_specs(build_workload(spec))
+    return to_specs(build_workload(spec, load_tokenizer=default_tokenizer))
 
 
 def _simulator(case: str, policy: str):

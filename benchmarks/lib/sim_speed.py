@@ -25,8 +25,8 @@ modules ran (``superinfer_jax.mypyc_build``; ``SUPERINFER_COMPILED=0`` runs plai
 the baseline: ``--baseline-plain`` runs each row again that way, in a subprocess after
 it, and adds ``plain_wall_s`` and ``speedup``).
 
-    python -m benchmarks.sim_speed [--quick] [--scenarios knee] [--policies rotasched]
-    python -m benchmarks.sim_speed --preset paper-llama8b-sharegpt --rate 40 \\
+    python -m benchmarks.sim speed [--quick] [--scenarios knee] [--policies rotasched]
+    python -m benchmarks.sim speed --preset paper-llama8b-sharegpt --rate 40 \\
         --num-requests 100000 --policies fcfs --profile   # one custom scenario
 """
 
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 
 import superinfer_jax.mypyc_build as compiled
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 
 QUEUE_SIZES = (100, 1_000, 10_000)  # waiting requests at which a schedule call is timed
 
@@ -67,7 +67,7 @@ SCENARIOS = {s.name: s for s in (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "sim_speed")
     p.add_argument("--scenarios", default="knee,light",
@@ -147,7 +147,7 @@ def plain_python_wall_s(scenario: Scenario, policy: str, num_requests: int, seed
     """Wall seconds of the same row with the mypyc build off, in its own process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "plain.json")
-        cmd = [sys.executable, "-m", "benchmarks.sim_speed", "--preset", scenario.preset,
+        cmd = [sys.executable, "-m", "benchmarks.sim", "speed", "--preset", scenario.preset,
                "--hardware", scenario.hardware, "--rate", str(scenario.rate),
                "--num-requests", str(num_requests), "--policies", policy,
                "--seed", str(seed), "--out", out]
@@ -162,9 +162,10 @@ def plain_python_wall_s(scenario: Scenario, policy: str, num_requests: int, seed
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.simulate import to_specs
-    from benchmarks.workloads import SLOClass, WorkloadSpec, build_workload
+    from serving.bench.sharegpt import default_tokenizer
+    from superinfer_jax.sim.cli import to_specs
     from superinfer_jax.sim.presets import get_preset
+    from superinfer_jax.sim.workloads import SLOClass, WorkloadSpec, build_workload
 
     args = parse_args(argv)
     print("scheduler and simulator modules: " + (
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         work = build_workload(WorkloadSpec(
             dataset=args.dataset or preset.dataset, num_requests=args.num_requests,
             rate=scenario.rate, max_prompt=preset.max_prompt, max_total=preset.max_total,
-            seed=args.seed, slo_mix=(SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)))
+            seed=args.seed, slo_mix=(SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)),
+            load_tokenizer=default_tokenizer)
         specs = to_specs(work)
         for policy in args.policies.split(","):
             row, profile = run_one(scenario, policy, specs, args)
@@ -195,7 +197,3 @@ def main(argv: list[str] | None = None) -> None:
                                    if k != "scenario_list"},
                           "scenarios": [vars(s) for s in args.scenario_list],
                           "rows": rows, "profiles": profiles})
-
-
-if __name__ == "__main__":
-    main()

@@ -217,21 +217,6 @@ def _write_cache(path: str | None, lengths: list[list[int]]) -> None:
         pass  # a cache is an optimisation
 
 
-def default_tokenizer() -> tuple[TokenizerLike, str]:
-    """SmolLM2's byte-level BPE tokenizer (49k vocab), read from the embedded GGUF's
-    metadata only (no weights): the token counts of every ShareGPT length here.
-    Llama-3's and Qwen2.5's tokenizers (128k / 152k vocab) give somewhat fewer tokens."""
-    import gguf
-
-    from models.loaders import embedded_gguf_path
-    from models.tokenizer import Tokenizer
-
-    path = embedded_gguf_path("smollm2-135m")
-    reader = gguf.GGUFReader(path, "r")
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    return Tokenizer.from_gguf_fields(fields), "smollm2-135m"
-
-
 def conversation_turns(rec: Any) -> list[tuple[str, str]]:
     """A conversation's (user message, recorded reply) pairs, in order, for multi-turn
     replay.

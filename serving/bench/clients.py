@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from benchmarks.workloads import WorkloadRequest
+from superinfer_jax.sim.workloads import WorkloadRequest
 
 _PRIORITY = {"critical": 1, "standard": 2, "batch": 3}
 

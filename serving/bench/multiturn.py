@@ -1,11 +1,11 @@
-"""Closed-loop replay of multi-turn conversations (``workloads.MultiTurnSpec``).
+"""Closed-loop replay of multi-turn conversations (``sim.conversations.MultiTurnSpec``).
 
 A conversation starts at its start time; its turn k+1 leaves only once turn k's answer
 has fully arrived (its last token), plus that turn's think time: the user reads, then
 types. Conversations run concurrently, so the load is what the conversations' pace makes
 it, not a fixed request rate. Two drivers with the same semantics:
 
-- ``dispatch_conversations``: against a server (``bench_clients`` backends), on the
+- ``dispatch_conversations``: against a server (``bench.clients`` backends), on the
   client's clock. Prompts are the recorded conversation as token ids
   (``Conversation.prompt_ids``), so turn k+1's prompt is turn k's prompt + the recorded
   reply + the next message, whatever the server generated: prompts never go through
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.bench_clients import Backend, RequestRecord
-from benchmarks.metrics import Timeline, parked_spans
-from benchmarks.workloads import Conversation
+from serving.bench.clients import Backend, RequestRecord
+from superinfer_jax.sim.conversations import Conversation
+from superinfer_jax.sim.metrics import Timeline, parked_spans
 
 NOT_SENT = "not sent: an earlier turn of its conversation failed"
 

@@ -32,7 +32,7 @@ rate. The verdict: multi-turn, #15's goal at the knee (the first rate where fcfs
 attainment is at most 60%: TTFT attainment >= 1.5x fcfs's, TBT attainment at most 5
 points lower); trace, ``policy_sweep.knee_verdict`` for each policy.
 
-    python -m benchmarks.sim_sweep [--quick] [--workload multiturn|trace] [--seeds 0-19]
+    python -m benchmarks.sim sweep [--quick] [--workload multiturn|trace] [--seeds 0-19]
         [--rates 1,1.25] [--policies fcfs,rotasched,rotasched:residency_share=0.25]
         [--latency-profile results/smollm2_cpu_latency_profile.json]
 """
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, print_table, write_json
 
 DEFAULT_PROFILE = os.path.join("results", "smollm2_cpu_latency_profile.json")
 DEFAULTS = {  # per workload: rates, TTFT and TBT SLOs (session 23's engine runs)
@@ -57,7 +57,7 @@ DEFAULTS = {  # per workload: rates, TTFT and TBT SLOs (session 23's engine runs
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "sim_sweep")
     p.add_argument("--workload", default="multiturn", choices=tuple(DEFAULTS))
@@ -134,8 +134,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
     """``name[:knob=value...]`` -> (policy name, RotaSchedConfig overrides)."""
-    from benchmarks.simulate import _scalar
     from superinfer_jax.config import RotaSchedConfig
+    from superinfer_jax.sim.cli import _scalar
 
     parts = text.split(":")
     name = ":".join(x for x in parts if "=" not in x)  # a name or module:Class
@@ -208,7 +208,7 @@ def trace_specs(args: argparse.Namespace, rate: float, seed: int) -> list:
 
 
 def simulator(args: argparse.Namespace, policy: str, latency, page_bytes: int):
-    from benchmarks.sim_validation import scaled
+    from benchmarks.lib.sim_validation import scaled
     from superinfer_jax.sim import CalibratedCost, HostOverhead, Simulator
 
     cfg = engine_config(args, policy)
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     latency = latency_model(args, model)
     page_bytes = MODELS[args.model].page_bytes(16)
     if args.workload == "multiturn":
-        from benchmarks.sharegpt import load_conversations
+        from superinfer_jax.sim.sharegpt import load_conversations
 
         records, _ = load_conversations(args.sharegpt_path)
     rows, t0 = [], time.perf_counter()
@@ -330,11 +330,7 @@ def conversation_specs(args: argparse.Namespace, records: list, tokenizer, rate:
                        seed: int) -> list:
     """``policy_sweep``'s conversations for ``rate`` and ``seed``, as simulator specs."""
     from benchmarks.policy_sweep import multiturn_spec
-    from benchmarks.workloads import build_conversations
+    from superinfer_jax.sim.conversations import build_conversations
 
     spec = multiturn_spec(args, rate, seed, args.ttft_slo_ms, args.tbt_slo_ms)
     return to_conversation_specs(build_conversations(records, tokenizer, spec))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,7 @@ a prefill chunk misses a 3x-decode-step SLO for every decoder in it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,12 +70,14 @@ class Timeline:
         return self.ok and not self.missed_gaps()
 
 
-def _dist(prefix: str, values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    """mean/median/std/p90/p99 in ms (vLLM's key names: mean_ttft_ms, p99_itl_ms, ...)."""
-    if not values:
+def dist(prefix: str, values: Sequence[float] | np.ndarray, scale: float = 1000.0
+         ) -> dict[str, float]:
+    """mean/median/std/p90/p99 in ms (vLLM's key names: mean_ttft_ms, p99_itl_ms, ...);
+    ``values`` in seconds, a list or an array."""
+    v = np.asarray(values) * scale
+    if v.size == 0:
         return {f"{k}_{prefix}_ms": float("nan") for k in ("mean", "median", "std", "p90",
                                                           "p99")}
-    v = np.asarray(values) * scale
     return {
         f"mean_{prefix}_ms": float(v.mean()),
         f"median_{prefix}_ms": float(np.median(v)),
@@ -88,7 +90,7 @@ def _dist(prefix: str, values: list[float], scale: float = 1000.0) -> dict[str, 
 def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
     """vLLM-style result keys plus ours (attainment, rotations, recomputation)."""
     done = [t for t in timelines if t.ok and t.token_times]
-    ttfts = [t.ttft for t in done]
+    ttfts = [t.token_times[0] - t.arrival for t in done]
     itls = [g for t in done for g in t.gaps]
     tpots = [(t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
              for t in done if t.output_tokens > 1]
@@ -114,7 +116,7 @@ def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
         "recomputed_tokens": sum(t.num_recomputed_tokens for t in timelines),
     }
     for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2e)):
-        result.update(_dist(prefix, values))
+        result.update(dist(prefix, values))
     return result
 
 
@@ -158,6 +160,7 @@ def vllm_goodput(timelines: list[Timeline], duration_s: float, ttft_ms: float | 
             continue
         tpot = ((t.token_times[-1] - t.token_times[0]) / (t.output_tokens - 1)
                 if t.output_tokens > 1 else 0.0)
-        checks = ((ttft_ms, t.ttft), (tpot_ms, tpot), (e2el_ms, t.token_times[-1] - t.arrival))
+        checks = ((ttft_ms, t.token_times[0] - t.arrival), (tpot_ms, tpot),
+                  (e2el_ms, t.token_times[-1] - t.arrival))
         good += all(bound is None or value * 1000 <= bound for bound, value in checks)
     return good / duration_s

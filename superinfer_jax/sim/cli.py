@@ -19,9 +19,11 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
 
 A Mooncake trace (``mooncake_conv``, ``mooncake_synthetic``, or a JSONL file with
 ``hash_ids``) replays its own timestamps scaled to each rate, with its hash ids as prompt
-content (``benchmarks.sim_mooncake``), so prefix caching has something to share: each
+content (``sim.mooncake``), so prefix caching has something to share: each
 run is simulated with caching on and off (``--prefix-caching``), and the rows report the
-hit rate (prompt tokens served from the cache) beside SLO attainment.
+hit rate (prompt tokens served from the cache) beside SLO attainment. Trace names resolve
+to ``benchmarks/data/traces`` in a source checkout; elsewhere ``--dataset`` takes the
+trace file's path.
 
 Writes JSON (every summary) and a PNG (attainment against rate, one column per hardware).
 """
@@ -34,9 +36,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.common import print_table, write_json
-from benchmarks.sim_mooncake import BlockTrace, is_block_trace, load_block_trace
-from benchmarks.workloads import WorkloadSpec, build_workload, parse_slo_mix
+from superinfer_jax.sim.mooncake import BlockTrace, is_block_trace, load_block_trace
+from superinfer_jax.sim.report import print_table, write_json
+from superinfer_jax.sim.workloads import (
+    SLOClass,
+    TokenizerLoader,
+    WorkloadSpec,
+    build_workload,
+    parse_slo_mix,
+)
 
 ROW_KEYS = {  # table column -> summary key
     "ttft_att": "ttft_attainment", "tbt_att": "tbt_attainment", "slo_att": "slo_attainment",
@@ -53,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model preset (without --preset): "
                    "smollm2-135m, llama-3-8b, qwen2.5-32b, llama-3-70b-fp8")
     p.add_argument("--dataset", help="sharegpt, random, azure_conv, azure_code, "
-                   "mooncake_conv, mooncake_synthetic or a trace file")
+                   "mooncake_conv, mooncake_synthetic (trace names: in a source checkout) "
+                   "or a trace file's path")
     p.add_argument("--hardware", help="comma-separated: gh200-96g, gh200-144g, h100-pcie, "
                    "h200-pcie, h100-nvl-pcie")
     p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched, another "
@@ -193,8 +202,6 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
 
 
 def workload_spec(preset, rate: float, args: argparse.Namespace) -> WorkloadSpec:
-    from benchmarks.workloads import SLOClass
-
     mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
         (SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)
     return WorkloadSpec(
@@ -222,8 +229,6 @@ def to_specs(workload) -> list:
 def block_trace(preset, rate: float, args: argparse.Namespace) -> BlockTrace:
     """The Mooncake replay of one rate: the preset's first ``num_requests`` (or those
     within ``duration_s``), timestamps scaled to ``rate``."""
-    from benchmarks.workloads import SLOClass
-
     mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
         (SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)
     return BlockTrace(
@@ -233,10 +238,12 @@ def block_trace(preset, rate: float, args: argparse.Namespace) -> BlockTrace:
         seed=args.seed)
 
 
-def _workloads(preset, args: argparse.Namespace, notes: list[str]) -> dict[float, list]:
+def _workloads(preset, args: argparse.Namespace, notes: list[str],
+               load_tokenizer: TokenizerLoader | None) -> dict[float, list]:
     if not is_block_trace(preset.dataset):
         return {rate: to_specs(build_workload(workload_spec(preset, rate, args),
-                                              report=notes)) for rate in preset.rates}
+                                              report=notes, load_tokenizer=load_tokenizer))
+                for rate in preset.rates}
     from superinfer_jax.sim.stats import prefix_hit_ceiling
 
     out = {}
@@ -250,14 +257,15 @@ def _workloads(preset, args: argparse.Namespace, notes: list[str]) -> dict[float
     return out
 
 
-def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_sweep(preset, args: argparse.Namespace,
+              load_tokenizer: TokenizerLoader | None = None) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     from superinfer_jax.sim.stats import summarize
 
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    workloads = _workloads(preset, args, notes)
+    workloads = _workloads(preset, args, notes, load_tokenizer)
     for note in dict.fromkeys(notes):
         print(note)
     content = is_block_trace(preset.dataset)
@@ -288,14 +296,9 @@ def run_sweep(preset, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, load_tokenizer: TokenizerLoader | None = None) -> int:
+    """The command; ``load_tokenizer`` loads the tokenizer that counts ShareGPT tokens
+    (``serving.bench.sharegpt.default_tokenizer``: the engine layer loads no model)."""
     from superinfer_jax.sim.presets import PRESETS
 
     if args.list:
@@ -305,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     preset = _preset(args)
     t0 = time.perf_counter()
-    rows = run_sweep(preset, args)
+    rows = run_sweep(preset, args, load_tokenizer)
     for hw in preset.hardware:
         print_table([{k: v for k, v in r.items() if k not in ("summary", "hardware")}
                      for r in rows if r["hardware"] == hw],
@@ -361,7 +364,3 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def _label(row: dict[str, Any]) -> str:
     return f"{row['policy']}, no cache" if row.get("cache") == "off" else row["policy"]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

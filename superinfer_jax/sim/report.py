@@ -1,19 +1,13 @@
-"""Shared benchmark plumbing: flags, a plain-text table, JSON results with context."""
+"""Results of the simulator and the benchmarks: a plain-text table, JSON with the machine's
+context (time, platform, JAX backend and devices)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import time
 from typing import Any
-
-
-def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--quick", action="store_true", help="small version, under a minute")
-    parser.add_argument("--out", default=os.path.join("results", f"{name}.json"),
-                        help="where to write the JSON results")
 
 
 def print_table(rows: list[dict[str, Any]], title: str | None = None) -> None:
