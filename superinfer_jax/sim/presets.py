@@ -57,7 +57,7 @@ class SimPreset:
     name: str
     description: str
     model: str  # a key of cost_model.MODELS
-    dataset: str  # a workload dataset (benchmarks.workloads)
+    dataset: str  # a workload dataset (superinfer_jax.sim.workloads)
     rates: tuple[float, ...]  # requests per second
     duration_s: float = 120.0  # arrivals are generated for this long
     num_requests: int | None = None  # instead of duration_s: this many requests
