@@ -49,6 +49,7 @@ from superinfer_jax.sim.workloads import (
 ROW_KEYS = {  # table column -> summary key
     "ttft_att": "ttft_attainment", "tbt_att": "tbt_attainment", "slo_att": "slo_attainment",
     "mean_ttft_ms": "mean_ttft_ms", "p99_ttft_ms": "p99_ttft_ms", "p99_tbt_ms": "p99_itl_ms",
+    "p99_stall_ms": "p99_stall_ms", "max_stall_ms": "max_stall_ms",
     "out_tok_s": "output_throughput", "rotations": "num_rotations",
     "recomputed": "recomputed_tokens", "sim_s": "sim_wall_s",
 }

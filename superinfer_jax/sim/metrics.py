@@ -117,7 +117,21 @@ def summarize(timelines: list[Timeline], duration_s: float) -> dict[str, float]:
     }
     for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2e)):
         result.update(dist(prefix, values))
+    stalls = [(max(t.gaps), t.tbt_slo_s) for t in done if len(t.token_times) > 1]
+    result.update(stall_dist([g for g, _ in stalls],
+                             [g / slo for g, slo in stalls if slo is not None]))
     return result
+
+
+def stall_dist(longest_gaps: Sequence[float] | np.ndarray,
+               in_slos: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """The longest gap of each request (what a user sees as a freeze): its distribution
+    in ms (``*_stall_ms``), its maximum, and its P99 in units of the request's TBT SLO."""
+    out = dist("stall", longest_gaps)
+    gaps, slos = np.asarray(longest_gaps), np.asarray(in_slos)
+    out["max_stall_ms"] = float(gaps.max() * 1000.0) if gaps.size else float("nan")
+    out["p99_stall_tbt_slos"] = float(np.percentile(slos, 99)) if slos.size else float("nan")
+    return out
 
 
 def tbt_misses(timelines: list[Timeline]) -> tuple[int, int]:

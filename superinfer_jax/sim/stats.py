@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from superinfer_jax.sim.metrics import dist
+from superinfer_jax.sim.metrics import dist, stall_dist
 from superinfer_jax.sim.simulator import RequestSpec, SimResult
 
 
@@ -73,6 +73,8 @@ def summarize(result: SimResult) -> dict[str, Any]:
     for prefix, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl),
                            ("e2el", last - arrival)):
         out.update(dist(prefix, values))
+    longest = np.array([g.max() for g, n in zip(gaps, counts, strict=True) if n > 1])
+    out.update(stall_dist(longest, longest / tbt_slo[multi]))
     out.update(_counters(result))
     if result.prefix_caching:
         out.update(_prefix(result))
