@@ -32,7 +32,14 @@ from typing import Any
 import yaml
 
 from superinfer_jax.config import DTYPES, EngineConfig, default_kv_dtype
-from superinfer_jax.config_schema import ConfigError, check_value, knob, type_hints, validate
+from superinfer_jax.config_schema import (
+    Check,
+    ConfigError,
+    check_value,
+    knob,
+    type_hints,
+    validate,
+)
 from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES, SLO
 
 log = logging.getLogger("superinfer.config")
@@ -181,6 +188,21 @@ def _kv_dtype(value: str, values: Mapping[str, Any]) -> str:
     return default_kv_dtype(values["model.dtype"]) if value == "auto" else value
 
 
+def _policy(key: str, name: Any) -> str | None:
+    """A registered policy or a ``module:Class`` path: the registry's resolver and words
+    (``must be one of the registered policies ...``), so a bad name stops the load."""
+    from superinfer_jax.sched.rotasched.registry import policy_problem
+
+    return policy_problem(name)
+
+
+# Checks a config dataclass cannot make without importing what it configures: the loader
+# makes them, so a bad file fails at load, before the engine is built.
+LOADER_CHECKS: dict[str, Check] = {
+    "engine.policy": _policy,
+}
+
+
 SERVING: dict[str, Serving] = {
     # A server runs the paper's policy with a host tier; the library defaults to vLLM's.
     "engine.policy": Serving("rotasched"),
@@ -320,6 +342,8 @@ def _build_keys() -> dict[str, Key]:
                 meta["choices"] = (*extra, *meta["choices"])
             key = dataclasses.replace(key, hint=hint, meta=meta, default=rule.default,
                                       to_engine=rule.to_engine)
+        if key.path in LOADER_CHECKS:
+            key = dataclasses.replace(key, meta={**key.meta, "check": LOADER_CHECKS[key.path]})
         out[key.path] = key
     order = {s: i for i, s in enumerate(SECTIONS)}
     return dict(sorted(out.items(), key=lambda kv: order[kv[1].section]))

@@ -88,14 +88,6 @@ def _default_priority_weights() -> dict[str, float]:
     return {"critical": 4.0, "standard": 1.0, "batch": 0.25}
 
 
-def _policy_check(key: str, name: str) -> str | None:
-    """A registered policy (``POLICIES`` are built in) or a ``module:Class`` path; the
-    one resolver and its messages are ``superinfer_jax.sched.rotasched.registry``'s."""
-    from superinfer_jax.sched.rotasched.registry import policy_problem
-
-    return policy_problem(name)
-
-
 def _priority_weights_check(key: str, weights: dict[str, float]) -> str | None:
     unknown = set(weights) - set(PRIORITY_CLASSES)
     if unknown:
@@ -298,7 +290,9 @@ class EngineConfig:
         help="JSON structured outputs without free whitespace between tokens (vLLM's "
              "disable_any_whitespace): shorter outputs, and a weak model cannot spend its "
              "max_tokens on blank lines")
-    policy: str = knob("fcfs", check=_policy_check, section="engine",
+    # A registered name (``POLICIES`` are built in) or a ``module:Class`` path, resolved
+    # where the scheduler is built (``sched.rotasched.registry.make_scheduler``).
+    policy: str = knob("fcfs", section="engine",
                        help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
     rotasched: RotaSchedConfig = knob(default_factory=RotaSchedConfig, section="rotasched",
                                       help="RotaSched's parameters")
