@@ -18,6 +18,7 @@ from serving.config_schema import (
     ENGINE_KEYS,
     KEYS,
     NOT_KEYS,
+    PROFILES,
     REMOVED,
     RENAMED,
     SECTIONS,
@@ -60,6 +61,38 @@ def test_shipped_example_is_valid_and_maps_onto_the_engine():
     assert ec.max_prefill_chunk == 256 and ec.dtype == "float32"
     assert ec.policy == "rotasched" and ec.host_memory_gb == 2.0
     assert ec.compilation_cache_dir == str(Path("~/.cache/superinfer/xla").expanduser())
+
+
+def test_each_key_has_one_default_and_profiles_set_keys_visibly():
+    """A key's default is its field's; the server profile (the file's default) sets a
+    few keys over them, each shown in the generated file with its default."""
+    for path, key in KEYS.items():
+        if key.target[0] == "engine":
+            field = next(f for f in dataclasses.fields(EngineConfig) if f.name == key.target[1])
+            if len(key.target) == 2:
+                assert key.default == config_schema._field_default(field), path
+    text = render_default()
+    assert "\nprofile: server\n" in text
+    for name, keys in PROFILES.items():
+        for path, value in keys.items():
+            KEYS[path].check(value)
+            if name == "server":
+                assert f"[profile server; default {config_schema._scalar(KEYS[path].default)}]" \
+                    in text, path
+    library = DeploymentConfig.from_dict({"profile": "library"})
+    assert library.engine == EngineConfig() and library.profile == "library"
+    server = DeploymentConfig.load(None)
+    assert server.profile == "server"
+    differs = {p for p in KEYS if server.values[p] != library.values[p]}
+    assert differs == set(PROFILES["server"])
+    assert (server.engine.policy, server.engine.host_memory_gb) == ("rotasched", 2.0)
+    assert DeploymentConfig.load(None, {"profile": "library"}).engine.policy == "fcfs"
+    own = DeploymentConfig.from_dict({"profile": "library", "engine": {"policy": "swap"}})
+    assert own.engine.policy == "swap"  # a key set in the file wins over its profile
+    with pytest.raises(ConfigError, match=r"profile must be one of \['server', 'library'\], "
+                                          r"got 'lab'"):
+        DeploymentConfig.from_dict({"profile": "lab"})
+    assert DeploymentConfig.load(None, parse_set(["profile=library"])).profile == "library"
 
 
 def test_defaults_without_a_file_equal_the_example():
