@@ -13,8 +13,8 @@ checked by the one validator (``superinfer_jax.config_schema.check_value``). Eac
 one default, its field's. What this module adds is what a dataclass cannot say: the values
 a file may give beyond the field's (``FILE_VALUES``: ``auto`` and the like), the profiles
 that set some keys for a kind of deployment (``PROFILES``: ``server``, the file's default,
-and ``library``), keys that were renamed or moved (``RENAMED``: they still load, with a
-warning) or removed (``REMOVED``: an error), and the rendering of the default file
+and ``library``), keys that were renamed or moved (``MOVED``) or removed (``REMOVED``),
+each an error naming what to do instead, and the rendering of the default file
 (``render_default``; ``python -m serving.config_schema --write superinfer_config.yaml``).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import logging
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -43,8 +42,6 @@ from superinfer_jax.config_schema import (
     validate,
 )
 from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES, SLO
-
-log = logging.getLogger("superinfer.config")
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_COMPILATION_CACHE = "~/.cache/superinfer/xla"
@@ -247,8 +244,8 @@ LOADER_CHECKS: dict[str, Check] = {
 }
 
 
-# Old key -> its new name. The old name still loads, with a warning (once per process).
-RENAMED: dict[str, str] = {
+# Old key -> its key now. An old name does not load: it is an error naming the new key.
+MOVED: dict[str, str] = {
     "rotasched.policy": "engine.policy",
     "rotasched.max_num_seqs": "engine.max_num_seqs",
     "rotasched.max_num_batched_tokens": "engine.max_num_batched_tokens",
@@ -389,25 +386,18 @@ def keys_of(section: str) -> list[Key]:
     return [k for k in KEYS.values() if k.section == section]
 
 
-# -- lookups: renamed, removed and unknown keys -----------------------------------------
-
-_warned: set[str] = set()
+# -- lookups: moved, removed and unknown keys -------------------------------------------
 
 
 def resolve(path: str) -> str:
-    """The current name of ``path``: itself, or the new name of a renamed key (warned
-    about once per process). A removed or unknown key is a ``ConfigError``."""
+    """``path`` if it is a key; else a ``ConfigError`` naming it: a moved key with its
+    new key, a removed key with why, an unknown key with the closest key."""
     if path in KEYS:
         return path
+    if path in MOVED:
+        raise ConfigError(path, f"was renamed: use {MOVED[path]}")
     if path in REMOVED:
         raise ConfigError(path, f"was removed ({REMOVED[path]}); delete it")
-    new = RENAMED.get(path)
-    if new is not None:
-        if path not in _warned:
-            _warned.add(path)
-            log.warning("config key %s is deprecated: it is now %s (the old name still "
-                        "loads; rename it)", path, new)
-        return new
     raise unknown(path)
 
 
@@ -423,12 +413,12 @@ def unknown(path: str) -> ConfigError:
     near = difflib.get_close_matches(name, same, n=1)
     if near:
         return ConfigError(path, f"is not a known key; did you mean {section}.{near[0]}?")
-    elsewhere = [p for p in (*KEYS, *RENAMED) if p.split(".", 1)[1] == name]
+    elsewhere = [p for p in (*KEYS, *MOVED) if p.split(".", 1)[1] == name]
     if not elsewhere:
-        elsewhere = difflib.get_close_matches(path, [*KEYS, *RENAMED], n=1, cutoff=0.75)
+        elsewhere = difflib.get_close_matches(path, [*KEYS, *MOVED], n=1, cutoff=0.75)
     if elsewhere:
         return ConfigError(path, f"is not a known key; did you mean "
-                                 f"{RENAMED.get(elsewhere[0], elsewhere[0])}?")
+                                 f"{MOVED.get(elsewhere[0], elsewhere[0])}?")
     return ConfigError(path, f"is not a known key ({section} keys: {', '.join(same)})")
 
 

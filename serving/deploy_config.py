@@ -1,7 +1,8 @@
 """The deployment file (``superinfer_config.yaml``): what to serve, on what, and how.
 
-Loading is one path for ``serve``, ``batch`` and ``generate``: read the YAML, rename old
-keys (``serving.config_schema.RENAMED``, warned once), apply the command line's
+Loading is one path for ``serve``, ``batch`` and ``generate``: read the YAML (an old key
+name is an error naming its new key, ``serving.config_schema.MOVED``), apply the command
+line's
 ``section.key`` overrides, start every key from its default and its profile's value
 (``profile:``, default ``server``; ``serving.config_schema.PROFILES``), check every value
 with the one validator against its field's schema, and build the ``EngineConfig`` from it.
@@ -59,9 +60,8 @@ class DeploymentConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> DeploymentConfig:
-        """From a mapping of sections (a parsed file, ``profile`` beside them); old key
-        names are renamed."""
-        sections = migrate(data)
+        """From a mapping of sections (a parsed file, ``profile`` beside them)."""
+        sections = check_sections(data)
         profile = sections.get(PROFILE_KEY, DEFAULT_PROFILE)
         values = {path: key.default for path, key in KEYS.items()}
         values.update(profile_of(profile))
@@ -85,7 +85,7 @@ class DeploymentConfig:
                 raise ConfigError(str(path), f"cannot be read: {e.strerror}") from e
             except yaml.YAMLError as e:
                 raise ConfigError(str(path), f"is not valid YAML: {e}") from e
-            loaded = migrate(loaded)
+            loaded = check_sections(loaded)
             if PROFILE_KEY in loaded:
                 data[PROFILE_KEY] = loaded[PROFILE_KEY]
             for dotted, value in _flatten(loaded).items():
@@ -138,19 +138,17 @@ def _slo(kwargs: dict[str, Any]) -> SLO:
         raise ConfigError(f"default_slo.{name}", message) from e
 
 
-def migrate(data: Any) -> dict[str, Any]:
-    """``data`` (sections of keys, and ``profile``, as parsed) with renamed keys under
-    their new names.
+def check_sections(data: Any) -> dict[str, Any]:
+    """``data`` (sections of keys, and ``profile``, as parsed) as a dict of dicts.
 
-    An unknown section, key or profile, a removed key, or an old and a new name both set
-    is a ``ConfigError`` naming it."""
+    An unknown section, key or profile, or a moved or removed key, is a ``ConfigError``
+    naming it."""
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError("config", f"must be a mapping of sections, got "
                                     f"{type(data).__name__}")
     out: dict[str, Any] = {}
-    given_as: dict[str, str] = {}  # current key -> the spelling the data used
     for section, keys in data.items():
         if section == PROFILE_KEY:
             profile_of(keys)
@@ -163,13 +161,8 @@ def migrate(data: Any) -> dict[str, Any]:
         if not isinstance(keys, Mapping):
             raise ConfigError(section, f"must be a mapping of keys, got {type(keys).__name__}")
         for key, value in keys.items():
-            old = f"{section}.{key}"
-            new = resolve(old)
-            if new in given_as:
-                raise ConfigError(old, f"and {given_as[new]} both set {new}; keep one")
-            given_as[new] = old
-            new_section, new_key = new.split(".", 1)
-            out.setdefault(new_section, {})[new_key] = value
+            resolve(f"{section}.{key}")
+            out.setdefault(section, {})[key] = value
     return out
 
 
@@ -183,9 +176,9 @@ UNSET = object()  # an override value that removes the key (back to the default)
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Copy of ``data`` (sections of keys) with ``{"section.key": value}`` set (or
-    ``{"profile": name}``); old key names are renamed first. None values are skipped (a
-    flag not given); ``UNSET`` removes the key."""
-    out = migrate(data)
+    ``{"profile": name}``). None values are skipped (a flag not given); ``UNSET`` removes
+    the key."""
+    out = check_sections(data)
     for dotted, value in overrides.items():
         if value is None:
             continue
