@@ -9,10 +9,12 @@ Every key of ``superinfer_config.yaml`` is a dataclass field:
   per field.
 
 So a key's section, name, type, bounds and help text are written once, on the field, and
-checked by the one validator (``superinfer_jax.config_schema.check_value``). What this
-module adds is what a dataclass cannot say: where a server's default differs from the
-library's (``SERVING``), keys that were renamed or moved (``RENAMED``: they still load,
-with a warning) or removed (``REMOVED``: an error), and the rendering of the default file
+checked by the one validator (``superinfer_jax.config_schema.check_value``). Each key has
+one default, its field's. What this module adds is what a dataclass cannot say: the values
+a file may give beyond the field's (``FILE_VALUES``: ``auto`` and the like), the profiles
+that set some keys for a kind of deployment (``PROFILES``: ``server``, the file's default,
+and ``library``), keys that were renamed or moved (``MOVED``) or removed (``REMOVED``),
+each an error naming what to do instead, and the rendering of the default file
 (``render_default``; ``python -m serving.config_schema --write superinfer_config.yaml``).
 """
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import logging
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -32,10 +33,15 @@ from typing import Any
 import yaml
 
 from superinfer_jax.config import DTYPES, EngineConfig, default_kv_dtype
-from superinfer_jax.config_schema import ConfigError, check_value, knob, type_hints, validate
+from superinfer_jax.config_schema import (
+    Check,
+    ConfigError,
+    check_value,
+    knob,
+    type_hints,
+    validate,
+)
 from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES, SLO
-
-log = logging.getLogger("superinfer.config")
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_COMPILATION_CACHE = "~/.cache/superinfer/xla"
@@ -155,21 +161,20 @@ SECTIONS = tuple(SECTION_HELP)  # in the file's order
 
 
 @dataclass(frozen=True)
-class Serving:
-    """How a server reads an engine key differently from the library (``EngineConfig``).
+class FileValues:
+    """What a key of the file accepts beyond its engine field's values.
 
-    ``default``: the server's default. ``auto``: extra values the file accepts, meaning
-    "decide from the rest" (``to_engine`` decides). ``to_engine(value, values)``: the
-    engine field's value from the key's and the other keys' (``values``, by YAML key)."""
+    ``auto``: extra values meaning "decide from the rest" (``to_engine`` decides).
+    ``to_engine(value, values)``: the engine field's value from the key's and the other
+    keys' (``values``, by YAML key)."""
 
-    default: Any
     help: str | None = None  # replaces the field's help in the file
     auto: tuple[Any, ...] = ()
     to_engine: Callable[[Any, Mapping[str, Any]], Any] | None = None
     example: Any = None
 
 
-def _cache_dir(value: str, values: Mapping[str, Any]) -> str | None:
+def _cache_dir(value: str | None, values: Mapping[str, Any]) -> str | None:
     return str(Path(value).expanduser()) if value else None
 
 
@@ -181,26 +186,66 @@ def _kv_dtype(value: str, values: Mapping[str, Any]) -> str:
     return default_kv_dtype(values["model.dtype"]) if value == "auto" else value
 
 
-SERVING: dict[str, Serving] = {
-    # A server runs the paper's policy with a host tier; the library defaults to vLLM's.
-    "engine.policy": Serving("rotasched"),
-    # A server is ready once its smallest buckets are compiled (runner.step_programs).
-    "engine.compile_in_background": Serving(True),
-    "duplex_kv.host_memory_gb": Serving(2.0),
-    "hardware.compilation_cache_dir": Serving(
-        DEFAULT_COMPILATION_CACHE, to_engine=_cache_dir,
-        help='persistent XLA cache: later starts skip the compiler ("" disables)'),
-    "engine.max_prefill_chunk": Serving(
-        None, auto=(None,), to_engine=_prefill_chunk, example=256,
+FILE_VALUES: dict[str, FileValues] = {
+    "hardware.compilation_cache_dir": FileValues(
+        to_engine=_cache_dir, example=DEFAULT_COMPILATION_CACHE,
+        help='persistent XLA cache: later starts skip the compiler ("" or null: none)'),
+    "engine.max_prefill_chunk": FileValues(
+        auto=(None,), to_engine=_prefill_chunk,
         help="longest prefill chunk of one request in one step "
-             "(default: min(256, max_num_batched_tokens))"),
-    "model.kv_cache_dtype": Serving(
-        "auto", auto=("auto",), to_engine=_kv_dtype,
+             "(null: min(256, max_num_batched_tokens))"),
+    "model.kv_cache_dtype": FileValues(
+        auto=("auto",), to_engine=_kv_dtype,
         help="auto (= model.dtype, but float32 on CPU) | float32 | bfloat16"),
 }
 
-# Old key -> its new name. The old name still loads, with a warning (once per process).
-RENAMED: dict[str, str] = {
+# A profile sets some keys for a kind of deployment, over their defaults (the fields',
+# as the Python API takes them); a key the file sets wins over its profile. The file
+# names its profile (``profile:``, default ``server``); the generated file shows the
+# server profile's keys commented out, each marked with its own default.
+PROFILES: dict[str, dict[str, Any]] = {
+    # A server runs the paper's policy with a host tier, is ready once its smallest
+    # buckets are compiled (runner.step_programs), keeps a persistent XLA cache, and sizes
+    # its prefill chunk and KV dtype from the other keys.
+    "server": {
+        "model.kv_cache_dtype": "auto",
+        "hardware.compilation_cache_dir": DEFAULT_COMPILATION_CACHE,
+        "engine.max_prefill_chunk": None,
+        "engine.compile_in_background": True,
+        "engine.policy": "rotasched",
+        "duplex_kv.host_memory_gb": 2.0,
+    },
+    # Every key's own default: the engine a library user gets from ``EngineConfig()``.
+    "library": {},
+}
+DEFAULT_PROFILE = "server"
+PROFILE_KEY = "profile"  # the file's top-level key naming its profile
+
+
+def profile_of(name: Any) -> dict[str, Any]:
+    """The keys profile ``name`` sets; a ``ConfigError`` naming ``profile`` if none."""
+    if not isinstance(name, str) or name not in PROFILES:
+        raise ConfigError(PROFILE_KEY, f"must be one of {list(PROFILES)}, got {name!r}")
+    return PROFILES[name]
+
+
+def _policy(key: str, name: Any) -> str | None:
+    """A registered policy or a ``module:Class`` path: the registry's resolver and words
+    (``must be one of the registered policies ...``), so a bad name stops the load."""
+    from superinfer_jax.sched.rotasched.registry import policy_problem
+
+    return policy_problem(name)
+
+
+# Checks a config dataclass cannot make without importing what it configures: the loader
+# makes them, so a bad file fails at load, before the engine is built.
+LOADER_CHECKS: dict[str, Check] = {
+    "engine.policy": _policy,
+}
+
+
+# Old key -> its key now. An old name does not load: it is an error naming the new key.
+MOVED: dict[str, str] = {
     "rotasched.policy": "engine.policy",
     "rotasched.max_num_seqs": "engine.max_num_seqs",
     "rotasched.max_num_batched_tokens": "engine.max_num_batched_tokens",
@@ -305,7 +350,7 @@ def _build_keys() -> dict[str, Key]:
                             ("engine", f.name)))
     out = {}
     for key in keys:
-        rule = SERVING.get(key.path)
+        rule = FILE_VALUES.get(key.path)
         if rule is not None:
             meta = dict(key.meta)
             hint = key.hint
@@ -318,8 +363,9 @@ def _build_keys() -> dict[str, Key]:
             extra = tuple(a for a in rule.auto if a is not None)
             if extra:
                 meta["choices"] = (*extra, *meta["choices"])
-            key = dataclasses.replace(key, hint=hint, meta=meta, default=rule.default,
-                                      to_engine=rule.to_engine)
+            key = dataclasses.replace(key, hint=hint, meta=meta, to_engine=rule.to_engine)
+        if key.path in LOADER_CHECKS:
+            key = dataclasses.replace(key, meta={**key.meta, "check": LOADER_CHECKS[key.path]})
         out[key.path] = key
     order = {s: i for i, s in enumerate(SECTIONS)}
     return dict(sorted(out.items(), key=lambda kv: order[kv[1].section]))
@@ -340,25 +386,18 @@ def keys_of(section: str) -> list[Key]:
     return [k for k in KEYS.values() if k.section == section]
 
 
-# -- lookups: renamed, removed and unknown keys -----------------------------------------
-
-_warned: set[str] = set()
+# -- lookups: moved, removed and unknown keys -------------------------------------------
 
 
 def resolve(path: str) -> str:
-    """The current name of ``path``: itself, or the new name of a renamed key (warned
-    about once per process). A removed or unknown key is a ``ConfigError``."""
+    """``path`` if it is a key; else a ``ConfigError`` naming it: a moved key with its
+    new key, a removed key with why, an unknown key with the closest key."""
     if path in KEYS:
         return path
+    if path in MOVED:
+        raise ConfigError(path, f"was renamed: use {MOVED[path]}")
     if path in REMOVED:
         raise ConfigError(path, f"was removed ({REMOVED[path]}); delete it")
-    new = RENAMED.get(path)
-    if new is not None:
-        if path not in _warned:
-            _warned.add(path)
-            log.warning("config key %s is deprecated: it is now %s (the old name still "
-                        "loads; rename it)", path, new)
-        return new
     raise unknown(path)
 
 
@@ -374,12 +413,12 @@ def unknown(path: str) -> ConfigError:
     near = difflib.get_close_matches(name, same, n=1)
     if near:
         return ConfigError(path, f"is not a known key; did you mean {section}.{near[0]}?")
-    elsewhere = [p for p in (*KEYS, *RENAMED) if p.split(".", 1)[1] == name]
+    elsewhere = [p for p in (*KEYS, *MOVED) if p.split(".", 1)[1] == name]
     if not elsewhere:
-        elsewhere = difflib.get_close_matches(path, [*KEYS, *RENAMED], n=1, cutoff=0.75)
+        elsewhere = difflib.get_close_matches(path, [*KEYS, *MOVED], n=1, cutoff=0.75)
     if elsewhere:
         return ConfigError(path, f"is not a known key; did you mean "
-                                 f"{RENAMED.get(elsewhere[0], elsewhere[0])}?")
+                                 f"{MOVED.get(elsewhere[0], elsewhere[0])}?")
     return ConfigError(path, f"is not a known key ({section} keys: {', '.join(same)})")
 
 
@@ -390,10 +429,16 @@ HEADER = """\
 #
 # Generated from the schema by `superinfer config --write superinfer_config.yaml` (the
 # keys are the fields of EngineConfig, RotaSchedConfig and serving/config_schema.py; a
-# test keeps this file equal to it). Every key is optional and shows its default. Flags
-# override keys (`--max-num-seqs 8`, or `--set section.key=value` for any key). An
-# unknown key or a bad value stops the server with an error naming it, e.g.
+# test keeps this file equal to it). Every key is optional: a line shows its default or,
+# commented out, an example or the value its profile gives it. Flags override keys
+# (`--max-num-seqs 8`, or `--set section.key=value` for any key). An unknown key or a bad
+# value stops the server with an error naming it, e.g.
 # "error: rotasched.alpha: must be >= 0, got -1".
+
+# The defaults the keys start from. server: sets the keys marked [profile server] below
+# (commented out, with the value it gives them). library: every key at its own default, as
+# EngineConfig and the Python API take them. A key set in this file wins over its profile.
+profile: server
 """
 _COMMENT_COLUMN = 32
 _WIDTH = 100
@@ -405,20 +450,27 @@ def _scalar(value: Any) -> str:
 
 
 def render_default() -> str:
-    """The default ``superinfer_config.yaml``: every key, its default, its help."""
+    """The default ``superinfer_config.yaml``: the profile, every key, its default (or,
+    commented out, its profile's value), its help."""
+    assert f"profile: {DEFAULT_PROFILE}\n" in HEADER
+    profile = PROFILES[DEFAULT_PROFILE]
     out = [HEADER]
     for section in SECTIONS:
         out.append(f"\n# {SECTION_HELP[section]}\n{section}:\n")
         for key in keys_of(section):
-            if key.default is None:
+            help_ = key.help
+            if key.path in profile:
+                line = f"  # {key.name}: {_scalar(profile[key.path])}"
+                help_ = f"[profile {DEFAULT_PROFILE}; default {_scalar(key.default)}] {help_}"
+            elif key.default is None:
                 line = f"  # {key.name}: {_scalar(key.meta['example'])}"
             else:
                 line = f"  {key.name}: {_scalar(key.default)}"
-            inline = f"{line.ljust(_COMMENT_COLUMN - 2)}  # {key.help}"
+            inline = f"{line.ljust(_COMMENT_COLUMN - 2)}  # {help_}"
             if len(inline) <= _WIDTH:
                 out.append(inline.rstrip() + "\n")
                 continue
-            for part in textwrap.wrap(key.help, _WIDTH - 4, break_on_hyphens=False):
+            for part in textwrap.wrap(help_, _WIDTH - 4, break_on_hyphens=False):
                 out.append(f"  # {part}\n")
             out.append(line + "\n")
     return "".join(out)

@@ -1,11 +1,13 @@
 """The deployment file (``superinfer_config.yaml``): what to serve, on what, and how.
 
-Loading is one path for ``serve``, ``batch`` and ``generate``: read the YAML, rename old
-keys (``serving.config_schema.RENAMED``, warned once), apply the command line's
-``section.key`` overrides, check every value with the one validator against its field's
-schema, and build the ``EngineConfig`` from it. Every failure is a ``ConfigError`` whose
-``key`` is the YAML key (``rotasched.alpha``), whether the YAML layer or
-``EngineConfig.__post_init__`` found it.
+Loading is one path for ``serve``, ``batch`` and ``generate``: read the YAML (an old key
+name is an error naming its new key, ``serving.config_schema.MOVED``), apply the command
+line's
+``section.key`` overrides, start every key from its default and its profile's value
+(``profile:``, default ``server``; ``serving.config_schema.PROFILES``), check every value
+with the one validator against its field's schema, and build the ``EngineConfig`` from it.
+Every failure is a ``ConfigError`` whose ``key`` is the YAML key (``rotasched.alpha``),
+whether the YAML layer or ``EngineConfig.__post_init__`` found it.
 
 The keys themselves, their sections, defaults and help live on the dataclass fields
 (``serving.config_schema``); nothing here lists them.
@@ -23,11 +25,14 @@ import yaml
 
 from serving.config_schema import (
     DEFAULT_MODEL,
+    DEFAULT_PROFILE,
     ENGINE_KEYS,
     KEYS,
+    PROFILE_KEY,
     SECTIONS,
     ModelSection,
     ServerSection,
+    profile_of,
     resolve,
     unknown,
 )
@@ -43,22 +48,27 @@ __all__ = ["DEFAULT_MODEL", "UNSET", "ConfigError", "DeploymentConfig", "ModelSe
 class DeploymentConfig:
     """A validated deployment: the server's sections and the engine's configuration.
 
-    ``values``: every key's value as the file holds it (``engine.max_prefill_chunk: null``
-    means "from the token budget"); ``engine`` holds what they resolve to."""
+    ``values``: every key's value as the file holds it, or its profile's, or its default
+    (``engine.max_prefill_chunk: null`` means "from the token budget"); ``engine`` holds
+    what they resolve to."""
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     server: ServerSection = dataclasses.field(default_factory=ServerSection)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    profile: str = DEFAULT_PROFILE
     values: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> DeploymentConfig:
-        """From a mapping of sections (a parsed file); old key names are renamed."""
+        """From a mapping of sections (a parsed file, ``profile`` beside them)."""
+        sections = check_sections(data)
+        profile = sections.get(PROFILE_KEY, DEFAULT_PROFILE)
         values = {path: key.default for path, key in KEYS.items()}
-        for path, value in _flatten(migrate(data)).items():
+        values.update(profile_of(profile))
+        for path, value in _flatten(sections).items():
             KEYS[path].check(value)
             values[path] = value
-        return cls._build(values)
+        return cls._build(values, profile)
 
     @classmethod
     def load(cls, path: str | Path | None = None,
@@ -75,13 +85,16 @@ class DeploymentConfig:
                 raise ConfigError(str(path), f"cannot be read: {e.strerror}") from e
             except yaml.YAMLError as e:
                 raise ConfigError(str(path), f"is not valid YAML: {e}") from e
-            for dotted, value in _flatten(migrate(loaded)).items():
+            loaded = check_sections(loaded)
+            if PROFILE_KEY in loaded:
+                data[PROFILE_KEY] = loaded[PROFILE_KEY]
+            for dotted, value in _flatten(loaded).items():
                 section, key = dotted.split(".", 1)
                 data.setdefault(section, {})[key] = value
         return cls.from_dict(apply_overrides(data, overrides or {}))
 
     @classmethod
-    def _build(cls, values: dict[str, Any]) -> DeploymentConfig:
+    def _build(cls, values: dict[str, Any], profile: str) -> DeploymentConfig:
         parts: dict[tuple[str, ...], dict[str, Any]] = {}
         for path, key in KEYS.items():
             value = values[path]
@@ -97,7 +110,7 @@ class DeploymentConfig:
             engine = EngineConfig(**engine_kwargs)
         except ConfigError as e:  # named by the engine field: name it by the YAML key
             raise e.with_key(ENGINE_KEYS.get(e.key, e.key)) from e
-        return cls(model, server, engine, dict(values))
+        return cls(model, server, engine, profile, dict(values))
 
     def engine_config(self, show_progress: bool = True) -> EngineConfig:
         """The ``EngineConfig`` this deployment asks for."""
@@ -107,9 +120,9 @@ class DeploymentConfig:
         """A key's value as the file holds it (``"engine.max_num_seqs"``)."""
         return self.values[resolve(dotted)]
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Sections of keys: a file that loads back to this deployment."""
-        out: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    def to_dict(self) -> dict[str, Any]:
+        """The profile and sections of keys: a file that loads back to this deployment."""
+        out: dict[str, Any] = {PROFILE_KEY: self.profile, **{s: {} for s in SECTIONS}}
         for path, value in self.values.items():
             section, key = path.split(".", 1)
             out[section][key] = value
@@ -125,19 +138,22 @@ def _slo(kwargs: dict[str, Any]) -> SLO:
         raise ConfigError(f"default_slo.{name}", message) from e
 
 
-def migrate(data: Any) -> dict[str, dict[str, Any]]:
-    """``data`` (sections of keys, as parsed) with renamed keys under their new names.
+def check_sections(data: Any) -> dict[str, Any]:
+    """``data`` (sections of keys, and ``profile``, as parsed) as a dict of dicts.
 
-    An unknown section or key, a removed key, or an old and a new name both set is a
-    ``ConfigError`` naming it."""
+    An unknown section, key or profile, or a moved or removed key, is a ``ConfigError``
+    naming it."""
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError("config", f"must be a mapping of sections, got "
                                     f"{type(data).__name__}")
-    out: dict[str, dict[str, Any]] = {}
-    given_as: dict[str, str] = {}  # current key -> the spelling the data used
+    out: dict[str, Any] = {}
     for section, keys in data.items():
+        if section == PROFILE_KEY:
+            profile_of(keys)
+            out[PROFILE_KEY] = keys
+            continue
         if section not in SECTIONS:
             raise unknown(f"{section}.")
         if keys is None:
@@ -145,30 +161,33 @@ def migrate(data: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(keys, Mapping):
             raise ConfigError(section, f"must be a mapping of keys, got {type(keys).__name__}")
         for key, value in keys.items():
-            old = f"{section}.{key}"
-            new = resolve(old)
-            if new in given_as:
-                raise ConfigError(old, f"and {given_as[new]} both set {new}; keep one")
-            given_as[new] = old
-            new_section, new_key = new.split(".", 1)
-            out.setdefault(new_section, {})[new_key] = value
+            resolve(f"{section}.{key}")
+            out.setdefault(section, {})[key] = value
     return out
 
 
-def _flatten(data: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, keys in data.items() for k, v in keys.items()}
+def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, keys in data.items() if s != PROFILE_KEY
+            for k, v in keys.items()}
 
 
 UNSET = object()  # an override value that removes the key (back to the default)
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Copy of ``data`` (sections of keys) with ``{"section.key": value}`` set; old key
-    names are renamed first. None values are skipped (a flag not given); ``UNSET``
-    removes the key."""
-    out = migrate(data)
+    """Copy of ``data`` (sections of keys) with ``{"section.key": value}`` set (or
+    ``{"profile": name}``). None values are skipped (a flag not given); ``UNSET`` removes
+    the key."""
+    out = check_sections(data)
     for dotted, value in overrides.items():
         if value is None:
+            continue
+        if dotted == PROFILE_KEY:
+            if value is UNSET:
+                out.pop(PROFILE_KEY, None)
+            else:
+                out[PROFILE_KEY] = value
+                profile_of(value)
             continue
         if dotted.count(".") != 1:
             raise ConfigError(dotted, "must look like section.key")

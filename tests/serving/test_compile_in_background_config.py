@@ -1,5 +1,6 @@
-"""``engine.compile_in_background``: a server's default, and a bad value refused naming
-the key (YAML file, ``--set``) or the flag, before anything starts."""
+"""``engine.compile_in_background``: on in the server profile (the file's default), and a
+bad value refused naming the key (YAML file, ``--set``) or the flag, before anything
+starts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def test_a_server_compiles_in_the_background_by_default():
     assert DeploymentConfig.load().engine.compile_in_background is True
     off = DeploymentConfig.load(None, {"engine.compile_in_background": False})
     assert off.engine.compile_in_background is False
+    library = DeploymentConfig.load(None, {"profile": "library"})
+    assert library.engine.compile_in_background is False
 
 
 def test_bad_yaml_value_names_the_key(tmp_path):

@@ -1,11 +1,10 @@
 """The deployment file: generated from the schema, every engine knob reachable, flags over
-the file, renamed keys that still load, removed and unknown keys that name themselves,
-and one error shape (``error: <key>: <message>``) from every path."""
+the file, profiles, old (moved), removed and unknown keys that name themselves (and the
+key to use), and one error shape (``error: <key>: <message>``) from every path."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import socket
 import typing
 from pathlib import Path
@@ -17,9 +16,10 @@ from serving.cli import _deployment, build_parser, main
 from serving.config_schema import (
     ENGINE_KEYS,
     KEYS,
+    MOVED,
     NOT_KEYS,
+    PROFILES,
     REMOVED,
-    RENAMED,
     SECTIONS,
     render_default,
 )
@@ -27,12 +27,6 @@ from serving.deploy_config import ConfigError, DeploymentConfig, apply_overrides
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "superinfer_config.yaml"
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    """Each test sees deprecation warnings as a new process would (once per key)."""
-    monkeypatch.setattr(config_schema, "_warned", set())
 
 
 def test_shipped_file_is_the_generated_one():
@@ -60,6 +54,38 @@ def test_shipped_example_is_valid_and_maps_onto_the_engine():
     assert ec.max_prefill_chunk == 256 and ec.dtype == "float32"
     assert ec.policy == "rotasched" and ec.host_memory_gb == 2.0
     assert ec.compilation_cache_dir == str(Path("~/.cache/superinfer/xla").expanduser())
+
+
+def test_each_key_has_one_default_and_profiles_set_keys_visibly():
+    """A key's default is its field's; the server profile (the file's default) sets a
+    few keys over them, each shown in the generated file with its default."""
+    for path, key in KEYS.items():
+        if key.target[0] == "engine":
+            field = next(f for f in dataclasses.fields(EngineConfig) if f.name == key.target[1])
+            if len(key.target) == 2:
+                assert key.default == config_schema._field_default(field), path
+    text = render_default()
+    assert "\nprofile: server\n" in text
+    for name, keys in PROFILES.items():
+        for path, value in keys.items():
+            KEYS[path].check(value)
+            if name == "server":
+                assert f"[profile server; default {config_schema._scalar(KEYS[path].default)}]" \
+                    in text, path
+    library = DeploymentConfig.from_dict({"profile": "library"})
+    assert library.engine == EngineConfig() and library.profile == "library"
+    server = DeploymentConfig.load(None)
+    assert server.profile == "server"
+    differs = {p for p in KEYS if server.values[p] != library.values[p]}
+    assert differs == set(PROFILES["server"])
+    assert (server.engine.policy, server.engine.host_memory_gb) == ("rotasched", 2.0)
+    assert DeploymentConfig.load(None, {"profile": "library"}).engine.policy == "fcfs"
+    own = DeploymentConfig.from_dict({"profile": "library", "engine": {"policy": "swap"}})
+    assert own.engine.policy == "swap"  # a key set in the file wins over its profile
+    with pytest.raises(ConfigError, match=r"profile must be one of \['server', 'library'\], "
+                                          r"got 'lab'"):
+        DeploymentConfig.from_dict({"profile": "lab"})
+    assert DeploymentConfig.load(None, parse_set(["profile=library"])).profile == "library"
 
 
 def test_defaults_without_a_file_equal_the_example():
@@ -192,30 +218,30 @@ def test_removed_key_is_an_error_that_says_so(tmp_path):
     assert "staging_buffer_mb" not in render_default()
 
 
-def test_renamed_key_loads_with_one_warning_naming_the_new_key(tmp_path, caplog):
+def test_an_old_key_fails_naming_its_new_key(tmp_path, capsys):
+    """A moved or renamed key does not load: the file, --set and the CLI name the key to
+    use instead."""
     path = tmp_path / "old.yaml"
-    path.write_text("rotasched:\n  max_num_seqs: 8\n  proactive_eviction_threshold: 0.7\n"
-                    "hardware:\n  cpu_memory_buffer_gb: 4\n")
-    with caplog.at_level(logging.WARNING, logger="superinfer.config"):
-        first = DeploymentConfig.load(path)
-        again = DeploymentConfig.load(path, parse_set(["rotasched.max_num_seqs=6"]))
-    assert first.engine.max_num_seqs == 8 and first.get("engine.max_num_seqs") == 8
-    assert first.engine.rotasched.high_water_mark == 0.7
-    assert first.engine.host_memory_gb == 4
-    assert again.engine.max_num_seqs == 6  # an old name in --set also lands on the new key
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 3, warned  # once per key, though it was read three times
-    assert any("rotasched.max_num_seqs is deprecated: it is now engine.max_num_seqs" in w
-               for w in warned)
-    with pytest.raises(ConfigError, match="both set engine.max_num_seqs"):
-        DeploymentConfig.from_dict({"rotasched": {"max_num_seqs": 8},
-                                    "engine": {"max_num_seqs": 4}})
+    path.write_text("rotasched:\n  policy: swap\n")
+    with pytest.raises(ConfigError) as err:
+        DeploymentConfig.load(path)
+    assert str(err.value) == "rotasched.policy was renamed: use engine.policy"
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        with pytest.raises(ConfigError) as err:
+            DeploymentConfig.from_dict({section: {key: 1}})
+        assert (err.value.key, err.value.message) == (old, f"was renamed: use {new}")
+        with pytest.raises(ConfigError, match=f"was renamed: use {new}"):
+            DeploymentConfig.load(None, parse_set([f"{old}=1"]))
+    assert main(["config", "--set", "rotasched.proactive_eviction_threshold=0.7"]) == 2
+    assert ("superinfer: error: rotasched.proactive_eviction_threshold: was renamed: use "
+            "rotasched.high_water_mark") in capsys.readouterr().err
 
 
-def test_renamed_keys_point_at_keys_and_removed_ones_are_gone():
-    for old, new in RENAMED.items():
+def test_moved_keys_point_at_keys_and_removed_ones_are_gone():
+    for old, new in MOVED.items():
         assert new in KEYS and old not in KEYS, old
-    assert set(REMOVED).isdisjoint(KEYS)
+    assert set(REMOVED).isdisjoint(KEYS) and set(REMOVED).isdisjoint(MOVED)
     assert {k.section for k in KEYS.values()} == set(SECTIONS)
 
 

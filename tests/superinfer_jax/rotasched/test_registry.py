@@ -1,5 +1,6 @@
 """Policies by name and by ``module:Class`` path: one resolver, clear errors naming what is
-missing, from every place a policy is named (EngineConfig, the simulator, the CLI)."""
+missing, from every place a policy is resolved (the scheduler's factory, the simulator, the
+CLI and the deployment file)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from superinfer_jax.sched.rotasched import (
     HOST,
     Policy,
     RotaSchedPolicy,
+    make_policy,
     make_scheduler,
     register_policy,
     registered_policies,
@@ -69,8 +71,12 @@ def test_bad_policy_names_say_what_is_missing(spec, message):
     with pytest.raises(ValueError) as e:
         resolve_policy(spec)
     assert message in str(e.value)
-    with pytest.raises(ValueError) as e:  # the same resolver behind EngineConfig.policy
-        EngineConfig(policy=spec)
+    config = EngineConfig(policy=spec)  # the config holds a name; the scheduler resolves it
+    with pytest.raises(ValueError) as e:  # the same resolver behind the scheduler's factory
+        make_policy(config)
+    assert message in str(e.value)
+    with pytest.raises(ValueError) as e:
+        make_scheduler(config, TwoTierKVManager(7, 4, 64))
     assert message in str(e.value)
 
 
@@ -89,7 +95,7 @@ def test_a_partial_duck_typed_policy_names_the_missing_methods(plugin_dir):
             def rank(self, s, now): return []
     """)
     with pytest.raises(ValueError, match=r"missing evict_to, token_budget"):
-        EngineConfig(policy="half_policy:P")
+        make_policy(EngineConfig(policy="half_policy:P"))
 
 
 def test_a_plugin_by_path_drives_the_scheduler(plugin_dir):
