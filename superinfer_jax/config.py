@@ -79,7 +79,7 @@ def default_kv_dtype(model_dtype: str) -> str:
 POLICIES = ("fcfs", "swap", "rotasched")
 RANKING_MODES = ("vlt", "slack")
 # how a parked reply comes back (``RotaSchedConfig.parked_replies``)
-PARKED_REPLIES = ("lag", "free_pages")
+PARKED_REPLIES = ("free_pages", "auto", "lag")
 # the order of the late first tokens (``RotaSchedConfig.late_order``)
 LATE_ORDERS = ("shortest", "lag")
 
@@ -156,14 +156,21 @@ class RotaSchedConfig:
              "whose own prefill cannot end by the deadline after the runners) | lag "
              "(largest lag first, the paper's rule); mode vlt only")
     # ``free_pages``: a reply late anyway does not displace a runner (a missed gap per swap,
-    # nobody admitted) until it lags by ``beta_b``; the price is a longer tail gap. ``lag``:
-    # the paper's rule, with ``beta_b`` 0 (docs/scheduling.md#parked_replies).
+    # nobody admitted) until it lags by ``beta_b``; ``auto``: only where that runner could not
+    # come back on time. ``lag``: the paper's rule, with ``beta_b`` 0 (docs/scheduling.md).
     parked_replies: str = knob(
         "free_pages", choices=PARKED_REPLIES,
-        help="free_pages (a parked reply displaces a runner only when it must start back "
-             "now to be on time and still can, or once it lags by beta_b; else it takes "
-             "free pages, ahead of late first tokens; at beta_b 0 a reply lags as soon as "
-             "parked) | lag (it displaces runners by lag; with beta_b 0 the paper's rule)")
+        help="free_pages (a late parked reply takes free pages, ahead of late first tokens, "
+             "and displaces a runner only once it lags by beta_b or is parked "
+             "reply_stall_cap TBT SLOs) | auto (as free_pages, but a late reply comes back "
+             "at once when the runner it displaces can still come back within its TBT "
+             "SLO) | lag (it displaces runners by lag; with beta_b 0 the paper's rule)")
+    # The longest a parked reply waits for free pages under ``free_pages`` and ``auto``:
+    # past it, it is due (docs/scheduling.md#reply_stall_cap); none: ``beta_b`` alone.
+    reply_stall_cap: float | None = knob(
+        None, ge=0, example=5.0,
+        help="TBT SLOs past its last token after which a parked reply is due (rotates back "
+             "in ahead of late first tokens); none: no cap")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

@@ -123,7 +123,8 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                  residency_share=rng.choice((0.1, 0.25, 1.0)),
                                                  hopeless_last=rng.random() < 0.5,
                                                  parked_replies=rng.choice(
-                                                     ("lag", "free_pages")),
+                                                     ("lag", "free_pages", "auto")),
+                                                 reply_stall_cap=rng.choice((1.0, 5.0, None)),
                                                  late_order=rng.choice(("shortest", "lag"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     if rng.random() < 0.5:  # priced: a late first token may be certain to miss

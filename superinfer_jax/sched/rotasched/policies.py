@@ -188,7 +188,7 @@ class RotaSchedPolicy(SwapPolicy):
                 return (1, 2, -urgency, r.arrival_time)
             if replies != "lag" and r.token_times and r.status == ROTARY:
                 lag = virtual_lag(r, now, self.params)
-                if reply_due_on_time(s, r, now, step_s):
+                if reply_due_on_time(s, r, now, step_s, self.params):
                     return (1, 0, -urgency, r.arrival_time)  # must start back now
                 if lag > 0:  # parked past ``beta_b`` of a gap: displaces by urgency
                     return (1, 2, -urgency, r.arrival_time)

@@ -5,9 +5,10 @@ running) by ``(group, value, arrival)``:
 
     group 0  protected runners (``is_protected``): value 0
     group 1  parked requests whose rotate-in is due (``rotate_in_due``; a parked reply
-             only while ``reply_due_on_time``, unless ``parked_replies`` is ``lag``);
-             then, with ``parked_replies: free_pages``, parked replies that do not lag
-             yet, kept only on pages no runner needs (``Ranking.free_only``): value -lag
+             while ``reply_due_on_time``, unless ``parked_replies`` is ``lag``); then,
+             with ``parked_replies`` ``free_pages`` or ``auto``, parked replies that do
+             not lag yet, kept only on pages no runner needs (``Ranking.free_only``):
+             value -lag
     group 2  late waiting or parked requests (lag > 0, TTFT not missed) and the other
              runners: value -lag; with ``late_order: shortest``, the late first tokens
              after the late requests with tokens, by tokens over priority weight
@@ -115,12 +116,12 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
     lm = s.latency  # a decode step over the runners (``rotate_in_due``)
     step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
-    replies_wait = p.parked_replies == "free_pages"
+    replies_wait = p.parked_replies != "lag"
     replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
         if replies_wait and r.token_times:  # a reply: due and on time, lagging, or waits
-            if reply_due_on_time(s, r, now, step_s):
+            if reply_due_on_time(s, r, now, step_s, p):
                 due.append((-lag, r.arrival_time, j, r))
             elif lag > 0:  # parked past ``beta_b`` of a gap: displaces runners by lag
                 late.append((-lag, r.arrival_time, 1, j, r))
@@ -227,18 +228,29 @@ def by_value(reqs: list[Request], values: list[float]) -> list[Request]:
     return out
 
 
-def reply_due_on_time(s: Scheduler, req: Request, now: float,
-                      step_s: float | None) -> bool:
-    """Whether parked reply ``req`` ranks in group 1 (may displace a runner): only while
-    it must start back within a step and, started now, its next token is still on time.
-    Without a latency model: until its token is late."""
-    deadline = req.token_times[-1] + req.slo.tbt_s
+def reply_due_on_time(s: Scheduler, req: Request, now: float, step_s: float | None,
+                      p: RotaSchedConfig) -> bool:
+    """Whether parked reply ``req`` ranks in group 1 (may displace a runner) under
+    ``parked_replies`` ``free_pages`` or ``auto``: once it must start back within a step
+    for its next token to be on time, and until that token is late; under ``auto``, also
+    after that while a runner it displaces could still come back within its own TBT SLO
+    (one step and the round trip fit in it); and once parked ``reply_stall_cap`` TBT
+    SLOs past its last token, if set. Without a latency model: until its token is late."""
+    tbt = req.slo.tbt_s
+    cap = p.reply_stall_cap
+    if cap is not None and now - req.token_times[-1] >= cap * tbt:
+        return True
+    deadline = req.token_times[-1] + tbt
     if step_s is None or s.latency is None:
         return now <= deadline
     kv = s.kv
     assert isinstance(kv, TwoTierKVManager)  # only it parks requests
     back = s.latency.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
-    return deadline - step_s <= now + back <= deadline
+    if now + back < deadline - step_s:
+        return False
+    if p.parked_replies == "auto" and back + step_s <= tbt:
+        return True  # displacing a runner costs it no gap: the late reply comes back now
+    return now + back <= deadline
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,

@@ -49,14 +49,22 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
         back = lm.transfer_s(s.kv.rotation_cost_in(r.req_id) * s.page_bytes) + step
         return now + back >= r.token_times[-1] + r.slo.tbt_s
 
-    def due_on_time(r: Request, lag: float) -> bool:  # a reply must, and can, start now
-        deadline = r.token_times[-1] + r.slo.tbt_s
+    def due_on_time(r: Request, lag: float) -> bool:  # a reply is due back now
+        tbt = r.slo.tbt_s
+        cap = p.reply_stall_cap
+        if cap is not None and now - r.token_times[-1] >= cap * tbt:  # parked past the cap
+            return True
+        deadline = r.token_times[-1] + tbt
         lm = s.latency
         if lm is None:
             return now <= deadline
         step = lm.decode_s(max(1, len(s.running)), sum(q.num_tokens for q in s.running))
         back = lm.transfer_s(s.kv.rotation_cost_in(r.req_id) * s.page_bytes) + step
-        return deadline - step <= now + back <= deadline
+        if now + back < deadline - step:  # not yet
+            return False
+        if p.parked_replies == "auto" and back + step <= tbt:  # a runner can come back
+            return True
+        return now + back <= deadline  # and still on time
 
     def key(r: Request) -> tuple[float, float, float]:
         lag = virtual_lag(r, now, p)

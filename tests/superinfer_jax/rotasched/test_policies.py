@@ -340,17 +340,17 @@ def test_hopeless_requests_go_last_when_asked(hopeless_last):
     assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])
 
 
-def _parked_reply(mode: str | None):
+def _parked_reply(mode: str | None, step_s: float = 0.01, **knobs):
     """"runner" and "reply" decode past their 4-token residency, then a late first token
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
     parked with its next token due 100 ms after its last, and 3 pages are free, one too
-    few for it. A latency model prices a step at 10 ms and a copy at nothing."""
+    few for it. A latency model prices a decode step at ``step_s`` and a copy at nothing."""
     from superinfer_jax.sched.latency import LatencyModel
 
     # ``lag``: the paper's rule (beta_b 0); ``free_pages``: a reply lags 500 ms past its
     # last token; None: the defaults
-    knobs = {} if mode is None else {"parked_replies": mode,
-                                     "beta_b": 0.0 if mode == "lag" else 5.0}
+    if mode is not None:
+        knobs = {"parked_replies": mode, "beta_b": 0.0 if mode == "lag" else 5.0, **knobs}
     rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, **knobs)
     sched, kv = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
                      enable_prefix_caching=False)
@@ -362,7 +362,8 @@ def _parked_reply(mode: str | None):
     d.add(req("new", 12, arrival=-0.6))  # TTFT SLO 1 s: late, not missed
     assert d.step(0.06).prefill == [("new", 12)]
     assert d.step(0.07).rotate_out == ["reply"]
-    sched.set_latency_model(LatencyModel(prefill=[0.01, 0.001, 0.0], decode=[0.01, 0.0, 0.0]))
+    sched.set_latency_model(LatencyModel(prefill=[0.01, 0.001, 0.0],
+                                         decode=[step_s, 0.0, 0.0]))
     reply = d.all["reply"]
     assert reply.status == RequestStatus.ROTARY and kv.num_free_pages == 3
     return sched, kv, d, reply
@@ -374,15 +375,16 @@ def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
     unprotected runner out in either mode (with ``free_pages`` because it must start back
     now, a copy and a 10 ms step, to be on time; with ``lag`` because it lags from the
     moment it is parked). Once its next token is late whatever happens, it displaces the
-    runner by lag in mode ``lag``; with ``free_pages`` it waits for free pages, as
-    displacing the runner would only make the runner's next token late too, until it has
-    been parked ``beta_b`` (5) TBT SLOs past its last token: then it lags, and displaces
-    by lag."""
-    sched, kv, d, reply = _parked_reply(mode)
+    runner by lag in mode ``lag``; with ``free_pages`` (no stall cap) it waits for free
+    pages, as displacing the runner would only make the runner's next token late too,
+    until it has been parked ``beta_b`` (5) TBT SLOs past its last token: then it lags,
+    and displaces by lag."""
+    no_cap = {"reply_stall_cap": None}
+    sched, kv, d, reply = _parked_reply(mode, **no_cap)
     last = reply.token_times[-1]  # TBT SLO 100 ms: the next token is due at last + 0.1
     assert sched.schedule(last + 0.085).rotate_out == ["runner"]  # "new" is settling
 
-    sched, kv, d, reply = _parked_reply(mode)
+    sched, kv, d, reply = _parked_reply(mode, **no_cap)
     last = reply.token_times[-1]
     late = sched.schedule(last + 0.3)
     assert late.rotate_out == (["runner"] if mode == "lag" else [])
@@ -393,8 +395,8 @@ def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
 
 
 def test_by_default_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
-    """The defaults (``parked_replies: free_pages``, ``beta_b`` 30): once the parked
-    reply's next token is late anyway, it displaces no runner (that would add the
+    """The defaults (``parked_replies: free_pages``, ``beta_b`` 30, no stall cap): once the
+    parked reply's next token is late anyway, it displaces no runner (that would add the
     runner's miss to its own) until parked 30 TBT SLOs (3 s) past its last token."""
     sched, kv, d, reply = _parked_reply(None)
     last = reply.token_times[-1]  # TBT SLO 100 ms
@@ -403,6 +405,42 @@ def test_by_default_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
         assert plan.rotate_out == [] and "runner" in plan.decode
     assert reply.status == RequestStatus.ROTARY
     assert sched.schedule(last + 3.05).rotate_out == ["runner"]
+
+
+AUTO = {"parked_replies": "auto", "beta_b": 30.0, "reply_stall_cap": 5.0}
+
+
+def test_auto_brings_a_late_reply_back_when_the_runner_it_displaces_can_come_back_too():
+    """``auto``: a step (10 ms) and the round trip fit in the TBT SLO (100 ms), so
+    displacing a runner costs it no gap: the parked reply whose next token is already late
+    rotates back in at once, as under the paper's rule."""
+    sched, kv, d, reply = _parked_reply(None, **AUTO)
+    last = reply.token_times[-1]
+    assert sched.schedule(last + 0.3).rotate_out == ["runner"]
+
+
+def test_auto_on_a_slow_step_waits_at_most_the_stall_cap():
+    """``auto`` on a device whose step (60 ms) and round trip exceed the TBT SLO (100 ms):
+    displacing a runner would make its next token late too, so the late reply waits for
+    free pages, but only until parked ``reply_stall_cap`` (5) TBT SLOs past its last
+    token: then it is due, and displaces the runner."""
+    sched, kv, d, reply = _parked_reply(None, step_s=0.06, **AUTO)
+    last = reply.token_times[-1]
+    for wait in (0.3, 0.45):
+        plan = sched.schedule(last + wait)
+        assert plan.rotate_out == [] and "runner" in plan.decode
+    assert reply.status == RequestStatus.ROTARY
+    assert sched.schedule(last + 0.51).rotate_out == ["runner"]
+
+
+@pytest.mark.parametrize("mode", ["free_pages", "auto"])
+def test_the_stall_cap_bounds_a_parked_replys_wait(mode):
+    """With ``beta_b`` out of reach (30 TBT SLOs) and a slow step, the stall cap alone
+    brings a late parked reply back: parked 2 TBT SLOs with a cap of 2, it is due."""
+    sched, kv, d, reply = _parked_reply(mode, step_s=0.06, beta_b=30.0, reply_stall_cap=2.0)
+    last = reply.token_times[-1]
+    assert sched.schedule(last + 0.15).rotate_out == []
+    assert sched.schedule(last + 0.21).rotate_out == ["runner"]
 
 
 def test_a_late_parked_reply_takes_free_pages_before_a_late_first_token():
