@@ -134,20 +134,9 @@ def parse_seeds(text: str) -> list[int]:
 
 def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
     """``name[:knob=value...]`` -> (policy name, RotaSchedConfig overrides)."""
-    from superinfer_jax.config import RotaSchedConfig
-    from superinfer_jax.sim.cli import _scalar
+    from superinfer_jax.sim.presets import split_policy
 
-    parts = text.split(":")
-    name = ":".join(x for x in parts if "=" not in x)  # a name or module:Class
-    fields = {f.name for f in dataclasses.fields(RotaSchedConfig)}
-    knobs: dict[str, Any] = {}
-    for item in (x for x in parts if "=" in x):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise ValueError(f"--policies {text!r}: {item!r} is not knob=value with knob a "
-                             f"rotasched field ({', '.join(sorted(fields))})")
-        knobs[key] = _scalar(value)
-    return name, knobs
+    return split_policy(text)
 
 
 def engine_config(args: argparse.Namespace, policy: str):

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "h200-pcie, h100-nvl-pcie")
     p.add_argument("--policies", help="comma-separated: fcfs, swap, rotasched, another "
                    "registered name, or a plug-in as package.module:Class "
-                   "(examples.edf_policy:EDFPolicy)")
+                   "(examples.edf_policy:EDFPolicy); each optionally followed by "
+                   ":knob=value RotaSched overrides (rotasched:parked_replies=auto)")
     p.add_argument("--rates", help="comma-separated requests per second")
     p.add_argument("--duration-s", type=float, help="arrivals for this long (default 120)")
     p.add_argument("--num-requests", type=int, help="instead of --duration-s")
@@ -150,6 +151,7 @@ def _engine_overrides(items: list[str]) -> dict[str, Any]:
     import dataclasses
 
     from superinfer_jax.config import EngineConfig
+    from superinfer_jax.sim.presets import parse_scalar
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     out: dict[str, Any] = {}
@@ -158,19 +160,8 @@ def _engine_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or key not in fields:
             raise ValueError(f"--engine {item!r}: expected KEY=VALUE with KEY an EngineConfig "
                              f"field")
-        out[key] = _scalar(value)
+        out[key] = parse_scalar(value)
     return out
-
-
-def _scalar(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def _calibration(args: argparse.Namespace, preset):

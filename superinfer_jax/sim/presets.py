@@ -18,14 +18,47 @@ output lengths). What differs, and why:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-from superinfer_jax.config import POLICIES, EngineConfig
+from superinfer_jax.config import POLICIES, EngineConfig, RotaSchedConfig
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched.registry import resolve_policy
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
+
+
+def split_policy(text: str) -> tuple[str, dict[str, Any]]:
+    """``name[:knob=value...]`` -> (policy name or module:Class, RotaSchedConfig
+    overrides): ``rotasched:parked_replies=auto:reply_stall_cap=5``. A value reads as a
+    bool, an int, a float, ``none``, or else a string; an unknown knob is a ValueError."""
+    parts = text.split(":")
+    name = ":".join(x for x in parts if "=" not in x)
+    fields = {f.name for f in dataclasses.fields(RotaSchedConfig)}
+    knobs: dict[str, Any] = {}
+    for item in (x for x in parts if "=" in x):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"policy {text!r}: {item!r} is not knob=value with knob a "
+                             f"rotasched field ({', '.join(sorted(fields))})")
+        knobs[key] = parse_scalar(value)
+    return name, knobs
+
+
+def parse_scalar(text: str) -> Any:
+    """``true``/``false``, ``none``, an int, a float, or the string itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.lower() in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 THIS_MACHINE = "this-machine"  # the hardware name of a ``Calibration``
 
@@ -83,7 +116,7 @@ class SimPreset:
                 raise ValueError(f"hardware must be in {sorted(HARDWARE) + [THIS_MACHINE]}, "
                                  f"got {hw!r}")
         for p in self.policies:
-            resolve_policy(p)  # a registered name or module:Class, else a ValueError
+            resolve_policy(split_policy(p)[0])  # a name or module:Class, else a ValueError
         if not self.rates or any(r <= 0 for r in self.rates):
             raise ValueError(f"rates must be positive, got {self.rates}")
         if self.num_requests is not None and self.num_requests < 1:
@@ -92,7 +125,9 @@ class SimPreset:
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
                   pad: bool | None = None) -> Simulator:
         """A simulator of this preset on ``hardware`` under ``policy``."""
-        config = self.engine.replace(policy=policy)
+        policy, knobs = split_policy(policy)
+        config = self.engine.replace(
+            policy=policy, rotasched=dataclasses.replace(self.engine.rotasched, **knobs))
         if hardware == THIS_MACHINE and self.calibration is not None:
             c = self.calibration
             calibrated = CalibratedCost(c.latency, config, c.page_bytes, c.host)
@@ -131,3 +166,4 @@ def get_preset(name: str) -> SimPreset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     return PRESETS[name]
+

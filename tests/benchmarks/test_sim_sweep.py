@@ -27,6 +27,8 @@ def test_policy_strings_carry_rotasched_knobs():
         ("rotasched", {"residency_share": 0.25, "parked_replies": "free_pages"})
     assert parse_policy("examples.edf_policy:EDFPolicy:beta_b=3") == \
         ("examples.edf_policy:EDFPolicy", {"beta_b": 3})
+    assert parse_policy("rotasched:reply_stall_cap=none:hopeless_last=false") == \
+        ("rotasched", {"reply_stall_cap": None, "hopeless_last": False})
     with pytest.raises(ValueError, match="not knob=value"):
         parse_policy("rotasched:no_such_knob=1")
 
