@@ -53,11 +53,11 @@ def _model_config(size: str):
 def _engine_config(batch: int):
     from superinfer_jax import EngineConfig
 
-    return EngineConfig(max_model_len=256, max_num_seqs=batch, max_num_batched_tokens=256,
-                        max_prefill_chunk=64, max_prefill_rows=1, page_size=16,
-                        num_device_pages=batch * 16 + 1, num_host_pages=0,
-                        attention_backend="xla", show_progress=False, warmup=True,
-                        tensor_parallel_size=TP, policy="fcfs")
+    return EngineConfig.build(max_model_len=256, max_num_seqs=batch, max_num_batched_tokens=256,
+                              max_prefill_chunk=64, max_prefill_rows=1, page_size=16,
+                              num_device_pages=batch * 16 + 1, num_host_pages=0,
+                              attention_backend="xla", show_progress=False, warmup=True,
+                              tensor_parallel_size=TP, policy="fcfs")
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = rng.integers(10, model.vocab_size, (max(batches), args.prompt_len)).tolist()
         weight_bytes = model.param_bytes()
         roofline_ms = 1000 * weight_bytes / bandwidth
-        config = EngineConfig(
+        config = EngineConfig.build(
             max_model_len=args.prompt_len + args.new_tokens + 16, max_num_seqs=max(batches),
             max_prefill_chunk=args.prompt_len, max_num_batched_tokens=4 * args.prompt_len,
             dtype=default_kv_dtype(dtype), compilation_cache_dir=args.compilation_cache or None,

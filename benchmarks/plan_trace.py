@@ -104,8 +104,8 @@ def _cpu_preset():
     page_bytes = MODELS["smollm2-135m"].page_bytes(16)
     calib = Calibration(latency, page_bytes, num_device_pages=48, num_host_pages=512,
                         host=HostOverhead(per_step_s=2e-3, per_row_s=3e-4, per_page_s=5e-5))
-    engine = EngineConfig(max_model_len=320, max_num_seqs=16, max_num_batched_tokens=256,
-                          max_prefill_chunk=256, warmup=False, show_progress=False)
+    engine = EngineConfig.build(max_model_len=320, max_num_seqs=16, max_num_batched_tokens=256,
+                                max_prefill_chunk=256, warmup=False, show_progress=False)
     return SimPreset("cpu-calibrated", "SmolLM2 on a fixed CPU profile", "smollm2-135m",
                      "random", (3.0,), hardware=(THIS_MACHINE,), ttft_ms=1000.0,
                      tbt_ms=150.0, max_prompt=256, max_total=304, engine=engine,

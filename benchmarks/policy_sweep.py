@@ -191,7 +191,7 @@ def engine_config(args: argparse.Namespace):
     """The engine every policy runs on (only the policy differs)."""
     from superinfer_jax import EngineConfig
 
-    return EngineConfig(
+    return EngineConfig.build(
         max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
         max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,

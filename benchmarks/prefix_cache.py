@@ -237,11 +237,11 @@ def bench_trace(name: str, replay: str, args, model) -> dict:
     incl = hit_rate(lru_hits(seq, host_pages), prompt_lens, args.block_tokens)
     excl = hit_rate(lru_hits(seq, args.pages + host_pages), prompt_lens, args.block_tokens)
 
-    config = EngineConfig(page_size=args.block_tokens, num_device_pages=args.pages + 1,
-                          max_model_len=args.max_prompt + args.max_output,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256,
-                          max_prefill_chunk=256, max_prefill_rows=2, show_progress=False,
-                          compilation_cache_dir=args.compilation_cache or None)
+    config = EngineConfig.build(page_size=args.block_tokens, num_device_pages=args.pages + 1,
+                                max_model_len=args.max_prompt + args.max_output,
+                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=256,
+                                max_prefill_chunk=256, max_prefill_rows=2, show_progress=False,
+                                compilation_cache_dir=args.compilation_cache or None)
     evictions = [e for e in args.host_evictions.split(",") if e]
     modes = {"off": config.replace(enable_prefix_caching=False), "on": config,
              "on-prompt": config.replace(prefix_cache_generated=False),
@@ -321,10 +321,11 @@ def bench_multiturn(args) -> dict:
                          max_total=args.mt_max_prompt + args.mt_max_message,
                          max_message_tokens=args.mt_max_message, seed=args.seed)
     convs = build_conversations(records, model.tokenizer, spec)
-    config = EngineConfig(page_size=16, max_model_len=args.mt_max_prompt + args.mt_max_message,
-                          num_device_pages=args.mt_device_pages + 1, max_num_seqs=8,
-                          max_num_batched_tokens=256, max_prefill_chunk=256,
-                          compilation_cache_dir=args.compilation_cache or None)
+    config = EngineConfig.build(page_size=16,
+                                max_model_len=args.mt_max_prompt + args.mt_max_message,
+                                num_device_pages=args.mt_device_pages + 1, max_num_seqs=8,
+                                max_num_batched_tokens=256, max_prefill_chunk=256,
+                                compilation_cache_dir=args.compilation_cache or None)
     host = args.host_factor * args.mt_device_pages
     modes = {"off": config.replace(enable_prefix_caching=False), "on": config}
     if host:

@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, dtype="float32")
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, model.vocab_size, (max(batches), args.prompt_len)).tolist()
-    base = EngineConfig(max_model_len=args.prompt_len + args.new_tokens + 16,
-                        max_num_seqs=max(batches), policy=args.policy,
-                        host_memory_gb=0.25 if args.policy != "fcfs" else 0.0,
-                        compilation_cache_dir=args.compilation_cache or None)
+    base = EngineConfig.build(max_model_len=args.prompt_len + args.new_tokens + 16,
+                              max_num_seqs=max(batches), policy=args.policy,
+                              host_memory_gb=0.25 if args.policy != "fcfs" else 0.0,
+                              compilation_cache_dir=args.compilation_cache or None)
     engines = {mode: LLMEngine(model, base.replace(async_scheduling=mode == "async"))
                for mode in ("sync", "async")}
     rows = []

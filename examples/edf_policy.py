@@ -41,7 +41,7 @@ def main() -> None:
     from superinfer_jax import SLO, EngineConfig, LLMEngine, SamplingParams
 
     model = random_servable(ModelConfig("tiny", 256, 64, 128, 2, 4, 2, 16), seed=1)
-    engine = LLMEngine(model, EngineConfig(
+    engine = LLMEngine(model, EngineConfig.build(
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
         max_prefill_rows=1, page_size=8, num_device_pages=12, num_host_pages=128,
         policy="examples.edf_policy:EDFPolicy", show_progress=False))

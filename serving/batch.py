@@ -135,7 +135,7 @@ class BatchRunner:
         self.engine = engine
         self.tokenizer = tokenizer
         self.default_slo = default_slo
-        self.window = window or 2 * engine.config.max_num_seqs
+        self.window = window or 2 * engine.config.engine.max_num_seqs
         self.show_progress = show_progress
 
     def run(self, input_path: str | Path, output_path: str | Path) -> BatchReport:

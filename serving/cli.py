@@ -101,7 +101,7 @@ def _load_model(config: Any) -> Any:
     from models import load_model
 
     return load_model(config.model.source, dtype=config.model.dtype,
-                      tensor_parallel_size=config.engine.tensor_parallel_size)
+                      tensor_parallel_size=config.engine.model.tensor_parallel_size)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

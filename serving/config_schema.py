@@ -3,10 +3,10 @@
 Every key of ``superinfer_config.yaml`` is a dataclass field:
 
 - the server's own keys are the fields of ``ModelSection`` and ``ServerSection`` (below);
-- every engine knob is a field of ``EngineConfig`` (``superinfer_jax.config``), placed in
-  a section by its metadata (``knob(section=...)``); a field holding a dataclass
-  (``rotasched: RotaSchedConfig``, ``default_slo: SLO``) is a section of its own, one key
-  per field.
+- every engine knob is a field of one of ``EngineConfig``'s sections
+  (``superinfer_jax.config``): ``EngineConfig.hardware`` is the ``hardware:`` section,
+  and so on, one key per field (the ``model:`` section holds ``ModelSection``'s keys and
+  ``EngineConfig.model``'s).
 
 So a key's section, name, type, bounds and help text are written once, on the field, and
 checked by the one validator (``superinfer_jax.config_schema.check_value``). Each key has
@@ -337,17 +337,11 @@ def _build_keys() -> dict[str, Key]:
     keys += _dataclass_keys("model", ModelSection, ("model",), lambda f: f.metadata)
     keys += _dataclass_keys("server", ServerSection, ("server",), lambda f: f.metadata)
     hints = type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+    for f in dataclasses.fields(EngineConfig):  # one section each
         if "internal" in f.metadata:
             continue
-        section, hint = f.metadata["section"], hints[f.name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # its own section
-            metas = _slo_meta_of if hint is SLO else (lambda g: g.metadata)
-            keys += _dataclass_keys(section, hint, ("engine", f.name), metas)
-        else:
-            name = f.metadata.get("name") or f.name
-            keys.append(Key(f"{section}.{name}", hint, f.metadata, _field_default(f),
-                            ("engine", f.name)))
+        metas = _slo_meta_of if hints[f.name] is SLO else (lambda g: g.metadata)
+        keys += _dataclass_keys(f.name, hints[f.name], ("engine", f.name), metas)
     out = {}
     for key in keys:
         rule = FILE_VALUES.get(key.path)

@@ -26,7 +26,6 @@ import yaml
 from serving.config_schema import (
     DEFAULT_MODEL,
     DEFAULT_PROFILE,
-    ENGINE_KEYS,
     KEYS,
     PROFILE_KEY,
     SECTIONS,
@@ -36,8 +35,8 @@ from serving.config_schema import (
     resolve,
     unknown,
 )
-from superinfer_jax.config import EngineConfig, RotaSchedConfig
-from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.config import EngineConfig
+from superinfer_jax.config_schema import ConfigError, type_hints
 from superinfer_jax.request import SLO, FieldError
 
 __all__ = ["DEFAULT_MODEL", "UNSET", "ConfigError", "DeploymentConfig", "ModelSection",
@@ -103,13 +102,12 @@ class DeploymentConfig:
             parts.setdefault(key.target[:-1], {})[key.target[-1]] = value
         model = ModelSection(**parts[("model",)])
         server = ServerSection(**parts[("server",)])
-        engine_kwargs = parts[("engine",)]
-        try:
-            engine_kwargs["rotasched"] = RotaSchedConfig(**parts[("engine", "rotasched")])
-            engine_kwargs["default_slo"] = _slo(parts[("engine", "default_slo")])
-            engine = EngineConfig(**engine_kwargs)
-        except ConfigError as e:  # named by the engine field: name it by the YAML key
-            raise e.with_key(ENGINE_KEYS.get(e.key, e.key)) from e
+        sections: dict[str, Any] = {}
+        for name, section in type_hints(EngineConfig).items():
+            kwargs = parts.get(("engine", name))
+            if kwargs is not None:  # each section's errors name its YAML keys
+                sections[name] = _slo(kwargs) if section is SLO else section(**kwargs)
+        engine = EngineConfig.build(**sections)
         return cls(model, server, engine, profile, dict(values))
 
     def engine_config(self, show_progress: bool = True) -> EngineConfig:

@@ -146,7 +146,7 @@ def _join(config: DeploymentConfig, dist: DistributedConfig) -> Group:
              dist.process_id, dist.num_processes)
     group = start_group(dist, fingerprint(config, dist))
     devices = jax.devices()
-    check_mesh(config.engine.tensor_parallel_size, [d.process_index for d in devices],
+    check_mesh(config.engine.model.tensor_parallel_size, [d.process_index for d in devices],
                dist.num_processes)
     log.info("group formed: %d processes, %d devices (%d here)", dist.num_processes,
              len(devices), jax.local_device_count())
@@ -181,7 +181,7 @@ class LeaderEngine:
         model = load_model_of(config)
         engine_config = config.engine_config()
         engine, self.recorder = leader_engine(model, engine_config, group, warm=False)
-        if engine_config.warmup:
+        if engine_config.engine.warmup:
             warm_up(engine, self.recorder)
         return engine, model
 

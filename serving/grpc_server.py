@@ -358,7 +358,7 @@ class GrpcFront:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         cfg = runtime.config.server
-        workers = cfg.max_queue_len + runtime.config.engine.max_num_seqs + 16
+        workers = cfg.max_queue_len + runtime.config.engine.engine.max_num_seqs + 16
         options = [("grpc.max_receive_message_length", cfg.max_request_bytes),
                    ("grpc.so_reuseport", 0)]
         interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []

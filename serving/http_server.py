@@ -154,7 +154,7 @@ class OpenAIFront:
             loop = asyncio.get_running_loop()
             for p, (token_ids, text) in enumerate(prompts):
                 fields, score_only = self._sampling(body, len(token_ids),
-                                                    engine.engine.config.max_model_len)
+                                                    engine.engine.config.model.max_model_len)
                 first: str | None = None
                 for j in range(body.n):
                     index = p * body.n + j

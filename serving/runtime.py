@@ -72,15 +72,15 @@ class Runtime:
         self.model_info = ModelInfo(
             name=self.served_name,
             vocab_size=int(model.vocab_size),
-            max_model_len=cfg.max_model_len,
+            max_model_len=cfg.model.max_model_len,
             dtype=str(model.dtype),
-            kv_cache_dtype=cfg.dtype,
-            page_size=cfg.page_size,
+            kv_cache_dtype=cfg.model.kv_cache_dtype,
+            page_size=cfg.hardware.page_size,
             eos_token_ids=tuple(int(t) for t in model.eos_token_ids),
-            policy=str(getattr(cfg, "policy", "fcfs")),
+            policy=str(getattr(cfg.engine, "policy", "fcfs")),
         )
         self.engine = engine
-        self.metrics.set_cache_config(cfg.page_size)
+        self.metrics.set_cache_config(cfg.hardware.page_size)
         self._move(ServerState.SERVING)
 
     def set_draining(self) -> None:

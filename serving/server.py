@@ -109,8 +109,8 @@ def load_model_of(config: DeploymentConfig) -> Any:
     t0 = time.perf_counter()
     log.info("loading model %s (%s)", config.model.source, config.model.dtype)
     model = load_model(config.model.source, dtype=config.model.dtype,
-                       tensor_parallel_size=config.engine.tensor_parallel_size,
-                       weights_cache=config.engine.compilation_cache_dir)
+                       tensor_parallel_size=config.engine.model.tensor_parallel_size,
+                       weights_cache=config.engine.hardware.compilation_cache_dir)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     return model
 
@@ -139,7 +139,7 @@ def _build_engine(config: DeploymentConfig, runtime: Runtime,
     loop = AsyncEngine(engine, config.server.max_queue_len,
                        observers=[runtime.metrics.observe])
     log.info("ready in %.1f s: %s device pages of %d tokens", time.perf_counter() - t0,
-             engine.stats().get("device_pages_total"), engine_config.page_size)
+             engine.stats().get("device_pages_total"), engine_config.hardware.page_size)
     return loop, model, kv_events
 
 
@@ -151,7 +151,7 @@ def _start_kv_events(config: DeploymentConfig, engine: Any) -> Any:
         return None
     from serving.kv_events import ZmqKVEventPublisher
 
-    if not engine.config.enable_prefix_caching:
+    if not engine.config.prefix_caching.enabled:
         log.warning("server.kv_events_endpoint is set but prefix caching is off: no page "
                     "is ever cached, so no KV event will be published")
     publisher = ZmqKVEventPublisher(server.kv_events_endpoint, server.kv_events_topic,

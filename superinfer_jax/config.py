@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from superinfer_jax.config_schema import ConfigError, internal, knob, power_of_two, validate
+from superinfer_jax.config_schema import (
+    ConfigError,
+    internal,
+    knob,
+    power_of_two,
+    type_hints,
+    validate,
+)
 from superinfer_jax.kv.host_cache import HOST_CACHE_EVICTIONS
 from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 
@@ -183,144 +190,209 @@ class RotaSchedConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How the engine lays out memory and batches work.
+class ModelLayout:
+    """The ``model:`` keys the engine reads (the weights' source and dtype are the
+    server's, ``serving.config_schema.ModelSection``)."""
+
+    max_model_len: int = knob(2048, ge=2, help="prompt + output tokens per request")
+    kv_cache_dtype: str = knob("float32", choices=DTYPES, help="KV cache dtype")
+    tensor_parallel_size: int = knob(
+        1, ge=1,
+        help="devices to split the model over: this host's, or with --num-processes the "
+             "whole group's (docs/tensor_parallel.md)")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="model.")
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    """Device pages and kernels.
 
     Device pages: ``num_device_pages`` if set, else ``device_memory_fraction`` of the
     accelerator's free memory (where the backend reports it), else enough pages for
-    ``max_num_seqs`` requests of ``max_model_len`` tokens.
+    ``max_num_seqs`` requests of ``max_model_len`` tokens. With tensor parallelism a page
+    id still names one page, each device holding its KV heads of it: page counts are
+    totals over the mesh, ``device_memory_fraction`` applies to each device."""
 
-    Host pages (the DuplexKV tier, pinned host memory): ``num_host_pages`` if set, else
-    ``host_memory_gb`` worth of pages. 0 (the default) disables the host tier: a request
-    that would rotate is recomputed instead.
-
-    ``tensor_parallel_size``: devices the model and both KV tiers are split over (KV
-    heads per device). A page id still names one page; each device holds its heads of it,
-    so page counts and ``host_memory_gb`` are totals over the mesh, while
-    ``device_memory_fraction`` applies to each device.
-
-    Each field's metadata (``knob``) gives its bounds, help text and the deployment-file
-    section it sits in (``serving.config_schema``); ``__post_init__`` checks them all with
-    the one validator (``superinfer_jax.config_schema``).
-    """
-
-    page_size: int = knob(16, ge=1, check=power_of_two, section="hardware",
+    page_size: int = knob(16, ge=1, check=power_of_two,
                           help="tokens per KV page (a power of two)")
     num_device_pages: int | None = knob(
-        None, ge=2, section="hardware", example=4096,
+        None, ge=2, example=4096,
         help="fixed device page count (page 0 is the null page) instead of "
              "device_memory_fraction (CPU default: enough for max_num_seqs)")
     device_memory_fraction: float = knob(
-        0.9, gt=0, le=1, section="hardware",
-        help="of free accelerator memory given to KV pages")
-    max_model_len: int = knob(2048, ge=2, section="model",
-                              help="prompt + output tokens per request")
-    max_num_seqs: int = knob(32, ge=1, section="engine",
-                             help="most requests in one step")
-    max_num_batched_tokens: int = knob(
-        512, ge=1, section="engine", help="token budget of one step (decode + prefill chunks)")
-    max_prefill_chunk: int = knob(
-        256, ge=1, section="engine", help="longest prefill chunk of one request in one step")
-    max_prefill_rows: int = knob(4, ge=1, section="engine",
-                                 help="most requests prefilling in one step")
-    dtype: str = knob("float32", choices=DTYPES, section="model", name="kv_cache_dtype",
-                      help="KV cache dtype")
-    attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS, section="hardware",
+        0.9, gt=0, le=1, help="of free accelerator memory given to KV pages")
+    attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
                                   help="auto | xla | pallas")
-    default_slo: SLO = knob(default_factory=SLO, section="default_slo",
-                            help="SLO of requests that send none")
-    seed: int = knob(0, ge=0, section="engine",
-                     help="seeds the sampler of a request that sends no seed")
-    warmup: bool = knob(True, section="engine",
-                        help="compile every step bucket before serving")
+    compilation_cache_dir: str | None = knob(
+        None, help="persistent XLA cache: later starts skip the compiler")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="hardware.")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """The ``engine:`` keys: batching, compilation and the scheduling policy."""
+
+    max_num_seqs: int = knob(32, ge=1, help="most requests in one step")
+    max_num_batched_tokens: int = knob(
+        512, ge=1, help="token budget of one step (decode + prefill chunks)")
+    max_prefill_chunk: int = knob(
+        256, ge=1, help="longest prefill chunk of one request in one step")
+    max_prefill_rows: int = knob(4, ge=1, help="most requests prefilling in one step")
+    seed: int = knob(0, ge=0, help="seeds the sampler of a request that sends no seed")
+    warmup: bool = knob(True, help="compile every step bucket before serving")
     compile_in_background: bool = knob(
-        False, section="engine",
+        False,
         help="ready once the smallest step buckets are compiled; the rest compile in the "
              "background while calls are capped to compiled buckets (with warmup)")
     ready_prefill_chunk: int = knob(
-        32, ge=1, section="engine",
+        32, ge=1,
         help="with compile_in_background: the prefill chunk compiled before ready (rounded "
              "up to a chunk bucket, at most max_prefill_chunk); until the shorter chunk "
              "buckets compile, shorter chunks are padded to it")
-    compilation_cache_dir: str | None = knob(
-        None, section="hardware",
-        help="persistent XLA cache: later starts skip the compiler")
-    show_progress: bool = internal(
-        True, reason="a terminal's progress bar, set by the command (batch --no-progress)")
-    num_host_pages: int | None = knob(
-        None, ge=0, section="duplex_kv", example=16384,
-        help="host tier capacity in pages; overrides host_memory_gb")
-    host_memory_gb: float = knob(
-        0.0, ge=0, section="duplex_kv",
-        help="GiB of pinned host memory for rotated KV pages (0: no host tier)")
-    transfer_budget_pages: int = knob(
-        2400, ge=1, section="duplex_kv",
-        help="pages moved between tiers per step, each direction (paper: 2400)")
-    eager_shadowing: bool = knob(
-        True, section="duplex_kv",
-        help="copy full pages to host as they fill, so an eviction moves one page")
-    copy_mode: str | None = knob(
-        None, choices=COPY_MODES, section="duplex_kv", example="in_step",
-        help="how pages are copied: device_put | fused | in_step (inside the model step); "
-             "default: fused on CPU, device_put on GPU/TPU (duplexkv/mover.py)")
-    in_step_pages: int = knob(
-        32, ge=1, section="duplex_kv",
-        help="in_step mode: pages each way a decode step copies inside its own program "
-             "(one compiled count; the rest goes by the separate copy programs)")
-    enable_prefix_caching: bool = knob(
-        True, section="prefix_caching", name="enabled",
-        help="share full KV pages between requests with the same prefix (and cache_salt); "
-             "with a host tier, pages evicted from the device stay findable on the host")
-    prefix_cache_generated: bool = knob(
-        True, section="prefix_caching", name="cache_generated",
-        help="also cache full pages of generated tokens (vLLM and SGLang do: a chat client "
-             "resends the reply in the next turn); false caches prompt pages only "
-             "(LMCache's save_decode_cache default), for traffic that never resends replies")
-    prefix_cache_keep_queued: bool = knob(
-        True, section="prefix_caching", name="keep_queued",
-        help="a cached device page that a waiting request will reuse is reclaimed only "
-             "after every other cached page (the queue is known demand); false: plain "
-             "LRU, as vLLM")
-    host_cache_eviction: str = knob(
-        "lru", choices=HOST_CACHE_EVICTIONS, section="prefix_caching", name="host_eviction",
-        help="which cache-only host page goes first: lru (least recently used) | fifo "
-             "(oldest stored; a hit does not renew it)")
-    host_cache_max_pages: int | None = knob(
-        None, ge=0, section="prefix_caching", name="host_max_pages", example=8192,
-        help="most host pages holding cache-only copies (default: any host page no "
-             "request needs); 0 keeps the host tier for rotation only")
     async_scheduling: bool = knob(
-        True, section="engine",
-        help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
-    disable_any_whitespace: bool = knob(
-        False, section="engine", name="structured_outputs_disable_any_whitespace",
+        True, help="plan and dispatch step t+1 while step t runs (tokens fed back on device)")
+    structured_outputs_disable_any_whitespace: bool = knob(
+        False,
         help="JSON structured outputs without free whitespace between tokens (vLLM's "
              "disable_any_whitespace): shorter outputs, and a weak model cannot spend its "
              "max_tokens on blank lines")
     # A registered name (``POLICIES`` are built in) or a ``module:Class`` path, resolved
     # where the scheduler is built (``sched.rotasched.registry.make_scheduler``).
-    policy: str = knob("fcfs", section="engine",
-                       help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
-    rotasched: RotaSchedConfig = knob(default_factory=RotaSchedConfig, section="rotasched",
-                                      help="RotaSched's parameters")
-    tensor_parallel_size: int = knob(
-        1, ge=1, section="model",
-        help="devices to split the model over: this host's, or with --num-processes the "
-             "whole group's (docs/tensor_parallel.md)")
+    policy: str = knob("fcfs", help="fcfs (vLLM V1: recompute) | swap (vLLM V0) | rotasched")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="engine.")
+        if self.max_prefill_chunk > self.max_num_batched_tokens:
+            raise ConfigError(
+                "engine.max_prefill_chunk", f"must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}), got {self.max_prefill_chunk}")
+
+
+@dataclass(frozen=True)
+class DuplexKVConfig:
+    """The host tier (pinned host memory) for rotated KV pages: ``num_host_pages`` if
+    set, else ``host_memory_gb`` worth of pages (totals over a tensor-parallel mesh). 0
+    (the default) disables it: a request that would rotate is recomputed instead."""
+
+    num_host_pages: int | None = knob(
+        None, ge=0, example=16384,
+        help="host tier capacity in pages; overrides host_memory_gb")
+    host_memory_gb: float = knob(
+        0.0, ge=0, help="GiB of pinned host memory for rotated KV pages (0: no host tier)")
+    transfer_budget_pages: int = knob(
+        2400, ge=1, help="pages moved between tiers per step, each direction (paper: 2400)")
+    eager_shadowing: bool = knob(
+        True, help="copy full pages to host as they fill, so an eviction moves one page")
+    copy_mode: str | None = knob(
+        None, choices=COPY_MODES, example="in_step",
+        help="how pages are copied: device_put | fused | in_step (inside the model step); "
+             "default: fused on CPU, device_put on GPU/TPU (duplexkv/mover.py)")
+    in_step_pages: int = knob(
+        32, ge=1,
+        help="in_step mode: pages each way a decode step copies inside its own program "
+             "(one compiled count; the rest goes by the separate copy programs)")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="duplex_kv.")
+
+
+@dataclass(frozen=True)
+class PrefixCachingConfig:
+    """Automatic prefix caching: full KV pages shared by hash, on the device and (with a
+    host tier) in host memory."""
+
+    enabled: bool = knob(
+        True,
+        help="share full KV pages between requests with the same prefix (and cache_salt); "
+             "with a host tier, pages evicted from the device stay findable on the host")
+    cache_generated: bool = knob(
+        True,
+        help="also cache full pages of generated tokens (vLLM and SGLang do: a chat client "
+             "resends the reply in the next turn); false caches prompt pages only "
+             "(LMCache's save_decode_cache default), for traffic that never resends replies")
+    keep_queued: bool = knob(
+        True,
+        help="a cached device page that a waiting request will reuse is reclaimed only "
+             "after every other cached page (the queue is known demand); false: plain "
+             "LRU, as vLLM")
+    host_eviction: str = knob(
+        "lru", choices=HOST_CACHE_EVICTIONS,
+        help="which cache-only host page goes first: lru (least recently used) | fifo "
+             "(oldest stored; a hit does not renew it)")
+    host_max_pages: int | None = knob(
+        None, ge=0, example=8192,
+        help="most host pages holding cache-only copies (default: any host page no "
+             "request needs); 0 keeps the host tier for rotation only")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="prefix_caching.")
+
+
+def _section(cls: type) -> Any:
+    return dataclasses.field(default_factory=cls)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine lays out memory and batches work: one frozen section per section of
+    the deployment file (``serving.config_schema``), each field a ``knob`` with its one
+    default, bounds and help, checked by the one validator (``superinfer_jax.config_schema``).
+
+    Read a knob by its section (``config.hardware.page_size``); build or change one by its
+    flat name (``EngineConfig.build(page_size=8, policy="swap")``, ``config.replace(...)``,
+    names in ``FLAT_KNOBS``), as vLLM's ``EngineArgs`` builds its config."""
+
+    model: ModelLayout = _section(ModelLayout)
+    hardware: HardwareConfig = _section(HardwareConfig)
+    engine: BatchingConfig = _section(BatchingConfig)
+    default_slo: SLO = _section(SLO)
+    rotasched: RotaSchedConfig = _section(RotaSchedConfig)
+    duplex_kv: DuplexKVConfig = _section(DuplexKVConfig)
+    prefix_caching: PrefixCachingConfig = _section(PrefixCachingConfig)
+    show_progress: bool = internal(
+        True, reason="a terminal's progress bar, set by the command (batch --no-progress)")
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.max_prefill_chunk > self.max_num_batched_tokens:
-            raise ConfigError(
-                "max_prefill_chunk", f"must not exceed max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}), got {self.max_prefill_chunk}")
+
+    @classmethod
+    def build(cls, **knobs: Any) -> EngineConfig:
+        """A config from flat knob names (``page_size=8``) and whole sections
+        (``rotasched=RotaSchedConfig(...)``), every other knob at its default."""
+        return _DEFAULT.replace(**knobs)
+
+    @classmethod
+    def knob_names(cls) -> frozenset[str]:
+        """The keywords ``build`` and ``replace`` take: flat knob names and sections."""
+        return frozenset(FLAT_KNOBS) | _TOP_FIELDS
 
     def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with knobs changed by flat name (``FLAT_KNOBS``) or whole section."""
+        sections: dict[str, Any] = {}
+        by_section: dict[str, dict[str, Any]] = {}
+        for key, value in changes.items():
+            where = FLAT_KNOBS.get(key)
+            if where is not None:
+                by_section.setdefault(where[0], {})[where[1]] = value
+            elif key in _TOP_FIELDS:
+                sections[key] = value
+            else:
+                raise TypeError(f"EngineConfig has no knob {key!r}")
+        for section, values in by_section.items():
+            base = sections.get(section, getattr(self, section))
+            try:
+                sections[section] = dataclasses.replace(base, **values)
+            except ConfigError as e:  # named as the caller spelled it: the flat name
+                raise e.with_key(_FLAT_OF.get(e.key, e.key)) from e
+        return dataclasses.replace(self, **sections)
 
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        return -(-self.model.max_model_len // self.hardware.page_size)
 
     # The buckets and limits below are ``cached_property``: a frozen config never changes
     # them, and the scheduler and the simulator read them every step. The cache lives in
@@ -331,24 +403,25 @@ class EngineConfig:
     def deferred_rows(self) -> int:
         """Structured-output rows a step may sample later (``MAX_DEFERRED_ROWS``, at most
         one per sequence)."""
-        return min(MAX_DEFERRED_ROWS, self.max_num_seqs)
+        return min(MAX_DEFERRED_ROWS, self.engine.max_num_seqs)
 
     @cached_property
     def decode_buckets(self) -> tuple[int, ...]:
         """Batch sizes a decode step is padded to."""
-        return _pow2_buckets(1, self.max_num_seqs)
+        return _pow2_buckets(1, self.engine.max_num_seqs)
 
     @cached_property
     def prefill_chunk_buckets(self) -> tuple[int, ...]:
         """Chunk lengths (columns) a prefill step is padded to: powers of 2 from 16, so
         padding wastes at most half the call (docs/results/rotasched.md)."""
-        return _pow2_buckets(min(16, self.max_prefill_chunk), self.max_prefill_chunk)
+        chunk = self.engine.max_prefill_chunk
+        return _pow2_buckets(min(16, chunk), chunk)
 
     @cached_property
     def ready_chunk_bucket(self) -> int:
         """The prefill chunk bucket of the ready set (``ready_prefill_chunk``, rounded up
         to a bucket, at most ``max_prefill_chunk``; ``compilation.ready_set``)."""
-        return bucket(min(self.ready_prefill_chunk, self.max_prefill_chunk),
+        return bucket(min(self.engine.ready_prefill_chunk, self.engine.max_prefill_chunk),
                       self.prefill_chunk_buckets)
 
     @cached_property
@@ -357,12 +430,13 @@ class EngineConfig:
         row at any column bucket, more rows only where the padded shape fits the token
         budget (the scheduler packs rows no further; ``Scheduler._prefill_chunk_cap``)."""
         return tuple((r, c) for c in self.prefill_chunk_buckets for r in self.prefill_row_buckets
-                     if r == 1 or r * c <= self.max_num_batched_tokens)
+                     if r == 1 or r * c <= self.engine.max_num_batched_tokens)
 
     @cached_property
     def bucket_limits(self) -> BucketLimits:
         """Every bucket compiled: the limits of a warmed-up engine and of the simulator."""
-        return BucketLimits(self.max_num_seqs, self.max_prefill_rows, self.max_prefill_chunk,
+        e = self.engine
+        return BucketLimits(e.max_num_seqs, e.max_prefill_rows, e.max_prefill_chunk,
                             self.deferred_rows)
 
     @cached_property
@@ -370,4 +444,22 @@ class EngineConfig:
         """Row counts a prefill step is padded to: one long prompt, or a packed few.
 
         Kept to two because every bucket is a full-model compile at warm-up."""
-        return tuple(sorted({1, self.max_prefill_rows}))
+        return tuple(sorted({1, self.engine.max_prefill_rows}))
+
+
+# Each knob's flat name (the builder's and ``replace``'s keyword) -> (section, name): its
+# own name, but for the few whose name in their section reads differently.
+_FLAT_NAMES = {"kv_cache_dtype": "dtype", "enabled": "enable_prefix_caching",
+               "cache_generated": "prefix_cache_generated",
+               "keep_queued": "prefix_cache_keep_queued",
+               "host_eviction": "host_cache_eviction", "host_max_pages": "host_cache_max_pages",
+               "structured_outputs_disable_any_whitespace": "disable_any_whitespace"}
+_FLAT_SECTIONS = ("model", "hardware", "engine", "duplex_kv", "prefix_caching")
+FLAT_KNOBS: dict[str, tuple[str, str]] = {
+    _FLAT_NAMES.get(f.name, f.name): (section, f.name)
+    for section in _FLAT_SECTIONS
+    for f in dataclasses.fields(type_hints(EngineConfig)[section])
+}
+_FLAT_OF = {f"{section}.{name}": flat for flat, (section, name) in FLAT_KNOBS.items()}
+_TOP_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+_DEFAULT = EngineConfig()

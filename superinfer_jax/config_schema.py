@@ -6,8 +6,8 @@ The metadata it carries is read by three users, so each fact is written once:
 - ``validate(obj)``, called by the dataclass's ``__post_init__`` (``EngineConfig``,
   ``RotaSchedConfig``, the server's own sections): types from the annotations (a bool is
   not an int, a float must be finite), then choices, bounds and an optional ``check``;
-- the deployment file's schema (``serving.config_schema``): each field's YAML section and
-  key (``section``, ``name``), default and help text;
+- the deployment file's schema (``serving.config_schema``): each field's default and help
+  text (its section and key are the dataclass's and the field's names);
 - the generated ``superinfer_config.yaml`` and the command-line flags' help.
 
 Every failure is a ``ConfigError(key, message)``: ``key`` names the field as its reader
@@ -51,15 +51,13 @@ def knob(default: Any = dataclasses.MISSING, *, help: str,
          default_factory: Any = dataclasses.MISSING, ge: float | None = None,
          gt: float | None = None, le: float | None = None,
          choices: tuple[Any, ...] | None = None, check: Check | None = None,
-         section: str | None = None, name: str | None = None,
          example: Any = None) -> Any:
     """A configuration field: its default, help text and what values it accepts.
 
-    ``section`` / ``name``: where the field sits in the deployment file (engine fields
-    only; default name: the field's own). ``example``: a value shown, commented out, in
-    the generated file for a key whose default is null."""
+    ``example``: a value shown, commented out, in the generated file for a key whose
+    default is null."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "check": check,
-            "section": section, "name": name, "example": example}
+            "example": example}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -88,8 +88,8 @@ class LLMEngine:
 
     def __init__(self, model: ServableModel, config: EngineConfig | None = None):
         config = config or EngineConfig()
-        max_len = min(config.max_model_len, model.max_position_embeddings)
-        if max_len != config.max_model_len:
+        max_len = min(config.model.max_model_len, model.max_position_embeddings)
+        if max_len != config.model.max_model_len:
             config = config.replace(max_model_len=max_len)
         self.config = config
         self.runner = ModelRunner(model, config)
@@ -98,7 +98,7 @@ class LLMEngine:
         self.scheduler = make_scheduler(config, self.kv, page_bytes=self.layout.page_bytes,
                                         shadowing=self.runner.duplex is not None)
         self.output = OutputProcessor(self.model.tokenizer, self.model.eos_token_ids,
-                                      config.max_model_len)
+                                      config.model.max_model_len)
         self.intake = RequestIntake(self.model, config, self.kv,
                                     model_identity(model, config))
         self.requests: dict[str, Request] = {}
@@ -112,7 +112,7 @@ class LLMEngine:
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
         self.total_host_time_s = 0.0  # host work of those steps before the first block
-        if config.warmup:
+        if config.engine.warmup:
             self.warmup()
 
     @property
@@ -151,7 +151,7 @@ class LLMEngine:
         With ``compile_in_background`` (one process) this returns once the smallest
         buckets are compiled; the rest, DuplexKV's copies and a latency profile not on
         disk follow through ``idle_work`` (slack ranking waits for the profile)."""
-        background = self.config.compile_in_background and jax.process_count() == 1
+        background = self.config.engine.compile_in_background and jax.process_count() == 1
         times = self.runner.warmup(background)
         t0 = time.perf_counter()
         if self.scheduler.policy.uses_latency:
@@ -214,7 +214,7 @@ class LLMEngine:
 
     def _latency_optional(self) -> bool:
         """Whether the policy plans without a latency model until one is measured."""
-        return self.config.policy == "rotasched" and self.config.rotasched.mode == "vlt"
+        return self.config.engine.policy == "rotasched" and self.config.rotasched.mode == "vlt"
 
     def _latency_path(self) -> str | None:
         return latency_profile_path(self.config, self.intake.model_identity)
@@ -276,7 +276,7 @@ class LLMEngine:
         the engine's thread at the end of each step that changed the caches, so it should
         only hand them on. None turns them off. Set it before requests arrive."""
         self._kv_event_sink = sink
-        self._kv_events = None if sink is None else KVEventLog(self.config.page_size)
+        self._kv_events = None if sink is None else KVEventLog(self.config.hardware.page_size)
         self.kv.set_kv_events(self._kv_events)
 
     def _flush_kv_events(self) -> None:
@@ -309,7 +309,7 @@ class LLMEngine:
             self.num_model_steps += 1
             self.total_host_time_s += stats.host_time_s
         self._apply_rotation_events(self.runner.flush_rotations(), t0)  # in_step mode
-        done = self.runner.put_in_flight(launched) if self.config.async_scheduling \
+        done = self.runner.put_in_flight(launched) if self.config.engine.async_scheduling \
             else launched
         outputs = self._collect(done) if done is not None else []
         if launched is not None and launched.deferred_index:

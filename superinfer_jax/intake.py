@@ -68,7 +68,8 @@ def fit_sampling(sampling: SamplingParams, vocab_size: int,
 def model_identity(model: ServableModel, config: EngineConfig) -> str:
     """What KV pages are a function of, besides the tokens (prefix caching's key)."""
     return (f"{type(model).__module__}.{type(model).__qualname__}:{model.vocab_size}:"
-            f"{model.kv_spec}:{model.dtype}:{config.dtype}:{config.page_size}")
+            f"{model.kv_spec}:{model.dtype}:{config.model.kv_cache_dtype}:"
+            f"{config.hardware.page_size}")
 
 
 class RequestIntake:
@@ -79,7 +80,7 @@ class RequestIntake:
         self.model, self.config, self.kv = model, config, kv
         self.model_identity = identity  # ``model_identity`` of the model as loaded
         self._ids = itertools.count()
-        self._seed_rng = np.random.default_rng(config.seed)
+        self._seed_rng = np.random.default_rng(config.engine.seed)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained one
 
     def new_request(self, prompt_token_ids: list[int], sampling: SamplingParams | None,
@@ -88,7 +89,7 @@ class RequestIntake:
                     requests: Mapping[str, Request]) -> Request:
         """A request checked against the model and the requests in flight (``requests``);
         ``LLMEngine.add_request`` documents the arguments."""
-        vocab, max_len = self.model.vocab_size, self.config.max_model_len
+        vocab, max_len = self.model.vocab_size, self.config.model.max_model_len
         sampling = fit_sampling(sampling or SamplingParams(), vocab, self._seed_rng)
         prompt = check_prompt(prompt_token_ids, vocab, max_len)
         check_cache_salt(cache_salt)
@@ -130,5 +131,6 @@ class RequestIntake:
                                  "with a Hugging Face tokenizer; this one has none")
             self._grammars = GrammarCompiler(
                 to_json(), self.model.vocab_size, self.model.eos_token_ids,
-                whitespace_flexible=not self.config.disable_any_whitespace)
+                whitespace_flexible=not self.config.engine
+                    .structured_outputs_disable_any_whitespace)
         return self._grammars

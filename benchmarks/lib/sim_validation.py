@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def engine_config(args: argparse.Namespace):
     from superinfer_jax import EngineConfig
 
-    return EngineConfig(
+    return EngineConfig.build(
         max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
         max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
@@ -216,7 +216,8 @@ def run_engine(engine, work, vocab: int, seed: int) -> tuple[dict[str, Any], lis
 
     recorder = StepRecorder(engine)
     try:
-        with tqdm(total=len(work), desc=f"engine {engine.config.policy}", leave=False) as bar:
+        with tqdm(total=len(work), desc=f"engine {engine.config.engine.policy}",
+                  leave=False) as bar:
             timelines, duration = replay(engine, timed_requests(work, vocab, seed), bar)
     finally:
         recorder.detach()

@@ -484,11 +484,11 @@ def in_process_engine(args: argparse.Namespace, policy: str):
     from superinfer_jax import EngineConfig, LLMEngine
 
     model = load_model(args.in_process)
-    config = EngineConfig(policy=policy, max_model_len=args.max_model_len,
-                          num_device_pages=args.num_device_pages,
-                          num_host_pages=args.num_host_pages,
-                          compilation_cache_dir=args.compilation_cache or None,
-                          show_progress=not args.no_progress)
+    config = EngineConfig.build(policy=policy, max_model_len=args.max_model_len,
+                                num_device_pages=args.num_device_pages,
+                                num_host_pages=args.num_host_pages,
+                                compilation_cache_dir=args.compilation_cache or None,
+                                show_progress=not args.no_progress)
     return LLMEngine(model, config)
 
 

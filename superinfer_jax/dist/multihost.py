@@ -38,7 +38,7 @@ def leader_engine(model: ServableModel, config: EngineConfig, group: Group,
     engine = LLMEngine(model, config.replace(warmup=False))
     recorder = Recorder(engine.runner, group)
     group.start_watchdog(lambda: recorder.sent)
-    if warm and config.warmup:
+    if warm and config.engine.warmup:
         warm_up(engine, recorder)
     return engine, recorder
 
@@ -55,5 +55,5 @@ def follow(model: ServableModel, config: EngineConfig, group: Group) -> None:
     process 0 does, and replays once they are compiled (compiling each at its first
     replayed run would keep process 0 waiting in that run's collectives)."""
     engine = LLMEngine(model, config.replace(warmup=False))
-    ready = engine.runner.compilation.compile_ahead().wait_done if config.warmup else None
+    ready = engine.runner.compilation.compile_ahead().wait_done if config.engine.warmup else None
     run_follower(engine.runner, group, ready)

@@ -253,7 +253,7 @@ class CompilationManager:
         duplex = self.runner.duplex
         if duplex is None or not duplex.in_step:
             return []
-        b = self.config.in_step_pages
+        b = self.config.duplex_kv.in_step_pages
         return [(rows, 1, o, i) for rows in self.config.decode_buckets
                 for o, i in ((b, 0), (0, b), (b, b))]
 
@@ -261,7 +261,7 @@ class CompilationManager:
         """The step's arguments at one shape, as the engine passes them: device arrays
         as abstract values with their placement, host inputs as numpy."""
         runner, cfg = self.runner, self.config
-        neutral = neutral_logits_inputs(rows, cols, cfg.max_model_len,
+        neutral = neutral_logits_inputs(rows, cols, cfg.model.max_model_len,
                                         runner.model.vocab_size, cfg.deferred_rows)
         no_tokens = self._constant_spec(np.zeros(runner.feedback_width, np.int32))
         return (runner.step_params, runner.pool.spec, self.empty_inputs(rows, cols),
@@ -281,7 +281,7 @@ class CompilationManager:
         cfg, vocab = self.config, self.runner.model.vocab_size
         zeros = np.zeros((rows, 1), np.int32)
         context = np.zeros(rows, np.int32)
-        neutral = neutral_logits_inputs(rows, 1, cfg.max_model_len, vocab, cfg.deferred_rows)
+        neutral = neutral_logits_inputs(rows, 1, cfg.model.max_model_len, vocab, cfg.deferred_rows)
         logits = self._constant_spec(np.zeros((cfg.deferred_rows, vocab), np.float32))
         return (rows, logits, StepInputs.from_numpy(zeros, zeros, context, context, zeros),
                 SamplingInputs.greedy(rows), jax.tree.map(self._constant_spec, neutral))

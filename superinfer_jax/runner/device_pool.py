@@ -23,22 +23,22 @@ def choose_num_pages(config: EngineConfig, layout: PoolLayout) -> int:
     """``num_device_pages``, else what fits ``device_memory_fraction`` of the free device
     memory (a CPU reports none: a pool of at most 2 GiB); at least one full request."""
     need_one = config.max_pages_per_seq + 1
-    if config.num_device_pages is not None:
-        pages = config.num_device_pages
+    if config.hardware.num_device_pages is not None:
+        pages = config.hardware.num_device_pages
     else:
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:  # per device; a device holds 1/tp of each page
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            shard_bytes = layout.page_bytes // config.tensor_parallel_size
-            pages = int(free * config.device_memory_fraction) // shard_bytes
+            shard_bytes = layout.page_bytes // config.model.tensor_parallel_size
+            pages = int(free * config.hardware.device_memory_fraction) // shard_bytes
         else:
-            want = config.max_num_seqs * config.max_pages_per_seq + 1
+            want = config.engine.max_num_seqs * config.max_pages_per_seq + 1
             pages = min(want, _CPU_DEFAULT_POOL_BYTES // layout.page_bytes)
         pages = max(pages, need_one)
     if pages < need_one:
         raise ValueError(
             f"num_device_pages ({pages}) cannot hold one request of max_model_len "
-            f"{config.max_model_len} ({need_one} pages incl. the null page)"
+            f"{config.model.max_model_len} ({need_one} pages incl. the null page)"
         )
     return pages
 

@@ -61,7 +61,7 @@ class ExecutableCache:
         """The cache of a ``ModelRunner``'s programs, keyed also by what they close over
         (engine config, model, backend, weights' tree, mesh). None without a cache
         directory, and for a multi-process group (not validated there)."""
-        if not config.compilation_cache_dir or jax.process_count() > 1:
+        if not config.hardware.compilation_cache_dir or jax.process_count() > 1:
             return None
         context = {
             "engine": config.replace(compilation_cache_dir=None, show_progress=True,
@@ -73,7 +73,7 @@ class ExecutableCache:
             "params": str(params_treedef),
             "mesh": repr(mesh),
         }
-        return cls.under(config.compilation_cache_dir, context)
+        return cls.under(config.hardware.compilation_cache_dir, context)
 
     @classmethod
     def under(cls, cache_dir: str, context: Mapping[str, Any]) -> ExecutableCache:

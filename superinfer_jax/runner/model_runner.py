@@ -63,26 +63,28 @@ class ModelRunner:
 
     def __init__(self, model: ServableModel, config: EngineConfig):
         self.config = config
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
-        tp = config.tensor_parallel_size
+        if config.hardware.compilation_cache_dir:
+            enable_compilation_cache(config.hardware.compilation_cache_dir)
+        tp = config.model.tensor_parallel_size
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None  # None: one device
         self.model = model = parallel.place_model(model, self.mesh)
-        self.layout = PoolLayout(model.kv_spec, config.page_size, config.dtype)
+        self.layout = PoolLayout(model.kv_spec, config.hardware.page_size,
+                                 config.model.kv_cache_dtype)
         self.num_device_pages = choose_num_pages(config, self.layout)
         self.num_host_pages = num_host_pages_for(
-            config.host_memory_gb, config.num_host_pages, self.layout.page_bytes)
+            config.duplex_kv.host_memory_gb, config.duplex_kv.num_host_pages,
+                                                 self.layout.page_bytes)
         # the pages' bookkeeping (host only): the scheduler plans with it
         self.kv = TwoTierKVManager(
-            self.num_device_pages, config.page_size, self.num_host_pages,
-            prefix_caching=config.enable_prefix_caching,
-            host_cache_eviction=config.host_cache_eviction,
-            host_cache_max_pages=config.host_cache_max_pages)
+            self.num_device_pages, config.hardware.page_size, self.num_host_pages,
+            prefix_caching=config.prefix_caching.enabled,
+            host_cache_eviction=config.prefix_caching.host_eviction,
+            host_cache_max_pages=config.prefix_caching.host_max_pages)
         self.duplex: DuplexKV | None = None  # the rotation engine, when a host tier exists
         if self.num_host_pages > 0:
             self.duplex = self._new_duplex()
         self.pool = DevicePool(self.layout, self.num_device_pages, self.mesh, self.duplex)
-        self.backend = ops.resolve_backend(config.attention_backend)
+        self.backend = ops.resolve_backend(config.hardware.attention_backend)
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self.committed(np.zeros(self.feedback_width, np.int32))
         self._inflight: InflightStep | None = None  # dispatched, tokens not read yet
@@ -138,12 +140,12 @@ class ModelRunner:
         cfg = self.config
         if self.mesh is None:
             host = HostPool(self.num_host_pages, jax.devices()[0])  # the pool's device
-            return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
-                            copy_mode=cfg.copy_mode)
+            return DuplexKV(self.layout, self.kv, host, cfg.duplex_kv.transfer_budget_pages,
+                            copy_mode=cfg.duplex_kv.copy_mode)
         host = HostPool(self.num_host_pages, page_sharding=parallel.page_sharding(self.mesh))
-        return DuplexKV(self.layout, self.kv, host, cfg.transfer_budget_pages,
+        return DuplexKV(self.layout, self.kv, host, cfg.duplex_kv.transfer_budget_pages,
                         pool_sharding=parallel.pool_sharding(self.mesh),
-                        copy_mode=cfg.copy_mode)
+                        copy_mode=cfg.duplex_kv.copy_mode)
 
     def _jit_step(self):
         """The jitted step, pool donated. Under TP the outputs are pinned: sampled tokens
@@ -320,7 +322,7 @@ class ModelRunner:
         arrays.query_lens[b] = n
         arrays.context_lens[b] = start + n
         table = page_table(req.req_id)
-        if len(table) * cfg.page_size < start + n:  # would read the null page
+        if len(table) * cfg.hardware.page_size < start + n:  # would read the null page
             raise RuntimeError(f"request {req.req_id!r} holds {len(table)} pages for "
                                f"{start + n} tokens")
         arrays.page_tables[b, :len(table)] = table
@@ -408,7 +410,7 @@ class ModelRunner:
         """Every page a call on ``inputs`` may write KV to (a superset: every column of
         every row, padding included): the pages of its positions in its page tables."""
         tables, positions = np.asarray(inputs.page_tables), np.asarray(inputs.positions)
-        index = np.clip(positions // self.config.page_size, 0, tables.shape[1] - 1)
+        index = np.clip(positions // self.config.hardware.page_size, 0, tables.shape[1] - 1)
         return set(np.take_along_axis(tables, index, axis=1).ravel().tolist())
 
     def _take_copies(self, inputs: StepInputs) -> StepCopies | None:
@@ -417,7 +419,7 @@ class ModelRunner:
         if self.duplex is None or not self.duplex.has_deferred:
             return None
         rows, cols = inputs.tokens.shape
-        b = self.config.in_step_pages
+        b = self.config.duplex_kv.in_step_pages
         written = self._written_pages(inputs)
         num_out, num_in = self.duplex.in_step_pending(written)
         shape = (rows, cols, b if num_out >= b else 0, b if num_in >= b else 0)
@@ -432,13 +434,13 @@ class ModelRunner:
         is off (every call then compiles on first use, as the plain step does)."""
         if shape in self.in_step_programs.compiled:
             return True
-        return not self.config.warmup and shape in self.compilation.in_step_shapes()
+        return not self.config.engine.warmup and shape in self.compilation.in_step_shapes()
 
     def neutral_logits_inputs(self, rows: int, cols: int) -> LogitsInputs:
         """Logits inputs that change nothing, committed once per shape (no transfer)."""
         key = (rows, cols)
         if key not in self._neutral:
-            neutral = neutral_logits_inputs(rows, cols, self.config.max_model_len,
+            neutral = neutral_logits_inputs(rows, cols, self.config.model.max_model_len,
                                             self.model.vocab_size, self.config.deferred_rows)
             self._neutral[key] = jax.tree.map(self.committed, neutral)
         return self._neutral[key]

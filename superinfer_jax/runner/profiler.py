@@ -73,7 +73,7 @@ def profile_pieces(engine, repeats: int = 2) -> Generator[None, None, LatencyMod
     generator returns the fitted model."""
     engine = getattr(engine, "runner", engine)
     cfg = engine.config
-    max_ctx = cfg.max_model_len - 1
+    max_ctx = cfg.model.max_model_len - 1
     contexts = sorted({min(c, max_ctx) for c in (16, max_ctx // 4, max_ctx)})
     decode = []
     for b in cfg.decode_buckets[::2] + cfg.decode_buckets[-1:]:
@@ -98,12 +98,13 @@ def latency_profile_path(config: EngineConfig, model_identity: str) -> str | Non
     shapes, buckets, backend, device and CPU count), else nowhere."""
     if config.rotasched.latency_profile:
         return config.rotasched.latency_profile
-    cache = config.compilation_cache_dir
+    cache = config.hardware.compilation_cache_dir
     if not cache:
         return None
     device = jax.devices()[0]
-    facts = (model_identity, config.max_model_len, config.decode_buckets,
-             config.prefill_shapes, config.attention_backend, config.tensor_parallel_size,
+    facts = (model_identity, config.model.max_model_len, config.decode_buckets,
+             config.prefill_shapes, config.hardware.attention_backend,
+             config.model.tensor_parallel_size,
              device.platform, device.device_kind, os.cpu_count(), jax.__version__)
     key = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
     return os.path.join(cache, f"latency-profile-{key}.json")

@@ -150,7 +150,7 @@ def bucket_limits(config: EngineConfig, steps: frozenset[Hashable],
         or _compiled_run(buckets, buckets[0], chunk_done) or (0, 0)
     # packed rows once every packed shape up to the chunk is (the last compiles)
     packed = [s for s in config.prefill_shapes if s[0] > 1 and s[1] <= chunk]
-    rows = config.max_prefill_rows if all(s in steps for s in packed) else 1
+    rows = config.engine.max_prefill_rows if all(s in steps for s in packed) else 1
     deferred = _largest_prefix(resample_buckets, lambda r: (r,) in resamples)
     floor = shortest if chunk and shortest != buckets[0] else 0
     return BucketLimits(decode, rows if chunk else 0, chunk, deferred, copies, floor)

@@ -42,7 +42,7 @@ class PrefixPlanner:
         """Ask the prefix cache to keep the pages a new request will look up (known demand)."""
         cache = self.kv.prefix_cache
         if cache is None or req.cache_key is None or req.num_computed_tokens \
-                or not self.config.prefix_cache_keep_queued:
+                or not self.config.prefix_caching.keep_queued:
             return
         page_size = self.kv.page_size
         extend_block_hashes(req.block_hashes, req.prompt_token_ids, req.output_token_ids,
@@ -62,7 +62,7 @@ class PrefixPlanner:
         """The runners' pages that filled since the last step become findable by hash (steps
         run in order); without ``prefix_cache_generated``, only prompt pages."""
         kv, page_size = self.kv, self.kv.page_size
-        generated = self.config.prefix_cache_generated
+        generated = self.config.prefix_caching.cache_generated
         for req in self.running:
             if req.cache_key is None:
                 continue

@@ -80,7 +80,7 @@ class Scheduler:
         self.policy = policy
         self.page_bytes = page_bytes
         self.latency = latency
-        self.shadowing = (shadowing and config.eager_shadowing
+        self.shadowing = (shadowing and config.duplex_kv.eager_shadowing
                           and isinstance(kv, TwoTierKVManager) and kv.num_host_pages > 0)
         self.waiting = WaitingQueue(need=self._first_chunk_pages)
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -143,7 +143,7 @@ class Scheduler:
         if self.shadowing and budget.limits.copies and isinstance(kv, TwoTierKVManager) \
                 and kv.host_cache is not None:
             # reclaimed cached pages go to the host tier (``_plan_shadows`` copies them)
-            kv.spill_budget = self.config.transfer_budget_pages
+            kv.spill_budget = self.config.duplex_kv.transfer_budget_pages
         self._rotate_forced(plan, now)
         sel = None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
@@ -234,7 +234,7 @@ class Scheduler:
                 kv = self.kv
                 assert isinstance(kv, TwoTierKVManager)
                 cost = kv.rotation_cost_in(req.req_id)
-                if self._num_seated() >= self.config.max_num_seqs or not kv.can_rotate_in(
+                if self._num_seated() >= self.config.engine.max_num_seqs or not kv.can_rotate_in(
                         req.req_id) or (plan.rotate_in and cost > budget.pages_in):
                     return False
                 self._start_rotate_in(req, plan, now)
@@ -244,7 +244,7 @@ class Scheduler:
             if req.status != ROTARY:
                 continue
             cost = self._host_pages(req)
-            if self._num_seated() >= self.config.max_num_seqs:
+            if self._num_seated() >= self.config.engine.max_num_seqs:
                 break
             assert isinstance(self.kv, TwoTierKVManager)  # only it parks requests
             if cost > budget.pages_in or not self.kv.can_rotate_in(req.req_id):
@@ -257,7 +257,7 @@ class Scheduler:
                now: float) -> None:
         """Uncontended: FCFS, the head waits for memory and nobody overtakes it.
         Contended: the selected waiting requests, in rank order."""
-        max_seqs = self.config.max_num_seqs
+        max_seqs = self.config.engine.max_num_seqs
         if sel is None:
             while self.waiting and budget.tokens > 0 and self._num_seated() < max_seqs:
                 head = self.waiting.first()  # not re-admitted when this very step evicted it
@@ -280,7 +280,7 @@ class Scheduler:
         spills = kv.take_spills()
         kv.spill_budget = 0
         moving = sum(len(m) for m in plan.moves_out) + (len(spills) if spills else 0)
-        room = max(0, self.config.transfer_budget_pages - moving)
+        room = max(0, self.config.duplex_kv.transfer_budget_pages - moving)
         # only the runners with a full page past their shadowed ones (a few a step)
         page_size = kv.page_size
         computed = {r.req_id: r.num_computed_tokens for r in self.running
@@ -300,7 +300,7 @@ class Scheduler:
         caching a hit may lower it: 1, the least any waiting request needs)."""
         if self.kv.prefix_cache is not None:
             return 1
-        chunk = next_chunk(req.num_pending_tokens, self.config.max_prefill_chunk)
+        chunk = next_chunk(req.num_pending_tokens, self.config.engine.max_prefill_chunk)
         return -(-(req.num_computed_tokens + chunk) // self.kv.page_size)
 
     def _prefill_chunk_cap(self, plan: StepPlan, budget: StepBudget) -> int:
@@ -309,7 +309,7 @@ class Scheduler:
         shape must fit the step's prefill slots."""
         cfg = self.config
         rows = len(plan.prefill) + 1
-        if rows > min(cfg.max_prefill_rows, budget.limits.prefill_rows):
+        if rows > min(cfg.engine.max_prefill_rows, budget.limits.prefill_rows):
             return 0
         row_bucket = bucket(rows, cfg.prefill_row_buckets)
         longest = max((n for _, n in plan.prefill), default=0)
@@ -320,7 +320,7 @@ class Scheduler:
         if fits:
             return fits[-1]
         # one row always makes progress
-        return min(cfg.max_prefill_chunk, limits.prefill_chunk) if rows == 1 else 0
+        return min(cfg.engine.max_prefill_chunk, limits.prefill_chunk) if rows == 1 else 0
 
     @staticmethod
     def _add_row(plan: StepPlan, req_id: str, n: int, decoding: bool) -> None:
@@ -367,7 +367,7 @@ class Scheduler:
         elif target == RECOMPUTE:
             self._preempt(req, plan, now)
         else:
-            raise ValueError(f"policy {self.config.policy!r}: evict_to returned {target!r}; "
+            raise ValueError(f"policy {self.config.engine.policy!r}: evict_to returned {target!r}; "
                              f"expected {HOST!r} or {RECOMPUTE!r}")
 
     def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
@@ -449,7 +449,7 @@ class Scheduler:
         assert isinstance(kv, TwoTierKVManager)
         hit_tokens = (len(device) + len(host)) * kv.page_size
         total = hit_tokens + next_chunk(req.num_pending_tokens - hit_tokens,
-                                        self.config.max_prefill_chunk)
+                                        self.config.engine.max_prefill_chunk)
         if not kv.can_allocate_with_prefix(list(device), total):
             return False
         plan.moves_in.append(kv.take_host_prefix(req.req_id, list(device), list(host), total))

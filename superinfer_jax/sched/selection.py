@@ -120,7 +120,7 @@ class StepSelection:
         self.capacity = self._capacity()
         self.used = 0
         self.transfer = budget.pages_in
-        self.seats = s.config.max_num_seqs - s._rotating_in
+        self.seats = s.config.engine.max_num_seqs - s._rotating_in
         self.spare = 0  # pages no runner needs, for ``Ranking.free_only`` entries
         self.counted: set[int] = set()  # shared pages already counted for a kept request
         self.kept_tables: list[list[int]] = []  # of the kept runners
@@ -238,7 +238,7 @@ class StepSelection:
             pending = 0 if req.final_token_inflight \
                 else req.num_tokens - req.num_computed_tokens
             need = -(-(req.num_computed_tokens + (1 if pending == 1 else min(
-                pending, s.config.max_prefill_chunk))) // s.kv.page_size)
+                pending, s.config.engine.max_prefill_chunk))) // s.kv.page_size)
             moving = s._host_pages(req) if status == ROTARY else 0
         pages: tuple[int, ...] | list[int] = ()
         if self.shared:
@@ -276,14 +276,14 @@ class StepSelection:
         page_size = s.kv.page_size
         hit = s.prefix_hit(req).num_pages * page_size
         computed = req.num_computed_tokens + hit
-        chunk = next_chunk(req.num_pending_tokens - hit, s.config.max_prefill_chunk)
+        chunk = next_chunk(req.num_pending_tokens - hit, s.config.engine.max_prefill_chunk)
         return -(-(computed + chunk) // page_size)
 
     def _runners_growth(self) -> int:
         """Device pages the runners need this step beyond those they hold."""
         s = self.s
         tables, page_size = s.kv.page_tables, s.kv.page_size
-        max_chunk = s.config.max_prefill_chunk
+        max_chunk = s.config.engine.max_prefill_chunk
         growth = 0
         for r in s.running:
             pending = 0 if r.final_token_inflight else r.num_tokens - r.num_computed_tokens

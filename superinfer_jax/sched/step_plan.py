@@ -37,7 +37,7 @@ class StepBudget:
     def full(cls, config: EngineConfig, limits: BucketLimits | None = None) -> StepBudget:
         """The configured budget: ``max_num_batched_tokens`` and ``transfer_budget_pages``,
         within ``limits`` (default: every bucket compiled)."""
-        tokens, pages = config.max_num_batched_tokens, config.transfer_budget_pages
+        tokens, pages = config.engine.max_num_batched_tokens, config.duplex_kv.transfer_budget_pages
         # the class by name, not ``cls``: compiled, ``cls(...)`` is a generic call
         return StepBudget(tokens, tokens, pages, pages, limits or config.bucket_limits)
 

@@ -148,12 +148,11 @@ def _preset(args: argparse.Namespace):
 
 def _engine_overrides(items: list[str]) -> dict[str, Any]:
     """``key=value`` strings -> EngineConfig fields, values as int, float, bool or str."""
-    import dataclasses
 
     from superinfer_jax.config import EngineConfig
     from superinfer_jax.sim.presets import parse_scalar
 
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    fields = EngineConfig.knob_names()
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -171,7 +170,8 @@ def _calibration(args: argparse.Namespace, preset):
 
     if args.num_device_pages is None:
         raise ValueError("--latency-profile needs --num-device-pages (the profiled pool)")
-    page_bytes = args.page_bytes or MODELS[preset.model].page_bytes(preset.engine.page_size)
+    page_bytes = args.page_bytes or MODELS[preset.model].page_bytes(preset.engine.hardware
+        .page_size)
     return Calibration(LatencyModel.load(args.latency_profile), page_bytes,
                        args.num_device_pages, args.num_host_pages)
 
@@ -201,7 +201,7 @@ def workload_spec(preset, rate: float, args: argparse.Namespace) -> WorkloadSpec
         else "gamma", burstiness=args.burstiness,
         num_requests=preset.num_requests or 1,
         duration_s=None if preset.num_requests else preset.duration_s,
-        max_prompt=min(preset.max_prompt, preset.engine.max_model_len - 1),
+        max_prompt=min(preset.max_prompt, preset.engine.model.max_model_len - 1),
         max_total=preset.max_total, slo_mix=mix, seed=args.seed)
 
 
@@ -226,7 +226,7 @@ def block_trace(preset, rate: float, args: argparse.Namespace) -> BlockTrace:
     return BlockTrace(
         dataset=preset.dataset, rate=rate, num_requests=preset.num_requests,
         duration_s=None if preset.num_requests else preset.duration_s,
-        max_prompt=min(preset.max_prompt, preset.engine.max_model_len - 1), slo_mix=mix,
+        max_prompt=min(preset.max_prompt, preset.engine.model.max_model_len - 1), slo_mix=mix,
         seed=args.seed)
 
 
@@ -242,7 +242,7 @@ def _workloads(preset, args: argparse.Namespace, notes: list[str],
     for rate in preset.rates:
         specs, more = load_block_trace(block_trace(preset, rate, args))
         notes.extend(more)
-        ceiling = prefix_hit_ceiling(specs, preset.engine.page_size)
+        ceiling = prefix_hit_ceiling(specs, preset.engine.hardware.page_size)
         notes.append(f"{preset.dataset} at {rate:g} req/s: an unbounded prefix cache could "
                      f"serve {ceiling:.1%} of the prompt tokens")
         out[rate] = specs
@@ -262,7 +262,7 @@ def run_sweep(preset, args: argparse.Namespace,
         print(note)
     content = is_block_trace(preset.dataset)
     cachings = CACHING[args.prefix_caching or ("both" if content else "on" if
-                                               preset.engine.enable_prefix_caching else "off")]
+                                               preset.engine.prefix_caching.enabled else "off")]
     runs = [(hw, rate, pol, c) for hw in preset.hardware for rate in preset.rates
             for pol in preset.policies for c in cachings]
     bar = tqdm(runs, desc="simulating", disable=args.no_progress)

@@ -133,7 +133,7 @@ class RooflineCost:
 
     @property
     def page_bytes(self) -> int:
-        return self.model.page_bytes(self.config.page_size)
+        return self.model.page_bytes(self.config.hardware.page_size)
 
     def prefill_call_s(self, shape: CallShape) -> float:
         tokens = shape.num_tokens
@@ -219,7 +219,7 @@ def latency_model_of(cost: CostModel, config: EngineConfig, name: str = "") -> L
     profiler times (so the slack policy sees the simulated machine, not this one)."""
     if isinstance(cost, CalibratedCost):
         return cost.latency
-    max_ctx = config.max_model_len - 1
+    max_ctx = config.model.max_model_len - 1
     contexts = sorted({min(c, max_ctx) for c in (16, max_ctx // 4, max_ctx)})
     decode = [(b, b * c, cost.decode_call_s(CallShape.of_rows([(1, c - 1)] * b)))
               for b in config.decode_buckets for c in contexts]

@@ -77,7 +77,7 @@ class Calibration:
 
 def paper_engine_config() -> EngineConfig:
     """The engine knobs of a paper-scale run (the policy is set per run)."""
-    return EngineConfig(
+    return EngineConfig.build(
         page_size=16, max_model_len=8192, max_num_seqs=16384, max_num_batched_tokens=16384,
         max_prefill_chunk=2048, max_prefill_rows=4, transfer_budget_pages=2400,
         eager_shadowing=True, warmup=False, show_progress=False)
@@ -137,7 +137,7 @@ class SimPreset:
         model, hw = MODELS[self.model], HARDWARE[hardware]
         cost = RooflineCost(model, hw, config, pad=self.pad if pad is None else pad,
                             transfer_mode=transfer_mode)
-        pages = num_device_pages_for(model, hw, config.page_size, self.memory_fraction)
+        pages = num_device_pages_for(model, hw, config.hardware.page_size, self.memory_fraction)
         host = int(self.host_memory_gb * (1 << 30)) // cost.page_bytes
         uses_latency = getattr(resolve_policy(policy), "uses_latency", False)
         latency = latency_model_of(cost, config) if uses_latency else None

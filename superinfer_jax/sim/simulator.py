@@ -145,7 +145,7 @@ class Simulator:
         if num_device_pages < config.max_pages_per_seq + 1:
             raise ValueError(
                 f"num_device_pages ({num_device_pages}) cannot hold one request of "
-                f"max_model_len {config.max_model_len} ({config.max_pages_per_seq + 1} "
+                f"max_model_len {config.model.max_model_len} ({config.max_pages_per_seq + 1} "
                 f"pages incl. the null page)")
         if num_host_pages < 0:
             raise ValueError(f"num_host_pages must be >= 0, got {num_host_pages}")
@@ -197,7 +197,7 @@ class _Run:
         cfg = sim.config
         self.cfg, self.cost, self.specs, self.progress = cfg, sim.cost, specs, progress
         # a cache only when some request has content: nothing else could hit
-        self.prefix_caching = cfg.enable_prefix_caching and (
+        self.prefix_caching = cfg.prefix_caching.enabled and (
             any(s.hash_ids is not None for s in specs)
             or any(t.hash_ids is not None for c in conversations for t in c.turns))
         # closed loop: a finished turn's next joins ``later`` (arrival, seq, conv, turn)
@@ -206,10 +206,10 @@ class _Run:
         self.first_of = list(first_of)
         self.later: list[tuple[float, int, int, int]] = []
         self.num_added = self.num_pushed = 0
-        self.kv = TwoTierKVManager(sim.num_device_pages, cfg.page_size, sim.num_host_pages,
+        self.kv = TwoTierKVManager(sim.num_device_pages, cfg.hardware.page_size, sim.num_host_pages,
                                    prefix_caching=self.prefix_caching,
-                                   host_cache_eviction=cfg.host_cache_eviction,
-                                   host_cache_max_pages=cfg.host_cache_max_pages)
+                                   host_cache_eviction=cfg.prefix_caching.host_eviction,
+                                   host_cache_max_pages=cfg.prefix_caching.host_max_pages)
         self.cache_key = isolation_key(f"sim:{sim.cost.name}", None) \
             if self.prefix_caching else None
         # FCFS never rotates: its shadows change no timeline unless copies cost the host
@@ -217,7 +217,7 @@ class _Run:
         copies_cost_host = sim.cost.host_s(1, 1) > sim.cost.host_s(1, 0)
         host_caching = self.prefix_caching and sim.num_host_pages > 0
         self.sched = make_scheduler(cfg, self.kv, sim.latency, page_bytes=sim.cost.page_bytes,
-                                    shadowing=cfg.policy != "fcfs" or copies_cost_host
+                                    shadowing=cfg.engine.policy != "fcfs" or copies_cost_host
                                     or host_caching)
         self.sim = sim
         self.link = Link(sim.cost)
@@ -345,7 +345,7 @@ class _Run:
 
     def _advance_decode(self, rows: list[SimRequest], now: float) -> None:
         """``_advance`` of decode rows (one token each; most rows are these)."""
-        max_len = self.cfg.max_model_len
+        max_len = self.cfg.model.max_model_len
         for req in rows:
             req.num_computed_tokens += 1
             if req.num_computed_tokens < req.num_tokens:
@@ -360,7 +360,7 @@ class _Run:
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
         final row samples one. The length check is ``at_length_limit``, written out."""
-        max_len = self.cfg.max_model_len
+        max_len = self.cfg.model.max_model_len
         for req, n in rows:
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
@@ -452,7 +452,7 @@ class _Run:
             shadow_pages=self.shadow_pages, link_busy_s=(self.link.busy_s[0], self.link.busy_s[1]),
             num_device_pages=self.sim.num_device_pages,
             num_host_pages=self.sim.num_host_pages, cost_name=self.cost.name,
-            policy=self.cfg.policy, prefix_caching=self.prefix_caching,
+            policy=self.cfg.engine.policy, prefix_caching=self.prefix_caching,
             prefix_cache_queries=queries, prefix_cache_device_hits=device_hits,
             prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in,
             schedule_queue=self.timing[0] if self.timing else None,

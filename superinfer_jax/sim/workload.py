@@ -100,9 +100,9 @@ def _check_spec(name: str, s: RequestSpec, config: EngineConfig) -> None:
     if s.prompt_len < 1 or s.output_len < 1:
         raise ValueError(f"{name}: prompt_len and output_len must be >= 1, got "
                          f"{s.prompt_len}, {s.output_len}")
-    if s.prompt_len >= config.max_model_len:
+    if s.prompt_len >= config.model.max_model_len:
         raise ValueError(f"{name}: prompt has {s.prompt_len} tokens; max_model_len "
-                         f"is {config.max_model_len} (the engine rejects it)")
+                         f"is {config.model.max_model_len} (the engine rejects it)")
     if s.hash_ids is not None:
         _check_hash_ids(name, s)
 

@@ -38,9 +38,9 @@ def test_engine_config_applies_the_knobs(tmp_path):
 
     args = argparse.Namespace(max_prompt=256, max_output=48, device_pages=48, host_pages=512)
     cfg = engine_config(args, "rotasched:residency_share=0.25:beta_b=3")
-    assert cfg.policy == "rotasched" and cfg.rotasched.residency_share == 0.25
-    assert cfg.rotasched.beta_b == 3 and cfg.enable_prefix_caching
-    assert cfg.max_model_len == 320 and cfg.num_device_pages == 48
+    assert cfg.engine.policy == "rotasched" and cfg.rotasched.residency_share == 0.25
+    assert cfg.rotasched.beta_b == 3 and cfg.prefix_caching.enabled
+    assert cfg.model.max_model_len == 320 and cfg.hardware.num_device_pages == 48
     with pytest.raises(ValueError, match="residency_share"):
         engine_config(args, "rotasched:residency_share=2")
 
@@ -65,8 +65,8 @@ def test_turns_spell_their_prompt_ids_and_keep_the_think_times():
 
 
 def test_pooled_row_counts_every_turn_and_gap():
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, show_progress=False,
-                       enable_prefix_caching=True)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False, show_progress=False,
+                             enable_prefix_caching=True)
     specs = to_conversation_specs([conversation()])
     # prefill 1 s: past the 900 ms TTFT SLO; decode 50 ms: within the 80 ms TBT SLO
     res = Simulator(cfg, ConstantCost(1.0, 0.05), 32, 0).run_conversations(specs)

@@ -18,8 +18,8 @@ from superinfer_jax.sim.presets import PRESETS, get_preset
 
 def test_sim_summary_equals_the_benchmark_summary():
     """The simulator's numpy summary and ``sim.metrics.summarize`` agree exactly."""
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy="swap",
-                       max_num_batched_tokens=64, max_prefill_chunk=32, max_num_seqs=4)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False, policy="swap",
+                             max_num_batched_tokens=64, max_prefill_chunk=32, max_num_seqs=4)
     slo = SLO(ttft_ms=30, tbt_ms=12)
     specs = [RequestSpec(0.004 * i, 6 + 5 * (i % 4), 3 + i % 5, slo) for i in range(12)]
     result = Simulator(cfg, ConstantCost(0.010, 0.005, 0.001), 24, 64).run(specs)

@@ -518,7 +518,7 @@ def test_multihost_config_spans_every_gpu_of_the_group(tmp_path: Path) -> None:
     gpus = {role: int(_mh_container(role)["resources"]["limits"]["nvidia.com/gpu"])
             for role in ("leader", "worker")}
     assert gpus["leader"] == gpus["worker"]
-    assert config.engine.tensor_parallel_size == size * gpus["leader"], \
+    assert config.engine.model.tensor_parallel_size == size * gpus["leader"], \
         "the mesh must span every process's devices"
     assert config.server.host == "0.0.0.0" and config.server.enable_http
     assert config.model.path is not None and config.model.path.startswith("/models/")

@@ -17,9 +17,9 @@ TINY = ModelConfig(name="tiny-gqa3", vocab_size=128, hidden_size=96, intermediat
 
 
 def _generate(backend: str, prompts: list[list[int]]) -> list[list[int]]:
-    config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=24,
-                          max_prefill_chunk=12, max_prefill_rows=2, page_size=8,
-                          attention_backend=backend, warmup=False, show_progress=False)
+    config = EngineConfig.build(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=24,
+                                max_prefill_chunk=12, max_prefill_rows=2, page_size=8,
+                                attention_backend=backend, warmup=False, show_progress=False)
     llm = LLM(random_servable(TINY, seed=2), config)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     return [o.token_ids for o in outs]

@@ -12,11 +12,11 @@ from superinfer_jax.config_schema import ConfigError
 
 
 def test_a_server_compiles_in_the_background_by_default():
-    assert DeploymentConfig.load().engine.compile_in_background is True
+    assert DeploymentConfig.load().engine.engine.compile_in_background is True
     off = DeploymentConfig.load(None, {"engine.compile_in_background": False})
-    assert off.engine.compile_in_background is False
+    assert off.engine.engine.compile_in_background is False
     library = DeploymentConfig.load(None, {"profile": "library"})
-    assert library.engine.compile_in_background is False
+    assert library.engine.engine.compile_in_background is False
 
 
 def test_bad_yaml_value_names_the_key(tmp_path):

@@ -48,22 +48,25 @@ def test_shipped_example_is_valid_and_maps_onto_the_engine():
     assert cfg.model.source == "smollm2-135m" and cfg.server.grpc_port == 50051
     assert cfg.server.host == "127.0.0.1" and cfg.server.http_port == 8000
     ec = cfg.engine_config()
-    assert (ec.max_model_len, ec.max_num_seqs, ec.max_num_batched_tokens) == (2048, 32, 512)
-    assert ec.page_size == 16 and ec.device_memory_fraction == 0.9
+    assert (ec.model.max_model_len, ec.engine.max_num_seqs,
+            ec.engine.max_num_batched_tokens) == (2048, 32, 512)
+    assert ec.hardware.page_size == 16 and ec.hardware.device_memory_fraction == 0.9
     assert ec.default_slo.ttft_ms == 5000 and ec.default_slo.tbt_ms == 100
-    assert ec.max_prefill_chunk == 256 and ec.dtype == "float32"
-    assert ec.policy == "rotasched" and ec.host_memory_gb == 2.0
-    assert ec.compilation_cache_dir == str(Path("~/.cache/superinfer/xla").expanduser())
+    assert ec.engine.max_prefill_chunk == 256 and ec.model.kv_cache_dtype == "float32"
+    assert ec.engine.policy == "rotasched" and ec.duplex_kv.host_memory_gb == 2.0
+    assert ec.hardware.compilation_cache_dir == str(Path("~/.cache/superinfer/xla").expanduser())
 
 
 def test_each_key_has_one_default_and_profiles_set_keys_visibly():
     """A key's default is its field's; the server profile (the file's default) sets a
     few keys over them, each shown in the generated file with its default."""
+    defaults = EngineConfig()
     for path, key in KEYS.items():
         if key.target[0] == "engine":
-            field = next(f for f in dataclasses.fields(EngineConfig) if f.name == key.target[1])
-            if len(key.target) == 2:
-                assert key.default == config_schema._field_default(field), path
+            value = defaults
+            for part in key.target[1:]:
+                value = getattr(value, part)
+            assert key.default == value, path
     text = render_default()
     assert "\nprofile: server\n" in text
     for name, keys in PROFILES.items():
@@ -78,10 +81,11 @@ def test_each_key_has_one_default_and_profiles_set_keys_visibly():
     assert server.profile == "server"
     differs = {p for p in KEYS if server.values[p] != library.values[p]}
     assert differs == set(PROFILES["server"])
-    assert (server.engine.policy, server.engine.host_memory_gb) == ("rotasched", 2.0)
-    assert DeploymentConfig.load(None, {"profile": "library"}).engine.policy == "fcfs"
+    assert (server.engine.engine.policy, server.engine.duplex_kv.host_memory_gb) == ("rotasched",
+                                                                                     2.0)
+    assert DeploymentConfig.load(None, {"profile": "library"}).engine.engine.policy == "fcfs"
     own = DeploymentConfig.from_dict({"profile": "library", "engine": {"policy": "swap"}})
-    assert own.engine.policy == "swap"  # a key set in the file wins over its profile
+    assert own.engine.engine.policy == "swap"  # a key set in the file wins over its profile
     with pytest.raises(ConfigError, match=r"profile must be one of \['server', 'library'\], "
                                           r"got 'lab'"):
         DeploymentConfig.from_dict({"profile": "lab"})
@@ -246,13 +250,16 @@ def test_moved_keys_point_at_keys_and_removed_ones_are_gone():
 
 
 def test_engine_errors_name_the_yaml_key():
-    """EngineConfig's own check (cross-field) reports the YAML key, not the field name."""
+    """A section's own check (cross-field) reports the YAML key; the flat builder names
+    the knob as its caller spelled it."""
     with pytest.raises(ConfigError) as err:
         DeploymentConfig.from_dict({"model": {"kv_cache_dtype": "float8"}})
     assert err.value.key == "model.kv_cache_dtype"
     with pytest.raises(ConfigError) as err:
-        EngineConfig(max_prefill_chunk=1024)
+        EngineConfig.build(max_prefill_chunk=1024)
     assert err.value.key == "max_prefill_chunk"
+    with pytest.raises(TypeError, match="EngineConfig has no knob 'max_num_seq'"):
+        EngineConfig.build(max_num_seq=4)
     with pytest.raises(ConfigError) as err:
         RotaSchedConfig(alpha=True)
     assert (err.value.key, err.value.message) == ("rotasched.alpha",
@@ -294,11 +301,11 @@ def test_flags_override_the_file(tmp_path):
         "--no-grpc", "--model", "smollm2-135m", "--set", "rotasched.beta_f=0.25",
         "--no-warmup"])
     cfg = _deployment(args)
-    assert cfg.engine.max_num_seqs == 8 and cfg.engine.rotasched.beta_f == 0.25
+    assert cfg.engine.engine.max_num_seqs == 8 and cfg.engine.rotasched.beta_f == 0.25
     assert cfg.server.grpc_port == 6000 and cfg.server.http_port == 9000
     assert not cfg.server.enable_grpc and cfg.server.enable_http
     assert cfg.model.path is None and cfg.model.source == "smollm2-135m"
-    assert cfg.engine.warmup is False
+    assert cfg.engine.engine.warmup is False
     bad = build_parser().parse_args(["serve", "--set", "rotasched.alpha=-3"])
     with pytest.raises(ConfigError, match="rotasched.alpha must be >= 0"):
         _deployment(bad)
@@ -373,8 +380,8 @@ def test_generate_builds_its_engine_through_the_deployment_path(tmp_path, monkey
         serving.cli.cmd_generate(build_parser().parse_args(
             ["generate", "hi", "--config", str(path), "--set", "engine.policy=swap"]))
     (cfg,) = seen
-    assert cfg.engine.max_model_len == 512 and cfg.engine.rotasched.alpha == 1.5
-    assert cfg.engine.policy == "swap" and cfg.engine.host_memory_gb == 0.0
+    assert cfg.engine.model.max_model_len == 512 and cfg.engine.rotasched.alpha == 1.5
+    assert cfg.engine.engine.policy == "swap" and cfg.engine.duplex_kv.host_memory_gb == 0.0
 
 
 def test_served_name_defaults_to_the_directory_name():
@@ -384,8 +391,8 @@ def test_served_name_defaults_to_the_directory_name():
 
 def test_tensor_parallel_size_reaches_the_engine():
     cfg = DeploymentConfig.from_dict({"model": {"tensor_parallel_size": 4}})
-    assert cfg.engine_config().tensor_parallel_size == 4
-    assert DeploymentConfig.load(None).engine_config().tensor_parallel_size == 1
+    assert cfg.engine_config().model.tensor_parallel_size == 4
+    assert DeploymentConfig.load(None).engine_config().model.tensor_parallel_size == 1
 
 
 def test_auto_kv_dtype_keeps_cpu_engines_off_bfloat16_scatter():
@@ -393,13 +400,14 @@ def test_auto_kv_dtype_keeps_cpu_engines_off_bfloat16_scatter():
 
     cfg = DeploymentConfig.from_dict({"model": {"dtype": "bfloat16"}})
     want = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    assert cfg.engine_config().dtype == want
+    assert cfg.engine_config().model.kv_cache_dtype == want
     forced = DeploymentConfig.from_dict({"model": {"dtype": "bfloat16",
                                                    "kv_cache_dtype": "bfloat16"}})
-    assert forced.engine_config().dtype == "bfloat16"
+    assert forced.engine_config().model.kv_cache_dtype == "bfloat16"
 
 
 def test_auto_prefill_chunk_follows_the_token_budget():
     cfg = DeploymentConfig.from_dict({"engine": {"max_num_batched_tokens": 128}})
-    assert cfg.engine.max_prefill_chunk == 128 and cfg.get("engine.max_prefill_chunk") is None
-    assert DeploymentConfig.load(None).engine.max_prefill_chunk == 256
+    assert cfg.engine.engine.max_prefill_chunk == 128
+    assert cfg.get("engine.max_prefill_chunk") is None
+    assert DeploymentConfig.load(None).engine.engine.max_prefill_chunk == 256

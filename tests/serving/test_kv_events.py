@@ -96,7 +96,7 @@ class Subscriber:
                     s.clear()
             elif e["type"] == "BlockStored":
                 hashes, parent, size = e["block_hashes"], e["parent_block_hash"], e["block_size"]
-                assert size == SMALL.page_size and e["lora_id"] is None
+                assert size == SMALL.hardware.page_size and e["lora_id"] is None
                 assert len(e["token_ids"]) == size * len(hashes)
                 for i, h in enumerate(hashes):
                     assert h not in self.sets[e["medium"]], "stored twice without removal"
@@ -187,7 +187,8 @@ def test_subscriber_rebuilds_the_cached_blocks(tiny):
                     continue
                 parent = None if i == 0 else wire_hash(req.block_hashes[i - 1])
                 assert got == (parent, page_tokens(req.prompt_token_ids,
-                                                   req.output_token_ids, i, SMALL.page_size))
+                                                   req.output_token_ids, i,
+                                                   SMALL.hardware.page_size))
                 checked += 1
         assert checked >= 10
 

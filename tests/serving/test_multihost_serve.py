@@ -42,7 +42,7 @@ def _tp1_reference(model_dir: Path) -> tuple[list[int], list[int], list[float], 
 
     model = load_model(str(model_dir))
     prompt = model.tokenizer.encode("The capital of France is")
-    engine = LLMEngine(model, EngineConfig(
+    engine = LLMEngine(model, EngineConfig.build(
         max_model_len=256, max_num_seqs=1, max_num_batched_tokens=16, max_prefill_chunk=16,
         policy="fcfs",
         num_host_pages=0, warmup=False, show_progress=False, attention_backend="xla"))

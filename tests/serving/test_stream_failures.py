@@ -44,8 +44,10 @@ class FailingOneEngine(FakeEngine):
 
 def _client(fake: FakeEngine) -> tuple[TestClient, AsyncEngine]:
     runtime = Runtime(DeploymentConfig.from_dict(None))
-    fake.config = SimpleNamespace(max_model_len=64, dtype="float32", page_size=16,
-                                  policy="fcfs")
+    fake.config = SimpleNamespace(
+        model=SimpleNamespace(max_model_len=64, kv_cache_dtype="float32"),
+        hardware=SimpleNamespace(page_size=16),
+        engine=SimpleNamespace(policy="fcfs"))
     loop = AsyncEngine(fake)
     model = SimpleNamespace(tokenizer=None, vocab_size=100, dtype="float32",
                             eos_token_ids=(0,))

@@ -54,11 +54,11 @@ def _engine(tp: int, backend: str):
                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_ids=(2,))
-    config = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                          max_prefill_chunk=64, page_size=16, num_device_pages=40,
-                          num_host_pages=16, show_progress=False, warmup=False,
-                          tensor_parallel_size=tp, copy_mode="in_step", in_step_pages=2,
-                          attention_backend=backend)
+    config = EngineConfig.build(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                                max_prefill_chunk=64, page_size=16, num_device_pages=40,
+                                num_host_pages=16, show_progress=False, warmup=False,
+                                tensor_parallel_size=tp, copy_mode="in_step", in_step_pages=2,
+                                attention_backend=backend)
     return LLMEngine(random_servable(cfg, seed=0), config)
 
 

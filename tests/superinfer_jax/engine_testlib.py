@@ -16,14 +16,14 @@ TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_siz
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    max_position_embeddings=256, eos_token_ids=(255,))
 # Few compiled shapes: decode 1/2/4 rows, prefill 1 row x 16 columns.
-SMALL = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                     max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
-                     show_progress=False, warmup=False)
+SMALL = EngineConfig.build(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                           max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
+                           show_progress=False, warmup=False)
 # The engine tests' shapes (test_engine, test_async_scheduling): 16 rows, 64-token prefills.
 # warmup=False: each engine compiles only the shapes it runs, on first use (warm-up itself
 # is tested in test_compilation and by every server the serving tests start).
-BASE = EngineConfig(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
-                    max_prefill_chunk=64, page_size=8, show_progress=False, warmup=False)
+BASE = EngineConfig.build(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64,
+                          max_prefill_chunk=64, page_size=8, show_progress=False, warmup=False)
 # SMALL for the real SmolLM2 (30 layers, about 7 s per compiled step program): every
 # SmolLM2 engine test (rotation, policy and prefix-cache invariance) uses these shapes,
 # so the persistent XLA cache compiles them once per suite run. 7 usable pages of 16.
@@ -34,10 +34,10 @@ SMOLLM2_SMALL = SMALL.replace(page_size=16, num_device_pages=8, num_host_pages=3
 # structured outputs, the offline LLM API. One config for all of them, so the persistent
 # XLA cache serves each step shape once: decode 1/2/4 rows, prefill 1 row x 16 (longer
 # prompts in chunks of 16: one prefill shape, the tail of one token is a decode row).
-VOCAB_CONFIG = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
-                            show_progress=False, num_device_pages=96, num_host_pages=96,
-                            warmup=False)  # compile only the shapes the requests run
+VOCAB_CONFIG = EngineConfig.build(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                                  max_prefill_chunk=16, max_prefill_rows=1, page_size=16,
+                                  show_progress=False, num_device_pages=96, num_host_pages=96,
+                                  warmup=False)  # compile only the shapes the requests run
 
 
 class CharTokenizer:
@@ -58,7 +58,7 @@ def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
     config = ModelConfig(**{
         "name": "tiny-smollm2-vocab", "vocab_size": tokenizer.vocab_size, "hidden_size": 64,
         "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "head_dim": 16, "max_position_embeddings": VOCAB_CONFIG.max_model_len,
+        "head_dim": 16, "max_position_embeddings": VOCAB_CONFIG.model.max_model_len,
         "tie_word_embeddings": True, "eos_token_ids": tuple(tokenizer.eos_token_ids),
         **fields})
     return random_servable(config, seed=seed, tokenizer=tokenizer)

@@ -56,11 +56,12 @@ def engine_config(tp: int, max_num_seqs: int = 2):
     # (the pair's first batch compiled 3 either way: it never ran 3 or 4 rows at once).
     # A batch of 2 is as much a batch for the group's protocol as one of 4 (TP=1 here:
     # 18 rotations, 66 pages in).
-    return EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
-                        max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
-                        num_device_pages=10, num_host_pages=64, transfer_budget_pages=16,
-                        attention_backend="xla", show_progress=False, warmup=False,
-                        tensor_parallel_size=tp)
+    return EngineConfig.build(max_model_len=64, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=32,
+                              max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
+                              num_device_pages=10, num_host_pages=64, transfer_budget_pages=16,
+                              attention_backend="xla", show_progress=False, warmup=False,
+                              tensor_parallel_size=tp)
 
 
 MAX_TOKENS = 12

@@ -43,7 +43,7 @@ def make(policy: str = "fcfs", device_pages: int = 64, host_pages: int | None = 
     fields = {"page_size": PAGE, "max_model_len": 128, "warmup": False,
               "max_num_batched_tokens": 64, "max_prefill_chunk": 32,
               "rotasched": SCRIPTED_ROTASCHED, **config}
-    cfg = EngineConfig(policy=policy, **fields)
+    cfg = EngineConfig.build(policy=policy, **fields)
     kv: KVCacheManager
     if host_pages is None:
         kv = KVCacheManager(device_pages, PAGE, prefix_caching=prefix_caching)
@@ -117,15 +117,15 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
     """(a RotaSched scheduler, a time): random knobs, maybe a latency model, and up to 60
     requests spread over the waiting queue (new, or back with tokens), the parked and the
     runners (inside and outside their protection), with ties in arrival time."""
-    cfg = EngineConfig(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
-                       rotasched=RotaSchedConfig(beta_b=rng.choice((0.0, 2.0, 5.0)),
-                                                 min_residency_tokens=rng.choice((1, 4, 16)),
-                                                 residency_share=rng.choice((0.1, 0.25, 1.0)),
-                                                 hopeless_last=rng.random() < 0.5,
-                                                 parked_replies=rng.choice(
-                                                     ("lag", "free_pages", "auto")),
-                                                 reply_stall_cap=rng.choice((1.0, 5.0, None)),
-                                                 late_order=rng.choice(("shortest", "lag"))))
+    cfg = EngineConfig.build(page_size=4, max_model_len=256, warmup=False, policy="rotasched",
+                             rotasched=RotaSchedConfig(beta_b=rng.choice((0.0, 2.0, 5.0)),
+                                                       min_residency_tokens=rng.choice((1, 4, 16)),
+                                                       residency_share=rng.choice((0.1, 0.25, 1.0)),
+                                                       hopeless_last=rng.random() < 0.5,
+                                                       parked_replies=rng.choice(
+                                                           ("lag", "free_pages", "auto")),
+                                                       reply_stall_cap=rng.choice((1.0, 5.0, None)),
+                                                       late_order=rng.choice(("shortest", "lag"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     if rng.random() < 0.5:  # priced: a late first token may be certain to miss
         sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 1e-4],

@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 # decode 1/2/4 rows; prefill [1, 16], [2, 16], [1, 32]; deferred sampling 1/2/4 rows;
 # ready: [1, 1] and [1, 32] (the default ready_prefill_chunk)
-CFG = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                   max_prefill_chunk=32, max_prefill_rows=2, page_size=8,
-                   show_progress=False)
+CFG = EngineConfig.build(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                         max_prefill_chunk=32, max_prefill_rows=2, page_size=8,
+                         show_progress=False)
 CFG16 = CFG.replace(ready_prefill_chunk=16)  # ready with the shortest chunk
 
 
@@ -89,21 +89,21 @@ def test_order_starts_with_the_ready_set_and_covers_every_program(cfg, chunk):
 @pytest.mark.parametrize("ready,want", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 64),
                                         (256, 256), (10_000, 256)])
 def test_the_ready_chunk_is_a_bucket_no_longer_than_the_longest_chunk(ready, want):
-    cfg = EngineConfig(ready_prefill_chunk=ready)  # chunk buckets 16 ... 256
+    cfg = EngineConfig.build(ready_prefill_chunk=ready)  # chunk buckets 16 ... 256
     assert cfg.ready_chunk_bucket == want
     assert ready_set(cfg)[1] == Program(STEP, (1, want))
 
 
 def test_a_bad_ready_chunk_names_the_field():
     with pytest.raises(ConfigError) as e:
-        EngineConfig(ready_prefill_chunk=0)
+        EngineConfig.build(ready_prefill_chunk=0)
     assert e.value.key == "ready_prefill_chunk"
 
 
 def test_limits_grow_around_a_ready_chunk_that_is_not_the_shortest():
     """Ready with [1, 64] of 16 ... 256: chunks from 64 up, padded to 64, until [1, 16]
     and [1, 32] are compiled; the run must hold the ready chunk and have no gap."""
-    cfg = EngineConfig(ready_prefill_chunk=64, max_num_seqs=4)
+    cfg = EngineConfig.build(ready_prefill_chunk=64, max_num_seqs=4)
     resample = (1, 2, 4)
 
     def limits(steps):
@@ -388,7 +388,7 @@ def test_no_background_compile_starts_before_the_ready_set_is_compiled():
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_bad_value_names_the_field(value):
     with pytest.raises(ConfigError) as e:
-        EngineConfig(compile_in_background=value)
+        EngineConfig.build(compile_in_background=value)
     assert e.value.key == "compile_in_background"
 
 
@@ -427,7 +427,7 @@ def test_a_script_that_never_reads_the_pool_exits_cleanly(tmp_path):
         "from models.servable import random_servable\n"
         "from superinfer_jax import EngineConfig, LLMEngine\n"
         "from tests.superinfer_jax.engine_testlib import TINY\n"
-        "LLMEngine(random_servable(TINY, seed=1), EngineConfig(\n"
+        "LLMEngine(random_servable(TINY, seed=1), EngineConfig.build(\n"
         "    max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,\n"
         "    max_prefill_chunk=16, page_size=8, num_device_pages=4096,\n"
         "    show_progress=False, warmup=False))\n"

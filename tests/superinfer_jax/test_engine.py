@@ -170,7 +170,7 @@ def test_invalid_sampling_names_field(kwargs, field):
 )
 def test_invalid_engine_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**kwargs)
+        EngineConfig.build(**kwargs)
 
 
 def test_bad_prompts_rejected(tiny_chars):

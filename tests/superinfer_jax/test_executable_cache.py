@@ -23,9 +23,9 @@ from superinfer_jax.runner.executable_cache import ExecutableCache
 from tests.superinfer_jax.engine_testlib import run_jobs
 
 # decode 1/2 rows, prefill [1, 16], deferred sampling 1/2 rows: 5 programs
-CFG = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                   max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
-                   show_progress=False)
+CFG = EngineConfig.build(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                         max_prefill_chunk=16, max_prefill_rows=1, page_size=8,
+                         show_progress=False)
 NUM_PROGRAMS = 5
 
 

@@ -95,7 +95,7 @@ def test_token_and_prompt_logprobs_match_transformers(tiny, reference, engines, 
     assert outputs[0].prompt_logprobs == req.prompt_logprobs
     assert all(o.prompt_logprobs is None for o in outputs[1:])
     assert req.prompt_logprobs[0] is None and len(req.prompt_logprobs) == len(prompt)
-    assert len(prompt) > CONFIG.max_prefill_chunk  # several chunks, each contributes
+    assert len(prompt) > CONFIG.engine.max_prefill_chunk  # several chunks, each contributes
     for pos in range(1, len(prompt)):
         lp = req.prompt_logprobs[pos]
         row = ref_lp[pos - 1]

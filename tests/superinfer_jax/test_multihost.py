@@ -107,11 +107,11 @@ def test_jax_environment_variables_and_flags():
 def test_config_fingerprint_names_differing_keys():
     ours = flatten_config(check.engine_config(4))
     theirs = flatten_config(check.engine_config(4, max_num_seqs=8))
-    assert ours["max_num_seqs"] == 2 and "rotasched.alpha" in ours
+    assert ours["engine.max_num_seqs"] == 2 and "rotasched.alpha" in ours
     diffs = [(k, ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]]
-    assert [k for k, _, _ in diffs][:1] == ["max_num_seqs"]
+    assert [k for k, _, _ in diffs][:1] == ["engine.max_num_seqs"]
     err = ConfigMismatchError(diffs, 1)
-    assert "max_num_seqs: process 0 has 2, process 1 has 8" in str(err)
+    assert "engine.max_num_seqs: process 0 has 2, process 1 has 8" in str(err)
 
 
 # -- two processes -------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_greedy_tokens_equal_with_caching_on(tiny, workload, async_scheduling, r
     # and admitted again counts again), and a host hit is a copy brought in.
     cached = sum(r.num_cached_tokens for r in done1 + done)
     host = stats["prefix_cache_host_hits"]
-    assert stats["prefix_cache_hits"] + host >= cached and host % SMALL.page_size == 0
+    assert stats["prefix_cache_hits"] + host >= cached and host % SMALL.hardware.page_size == 0
     assert (host > 0) == (stats["transfer_prefix_hits_in"] > 0)
     # SMALL's own pool holds every cached page: none reclaimed, every hit a device hit
     if pages is None:
@@ -154,11 +154,11 @@ def test_greedy_tokens_equal_with_host_tier_hits(tiny, workload, async_schedulin
     assert host_hits > 0 and admitted > 0
     moves = host_hit_moves(plans)
     assert len(moves) <= admitted and set(moves) <= set(ids)  # only this wave's requests
-    assert sum(len(m) for m in moves.values()) * SMALL.page_size <= host_hits
+    assert sum(len(m) for m in moves.values()) * SMALL.hardware.page_size <= host_hits
     for rid, m in moves.items():  # a hit at its (only) admission is in its cached tokens
         req = done[ids.index(rid)]
         if not req.num_preemptions:  # else it counts the first admission's hit
-            assert req.num_cached_tokens >= len(m) * SMALL.page_size
+            assert req.num_cached_tokens >= len(m) * SMALL.hardware.page_size
     assert engine.duplex.stats.failures == 0
     if rotate_every:
         assert sum(r.num_rotations for r in done) > 0
@@ -326,11 +326,11 @@ def test_prefix_evicted_between_lookup_and_admission(tiny, workload, monkeypatch
     (done,) = drain(engine, [rid])
     assert not contended or reclaimed
     assert done.output_token_ids == ref
-    assert done.num_cached_tokens == hit_pages * SMALL.page_size
+    assert done.num_cached_tokens == hit_pages * SMALL.hardware.page_size
     stats = engine.stats()
     assert stats["prefix_cache_hits"] == before["prefix_cache_hits"]  # nothing on device
     host_hits = stats["prefix_cache_host_hits"] - before["prefix_cache_host_hits"]
-    assert host_hits == host_pages * SMALL.page_size
+    assert host_hits == host_pages * SMALL.hardware.page_size
     moves = host_hit_moves(plans)
     assert [len(m) for m in moves.values()] == ([host_pages] if host_pages else [])
     assert done.num_preemptions == 0 and engine.duplex.stats.failures == 0
@@ -440,7 +440,7 @@ def test_generated_pages_are_cached_only_when_asked(tiny, workload, generated):
     engine = LLMEngine(tiny, SMALL.replace(prefix_cache_generated=generated))
     done1 = drain(engine, [engine.add_request(p, SP) for p in first])
     assert [r.output_token_ids for r in done1] == ref_first
-    page = SMALL.page_size
+    page = SMALL.hardware.page_size
     # first: 25, 20 and 24 prompt tokens plus 12 outputs each, KV for all but the last
     # output (36, 31 and 35 tokens); the first two share the 2-page stem. Pages wholly in
     # a prompt: 3 + 0 + 3 of their own; every full page: 4 + 1 + 4.
@@ -496,7 +496,7 @@ def test_smollm2_greedy_tokens_equal_with_a_host_tier_hit(smollm2, smollm2_engin
     for filler in (story[:56], story[1:57]):  # 4 pages each
         drain(on, [on.add_request(filler, one)])
     turn2 = prompt + first.output_token_ids + tok.encode(" And of Portugal?")
-    assert len(turn2) > 32 and len(turn2) + SP.max_tokens <= on.config.max_model_len
+    assert len(turn2) > 32 and len(turn2) + SP.max_tokens <= on.config.model.max_model_len
     assert pages_on_device(on, first) == 0 and pages_on_host(on, first) == 2
     plans = record_plans(on)
     before = on.stats()

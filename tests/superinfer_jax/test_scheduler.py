@@ -102,9 +102,9 @@ def test_requests_rotating_in_hold_their_batch_rows():
     into those rows would overflow the largest compiled batch when the copies land."""
     from superinfer_jax.kv.two_tier import TwoTierKVManager
 
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, max_num_seqs=1,
-                       num_host_pages=16)
-    kv = TwoTierKVManager(32, cfg.page_size, 16)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False, max_num_seqs=1,
+                             num_host_pages=16)
+    kv = TwoTierKVManager(32, cfg.hardware.page_size, 16)
     sched = make_scheduler(cfg, kv)
     a, b = req("a", 6), req("b", 6)
     sched.add(a)
@@ -120,7 +120,7 @@ def test_requests_rotating_in_hold_their_batch_rows():
     assert plan.rotate_in == ["a"] and plan.prefill == [] and plan.decode == []
     plan = sched.schedule(3.0)  # a still in flight: b must not take its row
     assert plan.prefill == [] and plan.decode == []
-    assert len(sched.running) + sched._num_rotating_in() <= cfg.max_num_seqs
+    assert len(sched.running) + sched._num_rotating_in() <= cfg.engine.max_num_seqs
 
 
 def test_every_prefill_call_has_a_shape_compiled_at_warm_up():
@@ -157,12 +157,12 @@ def test_plan_carries_the_shadows_the_engine_planned_itself():
     with forced rotations and a budget small enough to bind."""
     from superinfer_jax.kv.two_tier import TwoTierKVManager
 
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy="swap",
-                       max_num_batched_tokens=32, max_prefill_chunk=16,
-                       transfer_budget_pages=3, num_host_pages=64)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False, policy="swap",
+                             max_num_batched_tokens=32, max_prefill_chunk=16,
+                             transfer_budget_pages=3, num_host_pages=64)
     twins = []
     for shadowing in (True, False):
-        kv = TwoTierKVManager(24, cfg.page_size, 64)
+        kv = TwoTierKVManager(24, cfg.hardware.page_size, 64)
         twins.append((make_scheduler(cfg, kv, shadowing=shadowing), kv))
     reqs = {s: [req(f"r{i}", 6 + 5 * i) for i in range(5)] for s, _ in twins}
     for s, _ in twins:
@@ -176,7 +176,8 @@ def test_plan_carries_the_shadows_the_engine_planned_itself():
                 s.force_rotate_out.add(s.running[0].req_id)
             plan = s.schedule(float(step))
             if not s.shadowing:
-                room = max(0, cfg.transfer_budget_pages - sum(len(m) for m in plan.moves_out))
+                room = max(0, cfg.duplex_kv.transfer_budget_pages
+                           - sum(len(m) for m in plan.moves_out))
                 computed = {r.req_id: r.num_computed_tokens for r in s.running}
                 plan.shadows = kv.plan_shadows(computed, room)
             for rid in plan.rotate_out:
@@ -199,7 +200,7 @@ def test_plan_carries_the_shadows_the_engine_planned_itself():
 def test_no_shadows_without_a_host_tier_or_unless_asked():
     from superinfer_jax.kv.two_tier import TwoTierKVManager
 
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False)
     for kv, shadowing in ((KVCacheManager(32, 4), True), (TwoTierKVManager(32, 4, 0), True),
                           (TwoTierKVManager(32, 4, 16), False)):
         sched = make_scheduler(cfg, kv, shadowing=shadowing)

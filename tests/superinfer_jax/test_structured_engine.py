@@ -124,10 +124,10 @@ def test_deferred_sampling_gives_the_sync_tokens_every_step(engines, model):
         [r.output_token_ids for r in done]
     # batched otherwise, so summed in another order: the model-sized float32 bound,
     # twice for a log-softmax
-    tol = 2 * logits_tolerance(model.config, LOGIT_SCALE, CONFIG.max_model_len)
+    tol = 2 * logits_tolerance(model.config, LOGIT_SCALE, CONFIG.model.max_model_len)
     for a, b in zip(done, sync, strict=True):
         for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True):
             assert abs(x.logprob - y.logprob) <= tol
     longest = max(len(r.output_token_ids) for r in done)
-    prompt_chunks = sum(-(-len(p) // CONFIG.max_prefill_chunk) for p, _ in jobs)
+    prompt_chunks = sum(-(-len(p) // CONFIG.engine.max_prefill_chunk) for p, _ in jobs)
     assert engine.num_model_steps - steps0 <= longest + prompt_chunks + 2

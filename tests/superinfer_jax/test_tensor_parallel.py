@@ -110,7 +110,7 @@ def test_preset_layouts_on_common_sizes():
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_bad_tensor_parallel_size_names_the_field(value):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=value)
+        EngineConfig.build(tensor_parallel_size=value)
 
 
 def test_too_few_devices_says_how_to_get_more():
@@ -122,8 +122,8 @@ def test_tp1_engine_keeps_its_single_device_pool():
     from models.servable import random_servable
 
     engine = LLMEngine(random_servable(_config(4, 2)),
-                       EngineConfig(max_model_len=32, num_device_pages=4, warmup=False,
-                                    show_progress=False))
+                       EngineConfig.build(max_model_len=32, num_device_pages=4, warmup=False,
+                                          show_progress=False))
     assert engine.mesh is None and engine.model.mesh is None
     assert isinstance(engine.kv_pool.sharding, jax.sharding.SingleDeviceSharding)
 

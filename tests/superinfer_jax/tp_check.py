@@ -63,12 +63,12 @@ def _engine_config(tp: int, page_size: int, device_pages: int, max_num_seqs: int
     from superinfer_jax import EngineConfig
 
     # Compiles dominate: decode buckets up to max_num_seqs rows, and prefill 1 x chunk.
-    return EngineConfig(max_model_len=64, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=32,
-                        max_prefill_chunk=chunk, max_prefill_rows=1, page_size=page_size,
-                        num_device_pages=device_pages, num_host_pages=64,
-                        transfer_budget_pages=16, attention_backend=backend,
-                        show_progress=False, warmup=False, tensor_parallel_size=tp)
+    return EngineConfig.build(max_model_len=64, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=32,
+                              max_prefill_chunk=chunk, max_prefill_rows=1, page_size=page_size,
+                              num_device_pages=device_pages, num_host_pages=64,
+                              transfer_budget_pages=16, attention_backend=backend,
+                              show_progress=False, warmup=False, tensor_parallel_size=tp)
 
 
 def run_rotating(engine, prompts: list[list[int]], max_tokens: int, every: int,

@@ -64,7 +64,7 @@ def policy_problem(spec: Any) -> str | None:
 
 
 def make_policy(config: EngineConfig) -> Policy:
-    return resolve_policy(config.policy)(config)
+    return resolve_policy(config.engine.policy)(config)
 
 
 def make_scheduler(config: EngineConfig, kv: KVCacheManager,

@@ -11,7 +11,7 @@ from superinfer_jax.kv.host_pool import HostPool, host_memory_kind, num_host_pag
 
 
 def test_sizing_from_pages_or_gib():
-    assert num_host_pages_for(EngineConfig().host_memory_gb, None, 1 << 20) == 0  # off
+    assert num_host_pages_for(EngineConfig().duplex_kv.host_memory_gb, None, 1 << 20) == 0  # off
     assert num_host_pages_for(1.0, None, 1 << 20) == 1024
     assert num_host_pages_for(1.0, 7, 1 << 20) == 7
 
@@ -22,7 +22,7 @@ def test_sizing_from_pages_or_gib():
                                          ("eager_shadowing", 1)])
 def test_bad_host_tier_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        EngineConfig(**{field: value})
+        EngineConfig.build(**{field: value})
 
 
 def test_pages_live_in_pinned_host_memory_and_come_back_equal():

@@ -22,8 +22,8 @@ edf = sys.modules[EDFPolicy.__module__]
 
 
 def test_rank_is_settling_runners_then_earliest_deadline():
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False, policy=EDF,
-                       rotasched=RotaSchedConfig(min_residency_tokens=2))
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False, policy=EDF,
+                             rotasched=RotaSchedConfig(min_residency_tokens=2))
     sched = make_scheduler(cfg, TwoTierKVManager(32, 4, 32))
     assert isinstance(sched.policy, EDFPolicy)
     sp = SamplingParams(max_tokens=8)
@@ -50,10 +50,10 @@ def test_in_the_simulator_short_deadlines_pass_a_hog():
     specs = [RequestSpec(0.0, 36, 12, slo)] + [RequestSpec(0.02, 8, 2, slo) for _ in range(3)]
     worst, results = {}, {}
     for policy in ("fcfs", EDF):
-        cfg = EngineConfig(page_size=4, max_model_len=48, warmup=False, policy=policy,
-                           max_num_batched_tokens=64, max_prefill_chunk=32,
-                           eager_shadowing=False,
-                           rotasched=RotaSchedConfig(min_residency_tokens=4))
+        cfg = EngineConfig.build(page_size=4, max_model_len=48, warmup=False, policy=policy,
+                                 max_num_batched_tokens=64, max_prefill_chunk=32,
+                                 eager_shadowing=False,
+                                 rotasched=RotaSchedConfig(min_residency_tokens=4))
         result = Simulator(cfg, ConstantCost(0.010, 0.005, 0.001), 13, 64).run(specs)
         assert all(r.status == RequestStatus.FINISHED_LENGTH for r in result.requests)
         worst[policy] = max(r.ttft for r in result.requests[1:])

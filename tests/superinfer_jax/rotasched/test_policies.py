@@ -499,8 +499,8 @@ def test_rotasched_acts_from_the_high_water_mark_and_never_on_one_tier():
 
     assert RotaSchedConfig().high_water_mark == 0.5
     for tiers in (2, 1):
-        cfg = EngineConfig(page_size=PAGE, max_model_len=128, warmup=False,
-                           policy="rotasched")
+        cfg = EngineConfig.build(page_size=PAGE, max_model_len=128, warmup=False,
+                                 policy="rotasched")
         kv = TwoTierKVManager(1 + 20, PAGE, 64) if tiers == 2 else KVCacheManager(1 + 20, PAGE)
         sched = make_scheduler(cfg, kv)
         kv.allocate_for("a", 9 * PAGE)  # 9 of 20 usable pages: under the mark

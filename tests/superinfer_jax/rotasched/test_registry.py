@@ -71,7 +71,7 @@ def test_bad_policy_names_say_what_is_missing(spec, message):
     with pytest.raises(ValueError) as e:
         resolve_policy(spec)
     assert message in str(e.value)
-    config = EngineConfig(policy=spec)  # the config holds a name; the scheduler resolves it
+    config = EngineConfig.build(policy=spec)  # the config holds a name; the scheduler resolves it
     with pytest.raises(ValueError) as e:  # the same resolver behind the scheduler's factory
         make_policy(config)
     assert message in str(e.value)
@@ -95,7 +95,7 @@ def test_a_partial_duck_typed_policy_names_the_missing_methods(plugin_dir):
             def rank(self, s, now): return []
     """)
     with pytest.raises(ValueError, match=r"missing evict_to, token_budget"):
-        make_policy(EngineConfig(policy="half_policy:P"))
+        make_policy(EngineConfig.build(policy="half_policy:P"))
 
 
 def test_a_plugin_by_path_drives_the_scheduler(plugin_dir):
@@ -108,9 +108,9 @@ def test_a_plugin_by_path_drives_the_scheduler(plugin_dir):
             def evict_to(self, s, req):
                 return HOST
     """)
-    cfg = EngineConfig(page_size=4, max_model_len=64, warmup=False,
-                       policy="my_policy:ToHost", max_num_batched_tokens=64,
-                       max_prefill_chunk=32)
+    cfg = EngineConfig.build(page_size=4, max_model_len=64, warmup=False,
+                             policy="my_policy:ToHost", max_num_batched_tokens=64,
+                             max_prefill_chunk=32)
     kv = TwoTierKVManager(7, 4, 64)
     sched = make_scheduler(cfg, kv)
     assert type(sched.policy).__name__ == "ToHost"
@@ -135,7 +135,7 @@ def test_register_policy_adds_a_name_and_checks_the_interface():
             return HOST
 
     assert resolve_policy("test-host-evictor") is HostEvictor
-    assert EngineConfig(policy="test-host-evictor").policy == "test-host-evictor"
+    assert EngineConfig.build(policy="test-host-evictor").engine.policy == "test-host-evictor"
     with pytest.raises(TypeError, match="does not implement the policy interface"):
         register_policy("test-bad")(object)
 
@@ -143,7 +143,7 @@ def test_register_policy_adds_a_name_and_checks_the_interface():
 def test_simulator_presets_take_paths_and_refuse_unknown_names():
     preset = get_preset("paper-llama8b-sharegpt")
     sim = preset.simulator("gh200-96g", "superinfer_jax.sched.rotasched.policies:SwapPolicy")
-    assert sim.config.policy.endswith(":SwapPolicy") and sim.latency is None
+    assert sim.config.engine.policy.endswith(":SwapPolicy") and sim.latency is None
     assert preset.simulator("gh200-96g", "rotasched").latency is not None  # uses_latency
     from dataclasses import replace
 

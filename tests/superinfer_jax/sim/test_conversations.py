@@ -18,7 +18,7 @@ def config(**kw) -> EngineConfig:
     base = dict(page_size=PAGE, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
                 max_prefill_chunk=64, warmup=False, show_progress=False,
                 enable_prefix_caching=True, eager_shadowing=True)
-    return EngineConfig(**{**base, **kw})
+    return EngineConfig.build(**{**base, **kw})
 
 
 def conversation(cid: int, start: float, turns: int, think: float, out: int = 3,

@@ -10,8 +10,8 @@ from superinfer_jax.sim import CalibratedCost, CallShape, HostOverhead, Roofline
 from superinfer_jax.sim.cost import latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 
-CFG = EngineConfig(page_size=16, max_model_len=4096, max_num_seqs=256, warmup=False,
-                   max_num_batched_tokens=2048, max_prefill_chunk=1024, max_prefill_rows=4)
+CFG = EngineConfig.build(page_size=16, max_model_len=4096, max_num_seqs=256, warmup=False,
+                         max_num_batched_tokens=2048, max_prefill_chunk=1024, max_prefill_rows=4)
 LLAMA, GH200, PCIE = MODELS["llama-3-8b"], HARDWARE["gh200-96g"], HARDWARE["h200-pcie"]
 
 

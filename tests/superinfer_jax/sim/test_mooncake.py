@@ -54,9 +54,9 @@ def test_replay_scales_the_timestamps_and_keeps_leading_ids(trace):
 
 
 def run(specs, caching=True, device_pages=512):
-    cfg = EngineConfig(page_size=16, max_model_len=4096, warmup=False, policy="fcfs",
-                       max_num_batched_tokens=2048, max_prefill_chunk=1024,
-                       enable_prefix_caching=caching)
+    cfg = EngineConfig.build(page_size=16, max_model_len=4096, warmup=False, policy="fcfs",
+                             max_num_batched_tokens=2048, max_prefill_chunk=1024,
+                             enable_prefix_caching=caching)
     return Simulator(cfg, ConstantCost(0.010, 0.005, 0.001), device_pages, 256).run(specs)
 
 
@@ -99,6 +99,6 @@ def test_simulate_reports_hit_rates_with_caching_on_and_off(trace, tmp_path):
 def test_the_mooncake_preset_is_the_paper_comparison():
     p = get_preset("paper-llama8b-mooncake-conv")
     assert p.hardware == ("gh200-144g", "h200-pcie", "gh200-96g", "h100-nvl-pcie")
-    assert p.num_requests == 3000 and p.engine.max_model_len == 32768
+    assert p.num_requests == 3000 and p.engine.model.max_model_len == 32768
     sim = p.simulator("h100-nvl-pcie", "rotasched")
-    assert sim.config.enable_prefix_caching and sim.num_device_pages > 2 * 2048
+    assert sim.config.prefix_caching.enabled and sim.num_device_pages > 2 * 2048

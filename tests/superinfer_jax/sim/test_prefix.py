@@ -70,7 +70,7 @@ def test_page_hashes_are_equal_exactly_over_common_leading_ids(block_tokens, pag
 def config(**kw) -> EngineConfig:
     base = dict(page_size=4, max_model_len=64, warmup=False, policy="fcfs",
                 max_num_batched_tokens=64, max_prefill_chunk=32, eager_shadowing=False)
-    return EngineConfig(**{**base, **kw})
+    return EngineConfig.build(**{**base, **kw})
 
 
 def shared_prefix_specs(with_ids: bool = True) -> list[RequestSpec]:

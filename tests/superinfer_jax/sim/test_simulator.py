@@ -23,7 +23,7 @@ def config(policy: str = "fcfs", **kw) -> EngineConfig:
     base = dict(page_size=4, max_model_len=64, warmup=False, policy=policy,
                 max_num_batched_tokens=64, max_prefill_chunk=32, eager_shadowing=False,
                 rotasched=RotaSchedConfig(min_residency_tokens=4))  # scenarios are short
-    return EngineConfig(**{**base, **kw})
+    return EngineConfig.build(**{**base, **kw})
 
 
 def run(specs, policy="fcfs", device_pages=64, host_pages=64, **kw):
