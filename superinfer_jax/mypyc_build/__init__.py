@@ -65,7 +65,7 @@ MODULES = (
     "superinfer_jax.sched.latency",  # priced every step by the policies (rotate-ins, budgets)
     "superinfer_jax.sim.cost_model",  # the roofline, priced every simulated step
     "superinfer_jax.sim.cost",
-    "superinfer_jax.sim.workload",
+    "superinfer_jax.sim.request_specs",
     "superinfer_jax.sim.simulator",
 )
 _SWITCH_ENV = "SUPERINFER_COMPILED"

@@ -15,8 +15,8 @@ from superinfer_jax.sim.cost import (
     RooflineCost,
     latency_model_of,
 )
+from superinfer_jax.sim.request_specs import ConversationSpec, HashIdTokens, RequestSpec
 from superinfer_jax.sim.simulator import SimRequest, SimResult, Simulator
-from superinfer_jax.sim.workload import ConversationSpec, HashIdTokens, RequestSpec
 
 __all__ = [
     "CalibratedCost",

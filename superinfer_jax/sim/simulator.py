@@ -16,7 +16,7 @@ the model step and the page copies are priced by a ``CostModel``. Events, in tim
 Copies queue per direction (``Link``); where the cost model overlaps the directions, a
 batch that runs while the other direction is busy gets the duplex bandwidth. A
 rotate-out is done after every earlier copy of its direction, shadows included.
-Workloads and their synthetic prompts: ``sim.workload``.
+Workloads and their synthetic prompts: ``sim.request_specs``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched.registry import make_scheduler
 from superinfer_jax.sched.scheduler import StepPlan
 from superinfer_jax.sim.cost import CallShape, CostModel
-from superinfer_jax.sim.workload import (
+from superinfer_jax.sim.request_specs import (
     ConversationSpec,
     HashIdTokens,
     RequestSpec,

@@ -1,5 +1,5 @@
-"""Simulated workloads: requests, closed-loop conversations, and synthetic prompts whose
-block hashes match exactly where their ``hash_ids`` do (as in the Mooncake traces)."""
+"""What the simulator is asked to run: requests, closed-loop conversations, and synthetic
+prompts whose block hashes match exactly where their ``hash_ids`` do (as in Mooncake)."""
 
 from __future__ import annotations
 
