@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policies", default="fcfs,swap,rotasched",
                         help="comma-separated registered names or package.module:Class "
-                             "plug-ins (examples.edf_policy:EDFPolicy)")
+                             "plug-ins (examples.edf_policy:EDFPolicy), each optionally "
+                             "with :knob=value RotaSched overrides")
     parser.add_argument("--rates", default="0.5,1,2,3", help="requests per second "
                         "(--workload multiturn: conversations per second)")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -128,10 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(str(e))
     from superinfer_jax.sched.rotasched.registry import resolve_policy
+    from superinfer_jax.sim.presets import split_policy
 
     for policy in args.policies.split(","):
-        try:
-            resolve_policy(policy)  # a bad name or path fails now, not after the model loads
+        try:  # a bad name, path or knob fails now, not after the model loads
+            resolve_policy(split_policy(policy)[0])
         except ValueError as e:
             parser.error(str(e))
 
@@ -206,7 +208,7 @@ def engines_and_slos(args: argparse.Namespace, model, median_prompt: int
     from superinfer_jax import LLMEngine
 
     base = engine_config(args)
-    engines = {p: LLMEngine(model, base.replace(policy=p)) for p in args.policies.split(",")}
+    engines = {p: LLMEngine(model, policy_config(base, p)) for p in args.policies.split(",")}
     return engines, slos(args, next(iter(engines.values())), median_prompt, model.vocab_size)
 
 
@@ -355,6 +357,14 @@ def _cache_delta(engine, before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in _CACHE_KEYS}
 
 
+def policy_config(base, policy: str):
+    """``base`` running ``policy`` (``name[:knob=value...]``, RotaSched knobs overridden)."""
+    from superinfer_jax.sim.presets import split_policy
+
+    name, knobs = split_policy(policy)
+    return base.replace(policy=name, rotasched=dataclasses.replace(base.rotasched, **knobs))
+
+
 def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
     """One table row from every seed's run: timelines pooled, durations summed."""
     timelines = [t for r in results for t in r["timelines"]]
@@ -370,6 +380,7 @@ def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:
             "mean_ttft_ms": s["mean_ttft_ms"],
             "p50_ttft_ms": s["median_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
             "p50_tbt_ms": s["median_itl_ms"], "p99_tbt_ms": s["p99_itl_ms"],
+            "p99_stall_ms": s["p99_stall_ms"],
             "out_tok_s": s["output_throughput"], "rotations": s["num_rotations"],
             # of the TBT-missed gaps, the share that overlaps a rotation (the rest: slow
             # steps, on this CPU any step with a prefill chunk)

@@ -74,3 +74,14 @@ def test_a_non_positive_fixed_slo_is_refused_by_name(flag, capsys):
         main([flag, "0"])
     assert e.value.code == 2
     assert f"{flag} must be > 0" in capsys.readouterr().err
+
+
+def test_a_policy_string_sets_the_policy_and_its_knobs():
+    from benchmarks.policy_sweep import policy_config
+    from superinfer_jax.config import EngineConfig
+
+    base = EngineConfig.build(warmup=False)
+    cfg = policy_config(base, "rotasched:parked_replies=auto:reply_stall_cap=5")
+    assert cfg.engine.policy == "rotasched"
+    assert (cfg.rotasched.parked_replies, cfg.rotasched.reply_stall_cap) == ("auto", 5)
+    assert policy_config(base, "fcfs").rotasched == base.rotasched
