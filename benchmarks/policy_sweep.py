@@ -206,9 +206,10 @@ def engines_and_slos(args: argparse.Namespace, model, median_prompt: int
     """One engine per policy on ``engine_config`` (only the policy differs), and the SLOs
     measured on the first of them (``slos``)."""
     from superinfer_jax import LLMEngine
+    from superinfer_jax.sim.presets import with_policy
 
     base = engine_config(args)
-    engines = {p: LLMEngine(model, policy_config(base, p)) for p in args.policies.split(",")}
+    engines = {p: LLMEngine(model, with_policy(base, p)) for p in args.policies.split(",")}
     return engines, slos(args, next(iter(engines.values())), median_prompt, model.vocab_size)
 
 
@@ -355,14 +356,6 @@ def _cache_delta(engine, before: dict[str, float]) -> dict[str, float]:
     """Prefix-cache tokens looked up and found per tier during one run."""
     after = _cache_counters(engine)
     return {k: after[k] - before[k] for k in _CACHE_KEYS}
-
-
-def policy_config(base, policy: str):
-    """``base`` running ``policy`` (``name[:knob=value...]``, RotaSched knobs overridden)."""
-    from superinfer_jax.sim.presets import split_policy
-
-    name, knobs = split_policy(policy)
-    return base.replace(policy=name, rotasched=dataclasses.replace(base.rotasched, **knobs))
 
 
 def pooled_row(policy: str, rate: float, results: list[dict]) -> dict:

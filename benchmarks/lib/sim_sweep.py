@@ -40,7 +40,6 @@ points lower); trace, ``policy_sweep.knee_verdict`` for each policy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from typing import Any
@@ -132,22 +131,15 @@ def parse_seeds(text: str) -> list[int]:
     return out
 
 
-def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
-    """``name[:knob=value...]`` -> (policy name, RotaSchedConfig overrides)."""
-    from superinfer_jax.sim.presets import split_policy
-
-    return split_policy(text)
-
-
 def engine_config(args: argparse.Namespace, policy: str):
     """``policy_sweep.engine_config``'s engine (no compilation cache: nothing compiles),
     with ``policy`` and its knobs."""
     from benchmarks.policy_sweep import engine_config as sweep_engine_config
+    from superinfer_jax.sim.presets import with_policy
 
-    name, knobs = parse_policy(policy)
     base = sweep_engine_config(argparse.Namespace(**vars(args), compilation_cache=None)
-                               ).replace(warmup=False, show_progress=False, policy=name)
-    return base.replace(rotasched=dataclasses.replace(base.rotasched, **knobs))
+                               ).replace(warmup=False, show_progress=False)
+    return with_policy(base, policy)
 
 
 def latency_model(args: argparse.Namespace, model):

@@ -47,6 +47,13 @@ def split_policy(text: str) -> tuple[str, dict[str, Any]]:
     return name, knobs
 
 
+def with_policy(config: EngineConfig, policy: str) -> EngineConfig:
+    """``config`` running ``policy`` (``name[:knob=value...]``: ``split_policy``)."""
+    name, knobs = split_policy(policy)
+    return config.replace(policy=name,
+                          rotasched=dataclasses.replace(config.rotasched, **knobs))
+
+
 def parse_scalar(text: str) -> Any:
     """``true``/``false``, ``none``, an int, a float, or the string itself."""
     if text.lower() in ("true", "false"):
@@ -125,9 +132,8 @@ class SimPreset:
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
                   pad: bool | None = None) -> Simulator:
         """A simulator of this preset on ``hardware`` under ``policy``."""
-        policy, knobs = split_policy(policy)
-        config = self.engine.replace(
-            policy=policy, rotasched=dataclasses.replace(self.engine.rotasched, **knobs))
+        config = with_policy(self.engine, policy)
+        policy = config.engine.policy
         if hardware == THIS_MACHINE and self.calibration is not None:
             c = self.calibration
             calibrated = CalibratedCost(c.latency, config, c.page_bytes, c.host)

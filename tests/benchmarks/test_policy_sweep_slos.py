@@ -77,8 +77,8 @@ def test_a_non_positive_fixed_slo_is_refused_by_name(flag, capsys):
 
 
 def test_a_policy_string_sets_the_policy_and_its_knobs():
-    from benchmarks.policy_sweep import policy_config
     from superinfer_jax.config import EngineConfig
+    from superinfer_jax.sim.presets import with_policy as policy_config
 
     base = EngineConfig.build(warmup=False)
     cfg = policy_config(base, "rotasched:parked_replies=auto:reply_stall_cap=5")

@@ -10,7 +10,6 @@ from benchmarks.lib.sim_sweep import (
     engine_config,
     multiturn_verdict,
     parse_args,
-    parse_policy,
     parse_seeds,
     pooled_row,
     to_conversation_specs,
@@ -19,6 +18,7 @@ from benchmarks.lib.sim_sweep import (
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.sim import ConstantCost, Simulator
 from superinfer_jax.sim.conversations import Conversation
+from superinfer_jax.sim.presets import split_policy as parse_policy
 
 
 def test_policy_strings_carry_rotasched_knobs():
