@@ -243,14 +243,20 @@ def reply_due_on_time(s: Scheduler, req: Request, now: float, step_s: float | No
     deadline = req.token_times[-1] + tbt
     if step_s is None or s.latency is None:
         return now <= deadline
-    kv = s.kv
-    assert isinstance(kv, TwoTierKVManager)  # only it parks requests
-    back = s.latency.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
+    back = time_to_return(s, req, step_s)
     if now + back < deadline - step_s:
         return False
     if p.parked_replies == "auto" and back + step_s <= tbt:
         return True  # displacing a runner costs it no gap: the late reply comes back now
     return now + back <= deadline
+
+
+def time_to_return(s: Scheduler, req: Request, step_s: float) -> float:
+    """Seconds until parked ``req``'s next token if it starts back now: its pages copied
+    in, then one step. ``s`` must have a latency model."""
+    kv, lm = s.kv, s.latency
+    assert isinstance(kv, TwoTierKVManager) and lm is not None  # only it parks requests
+    return lm.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
 
 
 def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
@@ -261,7 +267,5 @@ def rotate_in_due(s: Scheduler, req: Request, now: float, lag: float,
         return False
     if step_s is None or s.latency is None:
         return lag > 0
-    kv = s.kv
-    assert isinstance(kv, TwoTierKVManager)  # only it parks requests
-    back = s.latency.transfer_s(kv.rotation_cost_in(req.req_id) * s.page_bytes) + step_s
+    back = time_to_return(s, req, step_s)
     return now + back >= req.token_times[-1] + req.slo.tbt_s
