@@ -87,6 +87,8 @@ POLICIES = ("fcfs", "swap", "rotasched")
 RANKING_MODES = ("vlt", "slack")
 # how a parked reply comes back (``RotaSchedConfig.parked_replies``)
 PARKED_REPLIES = ("free_pages", "auto", "lag")
+# the order of the parked replies due back (``RotaSchedConfig.due_order``)
+DUE_ORDERS = ("lag", "stall")
 # the order of the late first tokens (``RotaSchedConfig.late_order``)
 LATE_ORDERS = ("shortest", "lag")
 
@@ -178,6 +180,13 @@ class RotaSchedConfig:
         None, ge=0, example=5.0,
         help="TBT SLOs past its last token after which a parked reply is due (rotates back "
              "in ahead of late first tokens); none: no cap")
+    # Which due reply takes the first free pages and inbound transfer when not all fit:
+    # ``stall`` serves the longest-parked first, so a backlog of due replies cannot leave
+    # one of them parked behind later ones (docs/scheduling.md#due_order).
+    due_order: str = knob(
+        "lag", choices=DUE_ORDERS,
+        help="lag (parked replies due back, by virtual lag) | stall (by TBT SLOs since their "
+             "last token, longest first); parked_replies free_pages or auto only")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

@@ -125,6 +125,7 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                        parked_replies=rng.choice(
                                                            ("lag", "free_pages", "auto")),
                                                        reply_stall_cap=rng.choice((1.0, 5.0, None)),
+                                                       due_order=rng.choice(("lag", "stall")),
                                                        late_order=rng.choice(("shortest", "lag"))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     if rng.random() < 0.5:  # priced: a late first token may be certain to miss

@@ -5,7 +5,8 @@ running) by ``(group, value, arrival)``:
 
     group 0  protected runners (``is_protected``): value 0
     group 1  parked requests whose rotate-in is due (``rotate_in_due``; a parked reply
-             while ``reply_due_on_time``, unless ``parked_replies`` is ``lag``); then,
+             while ``reply_due_on_time``, unless ``parked_replies`` is ``lag``; with
+             ``due_order: stall`` the replies by TBT SLOs since their last token); then,
              with ``parked_replies`` ``free_pages`` or ``auto``, parked replies that do
              not lag yet, kept only on pages no runner needs (``Ranking.free_only``):
              value -lag
@@ -117,12 +118,14 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     lm = s.latency  # a decode step over the runners (``rotate_in_due``)
     step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
     replies_wait = p.parked_replies != "lag"
+    by_stall = p.due_order == "stall"
     replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     for j, r in enumerate(q for q in s.rotary if q.status == ROTARY):
         lag = virtual_lag(r, now, p)
         if replies_wait and r.token_times:  # a reply: due and on time, lagging, or waits
             if reply_due_on_time(s, r, now, step_s, p):
-                due.append((-lag, r.arrival_time, j, r))
+                order = (r.token_times[-1] - now) / r.slo.tbt_s if by_stall else -lag
+                due.append((order, r.arrival_time, j, r))
             elif lag > 0:  # parked past ``beta_b`` of a gap: displaces runners by lag
                 late.append((-lag, r.arrival_time, 1, j, r))
             else:

@@ -77,6 +77,8 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
             # a parked reply: group 1 only to keep its next token on time; else between
             # groups 1 and 2 (free pages only), or FCFS
             if due_on_time(r, lag):
+                if p.due_order == "stall":  # longest parked first
+                    return (1, (r.token_times[-1] - now) / r.slo.tbt_s, r.arrival_time)
                 return (1, -lag, r.arrival_time)
             if lag > 0:  # parked past beta_b of a gap: late
                 return (2, -lag, r.arrival_time)

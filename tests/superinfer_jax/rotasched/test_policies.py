@@ -574,3 +574,24 @@ def test_first_token_slack_prices_the_prefix_hit(monkeypatch):
     # 3 pages of 4 tokens cached: 28 tokens to prefill after 12, one page copied in
     want = 0.7 - lm.prefill_s(28, 12) - 0.003
     assert first_token_slack(sched, r, 0.3) == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("due_order", ["lag", "stall"])
+def test_due_replies_are_served_longest_parked_first_with_due_order_stall(due_order):
+    """Two parked replies, both due (a stall cap of 0), neither lagging yet (``beta_b``
+    30): by lag they tie and go by arrival, so the reply parked longest may wait behind a
+    later one; ``due_order: stall`` ranks the longest parked first."""
+    rs = RotaSchedConfig(parked_replies="free_pages", reply_stall_cap=0.0,
+                         due_order=due_order)
+    sched, _ = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
+                    enable_prefix_caching=False)
+    now = 10.0
+    for rid, arrival, last in (("early_arrival", 1.0, 9.9), ("long_parked", 2.0, 9.2)):
+        r = req(rid, 8, arrival=arrival, max_tokens=40)
+        r.status = RequestStatus.ROTARY
+        r.token_times.extend([arrival + 0.5, last])
+        sched.rotary.append(r)
+    order = [r.req_id for r in sched.policy.rank(sched, now)]
+    expected = ["early_arrival", "long_parked"] if due_order == "lag" \
+        else ["long_parked", "early_arrival"]
+    assert order == expected
