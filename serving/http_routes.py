@@ -27,6 +27,8 @@ from serving.openai_schema import (
     TokenizeRequest,
 )
 from serving.requests import render_chat
+from serving.responses_api import ResponsesAPI
+from serving.responses_schema import ResponsesRequest
 from serving.runtime import ServerState
 from superinfer_jax.request import FieldError
 
@@ -51,6 +53,7 @@ def routes(h: Handlers) -> tuple[Route, ...]:
     return (
         Route("/v1/completions", "POST", h.completions, CompletionRequest),
         Route("/v1/chat/completions", "POST", h.chat_completions, ChatCompletionRequest),
+        Route("/v1/responses", "POST", h.responses, ResponsesRequest),
         Route("/v1/models", "GET", h.models),
         Route("/tokenize", "POST", h.tokenize, TokenizeRequest),
         Route("/detokenize", "POST", h.detokenize, DetokenizeRequest),
@@ -85,12 +88,18 @@ class Handlers:
         self.front = front
         self.reader = front.reader
         self.runtime = front.runtime
+        self.responses_api = ResponsesAPI(front.reader, front.generate)
 
     async def completions(self, request: Request) -> Response:
         return await self.front.generate(request, CompletionRequest)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.front.generate(request, ChatCompletionRequest)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat route (``serving.responses_api``);
+        stateless: ``previous_response_id`` is refused."""
+        return await self.responses_api.create(request)
 
     async def models(self, request: Request) -> JSONResponse:
         self.reader.check_auth(request)
