@@ -81,7 +81,7 @@ class FunctionTool(_Strict):
     """Responses' flat function tool: ``{type, name, description, parameters, strict}``."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
