@@ -18,7 +18,10 @@ import schemathesis
 BUDGET = 4
 MAX_TEXT = 12  # characters of a prompt or message: its tokens must fit max_model_len
 MAX_ITEMS = 3  # prompts, messages, input items, token ids kept
-_BUDGET_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# the fields that set a token budget, the one that wins first (chat: the newer name)
+_BUDGET_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+_BUDGET_OF = {"/v1/completions": "max_tokens", "/v1/chat/completions": "max_completion_tokens",
+              "/v1/responses": "max_output_tokens"}
 
 
 @schemathesis.hook
@@ -30,6 +33,9 @@ def before_call(ctx: Any, case: Any, kwargs: Any) -> None:
         value = _integer(body.get(key))
         if value is not None and value > BUDGET:
             body[key] = BUDGET
+    field = _BUDGET_OF.get(case.operation.path)
+    if field and all(body.get(k) is None for k in _BUDGET_FIELDS):
+        body[field] = BUDGET  # chat's default budget is the whole context
     meta = case.meta
     if meta is not None and meta.generation.mode.is_positive:
         steer(body)
