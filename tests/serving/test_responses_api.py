@@ -126,6 +126,23 @@ def test_json_schema_format_constrains_the_output(client):
     assert final.output_text == r.output_text
 
 
+def test_responses_parse_with_a_pydantic_model(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict
+
+    class Colour(BaseModel):
+        model_config = ConfigDict(json_schema_extra={
+            "x-guidance": {"whitespace_flexible": False}})
+        name: Literal["red", "green", "blue"]
+        bright: bool
+
+    r = client.responses.parse(model=MODEL, input="Name a colour.", text_format=Colour,
+                               max_output_tokens=40)
+    assert isinstance(r.output_parsed, Colour)
+    assert Colour.model_validate_json(r.output_text) == r.output_parsed
+
+
 @pytest.mark.parametrize("fields, param, words", [
     ({"previous_response_id": "resp_123"}, "previous_response_id", "keeps no state"),
     ({"conversation": "conv_1"}, "conversation", "keeps no state"),
