@@ -111,6 +111,8 @@ def _compilable(body: dict[str, Any]) -> None:
     if isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict) and \
             rf["json_schema"].get("schema") is not None:
         rf["json_schema"]["schema"] = {"type": "object"}
+    if isinstance(rf, dict) and rf.get("schema") is not None:  # json_object's schema
+        rf["schema"] = {"type": "object"}
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"),
                                                                  dict) else None
     if isinstance(fmt, dict) and fmt.get("schema") is not None:
