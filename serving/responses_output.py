@@ -258,10 +258,11 @@ class EventStream:
         return [self._event("response.output_item.added", output_index=self.open.index,
                             item=item)]
 
-    def _where(self) -> dict[str, Any]:
-        assert self.open is not None
-        return {"item_id": self.open.item["id"], "output_index": self.open.index,
-                "content_index": 0}
+    def _where(self, o: _Open | None = None) -> dict[str, Any]:
+        """Where a content event points: the item (``o``, else the open one), part 0."""
+        o = o or self.open
+        assert o is not None
+        return {"item_id": o.item["id"], "output_index": o.index, "content_index": 0}
 
     def _close(self, status: str) -> list[str]:
         """The events that finish the open item, which joins the output."""
@@ -275,20 +276,17 @@ class EventStream:
             done = [self._event("response.function_call_arguments.done", item_id=item["id"],
                                 output_index=o.index, name=item["name"],
                                 arguments=o.text)]
+        elif kind == "message":
+            item, part = message_item(o.text, status, o.item["id"]), _text_part(o.text)
+            done = [self._event("response.output_text.done", **self._where(o), text=o.text,
+                                logprobs=[]),
+                    self._event("response.content_part.done", **self._where(o), part=part)]
         else:
-            self.open = o  # for _where
-            if kind == "message":
-                item, part = message_item(o.text, status, o.item["id"]), _text_part(o.text)
-                done = [self._event("response.output_text.done", **self._where(),
-                                    text=o.text, logprobs=[])]
-            else:
-                item = reasoning_item(o.text, "completed", o.item["id"])
-                part = _reasoning_part(o.text)
-                done = [self._event("response.reasoning_text.done", **self._where(),
-                                    text=o.text)]
-            done.append(self._event("response.content_part.done", **self._where(),
-                                    part=part))
-            self.open = None
+            item = reasoning_item(o.text, "completed", o.item["id"])
+            part = _reasoning_part(o.text)
+            done = [self._event("response.reasoning_text.done", **self._where(o),
+                                text=o.text),
+                    self._event("response.content_part.done", **self._where(o), part=part)]
         self.items.append(item)
         return [*done, self._event("response.output_item.done", output_index=o.index,
                                    item=item)]
