@@ -9,6 +9,7 @@ carries ``Allow``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -31,7 +32,7 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(e: HTTPError, extra: dict[str, str] | None = None) -> JSONResponse:
+def error_response(e: HTTPError, extra: Mapping[str, str] | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
     headers.update(extra or {})
     if e.status in RETRY_AFTER_S:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -73,7 +73,7 @@ def _renamed(e: HTTPError) -> HTTPError:
 _LEAD = re.compile(r"[\w.\[\]]+")
 
 
-async def _translate(chunks: AsyncIterator[Any], events: EventStream) -> AsyncIterator[str]:
+async def _translate(chunks: AsyncIterable[Any], events: EventStream) -> AsyncIterator[str]:
     """The chat SSE body as Responses events; closing this closes the chat stream (which
     aborts the request if it has not finished)."""
     try:

@@ -232,7 +232,7 @@ class EventStream:
         assert self.open is not None
         self.open.text += delta
         name = "output_text" if kind == "message" else "reasoning_text"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         out.append(self._event(f"response.{name}.delta", **self._where(), delta=delta,
                                **extra))
         return out
