@@ -2,12 +2,14 @@
 
 ``HTTPError`` is what handlers raise; ``install_error_handlers`` answers it, an unknown
 route (404, 405) and an unexpected exception (a bug: logged, answered as a 500) in the
-same shape. 401 carries ``WWW-Authenticate``; 429 and 503 carry ``Retry-After``.
+same shape. 401 carries ``WWW-Authenticate``; 429 and 503 carry ``Retry-After``; 405
+carries ``Allow``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -30,8 +32,9 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_response(e: HTTPError) -> JSONResponse:
+def error_response(e: HTTPError, extra: Mapping[str, str] | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    headers.update(extra or {})
     if e.status in RETRY_AFTER_S:
         headers["Retry-After"] = RETRY_AFTER_S[e.status]
     return JSONResponse(error_json(e.status, e.message, e.param, e.code), e.status,
@@ -63,7 +66,8 @@ async def _starlette_error(request: Request, e: Exception) -> JSONResponse:
     http = cast(StarletteHTTPException, e)
     message = (f"no route {request.method} {request.url.path}" if http.status_code in
                (404, 405) else str(http.detail))
-    return error_response(HTTPError(http.status_code, message))
+    # 405 keeps the router's ``Allow`` (RFC 9110: the methods the resource has)
+    return error_response(HTTPError(http.status_code, message), http.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

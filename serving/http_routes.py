@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 
 from serving.http_errors import RETRY_AFTER_S, HTTPError, install_error_handlers
 from serving.metrics import CONTENT_TYPE
@@ -26,7 +25,10 @@ from serving.openai_schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from serving.openapi_doc import REF, document
 from serving.requests import render_chat
+from serving.responses_api import ResponsesAPI
+from serving.responses_schema import ResponsesRequest
 from serving.runtime import ServerState
 from superinfer_jax.request import FieldError
 
@@ -51,6 +53,7 @@ def routes(h: Handlers) -> tuple[Route, ...]:
     return (
         Route("/v1/completions", "POST", h.completions, CompletionRequest),
         Route("/v1/chat/completions", "POST", h.chat_completions, ChatCompletionRequest),
+        Route("/v1/responses", "POST", h.responses, ResponsesRequest),
         Route("/v1/models", "GET", h.models),
         Route("/tokenize", "POST", h.tokenize, TokenizeRequest),
         Route("/detokenize", "POST", h.detokenize, DetokenizeRequest),
@@ -73,7 +76,7 @@ def build_app(front: OpenAIFront) -> FastAPI:
         app.add_api_route(route.path, route.handler, methods=[route.method],
                           openapi_extra=extra)
     bodies = [route.body for route in table if route.body is not None]
-    app.openapi = lambda: _openapi(app, bodies, front.runtime.config.server.max_n)
+    app.openapi = lambda: _openapi(app, bodies, front.runtime)
     return app
 
 
@@ -85,12 +88,18 @@ class Handlers:
         self.front = front
         self.reader = front.reader
         self.runtime = front.runtime
+        self.responses_api = ResponsesAPI(front.reader, front.generate)
 
     async def completions(self, request: Request) -> Response:
         return await self.front.generate(request, CompletionRequest)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.front.generate(request, ChatCompletionRequest)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat route (``serving.responses_api``);
+        stateless: ``previous_response_id`` is refused."""
+        return await self.responses_api.create(request)
 
     async def models(self, request: Request) -> JSONResponse:
         self.reader.check_auth(request)
@@ -195,28 +204,24 @@ class Handlers:
         return self.runtime.tokenizer
 
 
-_REF = "#/components/schemas/{model}"
-
-
 def _body_schema(model: type) -> dict[str, Any]:
     """The route's request body in the OpenAPI document: the handlers read raw bodies
     (to control every error), so FastAPI cannot infer it."""
-    schema = {"$ref": _REF.format(model=model.__name__)}
+    schema = {"$ref": REF.format(model=model.__name__)}
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": schema}}}}
 
 
-def _openapi(app: FastAPI, bodies: Sequence[type[BaseModel]], max_n: int) -> dict[str, Any]:
-    """FastAPI's document plus the body models' schemas under components.schemas, with
-    this server's ``n`` limit (``server.max_n``)."""
+def _openapi(app: FastAPI, bodies: Sequence[type[BaseModel]], runtime: Any) -> dict[str, Any]:
+    """FastAPI's document made exact (``serving.openapi_doc``) for this server: its model
+    name, ``n`` limit, vocabulary (once the model is loaded) and API key."""
     if app.openapi_schema is None:
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, top = models_json_schema([(m, "validation") for m in bodies], ref_template=_REF)
-        for model in (CompletionRequest, ChatCompletionRequest):
-            props = top["$defs"][model.__name__]["properties"]
-            for name in ("n", "best_of"):
-                if name in props:
-                    props[name]["maximum"] = max_n
-        doc.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
+        info = runtime.model_info
+        cfg = runtime.config.server
+        doc = document(get_openapi(title=app.title, version=app.version, routes=app.routes),
+                       bodies, served=runtime.served_name, max_n=cfg.max_n,
+                       vocab=info.vocab_size if info else None, auth=bool(cfg.api_key))
+        if info is None:  # the vocabulary bounds come with the model
+            return doc
         app.openapi_schema = doc
     return app.openapi_schema
