@@ -232,7 +232,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     model = _load_model(config)
     engine = LLMEngine(model, engine_config)
     runner = BatchRunner(engine, model.tokenizer, engine_config.default_slo,
-                         show_progress=not args.no_progress)
+                         show_progress=not args.no_progress,
+                         tool_call_parser=config.server.tool_call_parser,
+                         reasoning_parser=config.server.reasoning_parser)
     report = runner.run(args.input, args.output)
     print(f"[batch: {report.num_done} done, {report.num_errors} errors, "
           f"{report.num_skipped} skipped (already in {args.output}), {report.num_tokens} "
