@@ -327,23 +327,15 @@ class OpenAIFront:
                         entries = out.logprobs or []
                         lp = (chat_logprobs(entries, texts) if chat else
                               c.completion_lp(texts).part(out.new_token_ids, entries))
-                    if c.parsed:
-                        for i, delta in enumerate(_parsed_deltas(c, out) or [{}]):
-                            if delta or lp is not None:
-                                yield sse(chunk(c, None, out, delta_fields=delta,
-                                                logprobs=lp if i == 0 else None))
-                    else:
-                        yield sse(chunk(c, out.new_text, out, logprobs=lp))
+                    for text, kw in _text_deltas(c, out, lp):
+                        yield sse(chunk(c, text, out, **kw))
                 if out.finished:
                     done.add(c.index)
                     s = RequestSummary.from_request(out.request)
                     summaries[c.index] = s
-                    reason = "length" if c.score_only else s.finish_reason
-                    if c.parsed:
-                        for delta in _parsed_deltas(c, None):
-                            yield sse(chunk(c, None, out, delta_fields=delta))
-                        assert c.message_stream is not None
-                        reason = finish_reason(reason, c.message_stream.has_calls)
+                    deltas, reason = _closing(c, "length" if c.score_only else s.finish_reason)
+                    for delta in deltas:
+                        yield sse(chunk(c, None, out, delta_fields=delta))
                     final = chunk(c, None if chat else "", out, finish_reason=reason)
                     if not include_usage:
                         final["superinfer"] = s.to_json()
@@ -368,6 +360,27 @@ class OpenAIFront:
         engine = self.runtime.engine
         if engine is not None:
             engine.abort(req_id)
+
+
+def _text_deltas(c: Choice, out: RequestOutput, lp: dict[str, Any] | None
+                 ) -> list[tuple[str | None, dict[str, Any]]]:
+    """(text, chunk fields) of each chunk for this output's new text: the text as it
+    comes, or a parsed chat choice's deltas (the logprobs on the first)."""
+    if not c.parsed:
+        return [(out.new_text, {"logprobs": lp})]
+    deltas = _parsed_deltas(c, out) or [{}]
+    return [(None, {"delta_fields": d, "logprobs": lp if i == 0 else None})
+            for i, d in enumerate(deltas) if d or lp is not None]
+
+
+def _closing(c: Choice, reason: str) -> tuple[list[dict[str, Any]], str]:
+    """A finished choice's last parsed deltas and its finish reason (``tool_calls``
+    when it streamed calls)."""
+    if not c.parsed:
+        return [], reason
+    deltas = _parsed_deltas(c, None)
+    assert c.message_stream is not None
+    return deltas, finish_reason(reason, c.message_stream.has_calls)
 
 
 def _parsed_deltas(c: Choice, out: RequestOutput | None) -> list[dict[str, Any]]:
