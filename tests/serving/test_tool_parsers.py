@@ -190,3 +190,21 @@ def test_plugin_names():
     assert tool_parser_problem("serving.tools.parsers.hermes:HermesToolParser") is None
     assert "must be one of" in tool_parser_problem("hermes2")
     assert "not a serving.tools" in tool_parser_problem("json:JSONDecoder")
+
+
+def test_config_keys_are_checked_at_load(tmp_path):
+    from serving.deploy_config import ConfigError, DeploymentConfig
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    config = DeploymentConfig.load(None, {"server.tool_call_parser": "mistral",
+                                          "server.reasoning_parser": "deepseek_r1",
+                                          "model.chat_template": str(template)})
+    assert config.server.tool_call_parser == "mistral"
+    assert config.model.chat_template == str(template)
+    for key, value in (("server.tool_call_parser", "hermes2"),
+                       ("server.reasoning_parser", "nope:Nothing"),
+                       ("model.chat_template", str(tmp_path / "missing.jinja"))):
+        with pytest.raises(ConfigError) as e:
+            DeploymentConfig.load(None, {key: value})
+        assert key in str(e.value)
