@@ -32,14 +32,15 @@ def constraint_schema(req: ToolRequest) -> dict[str, Any] | None:
     if req.mode == "named":
         assert req.name is not None
         tool = req.tool(req.name)
-        _check(tool, req.index(req.name))
-        return {"x-guidance": FORMAT, **_closed(tool.parameters)}
+        _check(tool)
+        params = _closed(tool.parameters)
+        return {**params, "x-guidance": {**FORMAT, **params.get("x-guidance", {})}}
     if req.mode != "required":
         return None
     defs: dict[str, Any] = {}
     branches = []
     for i, tool in enumerate(req.tools):
-        _check(tool, i)
+        _check(tool)
         params = _closed(tool.parameters)
         if "$ref" in tool.parameters_json:  # refs point into the root: hoist its $defs
             params = _hoisted(params, f"tool{i}", defs)
@@ -78,8 +79,8 @@ def _closed(node: Any) -> Any:
     return out
 
 
-def _check(tool: ToolSpec, index: int) -> None:
-    field = f"tools[{index}].function.parameters"
+def _check(tool: ToolSpec) -> None:
+    field = f"{tool.field or 'tools[?].function'}.parameters"
     try:
         structured = importlib.import_module("superinfer_jax.structured")
     except ImportError:

@@ -24,11 +24,14 @@ ChoiceMode = Literal["none", "auto", "required", "named"]
 @dataclass(frozen=True)
 class ToolSpec:
     """One function: its name, description and arguments' JSON schema (as JSON text, so
-    the spec is hashable and the schema's key order, which orders the output, is kept)."""
+    the spec is hashable and the schema's key order, which orders the output, is kept).
+    ``field``: where the request defined it (``tools[2].function``, or ``tools[2]`` for
+    the Responses API's flat tools), for errors about it."""
 
     name: str
     description: str | None
     parameters_json: str
+    field: str = ""
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -55,9 +58,6 @@ class ToolRequest:
 
     def tool(self, name: str) -> ToolSpec:
         return next(t for t in self.tools if t.name == name)
-
-    def index(self, name: str) -> int:
-        return next(i for i, t in enumerate(self.tools) if t.name == name)
 
     def openai_tools(self) -> list[dict[str, Any]]:
         return [t.openai() for t in self.tools]
@@ -90,26 +90,28 @@ def _tools(tools: Sequence[Any] | None) -> tuple[ToolSpec, ...]:
             raise FieldError(f"{where}.type", f"{where}: only function tools are supported "
                              '({"type": "function", "function": {...}})')
         fn = tool.get("function")
-        if not isinstance(fn, Mapping):
+        if fn is None and "name" in tool:  # the Responses API's flat function tool
+            fn, at = tool, where
+        elif isinstance(fn, Mapping):
+            at = f"{where}.function"
+        else:
             raise FieldError(f"{where}.function", f"{where}.function must be an object")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise FieldError(f"{where}.function.name", f"{where}.function.name must be 1 to "
-                             f"64 letters, digits, '_', '.' or '-', got {name!r}"[:200])
+            raise FieldError(f"{at}.name", f"{at}.name must be 1 to 64 letters, digits, "
+                             f"'_', '.' or '-', got {name!r}"[:200])
         if any(s.name == name for s in specs):
-            raise FieldError(f"{where}.function.name",
-                             f"{where}.function.name: {name!r} is defined twice")
+            raise FieldError(f"{at}.name", f"{at}.name: {name!r} is defined twice")
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
-            raise FieldError(f"{where}.function.description",
-                             f"{where}.function.description must be a string")
+            raise FieldError(f"{at}.description", f"{at}.description must be a string")
         params = fn.get("parameters", EMPTY_PARAMETERS)
         if params is None:
             params = EMPTY_PARAMETERS
         if not isinstance(params, Mapping):
-            raise FieldError(f"{where}.function.parameters", f"{where}.function.parameters "
-                             "must be a JSON schema object")
-        specs.append(ToolSpec(name, description, json.dumps(params, ensure_ascii=False)))
+            raise FieldError(f"{at}.parameters", f"{at}.parameters must be a JSON schema "
+                             "object")
+        specs.append(ToolSpec(name, description, json.dumps(params, ensure_ascii=False), at))
     return tuple(specs)
 
 

@@ -208,3 +208,14 @@ def test_config_keys_are_checked_at_load(tmp_path):
         with pytest.raises(ConfigError) as e:
             DeploymentConfig.load(None, {key: value})
         assert key in str(e.value)
+
+
+def test_the_responses_apis_flat_tools_are_read_too():
+    flat = {"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}}
+    req = parse_tool_request([flat], {"type": "function", "name": "f"})
+    assert req.mode == "named" and req.name == "f"
+    assert req.openai_tools()[0]["function"]["name"] == "f"
+    with pytest.raises(FieldError) as e:
+        constraint_schema(req)
+    assert e.value.field == "tools[0].parameters"
