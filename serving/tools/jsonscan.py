@@ -9,6 +9,7 @@ proves: a name is reported once its string is closed, the arguments as the raw t
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 _WS = " \t\r\n"
@@ -21,44 +22,53 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+# a closed JSON string (the unrolled loop: C-speed), else a bracket, else a lone quote
+# (a string still open)
+_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_CLOSED_STRING = re.compile(_STRING, re.DOTALL)
+_TOKENS = re.compile(_STRING + r'|[\[\]{}]|"', re.DOTALL)
+
+
 def string_end(text: str, i: int) -> int | None:
     """Index after the JSON string opening at ``text[i]`` (a quote); None if unclosed."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _CLOSED_STRING.match(text, i)
+    return m.end() if m else None
 
 
-def value_end(text: str, i: int) -> int | None:
-    """Index after the JSON value starting at ``text[i]``; None while it may go on."""
+# value_end's progress on containers still open, by start index: (position to resume
+# at, depth there, the 16 characters before it, which must still be there)
+Memo = dict[int, tuple[int, int, str]]
+
+
+def value_end(text: str, i: int, memo: Memo | None = None) -> int | None:
+    """Index after the JSON value starting at ``text[i]``; None while it may go on.
+    ``memo``: a stream's progress, so text that only grows is read once, not once per
+    delta."""
     if i >= len(text):
         return None
     c = text[i]
     if c == '"':
         return string_end(text, i)
     if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                end = string_end(text, j)
-                if end is None:
-                    return None
-                j = end
+        pos, depth = i, 0
+        seen = memo.get(i) if memo is not None else None
+        if seen is not None and seen[0] <= len(text) and \
+                text[max(i, seen[0] - 16):seen[0]] == seen[2]:
+            pos, depth = seen[0], seen[1]
+        for m in _TOKENS.finditer(text, pos):
+            token = m.group()
+            if token == '"':
+                pos = m.start()
+                break
+            if token[0] == '"':
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
+            depth += 1 if token in "{[" else -1
+            if depth == 0:
+                return m.end()
+        else:
+            pos = len(text)
+        if memo is not None:
+            memo[i] = (pos, depth, text[max(i, pos - 16):pos])
         return None
     j = i
     while j < len(text) and text[j] not in _SCALAR_END:
@@ -99,10 +109,10 @@ class CallScan:
 _BROKEN = CallScan(broken=True)
 
 
-def scan_call(text: str, i: int, args_keys: tuple[str, ...] = ("arguments", "parameters")
-              ) -> CallScan:
+def scan_call(text: str, i: int, args_keys: tuple[str, ...] = ("arguments", "parameters"),
+              memo: Memo | None = None) -> CallScan:
     """The call object (``{"name": ..., "arguments": {...}}``) starting at ``text[i]``
-    (after whitespace)."""
+    (after whitespace); ``memo`` as ``value_end``'s."""
     i = skip_ws(text, i)
     if i >= len(text):
         return CallScan()
@@ -134,7 +144,7 @@ def scan_call(text: str, i: int, args_keys: tuple[str, ...] = ("arguments", "par
         if text[i] != ":":
             return _BROKEN
         i = skip_ws(text, i + 1)
-        end = value_end(text, i)
+        end = value_end(text, i, memo)
         if key in args_keys and not args_done:
             if end is None:
                 return CallScan(name, text[i:], False)
@@ -158,8 +168,8 @@ def _string(token: str) -> str | None:
 
 
 def scan_calls(text: str, i: int, *, array: bool,
-               args_keys: tuple[str, ...] = ("arguments", "parameters")
-               ) -> tuple[list[CallScan], bool]:
+               args_keys: tuple[str, ...] = ("arguments", "parameters"),
+               memo: Memo | None = None) -> tuple[list[CallScan], bool]:
     """Call objects one after another from ``text[i]``: a JSON array of them (``array``)
     or a run separated by ``,``/``;``/whitespace. Returns the calls so far and whether
     the text stopped being one."""
@@ -178,7 +188,7 @@ def scan_calls(text: str, i: int, *, array: bool,
         if text[i] in ",;":
             i += 1
             continue
-        call = scan_call(text, i, args_keys)
+        call = scan_call(text, i, args_keys, memo)
         if call.broken:
             return calls, True
         calls.append(call)

@@ -71,6 +71,8 @@ CASES = {
                      '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
                      "</tool_call>", None,
                      [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+        "escaped": ('<tool_call>{"name": "get_time", "arguments": {"tz": "a \\"}{[\\\\"}}'
+                    "</tool_call>", None, [("get_time", '{"tz": "a \\"}{[\\\\"}')]),
         "malformed": ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
                       '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
                       None),

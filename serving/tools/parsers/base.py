@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serving.tools.jsonscan import CallScan
+from serving.tools.jsonscan import CallScan, Memo
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class ToolParser(ABC):
     def __init__(self, tools: Sequence[dict[str, Any]] = (), parallel: bool = True):
         self.tools = tuple(tools)
         self.parallel = parallel
+        # the scanners' progress over this request's growing text (``jsonscan.Memo``)
+        self.memo: Memo = {}
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> Parsed:

@@ -32,7 +32,8 @@ class NamedCallParser(ToolParser):
 
 class RequiredCallParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
-        scans, broken = scan_calls(text, 0, array=self.parallel, args_keys=("arguments",))
+        scans, broken = scan_calls(text, 0, array=self.parallel, args_keys=("arguments",),
+                                   memo=self.memo)
         if not self.parallel:
             scans = scans[:1]
         if final:

@@ -26,7 +26,7 @@ class HermesToolParser(ToolParser):
             close = text.find(self.end, inner)
             body_end = close if close >= 0 else len(text) - held_back(text, self.end)
             block_end = close + len(self.end) if close >= 0 else len(text)
-            scan = scan_call(text[:body_end], inner)
+            scan = scan_call(text[:body_end], inner, memo=self.memo)
             if not final:
                 if scan.name is None:
                     break

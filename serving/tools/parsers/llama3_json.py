@@ -26,7 +26,7 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed(text if final else "")
         if not body.lstrip().startswith("{"):
             return Parsed(text if final or body.strip() else "")
-        scans, broken = scan_calls(body, 0, array=False)
+        scans, broken = scan_calls(body, 0, array=False, memo=self.memo)
         if final:
             calls = None if broken else final_calls(scans)
             return Parsed(text) if calls is None else Parsed("", self.limit(calls))

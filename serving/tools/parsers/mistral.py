@@ -28,7 +28,7 @@ class MistralToolParser(ToolParser):
         else:
             keep = held_back(text, TAG) if text.strip() else len(text)
             return Parsed(text[:len(text) - keep])
-        scans, broken = scan_calls(body, 0, array=True)
+        scans, broken = scan_calls(body, 0, array=True, memo=self.memo)
         if final:
             calls = None if broken else final_calls(scans)
             return Parsed(text) if calls is None else Parsed(content, self.limit(calls))
