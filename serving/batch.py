@@ -8,10 +8,13 @@ Input, one JSON object per line::
      "slo": {"ttft_ms": 2000, "priority_class": "batch"}, "metadata": {"any": "thing"}}
 
 ``prompt`` may also be a list of token ids. ``sampling`` takes max_tokens, temperature,
-top_p, top_k, seed, stop, stop_token_ids, ignore_eos. Output, one line per input line, in
-completion order: ``{"id", "text", "token_ids", "finish_reason", "usage", "superinfer",
-"metadata"}``, or ``{"id", "line", "error"}`` for a line that could not run. A bad line
-never stops the run.
+top_p, top_k, seed, stop, stop_token_ids, ignore_eos. A ``messages`` line may carry
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` as OpenAI's chat API takes them
+(``serving.tools``). Output, one line per input line, in completion order: ``{"id",
+"text", "token_ids", "finish_reason", "usage", "superinfer", "metadata"}``, with the
+parsed ``message`` (content, tool_calls, reasoning_content) when the line has tools or the
+deployment a reasoning parser, and ``finish_reason: "tool_calls"`` for a call; or ``{"id",
+"line", "error"}`` for a line that could not run. A bad line never stops the run.
 
 Resuming: results are appended and flushed line by line; a rerun skips every id already
 in the output (a torn last line from a crash is cut off first). The engine runs in this
@@ -30,11 +33,19 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from serving.requests import RequestSummary, encode_prompt, make_sampling, make_slo
+from serving.requests import (
+    RequestSummary,
+    encode_prompt,
+    make_sampling,
+    make_slo,
+    structured_spec,
+)
+from serving.tools import OutputPlan, finish_reason, plan_output
 from superinfer_jax.engine import LLMEngine
 from superinfer_jax.request import SLO
 
-_LINE_KEYS = {"id", "prompt", "messages", "sampling", "slo", "metadata"}
+_LINE_KEYS = {"id", "prompt", "messages", "sampling", "slo", "metadata", "tools",
+              "tool_choice", "parallel_tool_calls"}
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                   "stop_token_ids", "ignore_eos"}
 _SLO_KEYS = {"ttft_ms", "tbt_ms", "priority_class"}
@@ -89,25 +100,38 @@ def _check_keys(where: str, obj: Any, allowed: set[str]) -> dict[str, Any]:
     return obj
 
 
-def parse_record(rec: dict[str, Any], tokenizer: Any,
-                 default_slo: SLO) -> tuple[list[int], Any, SLO]:
-    """Engine inputs of one input line; ValueError names the bad field."""
+def parse_record(rec: dict[str, Any], tokenizer: Any, default_slo: SLO,
+                 parsers: tuple[str | None, str | None] = (None, None)
+                 ) -> tuple[list[int], Any, SLO, OutputPlan | None]:
+    """Engine inputs of one input line, and how its output is read (``parsers``: the
+    deployment's tool-call and reasoning parsers); ValueError names the bad field."""
     _check_keys("line", rec, _LINE_KEYS)
     if "id" not in rec or not isinstance(rec["id"], str | int) or isinstance(rec["id"], bool):
         raise ValueError("id is required (a string or an integer)")
     prompt = rec.get("prompt")
     token_ids = prompt if isinstance(prompt, list) else None
     text = prompt if not isinstance(prompt, list) else None
-    ids = encode_prompt(tokenizer, text=text, token_ids=token_ids, messages=rec.get("messages"))
+    plan = None
+    if rec.get("messages") is not None:
+        plan = plan_output(rec.get("tools"), rec.get("tool_choice"),
+                           rec.get("parallel_tool_calls"), tokenizer=tokenizer,
+                           tool_call_parser=parsers[0], reasoning_parser=parsers[1])
+    elif any(k in rec for k in ("tools", "tool_choice", "parallel_tool_calls")):
+        raise ValueError("tools: tool calling needs a messages prompt")
+    ids = encode_prompt(tokenizer, text=text, token_ids=token_ids, messages=rec.get("messages"),
+                        tools=None if plan is None else plan.template_tools)
     sampling = _check_keys("sampling", rec.get("sampling", {}), _SAMPLING_KEYS)
     if isinstance(sampling.get("stop"), str):
         sampling = {**sampling, "stop": (sampling["stop"],)}
     slo = _check_keys("slo", rec.get("slo", {}), _SLO_KEYS)
+    if plan is not None and plan.constraint is not None:
+        sampling = {**sampling, "structured": structured_spec("json", plan.constraint,
+                                                              "tool_choice")}
     try:
         params = make_sampling(**sampling)
     except TypeError as e:
         raise ValueError(f"sampling: {e}") from e
-    return ids, params, make_slo(default_slo, **slo)
+    return ids, params, make_slo(default_slo, **slo), plan
 
 
 def _records(path: Path) -> Iterator[tuple[int, Any, str | None]]:
@@ -131,7 +155,9 @@ def _count_lines(path: Path) -> int:
 
 class BatchRunner:
     def __init__(self, engine: LLMEngine, tokenizer: Any, default_slo: SLO,
-                 window: int | None = None, show_progress: bool = True):
+                 window: int | None = None, show_progress: bool = True,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+        self.parsers = (tool_call_parser, reasoning_parser)
         self.engine = engine
         self.tokenizer = tokenizer
         self.default_slo = default_slo
@@ -148,7 +174,8 @@ class BatchRunner:
         total = _count_lines(input_path)
         bar = tqdm(total=total, desc="batch", unit="req", disable=not self.show_progress)
         start = time.perf_counter()
-        in_flight: dict[str, tuple[Any, Any]] = {}  # req_id -> (record id, metadata)
+        # req_id -> (record id, metadata, output plan)
+        in_flight: dict[str, tuple[Any, Any, OutputPlan | None]] = {}
         records = _records(input_path)
         exhausted = False
         output_path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,8 +202,8 @@ class BatchRunner:
         return report
 
     def _add(self, item: tuple[int, Any, str | None], done: set[str],
-             in_flight: dict[str, tuple[Any, Any]], out: Any, report: BatchReport,
-             bar: Any) -> None:
+             in_flight: dict[str, tuple[Any, Any, OutputPlan | None]], out: Any,
+             report: BatchReport, bar: Any) -> None:
         line_no, rec, error = item
         rec_id = rec.get("id") if isinstance(rec, dict) else None
         if isinstance(rec_id, bool) or not isinstance(rec_id, str | int):
@@ -193,10 +220,11 @@ class BatchRunner:
             try:
                 if not isinstance(rec, dict):
                     raise ValueError("line must be a JSON object")
-                ids, sampling, slo = parse_record(rec, self.tokenizer, self.default_slo)
+                ids, sampling, slo, plan = parse_record(rec, self.tokenizer,
+                                                        self.default_slo, self.parsers)
                 req_id = f"batch-{line_no}"
                 self.engine.add_request(ids, sampling, req_id=req_id, slo=slo)
-                in_flight[req_id] = (rec_id, rec.get("metadata"))
+                in_flight[req_id] = (rec_id, rec.get("metadata"), plan)
                 return
             except ValueError as e:
                 error = str(e)
@@ -204,9 +232,10 @@ class BatchRunner:
         report.num_errors += 1
         bar.update(1)
 
-    def _write_result(self, req_id: str, in_flight: dict[str, tuple[Any, Any]], out: Any,
+    def _write_result(self, req_id: str,
+                      in_flight: dict[str, tuple[Any, Any, OutputPlan | None]], out: Any,
                       report: BatchReport) -> None:
-        rec_id, metadata = in_flight.pop(req_id)
+        rec_id, metadata, plan = in_flight.pop(req_id)
         req = self.engine.release(req_id)
         s = RequestSummary.from_request(req)
         result = {"id": rec_id, "text": s.text, "token_ids": list(req.output_token_ids),
@@ -215,6 +244,10 @@ class BatchRunner:
                             "completion_tokens": s.completion_tokens,
                             "total_tokens": s.prompt_tokens + s.completion_tokens},
                   "superinfer": s.to_json()}
+        if plan is not None and not plan.parser.plain:
+            message = plan.parser.final(s.text)
+            result["message"] = message.message_json()
+            result["finish_reason"] = finish_reason(s.finish_reason, bool(message.tool_calls))
         if metadata is not None:
             result["metadata"] = metadata
         _write(out, result)

@@ -27,6 +27,7 @@ ENGINE_FLAGS = {
     "--max-num-seqs": "engine.max_num_seqs",
     "--max-num-batched-tokens": "engine.max_num_batched_tokens",
     "--prefix-caching": "prefix_caching.enabled",  # --no-prefix-caching turns it off
+    "--chat-template": "model.chat_template",
 }
 SERVER_FLAGS = {
     "--host": "server.host", "--grpc-port": "server.grpc_port",
@@ -38,6 +39,8 @@ SERVER_FLAGS = {
     "--compile-in-background": "engine.compile_in_background",
     "--kv-events-endpoint": "server.kv_events_endpoint",
     "--kv-events-topic": "server.kv_events_topic",
+    "--tool-call-parser": "server.tool_call_parser",
+    "--reasoning-parser": "server.reasoning_parser",
 }
 # ``generate`` runs one request: no other request to rotate for, so no host tier and
 # vLLM's policy unless the file or a flag says otherwise; one row, chunks sized to the
@@ -99,9 +102,11 @@ def _deployment(args: argparse.Namespace, base: dict[str, Any] | None = None,
 
 def _load_model(config: Any) -> Any:
     from models import load_model
+    from serving.server import with_chat_template
 
-    return load_model(config.model.source, dtype=config.model.dtype,
-                      tensor_parallel_size=config.engine.model.tensor_parallel_size)
+    return with_chat_template(load_model(
+        config.model.source, dtype=config.model.dtype,
+        tensor_parallel_size=config.engine.model.tensor_parallel_size), config)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -227,7 +232,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     model = _load_model(config)
     engine = LLMEngine(model, engine_config)
     runner = BatchRunner(engine, model.tokenizer, engine_config.default_slo,
-                         show_progress=not args.no_progress)
+                         show_progress=not args.no_progress,
+                         tool_call_parser=config.server.tool_call_parser,
+                         reasoning_parser=config.server.reasoning_parser)
     report = runner.run(args.input, args.output)
     print(f"[batch: {report.num_done} done, {report.num_errors} errors, "
           f"{report.num_skipped} skipped (already in {args.output}), {report.num_tokens} "

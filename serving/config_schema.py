@@ -59,9 +59,16 @@ class ModelSection:
                             help="HF dir, .gguf file or Orbax dir")
     dtype: str = knob("float32", choices=DTYPES,
                       help="float32 | bfloat16 (weights and compute)")
+    chat_template: str | None = knob(
+        None, example="serving/templates/smollm2_tools.jinja",
+        help="a Jinja chat template file used instead of the model's (tool-aware "
+             "templates: serving/templates/)")
 
     def __post_init__(self) -> None:
         validate(self, prefix="model.")
+        if self.chat_template is not None and not Path(self.chat_template).expanduser() \
+                .is_file():
+            raise ConfigError("model.chat_template", f"no such file {self.chat_template!r}")
 
     @property
     def source(self) -> str:
@@ -106,6 +113,16 @@ class ServerSection:
     # once, as vLLM does; clients send vendor extensions). gRPC always refuses them.
     strict_request_fields: bool = knob(
         False, help="HTTP: 400 on unknown body fields (default: ignore, log once)")
+    # Tool calls with tool_choice auto are read from the model's own syntax by this parser
+    # (serving.tools.parsers); forced calls (required, a named function) need none.
+    tool_call_parser: str | None = knob(
+        None, example="hermes",
+        help="parser of the model's tool calls for tool_choice auto: hermes | llama3_json "
+             "| mistral | package.module:Class (unset: auto is refused)")
+    reasoning_parser: str | None = knob(
+        None, example="qwen3",
+        help="moves <think>...</think> into reasoning_content: qwen3 | deepseek_r1 | "
+             "package.module:Class")
     # KV events for llm-d's precise prefix-aware routing (serving.kv_events): off unless an
     # endpoint is set.
     kv_events_endpoint: str | None = knob(
@@ -239,8 +256,22 @@ def _policy(key: str, name: Any) -> str | None:
 
 # Checks a config dataclass cannot make without importing what it configures: the loader
 # makes them, so a bad file fails at load, before the engine is built.
+def _tool_call_parser(key: str, name: Any) -> str | None:
+    from serving.tools import tool_parser_problem
+
+    return None if name is None else tool_parser_problem(name)
+
+
+def _reasoning_parser(key: str, name: Any) -> str | None:
+    from serving.tools import reasoning_parser_problem
+
+    return None if name is None else reasoning_parser_problem(name)
+
+
 LOADER_CHECKS: dict[str, Check] = {
     "engine.policy": _policy,
+    "server.tool_call_parser": _tool_call_parser,
+    "server.reasoning_parser": _reasoning_parser,
 }
 
 

@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving.grpc_chat import fill_completion, messages_of, plan_of, proto_field
 from serving.protogen import stubs
 from serving.requests import (
     RequestSummary,
@@ -132,7 +133,7 @@ class InferenceService:
         req = _parse(pb2.GenerateRequest, data, context)
         try:
             engine = self.runtime.serving_engine()
-            token_ids, sampling, slo = self._inputs(req, _metadata_slo(context))
+            token_ids, sampling, slo, plan = self._inputs(req, _metadata_slo(context))
             stream = engine.submit(token_ids, sampling, req_id=req.request_id or None, slo=slo,
                                    cache_salt=req.cache_salt
                                    if req.HasField("cache_salt") else None)
@@ -157,24 +158,26 @@ class InferenceService:
                     first = False
                     yield pb2.GenerateResponse(request_id=req_id, chunk=chunk)
                 if out.finished:
-                    yield pb2.GenerateResponse(request_id=req_id,
-                                               completion=_completion(out))
+                    completion = _completion(out)
+                    fill_completion(completion, plan, out.request.output_text, pb2)
+                    yield pb2.GenerateResponse(request_id=req_id, completion=completion)
         except Exception as e:
             context.abort(_status_of(e), _message(e, req))
         if failed is not None:
             context.abort(grpc.StatusCode.INTERNAL, failed)
 
     def _inputs(self, req: Any, header_slo: dict[str, float] | None = None
-                ) -> tuple[list[int], Any, Any]:
+                ) -> tuple[list[int], Any, Any, Any]:
         kind = req.WhichOneof("prompt")
         tokenizer = self.runtime.tokenizer
+        plan = plan_of(req, self.runtime)
         if kind == "text":
             token_ids = encode_prompt(tokenizer, text=req.text)
         elif kind == "token_ids":
             token_ids = encode_prompt(tokenizer, token_ids=list(req.token_ids.ids))
         elif kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-            token_ids = encode_prompt(tokenizer, messages=messages)
+            token_ids = encode_prompt(tokenizer, messages=messages_of(req),
+                                      tools=None if plan is None else plan.template_tools)
         else:
             raise ValueError("a prompt is required: set text, token_ids or messages")
         s = req.sampling
@@ -192,7 +195,9 @@ class InferenceService:
             logit_bias=tuple(sorted(s.logit_bias.items())) or None,
             min_tokens=opt(req, "min_tokens"), logprobs=opt(req, "logprobs"),
             prompt_logprobs=opt(req, "prompt_logprobs"),
-            structured=_structured(req.structured) if req.HasField("structured") else None,
+            structured=_structured(req.structured) if req.HasField("structured") else (
+                None if plan is None or plan.constraint is None else
+                structured_spec("json", plan.constraint, "tool_choice")),
         )
         priority = req.slo.priority_class
         if priority != pb2.PRIORITY_CLASS_UNSPECIFIED and priority not in _PRIORITY:
@@ -203,7 +208,7 @@ class InferenceService:
             tbt_ms=req.slo.tbt_ms if req.slo.HasField("tbt_ms") else None,
             priority_class=_PRIORITY.get(priority),
         )
-        return token_ids, sampling, slo
+        return token_ids, sampling, slo, plan
 
     # -- unary verbs -------------------------------------------------------------------
 
@@ -282,7 +287,7 @@ def _structured(msg: Any) -> Any:
 def _message(e: BaseException, req: Any) -> str:
     """The error's message, naming the field as this proto spells it: the engine names a
     grammar error ``structured_outputs.<kind>``, this proto ``structured.<kind>``."""
-    text = str(e)
+    text = proto_field(str(e))
     if isinstance(e, FieldError) and e.field.startswith("structured_outputs") and \
             req.HasField("structured"):
         field = f"structured.{req.structured.WhichOneof('kind')}"

@@ -13,6 +13,7 @@ from typing import Any
 from serving.logprobs import CompletionLogprobs, TokenTexts, chat_logprobs
 from serving.openai_schema import ChoiceResult, usage_json
 from serving.requests import RequestSummary
+from serving.tools import MessageStream, OutputParser, finish_reason
 from superinfer_jax.async_engine import RequestStream
 from superinfer_jax.engine import RequestOutput
 from superinfer_jax.request import Request as EngineRequest
@@ -31,6 +32,14 @@ class Choice:
     first_of_prompt: bool  # counts the prompt's tokens in the usage (once per prompt)
     echoed: bool = False
     _lp: CompletionLogprobs | None = None
+    # chat: reads the text into content, reasoning and tool calls (``serving.tools``);
+    # None or ``plain``: the text is the content
+    output: OutputParser | None = None
+    message_stream: MessageStream | None = None
+
+    @property
+    def parsed(self) -> bool:
+        return self.output is not None and not self.output.plain
 
     def completion_lp(self, texts: TokenTexts) -> CompletionLogprobs:
         """The choice's legacy-logprobs builder (``text_offset`` runs on over chunks)."""
@@ -86,8 +95,13 @@ def result(c: Choice, req: EngineRequest, chat: bool, texts: TokenTexts) -> Choi
         text = c.prompt_text + text
     if c.score_only:
         s = dataclasses.replace(s, completion_tokens=0)
-    return ChoiceResult(c.index, text, "length" if c.score_only else s.finish_reason,
-                        logprobs, s)
+    out = ChoiceResult(c.index, text, "length" if c.score_only else s.finish_reason,
+                       logprobs, s)
+    if chat and c.output is not None and c.parsed:
+        message = c.output.final(text)
+        out.message = message.message_json()
+        out.openai_finish = finish_reason(out.finish_reason, bool(message.tool_calls))
+    return out
 
 
 def usage(choices: list[Choice], summaries: list[RequestSummary]) -> dict[str, Any]:

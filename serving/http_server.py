@@ -57,6 +57,7 @@ from serving.requests import (
     structured_spec,
 )
 from serving.runtime import Runtime
+from serving.tools import OutputPlan, finish_reason, plan_output
 from superinfer_jax.async_engine import EngineUnavailableError, QueueFullError
 from superinfer_jax.engine import RequestOutput
 from superinfer_jax.request import FIELD_RANGES, FieldError
@@ -76,13 +77,29 @@ class OpenAIFront:
         self._token_texts_of: Any = None
         self.app = build_app(self)
 
-    def _prompts(self, body: CompletionRequest | ChatCompletionRequest
-                 ) -> list[tuple[list[int], str | None]]:
+    def _plan(self, body: CompletionRequest | ChatCompletionRequest) -> OutputPlan | None:
+        """Chat: the tools shown to the template, the forced call's constraint, and how the
+        output is read (``serving.tools``); None for completions."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        cfg = self.runtime.config.server
+        plan = plan_output(*body.tool_fields(), tokenizer=self.runtime.tokenizer,
+                           tool_call_parser=cfg.tool_call_parser,
+                           reasoning_parser=cfg.reasoning_parser)
+        if plan.constraint is not None and body.structured() is not None:
+            raise FieldError("tool_choice", "tool_choice: a forced tool call is generated "
+                             "under its function's schema; drop response_format or "
+                             "structured_outputs, or send tool_choice \"auto\"")
+        return plan
+
+    def _prompts(self, body: CompletionRequest | ChatCompletionRequest,
+                 plan: OutputPlan | None = None) -> list[tuple[list[int], str | None]]:
         """Each prompt's token ids, and its text when the client sent text."""
         tok = self.runtime.tokenizer
         if isinstance(body, ChatCompletionRequest):
-            return [(encode_prompt(tok, messages=[m.to_template() for m in body.messages]),
-                     None)]
+            tools = None if plan is None else plan.template_tools
+            return [(encode_prompt(tok, messages=[m.to_template() for m in body.messages],
+                                   tools=tools), None)]
         prompt = body.prompt
         if isinstance(prompt, str):
             return [(encode_prompt(tok, text=prompt), prompt)]
@@ -95,7 +112,8 @@ class OpenAIFront:
                 else (encode_prompt(tok, token_ids=p), None) for p in prompt]
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                  max_model_len: int) -> tuple[dict[str, Any], bool]:
+                  max_model_len: int, plan: OutputPlan | None = None
+                  ) -> tuple[dict[str, Any], bool]:
         """The sampling fields every choice shares (the seed is per choice), and whether
         this is prompt scoring only (completions, ``echo`` with ``max_tokens: 0``: one
         token is sampled, as the step always does, and not returned)."""
@@ -117,6 +135,8 @@ class OpenAIFront:
             prompt_logprobs = body.logprobs if body.echo else None
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         structured = body.structured()
+        if plan is not None and plan.constraint is not None:
+            structured = ("tool_choice", "json", plan.constraint)
         return {
             "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
             "top_k": body.top_k, "stop": tuple(stop or ()),
@@ -145,7 +165,8 @@ class OpenAIFront:
             max_n = self.runtime.config.server.max_n
             if not 1 <= body.n <= max_n:
                 raise FieldError("n", f"n must be in [1, {max_n}], got {body.n}")
-            prompts = self._prompts(body)
+            plan = self._plan(body)
+            prompts = self._prompts(body, plan)
             c = body.slo_constraints
             slo = merge_slo(self.runtime.default_slo, header_slo, *(
                 () if c is None else (c.ttft_ms, c.tbt_ms, c.priority_class)))
@@ -154,7 +175,8 @@ class OpenAIFront:
             loop = asyncio.get_running_loop()
             for p, (token_ids, text) in enumerate(prompts):
                 fields, score_only = self._sampling(body, len(token_ids),
-                                                    engine.engine.config.model.max_model_len)
+                                                    engine.engine.config.model.max_model_len,
+                                                    plan)
                 first: str | None = None
                 for j in range(body.n):
                     index = p * body.n + j
@@ -168,7 +190,8 @@ class OpenAIFront:
                     if echo:
                         prompt_text = text if text is not None else self._decode(token_ids)
                     choices.append(Choice(index, stream, token_ids, prompt_text,
-                                          sampling.logprobs, score_only, j == 0))
+                                          sampling.logprobs, score_only, j == 0,
+                                          output=None if plan is None else plan.parser))
             for choice in choices:
                 await choice.stream.wait_admitted_async()
         except (ValueError, QueueFullError, EngineUnavailableError) as e:
@@ -304,13 +327,16 @@ class OpenAIFront:
                         entries = out.logprobs or []
                         lp = (chat_logprobs(entries, texts) if chat else
                               c.completion_lp(texts).part(out.new_token_ids, entries))
-                    yield sse(chunk(c, out.new_text, out, logprobs=lp))
+                    for text, kw in _text_deltas(c, out, lp):
+                        yield sse(chunk(c, text, out, **kw))
                 if out.finished:
                     done.add(c.index)
                     s = RequestSummary.from_request(out.request)
                     summaries[c.index] = s
-                    final = chunk(c, None if chat else "", out,
-                                  finish_reason="length" if c.score_only else s.finish_reason)
+                    deltas, reason = _closing(c, "length" if c.score_only else s.finish_reason)
+                    for delta in deltas:
+                        yield sse(chunk(c, None, out, delta_fields=delta))
+                    final = chunk(c, None if chat else "", out, finish_reason=reason)
                     if not include_usage:
                         final["superinfer"] = s.to_json()
                     yield sse(final)
@@ -334,6 +360,37 @@ class OpenAIFront:
         engine = self.runtime.engine
         if engine is not None:
             engine.abort(req_id)
+
+
+def _text_deltas(c: Choice, out: RequestOutput, lp: dict[str, Any] | None
+                 ) -> list[tuple[str | None, dict[str, Any]]]:
+    """(text, chunk fields) of each chunk for this output's new text: the text as it
+    comes, or a parsed chat choice's deltas (the logprobs on the first)."""
+    if not c.parsed:
+        return [(out.new_text, {"logprobs": lp})]
+    deltas = _parsed_deltas(c, out) or [{}]
+    return [(None, {"delta_fields": d, "logprobs": lp if i == 0 else None})
+            for i, d in enumerate(deltas) if d or lp is not None]
+
+
+def _closing(c: Choice, reason: str) -> tuple[list[dict[str, Any]], str]:
+    """A finished choice's last parsed deltas and its finish reason (``tool_calls``
+    when it streamed calls)."""
+    if not c.parsed:
+        return [], reason
+    deltas = _parsed_deltas(c, None)
+    assert c.message_stream is not None
+    return deltas, finish_reason(reason, c.message_stream.has_calls)
+
+
+def _parsed_deltas(c: Choice, out: RequestOutput | None) -> list[dict[str, Any]]:
+    """A parsed chat choice's deltas for this output's new text (None: the end)."""
+    if c.message_stream is None:
+        assert c.output is not None
+        c.message_stream = c.output.stream()
+    if out is None:
+        return c.message_stream.finish()
+    return c.message_stream.feed(out.new_text)
 
 
 def _new_id() -> str:

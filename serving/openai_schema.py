@@ -157,8 +157,37 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
+    """``schema`` beside ``json_object`` (instructor's JSON_SCHEMA mode, vLLM's): the
+    object is held to that schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class FunctionDef(_Strict):
+    """A function the model may call: its arguments' JSON schema in ``parameters``
+    (checked by ``serving.tools``, which names the field)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StructuredOutputs(_Strict):
@@ -260,6 +289,8 @@ class _Common(_Strict):
         if rf is None or rf.type == "text":
             return None
         if rf.type == "json_object":
+            if rf.schema_ is not None:
+                return "response_format.schema", "json", rf.schema_
             return "response_format", "json_object", None
         if rf.json_schema is None:
             raise FieldError("response_format.json_schema", "response_format.json_schema: "
@@ -297,6 +328,19 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: JsonInt | None = _bounded("max_tokens")
     logprobs: bool | None = None
     top_logprobs: JsonInt | None = _bounded("logprobs")
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_fields(self) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
+        """``tools``, ``tool_choice``, ``parallel_tool_calls`` as plain JSON, for
+        ``serving.tools.plan_output``."""
+        tools = None if self.tools is None else [
+            t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, BaseModel):
+            choice = choice.model_dump()
+        return tools, choice, self.parallel_tool_calls
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -358,6 +402,8 @@ class ChoiceResult:
     finish_reason: str  # the engine's
     logprobs: dict[str, Any] | None
     summary: RequestSummary
+    message: dict[str, Any] | None = None  # chat: the parsed message (tools, reasoning)
+    openai_finish: str | None = None  # chat: OpenAI's reason when parsing decided it
 
 
 def completion_json(rid: str, model: str, choices: Sequence[ChoiceResult],
@@ -371,8 +417,9 @@ def completion_json(rid: str, model: str, choices: Sequence[ChoiceResult],
 def chat_json(rid: str, model: str, choices: Sequence[ChoiceResult],
               usage: dict[str, Any]) -> dict[str, Any]:
     return _response(rid, model, "chat.completion", [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": c.logprobs, "finish_reason": openai_finish_reason(c.finish_reason)}
+        {"index": c.index, "message": c.message or {"role": "assistant", "content": c.text},
+         "logprobs": c.logprobs,
+         "finish_reason": c.openai_finish or openai_finish_reason(c.finish_reason)}
         for c in choices], choices, usage)
 
 
@@ -391,16 +438,20 @@ def chunk_json(rid: str, model: str, chat: bool, text: str | None,
                finish_reason: str | None = None, first: bool = False,
                with_usage_field: bool = False,
                usage: dict[str, int] | None = None, index: int = 0,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None,
+               delta_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk of choice ``index`` with a text delta (chat: a ``delta`` object) and
     the logprobs of its tokens. ``usage`` is the choice's running count under
-    ``continuous_usage_stats``; else the field is null when asked."""
-    if finish_reason is not None:
+    ``continuous_usage_stats``; else the field is null when asked. ``delta_fields``: a
+    parsed chat delta (``reasoning_content``, ``tool_calls``) instead of ``text``;
+    a ``finish_reason`` of ``tool_calls`` is OpenAI's already."""
+    if finish_reason is not None and finish_reason != "tool_calls":
         finish_reason = openai_finish_reason(finish_reason)
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        delta.update(delta_fields or {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:

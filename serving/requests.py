@@ -30,7 +30,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 def encode_prompt(tokenizer: Any, *, text: str | None = None,
                   token_ids: Sequence[int] | None = None,
                   messages: Sequence[Any] | None = None,
-                  add_generation_prompt: bool = True) -> list[int]:
+                  add_generation_prompt: bool = True,
+                  tools: Sequence[Any] | None = None) -> list[int]:
     """Token ids of exactly one of: raw text, pre-tokenized ids, chat messages.
 
     Errors are ``FieldError``s naming the field as the gRPC schema spells it (``text``,
@@ -54,7 +55,7 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None,
     if tokenizer is None:
         raise FieldError(field, "this model has no tokenizer: send token ids")
     if messages is not None:
-        text = render_chat(tokenizer, messages, add_generation_prompt)
+        text = render_chat(tokenizer, messages, add_generation_prompt, tools)
     if not isinstance(text, str):
         raise FieldError(field, f"prompt must be a string, got {type(text).__name__}")
     if not text:
@@ -63,7 +64,7 @@ def encode_prompt(tokenizer: Any, *, text: str | None = None,
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any],
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
     """The prompt text of OpenAI-style messages, through the model's chat template.
 
     Assistant messages may carry ``tool_calls`` (then ``content`` may be null) and tool
@@ -95,8 +96,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Any],
                 message[key] = m[key]
         clean.append(message)
     try:
+        extra = {} if tools is None else {"tools": list(tools)}
         return tokenizer.apply_chat_template(clean,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except Exception as e:  # a template's own raise_exception, or a missing template
         raise FieldError("messages", f"messages: chat template failed: {e}") from e
 

@@ -111,7 +111,19 @@ def load_model_of(config: DeploymentConfig) -> Any:
     model = load_model(config.model.source, dtype=config.model.dtype,
                        tensor_parallel_size=config.engine.model.tensor_parallel_size,
                        weights_cache=config.engine.hardware.compilation_cache_dir)
+    with_chat_template(model, config)
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
+    return model
+
+
+def with_chat_template(model: Any, config: DeploymentConfig) -> Any:
+    """``model`` with the deployment's chat template (``model.chat_template``), if set."""
+    path = config.model.chat_template
+    if path is not None and getattr(model, "tokenizer", None) is not None:
+        from serving.tools import install_chat_template
+
+        install_chat_template(model.tokenizer, path)
+        log.info("chat template from %s", path)
     return model
 
 

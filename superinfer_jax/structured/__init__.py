@@ -12,6 +12,7 @@ from superinfer_jax.structured.grammar import (
     allocate_bitmask,
     bitmask_words,
     fill_bitmasks,
+    json_schema_problem,
 )
 from superinfer_jax.structured.spec import (
     MAX_CHOICES,
@@ -31,4 +32,5 @@ __all__ = [
     "allocate_bitmask",
     "bitmask_words",
     "fill_bitmasks",
+    "json_schema_problem",
 ]

@@ -200,6 +200,18 @@ class GrammarCompiler:
         return matcher
 
 
+def json_schema_problem(schema_json: str) -> str | None:
+    """Why llguidance cannot compile this JSON schema (JSON text), or None if it can: the
+    vocabulary-independent check, for a front to name the request field it came from
+    before anything is submitted."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json)
+        problem = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as e:
+        problem = str(e)
+    return problem[:_MAX_ERROR_CHARS] or None
+
+
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 

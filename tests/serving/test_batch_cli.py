@@ -29,6 +29,18 @@ LINES = [
 ] + [{"id": f"bulk-{i}", "prompt": f"Item {i}", "sampling": {"max_tokens": 8,
                                                              "ignore_eos": True}}
      for i in range(20)]
+# Tool calls (issue 47): forced ones need no parser; auto does, and this run has none.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"]}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+LINES += [
+    {"id": "named", "messages": ASK, "tools": [WEATHER], "sampling": {"max_tokens": 32},
+     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"id": "required", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+     "sampling": {"max_tokens": 32}},
+    {"id": "auto", "messages": ASK, "tools": [WEATHER]},
+]
 
 
 def run_batch(model: Path, cache: Path, inp: Path, out: Path) -> subprocess.CompletedProcess:
@@ -57,7 +69,15 @@ def test_batch_runs_reports_bad_lines_and_resumes(tiny_model_dir, xla_cache, tmp
     assert len(first) == len(LINES)
     ok = {r["id"]: r for r in first if "error" not in r}
     errors = {(r["id"], r["line"]): r["error"] for r in first if "error" in r}
-    assert set(ok) == {"text", "chat", 7} | {f"bulk-{i}" for i in range(20)}
+    assert set(ok) == {"text", "chat", 7, "named", "required"} | {
+        f"bulk-{i}" for i in range(20)}
+    for name in ("named", "required"):
+        assert ok[name]["finish_reason"] == "tool_calls", ok[name]
+        (call,) = ok[name]["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+        assert ok[name]["message"]["content"] is None
+    assert "tool_choice" in errors["auto", 33]
     assert ok["text"]["usage"]["completion_tokens"] == 6
     assert ok["text"]["finish_reason"] == "length" and ok["text"]["text"]
     assert len(ok["chat"]["token_ids"]) == 4 and ok["chat"]["metadata"] == {"source": "test"}
