@@ -175,7 +175,7 @@ PRESETS: dict[str, SimPreset] = {p.name: p for p in (
               (5, 10, 13, 15, 18, 20), hardware=("gh200-96g", "h100-nvl-pcie")),
     SimPreset("paper-mixtral8x7b-azure-conv", "Mixtral-8x7B (MoE, bf16), Azure 2023 "
               "conversation lengths (stand-in for LMSYS)", "mixtral-8x7b", "azure_conv",
-              (1, 2, 3, 4, 5, 6), hardware=("gh200-144g", "h200-pcie")),
+              (4, 6, 8, 10, 12, 14), hardware=("gh200-144g", "h200-pcie")),
 )}
 
 
