@@ -2,13 +2,14 @@
 
 A model step costs ``max(bytes / HBM bandwidth, flops / compute) + overhead`` (bytes: the
 weights, the KV read and the KV written; flops: ``2 * params`` per token plus attention's
-``4 * heads * head_dim`` per (query, key) pair). A mixture-of-experts model (``num_experts
-> 0``) does ``2 * active params`` per token and reads its dense weights (attention,
-router, embeddings) plus only the experts the step's tokens touch: with top-``k`` of
-``E`` routed uniformly, ``B`` tokens touch ``E * (1 - (1 - k/E)^B)`` experts a layer on
-average (``expected_experts``); every expert stays resident in HBM. A page transfer costs a per-copy
-overhead plus bytes over its direction's link; on a superchip both directions share the
-host DRAM bandwidth. Two ways to move the same bytes, priced apart:
+``4 * heads * head_dim`` per (query, key) pair). A mixture-of-experts model
+(``num_experts > 0``) does ``2 * active params`` per token and reads its dense weights
+(attention, router, embeddings) plus only the experts the step's tokens touch: with
+top-``k`` of ``E`` routed uniformly, ``B`` tokens touch ``E * (1 - (1 - k/E)^B)``
+experts a layer on average (``expected_experts``); every expert stays resident in HBM.
+A page transfer costs a per-copy overhead plus bytes over its direction's link; on a
+superchip both directions share the host DRAM bandwidth. Two ways to move the same
+bytes, priced apart:
 - *naive*: one synchronous copy per (page, layer, K|V) plane, as a per-layer pool forces
   (vLLM's swap), each paying ``copy_overhead_s``;
 - *batched* (DuplexKV, block-first pages): one batch of whole-page copies, paying
