@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="a paper-scale preset (see --list)")
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument("--model", help="model preset (without --preset): "
-                   "smollm2-135m, llama-3-8b, qwen2.5-32b, llama-3-70b-fp8")
+                   "smollm2-135m, llama-3-8b, qwen2.5-32b, llama-3-70b-fp8, mixtral-8x7b, "
+                   "mixtral-8x7b-fp8, qwen3-30b-a3b, qwen3-235b-a22b")
     p.add_argument("--dataset", help="sharegpt, random, azure_conv, azure_code, "
                    "mooncake_conv, mooncake_synthetic (trace names: in a source checkout) "
                    "or a trace file's path")
@@ -294,8 +295,9 @@ def run(args: argparse.Namespace, load_tokenizer: TokenizerLoader | None = None)
     from superinfer_jax.sim.presets import PRESETS
 
     if args.list:
+        width = max(len(name) for name in PRESETS)
         for p in PRESETS.values():
-            print(f"{p.name:28s} {p.description}; rates {list(p.rates)} req/s; "
+            print(f"{p.name:{width}s} {p.description}; rates {list(p.rates)} req/s; "
                   f"{', '.join(p.hardware)}")
         return 0
     preset = _preset(args)

@@ -2,9 +2,14 @@
 
 A model step costs ``max(bytes / HBM bandwidth, flops / compute) + overhead`` (bytes: the
 weights, the KV read and the KV written; flops: ``2 * params`` per token plus attention's
-``4 * heads * head_dim`` per (query, key) pair). A page transfer costs a per-copy
-overhead plus bytes over its direction's link; on a superchip both directions share the
-host DRAM bandwidth. Two ways to move the same bytes, priced apart:
+``4 * heads * head_dim`` per (query, key) pair). A mixture-of-experts model
+(``num_experts > 0``) does ``2 * active params`` per token and reads its dense weights
+(attention, router, embeddings) plus only the experts the step's tokens touch: with
+top-``k`` of ``E`` routed uniformly, ``B`` tokens touch ``E * (1 - (1 - k/E)^B)``
+experts a layer on average (``expected_experts``); every expert stays resident in HBM.
+A page transfer costs a per-copy overhead plus bytes over its direction's link; on a
+superchip both directions share the host DRAM bandwidth. Two ways to move the same
+bytes, priced apart:
 - *naive*: one synchronous copy per (page, layer, K|V) plane, as a per-layer pool forces
   (vLLM's swap), each paying ``copy_overhead_s``;
 - *batched* (DuplexKV, block-first pages): one batch of whole-page copies, paying
@@ -30,16 +35,69 @@ class ModelShape:
     vocab_size: int
     weight_bytes_per_param: float = 2.0  # bf16; FP8 = 1
     kv_bytes_per_elem: int = 2
+    num_experts: int = 0  # 0: dense; else every layer's MLP is this many routed experts
+    experts_per_token: int = 0  # top-k
+    expert_intermediate_size: int = 0  # each expert's SwiGLU width
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.name}: experts_per_token must be in 1..num_experts "
+                             f"({self.num_experts}), got {self.experts_per_token}")
+        if self.num_experts and self.expert_intermediate_size <= 0:
+            raise ValueError(f"{self.name}: expert_intermediate_size must be positive")
 
     @property
     def num_params(self) -> int:
+        if self.num_experts:
+            return self.dense_params + self.num_layers * self.num_experts * self.expert_params
         d, f = self.hidden_size, self.intermediate_size
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         return self.num_layers * (attn + 3 * d * f) + 2 * self.vocab_size * d
 
     @property
+    def dense_params(self) -> int:
+        """Parameters every token uses: attention, the dense MLP (``intermediate_size``,
+        0 in an all-MoE model), the router and the embeddings (all of them when dense)."""
+        if not self.num_experts:
+            return self.num_params
+        d, f = self.hidden_size, self.intermediate_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        router = d * self.num_experts
+        return self.num_layers * (attn + 3 * d * f + router) + 2 * self.vocab_size * d
+
+    @property
+    def expert_params(self) -> int:
+        """One expert of one layer (gate, up and down projections); 0 when dense."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with (all of them when dense)."""
+        if not self.num_experts:
+            return self.num_params
+        return self.dense_params + self.num_layers * self.experts_per_token * \
+            self.expert_params
+
+    @property
     def weight_bytes(self) -> float:
         return self.num_params * self.weight_bytes_per_param
+
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts ``num_tokens`` tokens touch in one layer, on average, each
+        choosing ``experts_per_token`` of ``num_experts`` uniformly: an expert is missed
+        by one token with probability ``1 - k/E``, by all of them ``(1 - k/E)^B``."""
+        if not self.num_experts or num_tokens <= 0:
+            return 0.0
+        e = self.num_experts
+        return e * (1.0 - (1.0 - self.experts_per_token / e) ** num_tokens)
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes a step over ``num_tokens`` tokens reads: all of them when dense;
+        the dense weights plus the experts the tokens touch when MoE."""
+        if not self.num_experts:
+            return self.weight_bytes
+        experts = self.num_layers * self.expected_experts(num_tokens) * self.expert_params
+        return (self.dense_params + experts) * self.weight_bytes_per_param
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -55,6 +113,22 @@ MODELS: dict[str, ModelShape] = {
     "qwen2.5-32b": ModelShape("qwen2.5-32b", 64, 5120, 40, 8, 128, 27648, 152064),
     "llama-3-70b-fp8": ModelShape("llama-3-70b-fp8", 80, 8192, 64, 8, 128, 28672, 128256,
                                   weight_bytes_per_param=1.0),
+    # Mixture of experts (no dense MLP; every layer routed): 46.7B parameters, 12.9B
+    # active; the fp8 copy (weights only; KV and compute stay bf16) fits gh200-96g.
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 0, 32000,
+                               num_experts=8, experts_per_token=2,
+                               expert_intermediate_size=14336),
+    "mixtral-8x7b-fp8": ModelShape("mixtral-8x7b-fp8", 32, 4096, 32, 8, 128, 0, 32000,
+                                   weight_bytes_per_param=1.0, num_experts=8,
+                                   experts_per_token=2, expert_intermediate_size=14336),
+    # Qwen3-MoE: 30.5B / 3.3B active and 235B / 22B active (the latter fits no single
+    # device here, in bf16 or fp8: a cost-model shape, no preset).
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 0, 151936,
+                                num_experts=128, experts_per_token=8,
+                                expert_intermediate_size=768),
+    "qwen3-235b-a22b": ModelShape("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 0, 151936,
+                                  num_experts=128, experts_per_token=8,
+                                  expert_intermediate_size=1536),
 }
 
 
@@ -128,9 +202,9 @@ def step_time(model: ModelShape, hw: Hardware, work: StepWork) -> float:
         return 0.0
     kv_read = work.kv_tokens_read * model.kv_bytes_per_token
     kv_write = work.num_tokens * model.kv_bytes_per_token
-    mem_s = (model.weight_bytes + kv_read + kv_write) / (hw.hbm_bandwidth *
-                                                         hw.bandwidth_efficiency)
-    flops = 2 * model.num_params * work.num_tokens + \
+    mem_s = (model.weight_bytes_read(work.num_tokens) + kv_read + kv_write) / \
+        (hw.hbm_bandwidth * hw.bandwidth_efficiency)
+    flops = 2 * model.active_params * work.num_tokens + \
         4 * model.num_heads * model.head_dim * model.num_layers * work.attn_pairs
     compute_s = flops / (hw.compute_flops * hw.compute_efficiency)
     return max(mem_s, compute_s) + hw.step_overhead_s

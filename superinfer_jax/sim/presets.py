@@ -12,6 +12,8 @@ output lengths). What differs, and why:
   32k; every rate simulates the same first 3000 requests. The hardware pairs put the
   same HBM behind a superchip link and behind PCIe (gh200-144g against h200-pcie,
   gh200-96g against h100-nvl-pcie).
+- Mixtral-8x7B (93 GB in bf16) runs on the 144 GB GH200 beside the 141 GB H200 PCIe;
+  its fp8-weight copy (47 GB) on the 96 GB GH200 beside the 94 GB H100 NVL.
 - Prefill is priced ragged (``pad=False``), as in vLLM: this engine's padded prefill
   buckets cost more than the policies differ on these models; ``--pad`` prices them.
 """
@@ -165,6 +167,15 @@ PRESETS: dict[str, SimPreset] = {p.name: p for p in (
               hardware=("gh200-144g", "h200-pcie", "gh200-96g", "h100-nvl-pcie"),
               max_prompt=32767, max_total=32768,
               engine=paper_engine_config().replace(max_model_len=32768)),
+    SimPreset("paper-mixtral8x7b-sharegpt", "Mixtral-8x7B (MoE, bf16), ShareGPT, the "
+              "paper's rates", "mixtral-8x7b", "sharegpt", (5, 10, 13, 15, 18, 20),
+              hardware=("gh200-144g", "h200-pcie")),
+    SimPreset("paper-mixtral8x7b-fp8-sharegpt", "Mixtral-8x7B (MoE, fp8 weights), "
+              "ShareGPT, the paper's rates", "mixtral-8x7b-fp8", "sharegpt",
+              (5, 10, 13, 15, 18, 20), hardware=("gh200-96g", "h100-nvl-pcie")),
+    SimPreset("paper-mixtral8x7b-azure-conv", "Mixtral-8x7B (MoE, bf16), Azure 2023 "
+              "conversation lengths (stand-in for LMSYS)", "mixtral-8x7b", "azure_conv",
+              (4, 6, 8, 10, 12, 14), hardware=("gh200-144g", "h200-pcie")),
 )}
 
 
