@@ -15,10 +15,11 @@ How it computes, per platform (``impl``):
   For bfloat16 or float32 operands of one dtype, on CPUs with AVX-512F (AVX512-BF16 for
   bfloat16).
 - CPU, ``"xla"``: a loop over row tiles of the groups that have rows, one dot with that
-  group's weight each (up to ``GATHER_MAX_ROWS`` rows: each row's weight gathered); for ``SUPERINFER_NATIVE_OPS=0``, CPUs without the kernel and mixed
-  dtypes. On XLA:CPU ``ragged_dot`` masks the rows into a dense ``[groups, m, k]`` operand
-  and multiplies every group's weight, so its cost grows with the number of experts, this
-  loop's with the number of groups the rows are routed to.
+  group's weight each (up to ``GATHER_MAX_ROWS`` rows: each row's weight gathered); for
+  ``SUPERINFER_NATIVE_OPS=0``, CPUs without the kernel and mixed dtypes. On XLA:CPU
+  ``ragged_dot`` masks the rows into a dense ``[groups, m, k]`` operand and multiplies
+  every group's weight, so its cost grows with the number of experts, this loop's with
+  the number of groups the rows are routed to.
 - ``"auto"`` (the default): ``"native"`` where it runs, else ``"xla"``.
 - ``"ragged_dot"``: ``jax.lax.ragged_dot`` on every platform (a reference, and what a
   sharded caller outside ``shard_map`` wants: a custom call has no sharding rule).
