@@ -2,8 +2,8 @@
 
 Dropless top-k routing as the MoE models do it: the router in float32, softmax over the
 chosen logits (Mixtral), the (token, expert) pairs sorted by expert, one
-``ops.grouped_matmul`` per projection (SwiGLU experts stacked ``[experts, ...]``), and the
-pairs unsorted and combined by their router weights. ``MoEBlock.__call__`` has the
+``ops.grouped_matmul`` per projection (SwiGLU experts stacked ``[experts, ...]``, gate and
+up as one), and the pairs unsorted and combined by their router weights. ``MoEBlock.__call__`` has the
 signature of ``models.llama.MLP``, so ``moe_servable`` swaps it into a random Llama and the
 engine's own forward (paged attention, native matmuls) runs the step.
 """
@@ -39,8 +39,9 @@ class MoEBlock(nnx.Module):
             return nnx.Param((0.02 * jax.random.normal(rngs.params(), dims)).astype(dtype))
 
         self.router = param(hidden, e)  # [hidden, experts]
-        self.w_gate = param(e, hidden, f)  # [experts, hidden, expert]
-        self.w_up = param(e, hidden, f)
+        # gate and up side by side, [experts, hidden, 2 * expert]: one grouped matmul
+        # (one pass over the routed experts, one thread hand-off) for both
+        self.w_gate_up = param(e, hidden, 2 * f)
         self.w_down = param(e, f, hidden)  # [experts, expert, hidden]
         self.top_k, self.impl, self.probe = shape.top_k, impl, probe
 
@@ -55,7 +56,7 @@ class MoEBlock(nnx.Module):
         sizes = jnp.bincount(chosen.reshape(-1), length=num_experts).astype(jnp.int32)
         if self.probe is not None:
             jax.debug.callback(self.probe, sizes)
-        wdtype = self.w_gate.dtype
+        wdtype = self.w_down.dtype
         out_dtype = jnp.float32 if acc32 else x.dtype
         xs = tokens[order // k].astype(wdtype)  # [T * k, hidden]
 
@@ -63,7 +64,8 @@ class MoEBlock(nnx.Module):
             return grouped_matmul(lhs, w, sizes, preferred_element_type=out_dtype,
                                   impl=self.impl)
 
-        h = jax.nn.silu(gmm(xs, self.w_gate[...])) * gmm(xs, self.w_up[...])
+        gate, up = jnp.split(gmm(xs, self.w_gate_up[...]), 2, axis=-1)
+        h = jax.nn.silu(gate) * up
         ys = gmm(h.astype(wdtype), self.w_down[...])  # [T * k, hidden], sorted
         unsorted = ys[jnp.argsort(order)].reshape(-1, k, hidden)  # [T, k, hidden]
         out = jnp.einsum("tkd,tk->td", unsorted.astype(jnp.float32), weights)
