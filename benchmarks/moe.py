@@ -22,6 +22,10 @@ of each too (on a loaded machine the least disturbed one). transformers' ``gener
 the same checkpoint needs the Mixtral model and its loader (``models/``): reported absent.
 
     python -m benchmarks.moe [--quick] [--out results/moe.json]
+
+On a machine shared with other work, one thread per program gives steadier ratios (a
+helper thread waiting for a core no longer decides the step):
+``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``.
 """
 
 from __future__ import annotations
