@@ -3,9 +3,10 @@
 Dropless top-k routing as the MoE models do it: the router in float32, softmax over the
 chosen logits (Mixtral), the (token, expert) pairs sorted by expert, one
 ``ops.grouped_matmul`` per projection (SwiGLU experts stacked ``[experts, ...]``, gate and
-up as one), and the pairs unsorted and combined by their router weights. ``MoEBlock.__call__`` has the
-signature of ``models.llama.MLP``, so ``moe_servable`` swaps it into a random Llama and the
-engine's own forward (paged attention, native matmuls) runs the step.
+up as one), and the pairs unsorted and combined by their router weights.
+``MoEBlock.__call__`` has the signature of ``models.llama.MLP``, so ``moe_servable`` swaps
+it into a random Llama and the engine's own forward (paged attention, native matmuls)
+runs the step.
 """
 
 from __future__ import annotations
