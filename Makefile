@@ -51,10 +51,12 @@ PYTEST := $(BIN)/python -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile --dur
 
 # The engine's invariance and numerics tests once more with the native CPU ops off, the
 # path of every machine without a C++ compiler (or an AVX-512 CPU for some kernels): the
-# plain-XLA gathers, copies, zeros, matmuls and attention. test_native_build checks that
-# the switch leaves no native op in an engine's programs. A subset that compiles in about
-# a minute on 2 cores (SmolLM2's rotation test and test_engine's 16-row shapes stay out).
+# plain-XLA gathers, copies, zeros, matmuls (the MoE grouped matmul too) and attention.
+# test_native_build checks that the switch leaves no native op in an engine's programs. A
+# subset that compiles in about a minute on 2 cores (SmolLM2's rotation test and
+# test_engine's 16-row shapes stay out).
 NATIVE_OFF_TESTS := tests/superinfer_jax/ops/test_native_build.py \
+	tests/superinfer_jax/ops/test_grouped_matmul.py \
 	tests/superinfer_jax/test_rotation_invariance.py \
 	tests/superinfer_jax/ops/test_attention_xla.py \
 	tests/models/test_paged_equivalence.py tests/models/test_numerics_hf.py

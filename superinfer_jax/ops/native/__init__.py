@@ -5,7 +5,9 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant); decode attention reads
-each row's own pages once (``decode_attention.cc``, AVX-512F).
+each row's own pages once (``decode_attention.cc``, AVX-512F); a mixture-of-experts layer's
+grouped matmul streams only the experts its rows are routed to (``grouped_matmul.cc``,
+AVX-512F / AVX512-BF16, batch-invariant).
 
 Built with ``$CXX`` (else ``g++``) against jaxlib's FFI headers, on first use or by
 ``python -m superinfer_jax.ops.native``; cached under ``$SUPERINFER_NATIVE_CACHE`` by a
@@ -41,19 +43,22 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
-                             "decode_attention.cc", "page_copy.cc"))
-HEADERS = (Path(__file__).with_name("parallel_chunks.h"),)  # included by SOURCES
+                             "decode_attention.cc", "page_copy.cc", "grouped_matmul.cc"))
+HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
+                for name in ("parallel_chunks.h", "bf16_tiles.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
 DECODE_ATTENTION_TARGET = "superinfer_decode_attention"
 PAGE_GATHER_TARGET = "superinfer_page_gather"
 PAGE_SCATTER_TARGET = "superinfer_page_scatter"
+GROUPED_MATMUL_TARGET = "superinfer_grouped_matmul"
 _TARGETS = {PAGE_GATHER_TARGET: "SuperinferPageGather",
             PAGE_SCATTER_TARGET: "SuperinferPageScatter",
             KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
             BF16_MATMUL_TARGET: "SuperinferBf16Matmul",
-            DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention"}
+            DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention",
+            GROUPED_MATMUL_TARGET: "SuperinferGroupedMatmul"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
 _CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
@@ -114,6 +119,7 @@ def build() -> Path:
 
 _bf16_supported = False
 _attention_supported = False
+_grouped_supported: frozenset[str] = frozenset()  # the dtypes grouped_matmul runs here
 
 
 @functools.cache
@@ -132,9 +138,12 @@ def _register() -> str | None:
         return None
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    global _bf16_supported, _attention_supported
+    global _bf16_supported, _attention_supported, _grouped_supported
     _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
     _attention_supported = bool(library.SuperinferDecodeAttentionSupported())
+    _grouped_supported = frozenset(
+        name for code, name in enumerate(GROUPED_MATMUL_DTYPES)
+        if library.SuperinferGroupedMatmulSupported(code))
     log.info("native CPU ops: %s (bfloat16 matmul: %s; decode attention: %s)", path,
              "AVX512-BF16" if _bf16_supported else "off, this CPU lacks AVX512-BF16",
              "AVX-512" if _attention_supported else "off, this CPU lacks AVX-512")
@@ -157,6 +166,13 @@ def decode_attention_available() -> bool:
 
 
 DECODE_ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
+GROUPED_MATMUL_DTYPES = ("bfloat16", "float32")  # codes 0, 1 in grouped_matmul.cc
+
+
+def grouped_matmul_available(dtype: jax.typing.DTypeLike) -> bool:
+    """Whether ``grouped_matmul`` runs ``dtype`` operands here (registered, AVX-512F, and
+    AVX512-BF16 for bfloat16); fixed per process."""
+    return _register() is not None and np.dtype(dtype).name in _grouped_supported
 
 
 def fingerprint() -> str:
@@ -166,7 +182,8 @@ def fingerprint() -> str:
     if not path:
         return "off"
     return (Path(path).name + ("+bf16mm" if _bf16_supported else "")
-            + ("+attn" if _attention_supported else ""))
+            + ("+attn" if _attention_supported else "")
+            + "".join(f"+gmm-{d}" for d in sorted(_grouped_supported)))
 
 
 def gather_kv(pool: jax.Array, ids: jax.Array, layer: int) -> tuple[jax.Array, jax.Array]:
@@ -255,3 +272,19 @@ def scatter_pages(pool: jax.Array, ids: jax.Array, pages: Sequence[jax.Array]) -
     call = jax.ffi.ffi_call(PAGE_SCATTER_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype),
                             input_output_aliases={0: 0})
     return call(pool, ids.astype(np.int32), *pages)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``[M, K] x [G, K, N]`` by ``group_sizes [G]`` -> float32 ``[M, N]``, ragged_dot's
+    contract (``superinfer_jax.ops.grouped_matmul``): only the groups with rows are read,
+    and a row's bits depend on its own values and its group's weight alone."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul: lhs {lhs.shape} and rhs {rhs.shape} do not chain")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"grouped_matmul: group_sizes {group_sizes.shape} for "
+                         f"{rhs.shape[0]} groups")
+    if lhs.dtype != rhs.dtype or np.dtype(lhs.dtype).name not in GROUPED_MATMUL_DTYPES:
+        raise ValueError(f"grouped_matmul: lhs and rhs must both be bfloat16 or both float32, "
+                         f"got {lhs.dtype}, {rhs.dtype}")
+    out = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), np.float32)
+    return jax.ffi.ffi_call(GROUPED_MATMUL_TARGET, out)(lhs, rhs, group_sizes.astype(np.int32))
