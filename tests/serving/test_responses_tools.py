@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import openai
@@ -117,7 +118,10 @@ def test_two_turn_tool_loop(client):
     second = client.responses.create(model=MODEL, input=replay, tools=TOOLS,
                                      tool_choice="none", max_output_tokens=8)
     assert [o.type for o in second.output] == ["message"]
-    assert second.usage.input_tokens > first.usage.input_tokens
+    # the replayed call and its result reach the prompt (tool_choice none: no tool list)
+    alone = client.responses.create(model=MODEL, input="Time in Berlin?", tools=TOOLS,
+                                    tool_choice="none", max_output_tokens=8)
+    assert second.usage.input_tokens > alone.usage.input_tokens
 
 
 def test_unknown_function_in_tool_choice_is_refused(client):
@@ -128,8 +132,6 @@ def test_unknown_function_in_tool_choice_is_refused(client):
 
 
 def test_openai_agents_responses_model_runs_a_one_tool_agent(tool_server):
-    from typing import Literal
-
     from agents import (
         Agent,
         ModelSettings,
