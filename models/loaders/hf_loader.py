@@ -50,6 +50,7 @@ _LAYER: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 # One expert's matrix (torch [out, in]) -> its slot of a stacked [experts, in, out] weight.
 _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT = {"w1": "we_gate", "w3": "we_up", "w2": "we_down",  # Mixtral
            "gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down"}  # Qwen3-MoE
 _TOP: dict[str, tuple[ParamPath, bool]] = {
@@ -110,8 +111,13 @@ class _ExpertStacker:
         self.pending: dict[ParamPath, dict[int, Any]] = {}
 
     def put(self, name: str, tensor: Any, source: str) -> bool:
-        """Take ``name`` if it is one expert's matrix; whether it was."""
+        """Take ``name`` if it is one expert's matrix, or all experts' fused ones
+        (transformers 5's in-memory layout); whether it was."""
         m = _LAYER_RE.match(name)
+        fused = _FUSED_RE.match(m.group(2)) if m else None
+        if m is not None and fused is not None:
+            self._put_fused(int(m.group(1)), fused.group(1), tensor, source)
+            return True
         e = _EXPERT_RE.match(m.group(2)) if m else None
         if m is None or e is None or e.group(2) not in _EXPERT:
             return False
@@ -127,6 +133,17 @@ class _ExpertStacker:
                           source)
             del self.pending[path]
         return True
+
+    def _put_fused(self, layer: int, kind: str, tensor: Any, source: str) -> None:
+        """gate_up_proj [experts, 2 * ffn, hidden] (gate first), down_proj [experts,
+        hidden, ffn]: each expert transposed to [in, out]."""
+        if kind == "down_proj":
+            self.sink.put(layer_path(layer, "mlp", "we_down"), tensor.transpose(0, 2, 1),
+                          source)
+            return
+        gate, up = jnp.split(tensor.transpose(0, 2, 1), 2, axis=2)
+        self.sink.put(layer_path(layer, "mlp", "we_gate"), gate, source)
+        self.sink.put(layer_path(layer, "mlp", "we_up"), up, source)
 
     def check_complete(self, where: str) -> None:
         for path, slots in self.pending.items():
