@@ -232,3 +232,18 @@ def arch_moe(num_experts: int):
     from models.config import MoEConfig
 
     return MoEConfig(num_experts=num_experts, top_k=2, intermediate_size=96)
+
+
+@pytest.mark.parametrize("variant", list(arch_configs.VARIANTS))
+def test_to_transformers_rebuilds_the_checkpoint(checkpoints, loaded, variant: str) -> None:
+    """``models.hf_export`` (the benchmarks' transformers baseline) gives back the
+    checkpoint's model: same weights, so the same float32 logits up to torch's own
+    rounding (the same kernels on the same shapes)."""
+    from models.hf_export import to_transformers
+
+    model = checkpoints[variant][0]
+    ids = prompt(7)
+    rebuilt = to_transformers(loaded(variant))
+    assert type(rebuilt) is type(model)
+    np.testing.assert_allclose(hf_logits(rebuilt, ids), hf_logits(model, ids), atol=1e-5,
+                               rtol=0)
