@@ -247,3 +247,24 @@ def test_to_transformers_rebuilds_the_checkpoint(checkpoints, loaded, variant: s
     assert type(rebuilt) is type(model)
     np.testing.assert_allclose(hf_logits(rebuilt, ids), hf_logits(model, ids), atol=1e-5,
                                rtol=0)
+
+
+def test_bfloat16_moe_is_close(checkpoints, loaded) -> None:
+    """bfloat16 weights (on CPU: bfloat16 operands, float32 accumulation, also in the
+    grouped matmuls): within the bound of ``test_numerics_hf.test_bfloat16_load_is_close``,
+    six times the logits' change when every weight is rounded to bfloat16 once."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.numerics import max_abs_diff
+
+    model, path, _ = checkpoints["qwen3_moe_top2_norm"]
+    ours = load_model(str(path), dtype="bfloat16")
+    ids = prompt(33)
+    ref = hf_logits(model, ids)
+    f32 = load_model(str(path))
+    f32.params = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32),
+                              f32.params)
+    weight_rounding = max_abs_diff(f32.logits(ids), ref)
+    assert weight_rounding > 0
+    assert_close(ours.logits(ids), ref, 6 * weight_rounding, "bfloat16 MoE vs transformers")
