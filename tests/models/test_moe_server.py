@@ -1,7 +1,8 @@
-"""A Mixtral checkpoint served for real (a server process on 127.0.0.1): prompt
-log-probs from ``/v1/completions`` with ``echo`` and ``logprobs`` equal transformers'
-log-softmax, ``/metrics`` exports the tokens each expert received, and bad input is a
-4xx from the running server, never a crash."""
+"""Qwen3, Mixtral and Qwen3-MoE checkpoints served for real (server processes on
+127.0.0.1, one per architecture, started once per module): prompt log-probs from
+``/v1/completions`` with ``echo`` and ``logprobs`` equal transformers' log-softmax; for
+Mixtral, ``/metrics`` exports the tokens each expert received, and bad input is a 4xx
+from the running server, never a crash."""
 
 from __future__ import annotations
 
@@ -19,30 +20,54 @@ from tests.serving.serving_testlib import ServerProcess
 PROMPT = np.random.default_rng(7).integers(3, 300, size=24).tolist()
 
 
+SERVED = {"qwen3": arch_configs.qwen3, "mixtral": arch_configs.mixtral,
+          "qwen3_moe": arch_configs.qwen3_moe}
+
+
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory, tiny_tokenizer):
-    model = build_hf_model(arch_configs.mixtral(), seed=21)
-    path = save_hf_dir(model, tmp_path_factory.mktemp("served") / "tiny-mixtral",
-                       tiny_tokenizer)
+def served(tmp_path_factory, tiny_tokenizer):
+    """``served(arch)`` -> (transformers model, model dir, HTTP client) of a running
+    server, started on first use and stopped (exit 0) at the module's end."""
+    running: dict[str, tuple] = {}
+    servers: list[ServerProcess] = []
+
+    def get(arch: str):
+        if arch not in running:
+            model = build_hf_model(SERVED[arch](), seed=21)
+            path = save_hf_dir(model, tmp_path_factory.mktemp("served") / f"tiny-{arch}",
+                               tiny_tokenizer)
+            tmp = tmp_path_factory.mktemp(f"server-{arch}")
+            # few step shapes to compile: 4 decode rows, prefills of up to 32 tokens
+            srv = ServerProcess(path, tmp / "cache", tmp / "server.log", "--max-num-seqs", "4",
+                                "--max-num-batched-tokens", "32")
+            servers.append(srv)
+            srv.wait_serving()
+            client = httpx.Client(base_url=srv.http_url, timeout=60)
+            running[arch] = (model, path, client)
+        return running[arch]
+
+    yield get
+    for _, _, client in running.values():
+        client.close()
+    for srv in servers:
+        code = srv.terminate()
+        assert code == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def mixtral(served):
+    model, path, _ = served("mixtral")
     return model, path
 
 
 @pytest.fixture(scope="module")
-def http(mixtral, tmp_path_factory):
-    _, path = mixtral
-    tmp = tmp_path_factory.mktemp("moe-server")
-    srv = ServerProcess(path, tmp / "cache", tmp / "server.log", "--max-num-seqs", "4")
-    try:
-        srv.wait_serving()
-        with httpx.Client(base_url=srv.http_url, timeout=60) as client:
-            yield client
-        assert srv.terminate() == 0, srv.log()
-    finally:
-        srv.kill()
+def http(served):
+    return served("mixtral")[2]
 
 
-def test_echo_prompt_logprobs_match_transformers(mixtral, http):
-    model, path = mixtral
+@pytest.mark.parametrize("arch", list(SERVED))
+def test_echo_prompt_logprobs_match_transformers(served, arch):
+    model, path, http = served(arch)
     r = http.post("/v1/completions", json={"model": path.name, "prompt": PROMPT,
                                            "echo": True, "logprobs": 1, "max_tokens": 1,
                                            "temperature": 0})
