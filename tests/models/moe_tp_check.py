@@ -5,25 +5,45 @@ subprocess. For each tiny MoE model (``moe_engine_lib.MODELS``) at TP = 1, 2 and
 runs the same batch with the same forced rotations and prefix hits (without the
 counting callback, as ``test_moe_engine`` says why) and prints one JSON object: the
 greedy tokens, rotations, cached tokens, the shape of one device's slice of the stacked
-expert weights, and the per-expert counts of one prompt's logits; and the error a
-6-expert model gives at TP = 4.
+expert weights, the per-expert counts of one prompt's logits, and whether the model
+loaded from an Orbax save straight onto the mesh holds the same tensors, in the same
+placements, as the one converted on device; and the error a 6-expert model gives at
+TP = 4.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 
-def run_model(name: str, tps: list[int]) -> dict[str, Any]:
+def same_as_loaded(model, path: Path, tp: int) -> bool:
+    """``model`` (converted with ``shard``) equals ``path`` loaded at ``tp``: bytes and
+    shardings of every tensor."""
+    import jax
+    import numpy as np
+
+    from models import load_model
+
+    loaded = load_model(str(path), tensor_parallel_size=tp)
+    a, b = jax.tree.leaves(model.params), jax.tree.leaves(loaded.params)
+    return len(a) == len(b) and all(
+        x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
+
+
+def run_model(name: str, tps: list[int], tmp: Path) -> dict[str, Any]:
+    from models import save_orbax
     from models.servable import random_servable
     from superinfer_jax import LLMEngine
     from superinfer_jax.dist.parallel import make_mesh
     from tests.models.moe_engine_lib import ENGINE, MODELS, prompts, run_forced
 
     base = random_servable(MODELS[name], seed=3)
+    saved = save_orbax(base, tmp / name)
     out: dict[str, Any] = {}
     for tp in tps:
         model = base if tp == 1 else base.shard(make_mesh(tp))
@@ -40,6 +60,7 @@ def run_model(name: str, tps: list[int]) -> dict[str, Any]:
             "cached_tokens": sum(r.num_cached_tokens for r in done),
             "counts": counts,
             "expert_shard_shape": list(we_gate.addressable_shards[0].data.shape),
+            "same_as_loaded": tp == 1 or same_as_loaded(model, saved, tp),
         }
     return out
 
@@ -76,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
 
     tps = [int(t) for t in args.tp.split(",")]
     result: dict[str, Any] = {"devices": len(jax.devices())}
-    for name in MODELS:
-        result[name] = run_model(name, tps)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in MODELS:
+            result[name] = run_model(name, tps, Path(tmp))
     result["indivisible_error"] = indivisible_error()
     text = json.dumps(result)
     if args.out:

@@ -97,6 +97,7 @@ def test_expert_parallel_greedy_tokens_equal_one_device(tp_run, name, tp):
     assert runs[tp]["rotations"] >= 3 and runs[tp]["cached_tokens"] > 0
     assert runs[tp]["expert_shard_shape"][0] == MODELS[name].moe.num_experts // int(tp)
     assert runs[tp]["counts"] == runs["1"]["counts"]  # routing is replicated: same counts
+    assert runs[tp]["same_as_loaded"]  # loading onto the mesh == converting on device
 
 
 def test_experts_not_dividing_the_mesh_is_a_clear_error(tp_run):
