@@ -1,7 +1,10 @@
-"""Architecture configuration for the Llama family (Llama-2/3, SmolLM2, Qwen2).
+"""Architecture configuration for the decoders we serve: the Llama family (Llama-2/3,
+SmolLM2, Qwen2), Qwen3, and the mixture-of-experts Mixtral and Qwen3-MoE.
 
 One frozen dataclass describes every member: the differences between families are a
-handful of switches (QKV bias, tied embeddings, rope scaling), not separate code paths.
+handful of switches (QKV bias, per-head q/k norms, tied embeddings, rope scaling) and an
+optional ``MoEConfig`` that turns some or all MLPs into routed experts, not separate code
+paths.
 """
 
 from __future__ import annotations
@@ -32,6 +35,36 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts: each token's ``top_k`` experts of ``num_experts`` SwiGLU MLPs.
+
+    Routing is a softmax over all router logits, the top ``top_k`` kept and, with
+    ``norm_topk_prob``, renormalised to sum to 1 (Mixtral always; for top-k that equals
+    a softmax over the selected logits). ``sparse_layers``: the layers whose MLP is
+    routed (None: every layer); the others keep the dense MLP of ``intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe config field {name} must be a positive int, "
+                                 f"got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe top_k ({self.top_k}) exceeds num_experts "
+                             f"({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers is None or layer in self.sparse_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and switches of a Llama-family decoder."""
 
@@ -49,6 +82,8 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    moe: MoEConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -73,6 +108,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.moe is not None and self.moe.sparse_layers is not None:
+            bad = [i for i in self.moe.sparse_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"moe sparse_layers {bad} outside the {self.num_layers} "
+                                 "layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -89,6 +137,11 @@ class ModelConfig:
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        if data.get("moe") is not None:
+            moe = dict(data["moe"])
+            if moe.get("sparse_layers") is not None:
+                moe["sparse_layers"] = tuple(moe["sparse_layers"])
+            data["moe"] = MoEConfig(**moe)
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -112,14 +165,23 @@ class ModelConfig:
         blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
         return np.where(medium, blended, scaled).astype(np.float32)
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Parameters in total, or with ``active`` those one token computes with (its
+        ``top_k`` experts of each routed layer, and the router)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = d * self.num_heads * self.head_dim
         kv = 2 * d * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * d
-        per_layer = q + kv + o + 3 * d * f + 2 * d
+        norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        total = 0
+        for layer in range(self.num_layers):
+            mlp = 3 * d * f
+            if self.moe is not None and self.is_moe_layer(layer):
+                experts = self.moe.top_k if active else self.moe.num_experts
+                mlp = experts * 3 * d * self.moe.intermediate_size + d * self.moe.num_experts
+            total += q + kv + o + mlp + norms
         head = 0 if self.tie_word_embeddings else v * d
-        return self.num_layers * per_layer + v * d + head + d
+        return total + v * d + head + d
 
 
 _LLAMA_3_8B = ModelConfig(

@@ -1,4 +1,5 @@
-"""Flax NNX Llama-family decoder over the paged KV pool.
+"""Flax NNX decoder over the paged KV pool: the Llama family, Qwen3 (per-head q/k norms)
+and, with ``models.moe`` as the MLP of some layers, Mixtral and Qwen3-MoE.
 
 Weights are stored in the layout the matmul wants (``x @ W`` with ``W[in, out]``) and the
 output projection is kept as its own ``[hidden, vocab]`` matrix even when tied, because
@@ -19,6 +20,7 @@ faster than XLA's bfloat16 dot and keeps each row's bits whatever the batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.moe import MoE
 from superinfer_jax import ops
 from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.model_api import StepInputs
@@ -126,6 +129,10 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, (kv * hd,), dtype)
             self.bv = _param(rngs, (kv * hd,), dtype)
         self.qkv_bias = cfg.qkv_bias
+        if cfg.qk_norm:  # one [head_dim] weight, shared by every head
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
@@ -134,9 +141,12 @@ class Attention(nnx.Module):
         q, k, v = matmuls(x, [self.wq[...], self.wk[...], self.wv[...]], acc32)
         if self.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        q = apply_rope(q.reshape(b, c, self.num_heads, self.head_dim), inputs.positions, inv_freq)
-        k = apply_rope(k.reshape(b, c, self.num_kv_heads, self.head_dim), inputs.positions,
-                       inv_freq)
+        q = q.reshape(b, c, self.num_heads, self.head_dim)
+        k = k.reshape(b, c, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, inputs.positions, inv_freq)
+        k = apply_rope(k, inputs.positions, inv_freq)
         v = v.reshape(b, c, self.num_kv_heads, self.head_dim)
         out, kv_pool = ops.write_and_attend(
             q, k, v, kv_pool, layer, inputs.page_tables, inputs.positions, inputs.context_lens,
@@ -160,18 +170,27 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    """Attention then an MLP, each pre-normed and residual; the MLP is routed experts
+    (``models.moe``) in the layers the config's ``moe`` names."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp: MLP | MoE = MoE(cfg, dtype, rngs) if cfg.is_moe_layer(layer) \
+            else MLP(cfg, dtype, rngs)
 
     def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None,
                  acc32: Acc32 = False):
+        """Returns (x, kv_pool, per-expert token counts or None for a dense MLP)."""
         h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
                                mesh, acc32)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x), acc32), kv_pool
+        if isinstance(self.mlp, MoE):
+            valid = jnp.arange(x.shape[1])[None, :] < inputs.query_lens[:, None]
+            out, counts = self.mlp(self.mlp_norm(x), valid, mesh, bool(acc32))
+            return x + out, kv_pool, counts
+        return x + self.mlp(self.mlp_norm(x), acc32), kv_pool, None
 
 
 class LlamaModel(nnx.Module):
@@ -180,25 +199,35 @@ class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype="float32", rngs: nnx.Rngs | None = None):
         rngs = rngs or nnx.Rngs(0)
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)  # [vocab, hidden]
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i)
+                                for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)  # [hidden, vocab]
         self.cfg = cfg
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
                  all_logits: bool = False, mesh: Mesh | None = None,
-                 return_hidden: bool = False, acc32: Acc32 = False):
+                 return_hidden: bool = False, acc32: Acc32 = False,
+                 expert_counts: Callable[[jax.Array], None] | None = None):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
         residual stream is kept replicated, so each block costs two all-reduces.
-        ``acc32``: float32 accumulation and activations (module docstring)."""
+        ``acc32``: float32 accumulation and activations (module docstring).
+        ``expert_counts``: a host function given, per step, the tokens each expert of
+        each routed layer received ([moe layers, experts] int32, ``jax.debug.callback``)."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
         if acc32:
             x = x.astype(jnp.float32)
         if mesh is not None:
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
         inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
+        counts = []
         for layer_idx, layer in enumerate(self.layers):
-            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh, acc32)
+            x, kv_pool, layer_counts = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend,
+                                             mesh, acc32)
+            if layer_counts is not None:
+                counts.append(layer_counts)
+        if counts and expert_counts is not None:
+            jax.debug.callback(expert_counts, jnp.stack(counts))
         if return_hidden:  # every column, normed: ``project`` maps them to logits
             hidden = self.final_norm(x)
             last = jnp.maximum(inputs.query_lens - 1, 0)

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models.config import ModelConfig
+from models.expert_counts import ExpertCounts
 from models.llama import NATIVE, Acc32, LlamaModel
 from models.sharding import ShardPlan, fill_state, flat_state
 from superinfer_jax.dist import parallel
@@ -68,7 +69,8 @@ def resolve_compute(dtype: str, compute: str = "auto", platform: str | None = No
 
 
 class LlamaServable:
-    """Implements ``superinfer_jax.model_api.ServableModel`` for the Llama family."""
+    """Implements ``superinfer_jax.model_api.ServableModel`` for every decoder of
+    ``models.llama`` (Llama family, Qwen3, Mixtral, Qwen3-MoE)."""
 
     def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str,
                  plan: ShardPlan | None = None, compute_dtype: str = "auto"):
@@ -102,6 +104,9 @@ class LlamaServable:
         self.max_position_embeddings = config.max_position_embeddings
         self.vocab_size = config.vocab_size
         self._logits_fn = None
+        # tokens per expert of every routed layer, added by each step (models.moe)
+        self.expert_counts: ExpertCounts | None = None if config.moe is None else \
+            ExpertCounts(config.moe_layers, config.moe.num_experts)
 
     @property
     def name(self) -> str:
@@ -110,8 +115,10 @@ class LlamaServable:
     def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
                 all_logits: bool = False, return_hidden: bool = False):
         module = nnx.merge(self.graphdef, params)
+        counts = None if self.expert_counts is None else self.expert_counts.add
         return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits,
-                      mesh=self.mesh, return_hidden=return_hidden, acc32=self.acc32)
+                      mesh=self.mesh, return_hidden=return_hidden, acc32=self.acc32,
+                      expert_counts=counts)
 
     def project(self, params, hidden):
         """Hidden states from ``forward(..., return_hidden=True)`` -> logits."""

@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism for the Llama family: head layout and partition rules.
+"""Megatron-style tensor parallelism, and expert parallelism for MoE layers: the head
+layout and the partition rules.
 
 Weights are split so that each transformer block needs one all-reduce after attention
 and one after the MLP, and nothing else:
@@ -13,6 +14,10 @@ and one after the MLP, and nothing else:
     lm_head      [hidden, vocab]              vocab split; logits [B, vocab] all-gathered
                                               once so sampling sees the whole vocabulary
     norms                                     replicated
+    we_gate, we_up, we_down [experts, ...]    expert axis split: whole experts per device
+                                              (expert parallelism, ``models.moe``); the
+                                              router is replicated, the layer's output
+                                              partial sums psum-ed
 
 Heads that do not divide the mesh. Every shard needs whole KV heads (the pool is split
 over them) with their query groups. With ``K`` KV heads, ``G`` query heads per KV head
@@ -49,6 +54,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.moe import EXPERT_SPEC
 from superinfer_jax.dist.parallel import TP_AXIS
 
 ParamPath = tuple[str | int, ...]
@@ -59,6 +65,7 @@ _VECTOR = P(TP_AXIS)
 _RULES: dict[str, P] = {
     "wq": _COLUMNS, "wk": _COLUMNS, "wv": _COLUMNS, "bq": _VECTOR, "bk": _VECTOR,
     "bv": _VECTOR, "wo": _ROWS, "w_gate": _COLUMNS, "w_up": _COLUMNS, "w_down": _ROWS,
+    "we_gate": EXPERT_SPEC, "we_up": EXPERT_SPEC, "we_down": EXPERT_SPEC,
 }
 _QUERY = ("wq", "bq", "wo")  # tensors indexed by query head
 _KEY_VALUE = ("wk", "wv", "bk", "bv")  # tensors indexed by KV head
@@ -137,6 +144,11 @@ class ShardPlan:
         and ``transform`` alone (no device is touched)."""
         self.config = config
         self.mesh = mesh
+        if config.moe is not None and config.moe.num_experts % mesh.size:
+            raise ValueError(
+                f"num_experts ({config.moe.num_experts}) is not a multiple of "
+                f"tensor_parallel_size ({mesh.size}): expert parallelism puts whole experts "
+                "on each device")
         self.layout = plan_heads(config, mesh.size)
         self.module_config = sharded_config(config, self.layout)
         d = config.head_dim

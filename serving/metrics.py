@@ -15,13 +15,18 @@ protocol still lists; ``cache_config_info`` is an info gauge (value 1) whose lab
 the page size (``block_size``) and the device page count (``num_gpu_blocks``), once the
 engine exists.
 
+A mixture-of-experts model adds ``superinfer:moe_expert_tokens_total``: tokens routed to
+each expert, per group of consecutive routed layers (labels ``layers``, e.g. "0-11", and
+``expert``), read from the model's counts at scrape time (``models.expert_counts``), so
+load imbalance across experts is visible.
+
 Each server owns its registry, so two servers in one process (tests) never collide.
 Preemptions and rotations are counted when their request finishes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -57,11 +62,15 @@ class _SnapshotCollector(Collector):
         self.model_name = model_name
         self.stats: dict[str, Any] = {}
         self.block_size: int | None = None  # the page size, once the engine exists
+        # MoE models: {layer group: tokens per expert}, read at scrape time
+        self.expert_counts: Callable[[], Mapping[str, Any]] | None = None
 
     def collect(self) -> Iterator[Any]:
         view = read(self.stats)
         labels = ["model_name"]
         yield from self._vllm(view, labels)
+        if self.expert_counts is not None:
+            yield self._experts(labels)
         for name, value, doc in (
             ("num_requests_running", view.num_running, "Requests decoding or prefilling."),
             ("num_requests_waiting", view.num_waiting, "Requests queued for admission."),
@@ -115,6 +124,17 @@ class _SnapshotCollector(Collector):
             c.add_metric([self.model_name, "device"], device)
             c.add_metric([self.model_name, "host"], host)
             yield c
+
+    def _experts(self, labels: list[str]) -> CounterMetricFamily:
+        assert self.expert_counts is not None
+        family = CounterMetricFamily(PREFIX + "moe_expert_tokens",
+                                     "Tokens routed to each expert, summed over a group of "
+                                     "consecutive routed layers.",
+                                     labels=[*labels, "layers", "expert"])
+        for group, counts in self.expert_counts().items():
+            for expert, n in enumerate(counts):
+                family.add_metric([self.model_name, group, str(expert)], int(n))
+        return family
 
     def _vllm(self, view: EngineStats, labels: list[str]) -> Iterator[Any]:
         """vLLM's names and units: what the gateway's endpoint picker reads."""
@@ -198,6 +218,11 @@ class ServingMetrics:
     def set_cache_config(self, block_size: int) -> None:
         """The engine's page size (``vllm:cache_config_info``); set once it exists."""
         self._snapshot.block_size = block_size
+
+    def set_expert_counts(self, source: Callable[[], Mapping[str, Any]]) -> None:
+        """A MoE model's per-expert token counts by layer group
+        (``models.expert_counts.ExpertCounts.by_group``)."""
+        self._snapshot.expert_counts = source
 
     def observe(self, outputs: list[RequestOutput], stats: dict[str, Any]) -> None:
         """Engine-loop observer: one call per step."""

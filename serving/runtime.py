@@ -81,6 +81,9 @@ class Runtime:
         )
         self.engine = engine
         self.metrics.set_cache_config(cfg.hardware.page_size)
+        expert_counts = getattr(model, "expert_counts", None)  # a mixture-of-experts model
+        if expert_counts is not None:
+            self.metrics.set_expert_counts(expert_counts.by_group)
         self._move(ServerState.SERVING)
 
     def set_draining(self) -> None:

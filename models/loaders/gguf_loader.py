@@ -3,8 +3,11 @@
 Two conventions differ from ours. GGUF stores matrices as torch ``[out, in]`` (its
 ``tensor.shape`` lists dimensions reversed), and llama.cpp's converter reorders the rows of
 Q and K for the "llama" architecture so that its interleaved (GPT-J) RoPE matches the
-rotate-half RoPE of the original weights. We invert that row permutation and use
-rotate-half RoPE, so the loaded weights equal the original Hugging Face ones.
+rotate-half RoPE of the original weights (Mixtral is written as "llama" too). We invert
+that row permutation and use rotate-half RoPE, so the loaded weights equal the original
+Hugging Face ones. Experts come stacked (``blk.N.ffn_{gate,up,down}_exps``, each expert
+``[out, in]``) with the router as ``blk.N.ffn_gate_inp``; a layer is routed when its
+router is there.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import gguf
 import numpy as np
 from jax.sharding import Mesh
 
-from models.config import ModelConfig
+from models.config import ModelConfig, MoEConfig
 from models.loaders.sink import ParamPath, ParamSink, layer_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+_QK_NORM_ARCHS = ("qwen3", "qwen3moe")
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 _MISSING = object()
 
 _TOP = {
@@ -45,6 +51,12 @@ _LAYER = {
     "ffn_gate.weight": ("mlp", "w_gate"),
     "ffn_up.weight": ("mlp", "w_up"),
     "ffn_down.weight": ("mlp", "w_down"),
+    "attn_q_norm.weight": ("attn", "q_norm", "weight"),
+    "attn_k_norm.weight": ("attn", "k_norm", "weight"),
+    "ffn_gate_inp.weight": ("mlp", "router"),
+    "ffn_gate_exps.weight": ("mlp", "we_gate"),
+    "ffn_up_exps.weight": ("mlp", "we_up"),
+    "ffn_down_exps.weight": ("mlp", "we_down"),
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -103,6 +115,8 @@ def gguf_config(fields: dict[str, Any], tensor_names: set[str], name: str,
         raise ValueError(f"{path}: GGUF RoPE scaling is not supported; load the Hugging Face "
                          "directory of this model instead")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    moe = _gguf_moe(get, tensor_names, layers, path)
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens is not None else int(get("vocab_size"))
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -113,7 +127,7 @@ def gguf_config(fields: dict[str, Any], tensor_names: set[str], name: str,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
@@ -122,9 +136,34 @@ def gguf_config(fields: dict[str, Any], tensor_names: set[str], name: str,
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch in _QK_NORM_ARCHS,
+        moe=moe,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
     )
+
+
+def _gguf_moe(get: Callable[..., Any], names: set[str], layers: int,
+              path: Path) -> MoEConfig | None:
+    """The experts of a GGUF: routed layers are those with a router tensor, each of which
+    must hold all three stacked expert weights."""
+    sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names)
+    if not sparse:
+        return None
+    for i in sparse:
+        for t in _EXPERT_TENSORS:
+            if f"blk.{i}.{t}.weight" not in names:
+                raise ValueError(f"{path}: GGUF lacks expert tensor blk.{i}.{t}.weight "
+                                 f"(layer {i} has a router, blk.{i}.ffn_gate_inp.weight)")
+    gating = int(get("expert_gating_func", _SOFTMAX_GATING))
+    if gating != _SOFTMAX_GATING:
+        raise ValueError(f"{path}: unsupported expert_gating_func {gating} (softmax only)")
+    experts = int(get("expert_count"))
+    ffn = int(get("expert_feed_forward_length", get("feed_forward_length")))
+    return MoEConfig(num_experts=experts, top_k=int(get("expert_used_count")),
+                     intermediate_size=ffn,
+                     norm_topk_prob=bool(get("expert_weights_norm", True)),
+                     sparse_layers=None if len(sparse) == layers else sparse)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -163,7 +202,10 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 def _to_model_layout(name: str, w: np.ndarray, config: ModelConfig,
                      permuted: bool) -> np.ndarray:
-    """Torch layout -> ours: un-permute Q/K, transpose matrices to [in, out]."""
+    """Torch layout -> ours: un-permute Q/K, transpose matrices to [in, out] (each
+    expert's, for the stacked [experts, out, in] ones)."""
+    if w.ndim == 3:
+        return np.ascontiguousarray(w.transpose(0, 2, 1))
     if permuted and (".attn_q." in name or ".attn_k." in name):
         n_head = config.num_heads if ".attn_q." in name else config.num_kv_heads
         w = unpermute_rows(w, n_head)

@@ -1,5 +1,8 @@
 """Hugging Face checkpoints: config.json + one or many safetensors files.
 
+MoE checkpoints store one tensor per expert; they are stacked here into the model's
+``[experts, in, out]`` weights (``models.moe``).
+
 Tensors are read one at a time with ``safe_open(framework="flax")``: the numpy framework
 cannot represent bfloat16, which most Llama checkpoints use, while the flax one returns
 jax arrays of any dtype. Each tensor is transposed to ``[in, out]`` and cast as it goes.
@@ -9,19 +12,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from models.config import ModelConfig, RopeScaling
+from models.config import ModelConfig
+from models.loaders.hf_config import SUPPORTED_MODEL_TYPES, hf_config
 from models.loaders.sink import ParamPath, ParamSink, layer_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+__all__ = ["SUPPORTED_MODEL_TYPES", "hf_config", "load_hf_dir", "safetensors_files"]
 INDEX_FILE = "model.safetensors.index.json"
 
 # HF name suffix -> (our path inside a layer, needs transpose)
@@ -38,7 +43,16 @@ _LAYER: dict[str, tuple[tuple[str, ...], bool]] = {
     "mlp.gate_proj.weight": (("mlp", "w_gate"), True),
     "mlp.up_proj.weight": (("mlp", "w_up"), True),
     "mlp.down_proj.weight": (("mlp", "w_down"), True),
+    "self_attn.q_norm.weight": (("attn", "q_norm", "weight"), False),
+    "self_attn.k_norm.weight": (("attn", "k_norm", "weight"), False),
+    "mlp.gate.weight": (("mlp", "router"), True),  # Qwen3-MoE
+    "block_sparse_moe.gate.weight": (("mlp", "router"), True),  # Mixtral
 }
+# One expert's matrix (torch [out, in]) -> its slot of a stacked [experts, in, out] weight.
+_EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT = {"w1": "we_gate", "w3": "we_up", "w2": "we_down",  # Mixtral
+           "gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down"}  # Qwen3-MoE
 _TOP: dict[str, tuple[ParamPath, bool]] = {
     "embed_tokens.weight": (("embed",), False),
     "norm.weight": (("final_norm", "weight"), False),
@@ -56,78 +70,6 @@ def _read_config(path: Path) -> dict[str, Any]:
         return json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: invalid JSON ({e})") from e
-
-
-def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and llama3 scaling from either config layout.
-
-    transformers < 5 writes top-level ``rope_theta`` and ``rope_scaling``; transformers 5
-    writes one ``rope_parameters`` dict holding the theta, the type and the factors.
-    """
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in (None, "default"):
-        return theta, None
-    if kind != "llama3":
-        raise ValueError(f"{where}: unsupported rope scaling type {kind!r} (supported: llama3)")
-    return theta, RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
-
-
-def _as_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
-
-
-def _check_supported(cfg: Mapping[str, Any], where: str) -> str:
-    """Reject features the model does not implement instead of loading them wrongly."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{where}: unsupported model_type {model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: unsupported hidden_act {cfg['hidden_act']!r}")
-    if cfg.get("mlp_bias") or (model_type != "qwen2" and cfg.get("attention_bias")):
-        raise ValueError(f"{where}: attention/MLP output biases are not supported")
-    if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
-        raise ValueError(f"{where}: sliding-window attention is not supported")
-    return model_type
-
-
-def hf_config(cfg: Mapping[str, Any], name: str, where: str = "config.json") -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (llama, qwen2, mistral)."""
-    model_type = _check_supported(cfg, where)
-    try:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        theta, scaling = _rope(cfg, where)
-        return ModelConfig(
-            name=name,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_ids(cfg.get("eos_token_id")),
-        )
-    except KeyError as e:
-        raise ValueError(f"{where}: missing required field {e.args[0]!r}") from e
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -160,6 +102,55 @@ def _target(name: str) -> tuple[ParamPath, bool] | None:
     return _TOP.get(name.removeprefix("model."))
 
 
+class _ExpertStacker:
+    """Per-expert tensors gathered into the stacked ``[experts, in, out]`` weights; each
+    stacked weight goes to the sink when its last expert arrives."""
+
+    def __init__(self, sink: ParamSink, num_experts: int):
+        self.sink, self.num_experts = sink, num_experts
+        self.pending: dict[ParamPath, dict[int, Any]] = {}
+
+    def put(self, name: str, tensor: Any, source: str) -> bool:
+        """Take ``name`` if it is one expert's matrix, or all experts' fused ones
+        (transformers 5's in-memory layout); whether it was."""
+        m = _LAYER_RE.match(name)
+        fused = _FUSED_RE.match(m.group(2)) if m else None
+        if m is not None and fused is not None:
+            self._put_fused(int(m.group(1)), fused.group(1), tensor, source)
+            return True
+        e = _EXPERT_RE.match(m.group(2)) if m else None
+        if m is None or e is None or e.group(2) not in _EXPERT:
+            return False
+        expert = int(e.group(1))
+        if expert >= self.num_experts:
+            raise ValueError(f"{source}: expert {expert} beyond num_experts "
+                             f"{self.num_experts}")
+        path = layer_path(int(m.group(1)), "mlp", _EXPERT[e.group(2)])
+        slots = self.pending.setdefault(path, {})
+        slots[expert] = tensor.T
+        if len(slots) == self.num_experts:
+            self.sink.put(path, jnp.stack([slots[i] for i in range(self.num_experts)]),
+                          source)
+            del self.pending[path]
+        return True
+
+    def _put_fused(self, layer: int, kind: str, tensor: Any, source: str) -> None:
+        """gate_up_proj [experts, 2 * ffn, hidden] (gate first), down_proj [experts,
+        hidden, ffn]: each expert transposed to [in, out]."""
+        if kind == "down_proj":
+            self.sink.put(layer_path(layer, "mlp", "we_down"), tensor.transpose(0, 2, 1),
+                          source)
+            return
+        gate, up = jnp.split(tensor.transpose(0, 2, 1), 2, axis=2)
+        self.sink.put(layer_path(layer, "mlp", "we_gate"), gate, source)
+        self.sink.put(layer_path(layer, "mlp", "we_up"), up, source)
+
+    def check_complete(self, where: str) -> None:
+        for path, slots in self.pending.items():
+            missing = sorted(set(range(self.num_experts)) - set(slots))
+            raise ValueError(f"{where}: {'.'.join(map(str, path))} lacks experts {missing}")
+
+
 def iter_tensors(file: Path) -> Iterator[tuple[str, Any]]:
     """(name, jax array) pairs of one safetensors file, read lazily one tensor at a time."""
     try:
@@ -171,23 +162,26 @@ def iter_tensors(file: Path) -> Iterator[tuple[str, Any]]:
                          f"({type(e).__name__}: {e})") from e
 
 
-def _fill(sink: ParamSink, files: list[Path]) -> None:
+def _fill(sink: ParamSink, files: list[Path], config: ModelConfig) -> None:
+    experts = _ExpertStacker(sink, config.moe.num_experts if config.moe else 0)
     for file in files:
         for name, tensor in iter_tensors(file):
+            source = f"{file}: tensor {name!r}"
             target = _target(name)
             if target is None:
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or experts.put(name, tensor, source):
                     continue
                 raise ValueError(f"{file}: unsupported tensor {name!r}")
             path, transpose = target
-            sink.put(path, tensor.T if transpose else tensor, f"{file}: tensor {name!r}")
+            sink.put(path, tensor.T if transpose else tensor, source)
             del tensor
+    experts.check_complete(str(files[0].parent))
 
 
 def load_hf_dir(path: str | Path, dtype: str = "float32",
                 mesh: Mesh | None = None) -> LlamaServable:
-    """Load a Llama/Qwen2 Hugging Face directory (config.json, safetensors, tokenizer.json),
-    tensor-parallel over ``mesh`` when given."""
+    """Load a Hugging Face directory (config.json of an architecture ``hf_config``
+    supports, safetensors, tokenizer.json), tensor-parallel over ``mesh`` when given."""
     path = Path(path)
     raw = _read_config(path)
     config = hf_config(raw, name=path.resolve().name, where=str(path / "config.json"))
@@ -196,7 +190,7 @@ def load_hf_dir(path: str | Path, dtype: str = "float32",
     config = config.replace(eos_token_ids=tokenizer.eos_token_ids or config.eos_token_ids,
                             bos_token_id=tokenizer.bos_token_id)
     sink = ParamSink(config, dtype, mesh)
-    _fill(sink, files)
+    _fill(sink, files, config)
     if not sink.has(("lm_head",)) and sink.has(("embed",)):
         if not config.tie_word_embeddings:
             raise ValueError(f"{path}: no lm_head.weight and tie_word_embeddings is false")
