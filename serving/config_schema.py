@@ -123,6 +123,11 @@ class ServerSection:
         None, example="qwen3",
         help="moves <think>...</think> into reasoning_content: qwen3 | deepseek_r1 | "
              "package.module:Class")
+    # Counting adds a host callback to every step of a mixture-of-experts model, which keeps
+    # its step programs out of the persistent and executable caches (compiled at each start).
+    moe_expert_counts: bool = knob(
+        False, help="export tokens per expert (superinfer:moe_expert_tokens_total) of a "
+                    "mixture-of-experts model")
     # KV events for llm-d's precise prefix-aware routing (serving.kv_events): off unless an
     # endpoint is set.
     kv_events_endpoint: str | None = knob(

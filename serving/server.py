@@ -112,6 +112,8 @@ def load_model_of(config: DeploymentConfig) -> Any:
                        tensor_parallel_size=config.engine.model.tensor_parallel_size,
                        weights_cache=config.engine.hardware.compilation_cache_dir)
     with_chat_template(model, config)
+    if not config.server.moe_expert_counts and getattr(model, "expert_counts", None) is not None:
+        model.expert_counts = None  # no host callback in the step: its programs cache
     log.info("loaded in %.1f s; warming up (compiling step buckets)", time.perf_counter() - t0)
     return model
 

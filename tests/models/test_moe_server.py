@@ -39,7 +39,8 @@ def served(tmp_path_factory, tiny_tokenizer):
             tmp = tmp_path_factory.mktemp(f"server-{arch}")
             # few step shapes to compile: 4 decode rows, prefills of up to 32 tokens
             srv = ServerProcess(path, tmp / "cache", tmp / "server.log", "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "32")
+                                "--max-num-batched-tokens", "32",
+                                "--set", "server.moe_expert_counts=true")
             servers.append(srv)
             srv.wait_serving()
             client = httpx.Client(base_url=srv.http_url, timeout=60)
