@@ -129,7 +129,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
-                 mesh: Mesh | None = None, acc32: Acc32 = False):
+                 mesh: Mesh | None = None, acc32: Acc32 = False, kv_scales=None):
         b, c, _ = x.shape
         q, k, v = matmuls(x, [self.wq[...], self.wk[...], self.wv[...]], acc32)
         if self.qkv_bias:
@@ -141,6 +141,7 @@ class Attention(nnx.Module):
         out, kv_pool = ops.write_and_attend(
             q, k, v, kv_pool, layer, inputs.page_tables, inputs.positions, inputs.context_lens,
             inputs.query_lens, scale=self.head_dim**-0.5, backend=backend, mesh=mesh,
+            kv_scales=kv_scales,
         )
         # Under TP, wo's rows are split like the heads: each shard's product is a partial
         # sum, and this matmul is where the partitioner places the block's first all-reduce.
@@ -167,9 +168,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None,
-                 acc32: Acc32 = False):
+                 acc32: Acc32 = False, kv_scales=None):
         h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
-                               mesh, acc32)
+                               mesh, acc32, kv_scales)
         x = x + h
         return x + self.mlp(self.mlp_norm(x), acc32), kv_pool
 
@@ -187,10 +188,11 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
                  all_logits: bool = False, mesh: Mesh | None = None,
-                 return_hidden: bool = False, acc32: Acc32 = False):
+                 return_hidden: bool = False, acc32: Acc32 = False, kv_scales=None):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
         residual stream is kept replicated, so each block costs two all-reduces.
-        ``acc32``: float32 accumulation and activations (module docstring)."""
+        ``acc32``: float32 accumulation and activations (module docstring). ``kv_scales``:
+        an fp8_e4m3 pool's [L, 2, K] scales (``superinfer_jax.kv.quant``)."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
         if acc32:
             x = x.astype(jnp.float32)
@@ -198,7 +200,8 @@ class LlamaModel(nnx.Module):
             x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
         inv_freq = jnp.asarray(self.cfg.inv_freq())  # constant, baked into the trace
         for layer_idx, layer in enumerate(self.layers):
-            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh, acc32)
+            x, kv_pool = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend, mesh, acc32,
+                               kv_scales)
         if return_hidden:  # every column, normed: ``project`` maps them to logits
             hidden = self.final_norm(x)
             last = jnp.maximum(inputs.query_lens - 1, 0)

@@ -108,10 +108,11 @@ class LlamaServable:
         return self.config.name
 
     def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
-                all_logits: bool = False, return_hidden: bool = False):
+                all_logits: bool = False, return_hidden: bool = False, kv_scales=None):
         module = nnx.merge(self.graphdef, params)
         return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits,
-                      mesh=self.mesh, return_hidden=return_hidden, acc32=self.acc32)
+                      mesh=self.mesh, return_hidden=return_hidden, acc32=self.acc32,
+                      kv_scales=kv_scales)
 
     def project(self, params, hidden):
         """Hidden states from ``forward(..., return_hidden=True)`` -> logits."""
