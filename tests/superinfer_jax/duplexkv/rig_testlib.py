@@ -38,7 +38,7 @@ class Rig:
         """Allocate pages and write random contents (what a model step would do)."""
         pages = self.kv.allocate_for(req_id, num_tokens)
         data = self.rng.standard_normal((len(pages), *self.layout.page_shape()))
-        data = data.astype(self.layout.dtype)
+        data = data.astype(self.layout.storage)
         self.pool = self.pool.at[np.array(pages)].set(data)
         self.expect[req_id] = data
 
@@ -46,7 +46,7 @@ class Rig:
         """Overwrite every free device page, as a step reusing freed pages would."""
         free = [p for p in range(1, self.layout_pages) if p in self.kv.allocator._free]
         if free:
-            junk = np.full((len(free), *self.layout.page_shape()), 7, self.layout.dtype)
+            junk = np.full((len(free), *self.layout.page_shape()), 7, self.layout.storage)
             self.pool = self.pool.at[np.array(free)].set(junk)
 
     @property
