@@ -10,6 +10,7 @@ no page crosses devices and the Pallas kernel sees local shapes.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -72,8 +73,9 @@ def write_and_attend(q, k, v, kv_pool, layer, page_tables, positions, context_le
         return local(q, k, v, kv_pool, page_tables, positions, context_lens, query_lens,
                      kv_scales)
     heads, pool, rep = parallel.HEADS_SPEC, parallel.POOL_SPEC, P()
-    specs = (heads, heads, heads, pool, rep, rep, rep, rep)
-    args = (q, k, v, kv_pool, page_tables, positions, context_lens, query_lens)
+    specs: tuple[P, ...] = (heads, heads, heads, pool, rep, rep, rep, rep)
+    args: tuple[Any, ...] = (q, k, v, kv_pool, page_tables, positions, context_lens,
+                             query_lens)
     if kv_scales is not None:
         specs, args = (*specs, parallel.KV_SCALES_SPEC), (*args, kv_scales)
     sharded = jax.shard_map(

@@ -34,7 +34,7 @@ _MIN_TOKENS = 8  # a tokenizer giving fewer (a stub) is replaced by fixed random
 
 def calibration_tokens(model: ServableModel, max_tokens: int) -> np.ndarray:
     """The calibration prompt's token ids (at most ``max_tokens``); fixed random ids
-    (seed 0) for a model whose tokenizer cannot encode the text."""
+    (a seeded generator) for a model whose tokenizer cannot encode the text."""
     try:
         ids = list(model.tokenizer.encode(CALIBRATION_TEXT))
     except Exception:  # noqa: BLE001 - any tokenizer failure: fall back to fixed ids
@@ -58,6 +58,9 @@ def calibrate_kv_scales(model: ServableModel, params, layout: PoolLayout,
         _, pool = model.forward(params, pool, inputs, attention_backend="xla")[:2]
         return jnp.max(jnp.abs(pool[1:]), axis=(0, 3, 5))  # [L, 2, K]
 
+    pool_sharding: jax.sharding.Sharding
+    out_sharding: jax.sharding.Sharding
+    scale_sharding: jax.sharding.Sharding
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         pool_sharding, out_sharding, scale_sharding = device, device, device

@@ -101,6 +101,7 @@ class ModelRunner:
         # the weights as a flat list: jit flattens its arguments at every call, and a list
         # is cheaper to flatten than the nnx.State
         self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
+        self._num_weights = len(self.step_params)
         # fp8_e4m3's fixed KV scales ride as the last "weight": an argument of every step
         # program, never a constant baked into a cached executable
         self.kv_scales: jax.Array | None = None
@@ -197,9 +198,9 @@ class ModelRunner:
 
     def _step(self, param_leaves, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
               logits_in: LogitsInputs, feedback: TokenFeedback):
-        num_weights = self._params_treedef.num_leaves
-        params = jax.tree.unflatten(self._params_treedef, param_leaves[:num_weights])
-        scales = {"kv_scales": param_leaves[num_weights]} if self.layout.scaled else {}
+        n = self._num_weights
+        params = jax.tree.unflatten(self._params_treedef, param_leaves[:n])
+        scales = {"kv_scales": param_leaves[n]} if self.layout.scaled else {}
         inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
         logits, kv_pool, hidden = self.model.forward(
             params, kv_pool, inputs, attention_backend=self.backend, return_hidden=True,
