@@ -26,10 +26,13 @@ measurements (block-first vs one array per layer; an in-place pinned_host pool) 
 while the rotation engine moves pages both ways every step (goal <= 10%), with one row
 per copy mode (``fused``, ``device_put``, ``in_step``: the copies inside the step's own
 program) of the time a rotation adds to a step over the floor, one copy of its bytes
-each way at memcpy speed (goal <= 1.2; CPU copies cannot be free).
+each way at memcpy speed (goal <= 1.2; CPU copies cannot be free). ``kv_dtypes``: the
+same pages in bfloat16 and in fp8_e4m3 (half the bytes, same tokens), tokens/s each way
+in the same run (goal: fp8 >= 1.8x bfloat16).
 
     python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
     python -m benchmarks.duplex --only-overlap [--quick]   # memcpy ceiling + overlap rows
+    python -m benchmarks.duplex --kv-dtypes [--quick]      # bf16 vs fp8 pages, tokens/s
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def patterned_pool(layout: PoolLayout, num_pages: int) -> jax.Array:
         shape = layout.pool_shape(num_pages)
         page = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         inner = jax.lax.broadcasted_iota(jnp.int32, shape, 3)
-        return ((page * 7 + inner) % 251).astype(layout.dtype)
+        return ((page * 7 + inner) % 251).astype(layout.storage)
     return make()
 
 
@@ -313,6 +316,33 @@ def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, d
     return rows, extra
 
 
+def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
+    """Tokens per second each way for the same ``num_pages`` pages of 16 tokens in
+    bfloat16 (``page_dtype``) and in fp8_e4m3, both through the engine's copy mode in
+    the same run: an fp8 page holds the same tokens in half the bytes (its per-head
+    scales are the engine's, fixed, and never move). ``fp8_over_bf16``: fp8's tokens/s
+    over bfloat16's, each direction (goal >= 1.8)."""
+    med = statistics.median
+    rows = []
+    for kv_dtype in (page_dtype(), "fp8_e4m3"):
+        layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, kv_dtype)
+        t, ok, _, _ = batched_trials(layout, num_pages, repeats, None)
+        tokens = num_pages * PAGE_TOKENS
+        rows.append({"kv_cache_dtype": "bfloat16" if kv_dtype == page_dtype() else kv_dtype,
+                     "storage": str(layout.storage), "page_bytes": layout.page_bytes,
+                     "tokens_each_way": tokens, "out_tok_s": tokens / med(t["out"]),
+                     "in_tok_s": tokens / med(t["in"]),
+                     "duplex_tok_s_each_way": tokens / med(t["duplex"]),
+                     "round_trip_verified": ok})
+    bf16, fp8 = rows
+    for r in rows:
+        for k in ("out", "in", "duplex"):
+            key = "duplex_tok_s_each_way" if k == "duplex" else f"{k}_tok_s"
+            r[f"{k}_over_bf16"] = r[key] / bf16[key]
+    fp8["fp8_over_bf16_min"] = min(fp8["out_over_bf16"], fp8["in_over_bf16"])
+    return rows
+
+
 def best_time(fn, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
@@ -407,7 +437,7 @@ def host_in_place_row(pool_pages: int) -> dict:
     """The alternative host tier: one preallocated pinned_host array updated in place."""
     layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
     host = HostPool(1)
-    page = jnp.ones((1, *layout.page_shape()), layout.dtype)
+    page = jnp.ones((1, *layout.page_shape()), layout.storage)
 
     def update(hp, page, i):
         return jax.lax.dynamic_update_slice_in_dim(
@@ -665,6 +695,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-overlap", action="store_true",
                         help="only the memcpy ceiling and the model-step part (no transfer "
                              "rows: minutes less)")
+    parser.add_argument("--kv-dtypes", action="store_true",
+                        help="only the KV dtype rows: tokens/s each way, bfloat16 and "
+                             "fp8_e4m3 pages, same run")
     parser.add_argument("--glibc-default", action="store_true",
                         help="CPU: keep glibc's default trimming (see keep_freed_memory)")
     args = parser.parse_args(argv)
@@ -675,6 +708,12 @@ def main(argv: list[str] | None = None) -> None:
     num_pages = max(1, int(gib * (1 << 30)) // layout.page_bytes)
     host = HostPool(2 * num_pages)
     nbytes = num_pages * layout.page_bytes
+    if args.kv_dtypes:
+        kv_rows = kv_dtype_rows(num_pages, repeats)
+        print_table(kv_rows, title=f"{num_pages} pages of {PAGE_TOKENS} tokens each way, "
+                                   f"by KV dtype ({jax.default_backend()})")
+        write_json(args.out, {"kv_dtypes": kv_rows, "malloc_no_trim": malloc_tuned})
+        return
     if args.only_overlap:
         ceilings = memcpy_gbps(nbytes)
         print_table([{"ceiling": k, "GBps": v} for k, v in ceilings.items()],
@@ -714,6 +753,8 @@ def main(argv: list[str] | None = None) -> None:
           f" round trip verified: {extra['round_trip_verified']}")
     payload = {"ceilings": ceilings, "transfers": rows, "page_dtype": layout.dtype,
                "malloc_no_trim": malloc_tuned, **extra}
+    payload["kv_dtypes"] = kv_dtype_rows(num_pages, repeats)
+    print_table(payload["kv_dtypes"], title="tokens/s each way by KV dtype (same run)")
     if args.layouts:
         payload["layouts"] = layout_rows(args.quick)
         print_table(payload["layouts"], title="layouts")

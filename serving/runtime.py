@@ -80,7 +80,7 @@ class Runtime:
             policy=str(getattr(cfg.engine, "policy", "fcfs")),
         )
         self.engine = engine
-        self.metrics.set_cache_config(cfg.hardware.page_size)
+        self.metrics.set_cache_config(cfg.hardware.page_size, cfg.model.kv_cache_dtype)
         self._move(ServerState.SERVING)
 
     def set_draining(self) -> None:

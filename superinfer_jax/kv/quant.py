@@ -37,11 +37,14 @@ SCALE_BYTES_PER_ENTRY = 4  # float32
 
 
 def storage_dtype(kv_cache_dtype: str) -> jnp.dtype:
-    """The pool's element type for ``kv_cache_dtype``."""
-    if kv_cache_dtype not in STORAGE:
+    """The pool's element type for ``kv_cache_dtype``; a plain element type name (a
+    benchmark's ``uint16`` stand-in) is taken as itself. The config admits only
+    ``KV_DTYPES``."""
+    try:
+        return jnp.dtype(STORAGE.get(kv_cache_dtype, kv_cache_dtype))
+    except TypeError as e:
         raise ValueError(f"model.kv_cache_dtype must be one of {KV_DTYPES}, "
-                         f"got {kv_cache_dtype!r}")
-    return jnp.dtype(STORAGE[kv_cache_dtype])
+                         f"got {kv_cache_dtype!r}") from e
 
 
 def is_fp8(dtype: jnp.dtype | np.dtype) -> bool:

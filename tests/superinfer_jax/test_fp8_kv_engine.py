@@ -133,3 +133,23 @@ def test_fp8_pallas_on_a_gpu_without_fp8_names_the_key(monkeypatch):
     monkeypatch.setattr(jax, "local_devices",
                         lambda: [types.SimpleNamespace(compute_capability="9.0")])
     device_pool.check_backend_dtype(config, "pallas")  # Hopper has fp8
+
+
+def test_cache_config_info_reports_the_pages_the_byte_budget_gave(tiny):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.metrics import ServingMetrics
+
+    budget_gb = 64 * 2048 / 2**30  # 64 bfloat16 pages of the tiny model, 128 fp8 ones
+    pages = {}
+    for dtype in ("bfloat16", "fp8_e5m2"):
+        engine = LLMEngine(tiny, SMALL.replace(kv_cache_memory_gb=budget_gb, dtype=dtype))
+        metrics = ServingMetrics("m")
+        metrics.set_cache_config(8, dtype)
+        metrics.observe([], engine.stats())
+        (info,) = [s for f in text_string_to_metric_families(metrics.render().decode())
+                   for s in f.samples if s.name == "vllm:cache_config_info"]
+        assert info.labels["cache_dtype"] == dtype
+        pages[dtype] = int(info.labels["num_gpu_blocks"])
+        assert pages[dtype] == engine.num_device_pages - 1  # the null page holds nothing
+    assert engine.layout.page_bytes == 1024 and pages == {"bfloat16": 63, "fp8_e5m2": 127}
