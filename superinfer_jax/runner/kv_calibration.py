@@ -3,8 +3,9 @@
 One float32 prefill of a fixed text (``CALIBRATION_TEXT``, through the model's tokenizer)
 writes every layer's K and V into a small float32 pool; the scale of each layer, K or V,
 and KV head maps ``kv.quant.HEADROOM`` times the largest |value| there to the e4m3
-maximum (``kv.quant.scales_from_amax``). The same weights give the same scales on every
-start and every engine, so pages, host copies and prefix-cache entries keep one meaning.
+maximum (``kv.quant.scales_from_amax``). The same weights on the same devices give the
+same scales on every start, so pages, host copies and prefix-cache entries keep one
+meaning.
 Under TP the scales are sharded with their KV heads (``dist.parallel.KV_SCALES_SPEC``).
 """
 
