@@ -74,3 +74,11 @@ def calibrate_kv_scales(model: ServableModel, params, layout: PoolLayout,
     found = jax.jit(amax, out_shardings=out_sharding)(params, pool, replicated_inputs)
     scales = quant.scales_from_amax(parallel.host_value(found))
     return jax.device_put(scales, scale_sharding)
+
+
+def kv_scales_for(model: ServableModel, layout: PoolLayout, max_model_len: int,
+                  mesh: Mesh | None) -> jax.Array | None:
+    """The engine's KV scales: calibrated for a scaled dtype (fp8_e4m3), else None."""
+    if not layout.scaled:
+        return None
+    return calibrate_kv_scales(model, model.params, layout, max_model_len, mesh)

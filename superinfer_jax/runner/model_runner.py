@@ -48,7 +48,7 @@ from superinfer_jax.runner.input_batch import (
     InflightStep,
     LogitsRows,
 )
-from superinfer_jax.runner.kv_calibration import calibrate_kv_scales
+from superinfer_jax.runner.kv_calibration import kv_scales_for
 from superinfer_jax.runner.logits import (
     LogitsInputs,
     StepLogprobs,
@@ -104,11 +104,9 @@ class ModelRunner:
         self._num_weights = len(self.step_params)
         # fp8_e4m3's fixed KV scales ride as the last "weight": an argument of every step
         # program, never a constant baked into a cached executable
-        self.kv_scales: jax.Array | None = None
-        if self.layout.scaled:
-            self.kv_scales = calibrate_kv_scales(model, model.params, self.layout,
-                                                 config.model.max_model_len, self.mesh)
-            self.step_params = [*self.step_params, self.kv_scales]
+        self.kv_scales = kv_scales_for(model, self.layout, config.model.max_model_len,
+                                       self.mesh)
+        self.step_params += [] if self.kv_scales is None else [self.kv_scales]
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         cache = ExecutableCache.for_runner(config, model, self.backend, self.feedback_width,
