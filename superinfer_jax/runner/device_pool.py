@@ -4,6 +4,7 @@ thread of its own (as tpu-inference's runner owns a KV cache manager)."""
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 
@@ -150,11 +151,26 @@ def host_pool_key(config: EngineConfig) -> str:
 
 
 def available_host_bytes() -> int:
-    """Memory the system can still give this process (``MemAvailable``: free plus
-    reclaimable caches)."""
-    import psutil
+    """Memory the system can still give this process: ``MemAvailable`` (free plus
+    reclaimable caches; ``sysconf``'s free pages where there is no ``/proc``), capped by
+    the container's cgroup v2 limit less its use."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    meminfo = _read("/proc/meminfo")
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    limit, used = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if limit.strip().isdigit() and used.strip().isdigit():
+        available = min(available, int(limit) - int(used))
+    return available
 
-    return int(psutil.virtual_memory().available)
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _accelerator_stats() -> dict[str, int]:
