@@ -21,8 +21,12 @@ from superinfer_jax.ops import attention_pallas, attention_xla
 from tests.numerics import assert_close, attention_tolerance
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-# (mode, pool dtype, mantissa bits, smallest subnormal exponent)
-MODES = [("fp8_e4m3", E4M3, 3, -9), ("fp8_e5m2", E5M2, 2, -16)]
+# (mode, fp8 format, mantissa bits, smallest subnormal exponent)
+FORMATS = [("fp8_e4m3", E4M3, 3, -9), ("fp8_e5m2", E5M2, 2, -16)]
+# each format as a GPU pool stores it (the fp8 type) and as a CPU pool does (its
+# integer stand-in, ``kv.quant.CPU_STORAGE``): the same bytes either way
+MODES = [(mode, fmt, quant.storage_dtype(mode, platform), m, e)
+         for mode, fmt, m, e in FORMATS for platform in ("gpu", "cpu")]
 LAYER = 1
 
 
@@ -48,7 +52,7 @@ def _write_attend(pool, q, k, v, table, pos, ctx, qlen, scales, backend="xla"):
                                 kv_scales=scales)
 
 
-def _setup(mode: str, dtype, t: int = 37, heads: int = 4, kv_heads: int = 2, d: int = 16,
+def _setup(mode: str, storage, t: int = 37, heads: int = 4, kv_heads: int = 2, d: int = 16,
            page_size: int = 8, seed: int = 0):
     rng = np.random.default_rng(seed)
     spread = np.array([0.5, 30.0][:kv_heads])  # heads of very different ranges
@@ -61,14 +65,15 @@ def _setup(mode: str, dtype, t: int = 37, heads: int = 4, kv_heads: int = 2, d: 
         scales = np.ones((2, 2, kv_heads), np.float32)  # [L, 2, K]; layer 0 unused
         scales[LAYER] = layer_scales
     pages = -(-t // page_size)
-    pool = jnp.zeros((pages + 3, 2, 2, page_size, kv_heads, d), dtype)
+    pool = jnp.zeros((pages + 3, 2, 2, page_size, kv_heads, d), storage)
     table = (rng.permutation(pages + 2)[:pages] + 1).astype(np.int32)[None]
     return q, k, v, scales, pool, table
 
 
-@pytest.mark.parametrize(("mode", "dtype", "mantissa", "min_exp"), MODES)
-def test_write_stores_reference_bytes_and_round_trips(mode, dtype, mantissa, min_exp):
-    q, k, v, scales, pool, table = _setup(mode, dtype)
+@pytest.mark.parametrize(("mode", "dtype", "storage", "mantissa", "min_exp"), MODES)
+def test_write_stores_reference_bytes_and_round_trips(mode, dtype, storage, mantissa,
+                                                      min_exp):
+    q, k, v, scales, pool, table = _setup(mode, storage)
     t = k.shape[0]
     pos, n = np.arange(t)[None], np.array([t])
     _, pool = _write_attend(pool, q[None], k[None], v[None], table, pos, n, n,
@@ -78,7 +83,7 @@ def test_write_stores_reference_bytes_and_round_trips(mode, dtype, mantissa, min
     for i, x in enumerate((k, v)):
         s = None if scales is None else scales[LAYER, i][None, :, None]
         want = _reference_bytes(x, dtype, s)
-        assert stored[i].dtype == dtype and np.array_equal(
+        assert stored[i].dtype == storage and np.array_equal(
             stored[i].view(np.uint8), want.view(np.uint8)), f"{mode}: {'KV'[i]} bytes differ"
         back = np.asarray(quant.dequantize(jnp.asarray(stored[i]),
                                            None if s is None else jnp.asarray(s)))
@@ -94,13 +99,18 @@ def test_out_of_range_values_saturate():
         y = np.asarray(quant.quantize(x, dtype)).astype(np.float32)
         limit = float(jnp.finfo(dtype).max)
         assert np.isfinite(y).all() and y[0, 0] == limit and y[0, 1] == -limit
+    for stand_in in (jnp.uint8, jnp.int8):  # the CPU stand-ins: the same values, as bytes
+        y = np.asarray(quant.dequantize(quant.quantize(x, stand_in)))
+        limit = float(jnp.finfo(quant.as_fp8(jnp.zeros(1, stand_in)).dtype).max)
+        assert np.isfinite(y).all() and y[0, 0] == limit and y[0, 1] == -limit
 
 
 # one prefill and 5-token chunks on XLA; the Pallas kernel (interpret mode: slow) once
 @pytest.mark.parametrize(("backend", "chunk"), [("xla", 37), ("xla", 5), ("pallas", 37)])
-@pytest.mark.parametrize(("mode", "dtype"), [m[:2] for m in MODES])
-def test_attention_over_fp8_pages_matches_dequantized_reference(backend, mode, dtype, chunk):
-    q, k, v, scales, pool, table = _setup(mode, dtype, seed=chunk)
+@pytest.mark.parametrize(("mode", "dtype", "storage"), [m[:3] for m in MODES])
+def test_attention_over_fp8_pages_matches_dequantized_reference(backend, mode, dtype, storage,
+                                                                chunk):
+    q, k, v, scales, pool, table = _setup(mode, storage, seed=chunk)
     t = k.shape[0]
     js = None if scales is None else jnp.asarray(scales)
     outs = []
