@@ -26,10 +26,13 @@ measurements (block-first vs one array per layer; an in-place pinned_host pool) 
 while the rotation engine moves pages both ways every step (goal <= 10%), with one row
 per copy mode (``fused``, ``device_put``, ``in_step``: the copies inside the step's own
 program) of the time a rotation adds to a step over the floor, one copy of its bytes
-each way at memcpy speed (goal <= 1.2; CPU copies cannot be free).
+each way at memcpy speed (goal <= 1.2; CPU copies cannot be free). ``kv_dtypes``: the
+same pages in bfloat16 and in fp8_e4m3 (half the bytes, same tokens), tokens/s each way
+in the same run (goal: fp8 >= 1.8x bfloat16).
 
     python -m benchmarks.duplex [--quick] [--gib 1.0] [--out results/duplex.json]
     python -m benchmarks.duplex --only-overlap [--quick]   # memcpy ceiling + overlap rows
+    python -m benchmarks.duplex --kv-dtypes [--quick]      # bf16 vs fp8 pages, tokens/s
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def patterned_pool(layout: PoolLayout, num_pages: int) -> jax.Array:
         shape = layout.pool_shape(num_pages)
         page = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         inner = jax.lax.broadcasted_iota(jnp.int32, shape, 3)
-        return ((page * 7 + inner) % 251).astype(layout.dtype)
+        return ((page * 7 + inner) % 251).astype(layout.storage)
     return make()
 
 
@@ -313,6 +316,44 @@ def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, d
     return rows, extra
 
 
+def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
+    """Tokens per second each way for the same ``num_pages`` pages of 16 tokens in
+    bfloat16 (``page_dtype``) and in fp8_e4m3, both through the engine's copy mode in
+    the same run: an fp8 page holds the same tokens in half the bytes (its per-head
+    scales are the engine's, fixed, and never move). The two alternate, one trial each
+    in turn (order flipped every round), so a change in the machine's load hits both;
+    medians over the trials. ``*_over_bf16``: fp8's tokens/s over bfloat16's (goal >= 1.8)."""
+    med = statistics.median
+    names = {page_dtype(): "bfloat16", "fp8_e4m3": "fp8_e4m3"}
+    times: dict[str, dict[str, list[float]]] = {d: {"out": [], "in": [], "duplex": []}
+                                                for d in names}
+    verified = {d: True for d in names}
+    for r in range(max(3, repeats)):
+        for kv_dtype in (list(names) if r % 2 == 0 else list(names)[::-1]):
+            layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, kv_dtype)
+            t, ok, _, _ = batched_trials(layout, num_pages, 1, None)
+            verified[kv_dtype] = verified[kv_dtype] and ok
+            for k, v in t.items():
+                times[kv_dtype][k] += v
+    tokens = num_pages * PAGE_TOKENS
+    rows = []
+    for kv_dtype, name in names.items():
+        t = times[kv_dtype]
+        layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, kv_dtype)
+        rows.append({"kv_cache_dtype": name, "storage": str(layout.storage),
+                     "page_bytes": layout.page_bytes, "tokens_each_way": tokens,
+                     "trials": len(t["out"]), "out_tok_s": tokens / med(t["out"]),
+                     "in_tok_s": tokens / med(t["in"]),
+                     "duplex_tok_s_each_way": tokens / med(t["duplex"]),
+                     "round_trip_verified": verified[kv_dtype]})
+    bf16 = rows[0]
+    for r in rows:
+        for k in ("out", "in", "duplex"):
+            key = "duplex_tok_s_each_way" if k == "duplex" else f"{k}_tok_s"
+            r[f"{k}_over_bf16"] = r[key] / bf16[key]
+    return rows
+
+
 def best_time(fn, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
@@ -407,7 +448,7 @@ def host_in_place_row(pool_pages: int) -> dict:
     """The alternative host tier: one preallocated pinned_host array updated in place."""
     layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
     host = HostPool(1)
-    page = jnp.ones((1, *layout.page_shape()), layout.dtype)
+    page = jnp.ones((1, *layout.page_shape()), layout.storage)
 
     def update(hp, page, i):
         return jax.lax.dynamic_update_slice_in_dim(
@@ -665,6 +706,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-overlap", action="store_true",
                         help="only the memcpy ceiling and the model-step part (no transfer "
                              "rows: minutes less)")
+    parser.add_argument("--kv-dtypes", action="store_true",
+                        help="only the KV dtype rows: tokens/s each way, bfloat16 and "
+                             "fp8_e4m3 pages, same run")
     parser.add_argument("--glibc-default", action="store_true",
                         help="CPU: keep glibc's default trimming (see keep_freed_memory)")
     args = parser.parse_args(argv)
@@ -675,6 +719,12 @@ def main(argv: list[str] | None = None) -> None:
     num_pages = max(1, int(gib * (1 << 30)) // layout.page_bytes)
     host = HostPool(2 * num_pages)
     nbytes = num_pages * layout.page_bytes
+    if args.kv_dtypes:
+        kv_rows = kv_dtype_rows(num_pages, repeats)
+        print_table(kv_rows, title=f"{num_pages} pages of {PAGE_TOKENS} tokens each way, "
+                                   f"by KV dtype ({jax.default_backend()})")
+        write_json(args.out, {"kv_dtypes": kv_rows, "malloc_no_trim": malloc_tuned})
+        return
     if args.only_overlap:
         ceilings = memcpy_gbps(nbytes)
         print_table([{"ceiling": k, "GBps": v} for k, v in ceilings.items()],
@@ -714,6 +764,8 @@ def main(argv: list[str] | None = None) -> None:
           f" round trip verified: {extra['round_trip_verified']}")
     payload = {"ceilings": ceilings, "transfers": rows, "page_dtype": layout.dtype,
                "malloc_no_trim": malloc_tuned, **extra}
+    payload["kv_dtypes"] = kv_dtype_rows(num_pages, repeats)
+    print_table(payload["kv_dtypes"], title="tokens/s each way by KV dtype (same run)")
     if args.layouts:
         payload["layouts"] = layout_rows(args.quick)
         print_table(payload["layouts"], title="layouts")

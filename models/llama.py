@@ -136,7 +136,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
 
     def __call__(self, x, kv_pool, layer, inputs: StepInputs, inv_freq, backend,
-                 mesh: Mesh | None = None, acc32: Acc32 = False):
+                 mesh: Mesh | None = None, acc32: Acc32 = False, kv_scales=None):
         b, c, _ = x.shape
         q, k, v = matmuls(x, [self.wq[...], self.wk[...], self.wv[...]], acc32)
         if self.qkv_bias:
@@ -151,6 +151,7 @@ class Attention(nnx.Module):
         out, kv_pool = ops.write_and_attend(
             q, k, v, kv_pool, layer, inputs.page_tables, inputs.positions, inputs.context_lens,
             inputs.query_lens, scale=self.head_dim**-0.5, backend=backend, mesh=mesh,
+            kv_scales=kv_scales,
         )
         # Under TP, wo's rows are split like the heads: each shard's product is a partial
         # sum, and this matmul is where the partitioner places the block's first all-reduce.
@@ -181,10 +182,10 @@ class DecoderLayer(nnx.Module):
             else MLP(cfg, dtype, rngs)
 
     def __call__(self, x, kv_pool, layer, inputs, inv_freq, backend, mesh=None,
-                 acc32: Acc32 = False):
+                 acc32: Acc32 = False, kv_scales=None):
         """Returns (x, kv_pool, per-expert token counts or None for a dense MLP)."""
         h, kv_pool = self.attn(self.attn_norm(x), kv_pool, layer, inputs, inv_freq, backend,
-                               mesh, acc32)
+                               mesh, acc32, kv_scales)
         x = x + h
         if isinstance(self.mlp, MoE):
             valid = jnp.arange(x.shape[1])[None, :] < inputs.query_lens[:, None]
@@ -208,12 +209,13 @@ class LlamaModel(nnx.Module):
     def __call__(self, kv_pool, inputs: StepInputs, backend: str = "xla",
                  all_logits: bool = False, mesh: Mesh | None = None,
                  return_hidden: bool = False, acc32: Acc32 = False,
-                 expert_counts: Callable[[jax.Array], None] | None = None):
+                 expert_counts: Callable[[jax.Array], None] | None = None, kv_scales=None):
         """With a ``mesh``, weights and the pool arrive sharded (``models.sharding``); the
         residual stream is kept replicated, so each block costs two all-reduces.
         ``acc32``: float32 accumulation and activations (module docstring).
         ``expert_counts``: a host function given, per step, the tokens each expert of
-        each routed layer received ([moe layers, experts] int32, ``jax.debug.callback``)."""
+        each routed layer received ([moe layers, experts] int32, ``jax.debug.callback``).
+        ``kv_scales``: an fp8_e4m3 pool's [L, 2, K] scales (``superinfer_jax.kv.quant``)."""
         x = self.embed[...][inputs.tokens]  # [B, C, hidden]
         if acc32:
             x = x.astype(jnp.float32)
@@ -223,7 +225,7 @@ class LlamaModel(nnx.Module):
         counts = []
         for layer_idx, layer in enumerate(self.layers):
             x, kv_pool, layer_counts = layer(x, kv_pool, layer_idx, inputs, inv_freq, backend,
-                                             mesh, acc32)
+                                             mesh, acc32, kv_scales)
             if layer_counts is not None:
                 counts.append(layer_counts)
         if counts and expert_counts is not None:

@@ -113,12 +113,12 @@ class LlamaServable:
         return self.config.name
 
     def forward(self, params, kv_pool, inputs: StepInputs, *, attention_backend: str = "xla",
-                all_logits: bool = False, return_hidden: bool = False):
+                all_logits: bool = False, return_hidden: bool = False, kv_scales=None):
         module = nnx.merge(self.graphdef, params)
         counts = None if self.expert_counts is None else self.expert_counts.add
         return module(kv_pool, inputs, backend=attention_backend, all_logits=all_logits,
                       mesh=self.mesh, return_hidden=return_hidden, acc32=self.acc32,
-                      expert_counts=counts)
+                      expert_counts=counts, kv_scales=kv_scales)
 
     def project(self, params, hidden):
         """Hidden states from ``forward(..., return_hidden=True)`` -> logits."""

@@ -218,7 +218,8 @@ FILE_VALUES: dict[str, FileValues] = {
              "(null: min(256, max_num_batched_tokens))"),
     "model.kv_cache_dtype": FileValues(
         auto=("auto",), to_engine=_kv_dtype,
-        help="auto (= model.dtype, but float32 on CPU) | float32 | bfloat16"),
+        help="auto (= model.dtype, but float32 on CPU) | float32 | bfloat16 | fp8_e4m3 | "
+             "fp8_e5m2 (docs/quantization.md)"),
 }
 
 # A profile sets some keys for a kind of deployment, over their defaults (the fields',

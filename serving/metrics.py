@@ -12,8 +12,9 @@ scheduler's queues; ``kv_cache_usage_perc`` is the device tier's used fraction (
 where cached pages no request references count as free (reclaimed on demand, as in vLLM);
 ``gpu_cache_usage_perc`` is the same under its pre-v1 name, which GIE's model-server
 protocol still lists; ``cache_config_info`` is an info gauge (value 1) whose labels are
-the page size (``block_size``) and the device page count (``num_gpu_blocks``), once the
-engine exists.
+the page size (``block_size``), the device page count (``num_gpu_blocks``: what
+``hardware.kv_cache_memory_gb`` gave, for its KV dtype) and the KV dtype (``cache_dtype``),
+once the engine exists.
 
 A mixture-of-experts model adds ``superinfer:moe_expert_tokens_total``: tokens routed to
 each expert, per group of consecutive routed layers (labels ``layers``, e.g. "0-11", and
@@ -64,6 +65,7 @@ class _SnapshotCollector(Collector):
         self.block_size: int | None = None  # the page size, once the engine exists
         # MoE models: {layer group: tokens per expert}, read at scrape time
         self.expert_counts: Callable[[], Mapping[str, Any]] | None = None
+        self.cache_dtype = ""  # the KV dtype (model.kv_cache_dtype), once the engine exists
 
     def collect(self) -> Iterator[Any]:
         view = read(self.stats)
@@ -172,9 +174,10 @@ class _SnapshotCollector(Collector):
         if self.block_size is not None:
             info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig.",
-                                     labels=[*labels, "block_size", "num_gpu_blocks"])
+                                     labels=[*labels, "block_size", "num_gpu_blocks",
+                                             "cache_dtype"])
             info.add_metric([self.model_name, str(self.block_size),
-                             str(view.device_pages_total)], 1)
+                             str(view.device_pages_total), self.cache_dtype], 1)
             yield info
 
 
@@ -215,9 +218,11 @@ class ServingMetrics:
             self.slo_attained.labels(model_name, kind)
             self.slo_violated.labels(model_name, kind)
 
-    def set_cache_config(self, block_size: int) -> None:
-        """The engine's page size (``vllm:cache_config_info``); set once it exists."""
+    def set_cache_config(self, block_size: int, cache_dtype: str = "") -> None:
+        """The engine's page size and KV dtype (``vllm:cache_config_info``); set once it
+        exists."""
         self._snapshot.block_size = block_size
+        self._snapshot.cache_dtype = cache_dtype
 
     def set_expert_counts(self, source: Callable[[], Mapping[str, Any]]) -> None:
         """A MoE model's per-expert token counts by layer group

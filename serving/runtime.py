@@ -80,7 +80,7 @@ class Runtime:
             policy=str(getattr(cfg.engine, "policy", "fcfs")),
         )
         self.engine = engine
-        self.metrics.set_cache_config(cfg.hardware.page_size)
+        self.metrics.set_cache_config(cfg.hardware.page_size, cfg.model.kv_cache_dtype)
         expert_counts = getattr(model, "expert_counts", None)  # a mixture-of-experts model
         if expert_counts is not None:
             self.metrics.set_expert_counts(expert_counts.by_group)

@@ -21,6 +21,7 @@ from superinfer_jax.config_schema import (
     validate,
 )
 from superinfer_jax.kv.host_cache import HOST_CACHE_EVICTIONS
+from superinfer_jax.kv.quant import KV_DTYPES
 from superinfer_jax.request import MAX_DEFERRED_ROWS, PRIORITY_CLASSES, SLO
 
 DTYPES = ("float32", "bfloat16")
@@ -204,7 +205,10 @@ class ModelLayout:
     server's, ``serving.config_schema.ModelSection``)."""
 
     max_model_len: int = knob(2048, ge=2, help="prompt + output tokens per request")
-    kv_cache_dtype: str = knob("float32", choices=DTYPES, help="KV cache dtype")
+    kv_cache_dtype: str = knob(
+        "float32", choices=KV_DTYPES,
+        help="KV cache dtype: float32 | bfloat16 | fp8_e4m3 (per-layer, per-head scales "
+             "calibrated at start) | fp8_e5m2 (no scales); docs/quantization.md")
     tensor_parallel_size: int = knob(
         1, ge=1,
         help="devices to split the model over: this host's, or with --num-processes the "
@@ -218,11 +222,13 @@ class ModelLayout:
 class HardwareConfig:
     """Device pages and kernels.
 
-    Device pages: ``num_device_pages`` if set, else ``device_memory_fraction`` of the
+    Device pages: ``num_device_pages`` if set, else ``kv_cache_memory_gb`` worth of pages
+    of the KV dtype (its scales counted), else ``device_memory_fraction`` of the
     accelerator's free memory (where the backend reports it), else enough pages for
     ``max_num_seqs`` requests of ``max_model_len`` tokens. With tensor parallelism a page
-    id still names one page, each device holding its KV heads of it: page counts are
-    totals over the mesh, ``device_memory_fraction`` applies to each device."""
+    id still names one page, each device holding its KV heads of it: page counts and
+    ``kv_cache_memory_gb`` are totals over the mesh, ``device_memory_fraction`` applies to
+    each device."""
 
     page_size: int = knob(16, ge=1, check=power_of_two,
                           help="tokens per KV page (a power of two)")
@@ -230,6 +236,10 @@ class HardwareConfig:
         None, ge=2, example=4096,
         help="fixed device page count (page 0 is the null page) instead of "
              "device_memory_fraction (CPU default: enough for max_num_seqs)")
+    kv_cache_memory_gb: float | None = knob(
+        None, gt=0, example=8.0,
+        help="GiB of device KV pool (all devices together), scales included: the page "
+             "count follows model.kv_cache_dtype; overrides device_memory_fraction")
     device_memory_fraction: float = knob(
         0.9, gt=0, le=1, help="of free accelerator memory given to KV pages")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,

@@ -87,8 +87,11 @@ class ServableModel(Protocol):
         attention_backend: str = "xla",
         all_logits: bool = False,
         return_hidden: bool = False,
+        kv_scales: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
         """Run one step: (logits, kv_pool), plus ``hidden`` with ``return_hidden``.
+        ``kv_scales``: an fp8_e4m3 pool's [L, 2, K] scales, handed to
+        ``ops.write_and_attend`` (the engine passes it only for that dtype).
         logits: [B, vocab] float32 at each row's last valid token ([B, C, vocab] with
         ``all_logits``); hidden: [B, C, hidden] final-normed states, for ``project``."""
         ...

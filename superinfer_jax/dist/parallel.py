@@ -32,6 +32,8 @@ POOL_SPEC = P(None, None, None, None, TP_AXIS, None)
 PAGE_SPEC = P(None, None, None, TP_AXIS, None)
 # q / k / v / attention output [B, C, heads, head_dim]
 HEADS_SPEC = P(None, None, TP_AXIS, None)
+# fp8_e4m3's KV scales [num_layers, 2, kv_heads]: sharded with their heads
+KV_SCALES_SPEC = P(None, None, TP_AXIS)
 
 
 def make_mesh(tensor_parallel_size: int, devices: list[jax.Device] | None = None) -> Mesh:

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from superinfer_jax.kv import quant
 from superinfer_jax.ops.paging import ceil_div, pad_page_table
 
 _MASKED = -1e30  # same finite "minus infinity" as the XLA reference: no inf - inf NaNs
@@ -98,8 +99,10 @@ def _kernel(
         tok = split_start + i * block_tokens + lax.iota(jnp.int32, block_tokens)  # [T]
         pages = pt_ref[b, lax.div(tok, page_size)]  # [T]
         offs = lax.rem(tok, page_size)  # [T]
-        k = pool_ref[pages, layer, 0, offs, kh, :]  # [T, D]
-        v = pool_ref[pages, layer, 1, offs, kh, :]  # [T, D]
+        k = quant.as_fp8(pool_ref[pages, layer, 0, offs, kh, :])  # [T, D]
+        v = quant.as_fp8(pool_ref[pages, layer, 1, offs, kh, :])  # [T, D]
+        if jnp.dtype(v.dtype).itemsize == 1:  # fp8 pages: the dot takes the query's dtype
+            v = v.astype(q.dtype)
         s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale  # [BR, T]
         if soft_cap is not None:
@@ -326,8 +329,11 @@ def paged_attention(
     scale: float,
     soft_cap: float | None = None,
     interpret: bool | None = None,
+    kv_scales: jax.Array | None = None,  # [2, K]: this layer's fp8_e4m3 scales
 ) -> jax.Array:
-    """Same contract as ``attention_xla.paged_attention``; decode grid when ``C == 1``."""
+    """Same contract as ``attention_xla.paged_attention``; decode grid when ``C == 1``.
+    fp8 pages are cast to the query's dtype in the kernel; ``kv_scales`` fold into a
+    float32 query and the output outside it (``kv.quant``), so the kernel never scales."""
     if q.shape[2] % kv_pool.shape[4]:
         raise ValueError(f"{q.shape[2]} query heads do not group over {kv_pool.shape[4]}")
     interpret = _resolve_interpret(interpret)
@@ -335,5 +341,11 @@ def paged_attention(
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {q.shape[3]}; "
                          "use attention_backend='xla' for this model")
     fn = decode_attention if q.shape[1] == 1 else prefill_attention
-    return fn(q, kv_pool, layer, page_tables, context_lens, query_lens, scale=scale,
-              soft_cap=soft_cap, interpret=interpret)
+    if kv_scales is None:
+        return fn(q, kv_pool, layer, page_tables, context_lens, query_lens, scale=scale,
+                  soft_cap=soft_cap, interpret=interpret)
+    group = q.shape[2] // kv_pool.shape[4]
+    k_scale, v_scale = (jnp.repeat(s, group)[None, None, :, None] for s in kv_scales)  # per H
+    out = fn(q.astype(jnp.float32) * k_scale, kv_pool, layer, page_tables, context_lens,
+             query_lens, scale=scale, soft_cap=soft_cap, interpret=interpret)
+    return (out * v_scale).astype(q.dtype)

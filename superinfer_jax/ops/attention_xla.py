@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import superinfer_jax.ops.native as native
+from superinfer_jax.kv import quant
 from superinfer_jax.kv.layout import NULL_PAGE
 from superinfer_jax.ops.paging import pad_page_table
 
@@ -25,8 +26,10 @@ def write_kv(
     page_tables: jax.Array,  # [B, P]
     positions: jax.Array,  # [B, C]
     query_lens: jax.Array,  # [B]
+    scales: jax.Array | None = None,  # [2, K]: this layer's fp8_e4m3 scales
 ) -> jax.Array:
-    """Scatter the step's new K/V into the pool in place; padding goes to the null page."""
+    """Scatter the step's new K/V into the pool in place; padding goes to the null page.
+    An fp8 pool stores them quantized (``kv.quant.quantize``: divided by ``scales``)."""
     page_size = kv_pool.shape[3]
     cols = jnp.arange(positions.shape[1])[None, :]
     valid = cols < query_lens[:, None]
@@ -34,7 +37,8 @@ def write_kv(
     pages = jnp.take_along_axis(page_tables, page_idx, axis=1)
     pages = jnp.where(valid, pages, NULL_PAGE)
     offsets = positions % page_size
-    kv = jnp.stack([k, v], axis=2).astype(kv_pool.dtype)  # [B, C, 2, K, D]
+    kv = jnp.stack([k, v], axis=2)  # [B, C, 2, K, D]
+    kv = quant.quantize(kv, kv_pool.dtype, None if scales is None else scales[:, :, None])
     return kv_pool.at[pages, layer, :, offsets].set(kv, mode="promise_in_bounds")
 
 
@@ -50,6 +54,7 @@ def paged_attention(
     pages_per_block: int | None = None,
     soft_cap: float | None = None,
     gather_impl: str = "auto",
+    kv_scales: jax.Array | None = None,  # [2, K]: this layer's fp8_e4m3 scales
 ) -> jax.Array:
     """Causal attention of each row's queries over its paged past plus its new tokens.
 
@@ -62,8 +67,11 @@ def paged_attention(
     gather moves scalars; the bytes are the same), and a float32 decode step without soft
     cap runs ``native.decode_attention`` instead of the block loop (each row over its own
     context; equal to the loop to float32 rounding). ``"xla"``: XLA's everywhere, the
-    reference the native ops are tested against. One function, long for a kernel: the
-    gathers and the loop body close over its shapes, so the trace reads top to bottom.
+    reference the native ops are tested against. An fp8 pool is read as stored and cast
+    (the native decode kernel reads float32 pages only, so fp8 decode takes the loop);
+    ``kv_scales`` fold into the queries and the output (``kv.quant``). One function, long
+    for a kernel: the gathers and the loop body close over its shapes, so the trace reads
+    top to bottom.
     """
     if gather_impl not in ("auto", "xla"):
         raise ValueError(f"gather_impl must be 'auto' or 'xla', got {gather_impl!r}")
@@ -81,7 +89,7 @@ def paged_attention(
         def xla_decode(q, kv_pool, page_tables, context_lens):
             return paged_attention(q, kv_pool, layer, page_tables, context_lens, query_lens,
                                    scale=scale, pages_per_block=pages_per_block,
-                                   soft_cap=soft_cap, gather_impl="xla")
+                                   soft_cap=soft_cap, gather_impl="xla", kv_scales=kv_scales)
 
         return jax.lax.platform_dependent(q, kv_pool, page_tables, context_lens,
                                           cpu=native_decode, default=xla_decode)
@@ -98,6 +106,8 @@ def paged_attention(
     block_tokens = ppb * page_size
 
     qg = q.reshape(batch, cols, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    if kv_scales is not None:  # q . (s_k k) = (s_k q) . k, per KV head
+        qg = qg * kv_scales[0][None, None, :, None, None]
     qg = qg.transpose(0, 2, 3, 1, 4)  # [B, K, G, C, D]: batch dims first, as the dot wants
     q_pos = (context_lens - query_lens)[:, None] + jnp.arange(cols)[None, :]  # [B, C]
     num_blocks = (jnp.max(context_lens) + block_tokens - 1) // block_tokens
@@ -118,6 +128,7 @@ def paged_attention(
         else:
             k, v = jax.lax.platform_dependent(ids, cpu=native_gather, default=xla_gather)
         shape = (batch, num_kv_heads, block_tokens, head_dim)
+        k, v = quant.as_fp8(k), quant.as_fp8(v)  # fp8 bytes kept as integers: the fp8 type
         return k.reshape(shape).astype(jnp.float32), v.reshape(shape).astype(jnp.float32)
 
     def body(i, carry):
@@ -145,6 +156,8 @@ def paged_attention(
     acc0 = jnp.zeros((batch, num_kv_heads, group, cols, head_dim), jnp.float32)
     _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, denom0, acc0))
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, K, G, C, D]
+    if kv_scales is not None:  # sum p (s_v v) = s_v sum p v
+        out = out * kv_scales[1][None, :, None, None, None]
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, cols, num_heads, head_dim)
     return out.astype(q.dtype)
 

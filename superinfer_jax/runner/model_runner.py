@@ -35,7 +35,12 @@ from superinfer_jax.kv.two_tier import PageMoves, TwoTierKVManager
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import Request
 from superinfer_jax.runner.compilation_manager import CompilationManager
-from superinfer_jax.runner.device_pool import DevicePool, choose_num_pages
+from superinfer_jax.runner.device_pool import (
+    DevicePool,
+    check_backend_dtype,
+    check_pools_fit,
+    choose_num_pages,
+)
 from superinfer_jax.runner.executable_cache import ExecutableCache
 from superinfer_jax.runner.input_batch import (
     CallArrays,
@@ -43,6 +48,7 @@ from superinfer_jax.runner.input_batch import (
     InflightStep,
     LogitsRows,
 )
+from superinfer_jax.runner.kv_calibration import kv_scales_for
 from superinfer_jax.runner.logits import (
     LogitsInputs,
     StepLogprobs,
@@ -74,6 +80,9 @@ class ModelRunner:
         self.num_host_pages = num_host_pages_for(
             config.duplex_kv.host_memory_gb, config.duplex_kv.num_host_pages,
                                                  self.layout.page_bytes)
+        check_pools_fit(config, self.layout, self.num_device_pages, self.num_host_pages)
+        self.backend = ops.resolve_backend(config.hardware.attention_backend)
+        check_backend_dtype(config, self.backend)
         # the pages' bookkeeping (host only): the scheduler plans with it
         self.kv = TwoTierKVManager(
             self.num_device_pages, config.hardware.page_size, self.num_host_pages,
@@ -84,7 +93,6 @@ class ModelRunner:
         if self.num_host_pages > 0:
             self.duplex = self._new_duplex()
         self.pool = DevicePool(self.layout, self.num_device_pages, self.mesh, self.duplex)
-        self.backend = ops.resolve_backend(config.hardware.attention_backend)
         self.feedback_width = max(config.decode_buckets + config.prefill_row_buckets)
         self.no_tokens = self.committed(np.zeros(self.feedback_width, np.int32))
         self._inflight: InflightStep | None = None  # dispatched, tokens not read yet
@@ -93,6 +101,12 @@ class ModelRunner:
         # the weights as a flat list: jit flattens its arguments at every call, and a list
         # is cheaper to flatten than the nnx.State
         self.step_params, self._params_treedef = jax.tree.flatten(self.model.params)
+        self._num_weights = len(self.step_params)
+        # fp8_e4m3's fixed KV scales ride as the last "weight": an argument of every step
+        # program, never a constant baked into a cached executable
+        self.kv_scales = kv_scales_for(model, self.layout, config.model.max_model_len,
+                                       self.mesh)
+        self.step_params += [] if self.kv_scales is None else [self.kv_scales]
         self._eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self._neutral: dict[tuple[int, int], LogitsInputs] = {}  # (rows, cols) -> committed
         cache = ExecutableCache.for_runner(config, model, self.backend, self.feedback_width,
@@ -182,10 +196,13 @@ class ModelRunner:
 
     def _step(self, param_leaves, kv_pool, inputs: StepInputs, sampling: SamplingInputs,
               logits_in: LogitsInputs, feedback: TokenFeedback):
-        params = jax.tree.unflatten(self._params_treedef, param_leaves)
+        n = self._num_weights
+        params = jax.tree.unflatten(self._params_treedef, param_leaves[:n])
+        scales = {"kv_scales": param_leaves[n]} if self.layout.scaled else {}
         inputs = dataclasses.replace(inputs, tokens=apply_feedback(inputs.tokens, feedback))
         logits, kv_pool, hidden = self.model.forward(
-            params, kv_pool, inputs, attention_backend=self.backend, return_hidden=True)
+            params, kv_pool, inputs, attention_backend=self.backend, return_hidden=True,
+            **scales)
         processed = process_logits(logits, inputs, logits_in, self._eos_token_ids)
         sampled = sample(processed, sampling)
         logprob, rank, top_ids, top_lps = sampled_logprobs(logits, sampled, logits_in)

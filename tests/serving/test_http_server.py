@@ -255,7 +255,8 @@ def test_vllm_gauges_track_engine_under_burst(http, stub):
         assert 0 < used[0] <= usage <= used[1] < 1, (used, usage)  # pages only grow here
         assert v["gpu_cache_usage_perc"] == (labels, usage)  # the pre-v1 name
         assert v["cache_config_info"] == ({"model_name": MODEL, "block_size": str(info.page_size),
-                                           "num_gpu_blocks": str(before.device_pages_total)}, 1)
+                                           "num_gpu_blocks": str(before.device_pages_total),
+                                           "cache_dtype": info.kv_cache_dtype}, 1)
         # the superinfer: gauges say the same
         sup = _samples(text)
         assert sup[("num_requests_running", ("model_name", MODEL))] == before.num_running

@@ -11,7 +11,8 @@ TP=4, loaded from GGUF into the sharded layout, with the one-device model conver
 that layout compared to it tensor by tensor; the replicated-KV model at TP=4 (at TP=2 it
 is a plain split, its QKV bias covered there by the sink case's logits). SmolLM2 and the
 replicated model run one request at a time, a token per step: one compiled step shape
-per engine; llama8 batches four and prefills in chunks."""
+per engine; llama8 batches four and prefills in chunks. llama8 with fp8_e4m3 KV pages at
+TP=2 gives its TP=1 tokens, the calibrated scales sharded with their KV heads."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from models.config import PRESETS, ModelConfig
 from models.sharding import ShardPlan, plan_heads
 from superinfer_jax import EngineConfig, LLMEngine
 from superinfer_jax.dist.parallel import make_mesh
+from tests.numerics import assert_close, f32_tolerance
 
 REPO = Path(__file__).resolve().parents[2]
 # (case, TP size) of every sharded engine tp_check runs.
@@ -153,6 +155,18 @@ def test_greedy_tokens_equal_tp1_with_rotations(tp_run, case, tp):
     assert runs[tp]["tokens"] == runs["1"]["tokens"]
     assert runs[tp]["rotations"] >= 3 and runs[tp]["pages_in"] > 0
     assert all(len(t) >= 12 for t in runs[tp]["tokens"])
+
+
+def test_fp8_kv_greedy_tokens_equal_tp1_with_scales_sharded(tp_run):
+    runs = tp_run["llama8_fp8"]
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["2"]["rotations"] >= 3 and runs["2"]["pages_in"] > 0
+    # [layers, K/V, KV heads]: 8 KV heads, 4 on each device
+    assert runs["1"]["kv_scales_shard_shape"] == [2, 2, 8]
+    assert runs["2"]["kv_scales_shard_shape"] == [2, 2, 4]
+    # calibrated through two layers whose all-reduces sum in another order than TP=1
+    tol = f32_tolerance(runs["1"]["kv_scales"], 320, depth=2)
+    assert_close(runs["2"]["kv_scales"], runs["1"]["kv_scales"], tol, "TP=2 vs TP=1 scales")
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])

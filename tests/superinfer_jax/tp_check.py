@@ -37,7 +37,8 @@ from typing import Any
 
 # The tensor-parallel sizes each case runs (intersected with ``--tp``); see the module
 # docstring for why SmolLM2 and the replicated model skip TP=2.
-CASE_TPS = {"smollm2": (1, 4), "llama8": (1, 2, 4), "replicated": (1, 4), "sink": (2, 4)}
+CASE_TPS = {"smollm2": (1, 4), "llama8": (1, 2, 4), "replicated": (1, 4), "sink": (2, 4),
+            "llama8_fp8": (1, 2)}
 # The size at which SmolLM2's two loading paths are compared (the size its engine runs).
 SMOLLM2_TP = 4
 
@@ -59,7 +60,7 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
 
 
 def _engine_config(tp: int, page_size: int, device_pages: int, max_num_seqs: int,
-                   chunk: int, backend: str):
+                   chunk: int, backend: str, kv_dtype: str = "float32"):
     from superinfer_jax import EngineConfig
 
     # Compiles dominate: decode buckets up to max_num_seqs rows, and prefill 1 x chunk.
@@ -68,7 +69,8 @@ def _engine_config(tp: int, page_size: int, device_pages: int, max_num_seqs: int
                               max_prefill_chunk=chunk, max_prefill_rows=1, page_size=page_size,
                               num_device_pages=device_pages, num_host_pages=64,
                               transfer_budget_pages=16, attention_backend=backend,
-                              show_progress=False, warmup=False, tensor_parallel_size=tp)
+                              show_progress=False, warmup=False, tensor_parallel_size=tp,
+                              dtype=kv_dtype)
 
 
 def run_rotating(engine, prompts: list[list[int]], max_tokens: int, every: int,
@@ -170,7 +172,9 @@ def host_pages(engine) -> dict[str, Any]:
 def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
              max_tokens: int, every: int, max_num_seqs: int, backend: str,
              chunk: int = 16, prefix_reference: bool = False,
-             second_wave=None) -> dict[str, Any]:
+             second_wave=None, kv_dtype: str = "float32") -> dict[str, Any]:
+    import numpy as np
+
     from superinfer_jax import LLMEngine
 
     out: dict[str, Any] = {}
@@ -178,7 +182,8 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
         t0 = time.perf_counter()
         model = load(tp)
         loaded = time.perf_counter() - t0
-        config = _engine_config(tp, page_size, device_pages, max_num_seqs, chunk, backend)
+        config = _engine_config(tp, page_size, device_pages, max_num_seqs, chunk, backend,
+                                kv_dtype)
         engine = LLMEngine(model, config)
         widest = compile_widest_step(engine) if tp > 1 else None
         seen: dict[str, Any] = {}
@@ -192,6 +197,10 @@ def run_case(name: str, load, prompts, tps, page_size: int, device_pages: int,
             "host_pages": seen,
             "cached_tokens": sum(r.num_cached_tokens for r in done),
         }
+        scales = engine.runner.kv_scales
+        if scales is not None:  # fp8_e4m3: the scales, and each device's share of them
+            row["kv_scales"] = np.asarray(scales).tolist()
+            row["kv_scales_shard_shape"] = list(scales.addressable_shards[0].data.shape)
         if tp > 1:
             row["layout"] = engine.model.plan.describe()
             row["pool_shard_shape"] = list(engine.kv_pool.addressable_shards[0].data.shape)
@@ -297,6 +306,19 @@ def smollm2_case(tps, backend: str) -> dict[str, Any]:
         out["shard_vs_load"]["tp"] = SMOLLM2_TP
         out["shard_vs_load"]["kv_heads"] = converted.kv_spec.num_kv_heads
     return out
+
+
+def llama8_fp8_case(tps, backend: str) -> dict[str, Any]:
+    """llama8 with fp8_e4m3 KV pages: the scales sharded with their heads, rotations."""
+    from models.servable import random_servable
+    from superinfer_jax.dist.parallel import make_mesh
+
+    cfg = _llama8_config()
+    base = random_servable(cfg, seed=3)
+    prompts = _random_prompts(0, cfg.vocab_size, 4)
+    return run_case("llama8_fp8", lambda tp: base if tp == 1 else base.shard(make_mesh(tp)),
+                    prompts, tps, page_size=8, device_pages=10, max_tokens=12, every=3,
+                    max_num_seqs=4, backend=backend, kv_dtype="fp8_e4m3")
 
 
 def llama8_case(tps, backend: str) -> dict[str, Any]:
@@ -410,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--tp", default="1,2,4")
-    ap.add_argument("--cases", default="smollm2,llama8,replicated,sink")
+    ap.add_argument("--cases", default="smollm2,llama8,replicated,sink,llama8_fp8")
     ap.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
     ap.add_argument("--backend", default="xla", choices=("xla", "pallas", "auto"),
                     help="engine attention backend (the sink case runs both anyway)")
@@ -427,7 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         b = args.backend
         cases = {"smollm2": lambda t: smollm2_case(t, b), "llama8": lambda t: llama8_case(t, b),
-                 "replicated": lambda t: replicated_case(t, b, Path(tmp)), "sink": sink_case}
+                 "replicated": lambda t: replicated_case(t, b, Path(tmp)), "sink": sink_case,
+                 "llama8_fp8": lambda t: llama8_fp8_case(t, b)}
         for name in args.cases.split(","):
             t0 = time.perf_counter()
             result[name] = cases[name]([t for t in tps if t in CASE_TPS[name]])

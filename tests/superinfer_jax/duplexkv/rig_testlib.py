@@ -37,8 +37,11 @@ class Rig:
     def fill(self, req_id: str, num_tokens: int) -> None:
         """Allocate pages and write random contents (what a model step would do)."""
         pages = self.kv.allocate_for(req_id, num_tokens)
-        data = self.rng.standard_normal((len(pages), *self.layout.page_shape()))
-        data = data.astype(self.layout.dtype)
+        shape = (len(pages), *self.layout.page_shape())
+        if np.issubdtype(self.layout.storage, np.integer):  # fp8 bytes on CPU: any byte
+            data = self.rng.integers(0, 256, shape, dtype=np.uint8).view(self.layout.storage)
+        else:
+            data = self.rng.standard_normal(shape).astype(self.layout.storage)
         self.pool = self.pool.at[np.array(pages)].set(data)
         self.expect[req_id] = data
 
@@ -46,7 +49,7 @@ class Rig:
         """Overwrite every free device page, as a step reusing freed pages would."""
         free = [p for p in range(1, self.layout_pages) if p in self.kv.allocator._free]
         if free:
-            junk = np.full((len(free), *self.layout.page_shape()), 7, self.layout.dtype)
+            junk = np.full((len(free), *self.layout.page_shape()), 7, self.layout.storage)
             self.pool = self.pool.at[np.array(free)].set(junk)
 
     @property

@@ -1,4 +1,5 @@
-"""The rotation engine on real arrays: byte-exact round trips (float32, bfloat16) across
+"""The rotation engine on real arrays: byte-exact round trips (float32, bfloat16, both
+fp8 KV dtypes: their per-head scales are the engine's, fixed, so a page is its bytes) across
 page reuse, same-step reuse of a freed page, transfer failures and a full host tier.
 
 Both copy modes run here (``PageMover.copy_mode``): ``fused`` is what CPU engines use,
@@ -18,7 +19,7 @@ def test_default_copy_mode_is_fused_on_cpu():
 
 
 @pytest.mark.parametrize("copy_mode", COPY_MODES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_round_trip_is_byte_exact_across_page_reuse(dtype, copy_mode):
     rig = Rig(dtype, copy_mode=copy_mode)
     rig.fill("a", 10)  # 3 pages, the last one partly filled
