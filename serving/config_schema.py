@@ -59,6 +59,11 @@ class ModelSection:
                             help="HF dir, .gguf file or Orbax dir")
     dtype: str = knob("float32", choices=DTYPES,
                       help="float32 | bfloat16 (weights and compute)")
+    # models.quant.MODES (kept literal: reading the schema loads no model code)
+    quantization: str = knob("none", choices=("none", "int8", "fp8"),
+                             help="none | int8 | fp8: projection weights quantized at "
+                                  "load, one scale per output channel "
+                                  "(docs/quantization.md)")
 
     def __post_init__(self) -> None:
         validate(self, prefix="model.")
