@@ -23,7 +23,8 @@ def test_tiny_model_rotation_keeps_greedy_tokens(tiny, quantization):
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     # 11 usable pages: one request needs up to 7, the batch about 30.
-    engine = LLMEngine(tiny.quantized(quantization), SMALL.replace(num_device_pages=12, num_host_pages=64))
+    engine = LLMEngine(tiny.quantized(quantization),
+                       SMALL.replace(num_device_pages=12, num_host_pages=64))
     reference = run_alone(engine, prompts, sp)
     done = run_rotating(engine, prompts, sp, every=4)
     assert [r.output_token_ids for r in done] == reference

@@ -5,8 +5,8 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
-weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode attention reads
-each row's own pages once (``decode_attention.cc``, AVX-512F).
+weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode
+attention reads each row's own pages once (``decode_attention.cc``, AVX-512F).
 
 Built with ``$CXX`` (else ``g++``) against jaxlib's FFI headers, on first use or by
 ``python -m superinfer_jax.ops.native``; cached under ``$SUPERINFER_NATIVE_CACHE`` by a
