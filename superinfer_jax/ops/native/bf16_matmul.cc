@@ -53,7 +53,8 @@ struct MatmulJob {
 
   // Columns [n0, n1) of weight i (tile shapes: ``tiles::PanelForRows``).
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1) const {
-    superinfer::tiles::PanelForRows(x, M, K, w[i], N[i], out[i], N[i], n0, n1);
+    superinfer::tiles::PanelForRows<superinfer::tiles::Bf16Weights>(x, M, K, w[i], N[i], out[i],
+                                                                   N[i], n0, n1);
   }
 
   // Unit u: groups [g0, g1) of all weights' groups end to end, weight by weight.

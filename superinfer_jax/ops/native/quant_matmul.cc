@@ -5,12 +5,12 @@
 // weights' bytes over memory bandwidth; one-byte weights halve the bfloat16 step's bytes.
 // XLA's dot would first convert the whole weight to a wider type on every step.
 //
-// How: each thread takes a contiguous range of output columns and walks it in panels of
-// a few dozen to a few hundred columns. A panel's weight slice [K, P] is read once from
-// memory and converted to bfloat16 in a per-thread scratch (exact: every int8 and every
-// e4m3 value is a bfloat16), then the bfloat16 kernel's register tiles
-// (``bf16_tiles.h``) multiply every row by it from cache, and the panel's outputs are
-// multiplied by their columns' scales.
+// How: each thread takes a contiguous range of output columns. The bfloat16 kernel's
+// register tiles (``bf16_tiles.h``) read the one-byte weights and convert them to
+// bfloat16 as they load them (exact: every int8 and every e4m3 value is a bfloat16);
+// above a few rows, a panel of a few dozen to a few hundred columns is converted once
+// into a per-thread scratch that every row block then reads from cache. Last, the
+// outputs are multiplied by their columns' scales.
 //
 // Batch invariance, by construction: out[m, n] = (one float32 accumulator, updated by one
 // ``vdpbf16ps`` per pair of k in increasing k) * scale[n]. Neither the panel width, the
@@ -44,65 +44,52 @@ constexpr int kMaxWeights = 4;
 // block, so it should stay in the core's L2).
 constexpr int64_t kScratchBytes = 192 * 1024;
 
+// Up to this many rows, the tiles convert weights in registers (no scratch).
+constexpr int64_t kDirectRows = 8;
+
 enum class Kind { kInt8, kFp8 };
 
 #if SUPERINFER_HAVE_BF16_KERNEL
 
 namespace tiles = superinfer::tiles;
 
-// 16 one-byte weights -> 16 float32 values, exactly.
-template <Kind kKind>
-BF16_TARGET inline __m512 Widen(__m128i bytes) {
-  if constexpr (kKind == Kind::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-  } else {
-    // e4m3 (bias 7) placed in a float16's fields (bias 15) is the value / 2^8, exactly,
-    // subnormals included; the float16 -> float32 conversion is exact, and so is * 2^8.
-    const __m256i u = _mm256_cvtepu8_epi16(bytes);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8);
-    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7F)), 7);
-    const __m512 f = _mm512_cvtph_ps(_mm256_or_si256(sign, mag));
-    return _mm512_mul_ps(f, _mm512_set1_ps(256.0f));
-  }
-}
-
-// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] bfloat16.
-template <Kind kKind>
-BF16_TARGET void Convert(const uint8_t* w, int64_t K, int64_t N, int64_t c, int64_t cols,
+// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] bfloat16, through the
+// format's own exact conversion (``bf16_tiles.h``).
+template <class W>
+BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
                          uint16_t* scratch, int64_t ldp) {
   for (int64_t k = 0; k < K; ++k) {
-    const uint8_t* src = w + k * N + c;
+    const typename W::T* src = w + k * N + c;
     if (k + tiles::kPrefetchRows < K) {
-      const uint8_t* ahead = src + tiles::kPrefetchRows * N;
+      const typename W::T* ahead = src + tiles::kPrefetchRows * N;
       for (int64_t j = 0; j < cols; j += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
     }
     uint16_t* dst = scratch + k * ldp;
     int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                          (__m256i)_mm512_cvtneps_pbh(Widen<kKind>(b)));
-    }
+    for (; j + 32 <= cols; j += 32) _mm512_storeu_si512(dst + j, W::Load(src + j));
     if (j < cols) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m128i b = _mm_maskz_loadu_epi8(mask, src + j);
-      _mm256_mask_storeu_epi16(dst + j, mask, (__m256i)_mm512_cvtneps_pbh(Widen<kKind>(b)));
+      const __mmask32 tail = static_cast<__mmask32>((1ull << (cols - j)) - 1);
+      _mm512_mask_storeu_epi16(dst + j, tail, W::LoadMasked(src + j, tail));
     }
   }
 }
 
-BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols) {
+// out[m, c] *= scale[c] * unscale for columns [0, cols) of M rows.
+BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols,
+                       float unscale) {
+  const __m512 u = _mm512_set1_ps(unscale);
   for (int64_t m = 0; m < M; ++m) {
     float* row = out + m * ldo;
     int64_t j = 0;
-    for (; j + 16 <= cols; j += 16)
-      _mm512_storeu_ps(row + j,
-                       _mm512_mul_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(scale + j)));
+    for (; j + 16 <= cols; j += 16) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + j), u);
+      _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), s));
+    }
     if (j < cols) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
-      _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j),
-                                                         _mm512_maskz_loadu_ps(mask, scale + j)));
+      const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scale + j), u);
+      _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), s));
     }
   }
 }
@@ -112,7 +99,7 @@ struct QuantJob {
   const uint16_t* x;
   int64_t M, K;
   int num_weights;
-  const uint8_t* w[kMaxWeights];
+  const void* w[kMaxWeights];
   const float* scale[kMaxWeights];
   float* out[kMaxWeights];
   int64_t N[kMaxWeights];
@@ -120,30 +107,42 @@ struct QuantJob {
   int64_t num_units;
   int64_t panel;  // columns per converted panel, a multiple of 32
 
-  // Columns [n0, n1) of weight i, panel by panel.
+  // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
+  // as they load them (each weight converted once or twice); more rows convert a panel
+  // into scratch once and every row block reads it from cache. The tiles see the same
+  // bfloat16 values either way, so the bits are the same.
+  template <class W>
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
+    const auto* wi = static_cast<const typename W::T*>(w[i]);
+    const float unscale = kind == Kind::kFp8 ? tiles::Fp8Weights::kUnscale : 1.0f;
+    if (M <= kDirectRows) {
+      tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
+      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0, unscale);
+      return;
+    }
     for (int64_t c = n0; c < n1; c += panel) {
       const int64_t cols = std::min(panel, n1 - c);
-      if (kind == Kind::kInt8) {
-        Convert<Kind::kInt8>(w[i], K, N[i], c, cols, scratch, panel);
-      } else {
-        Convert<Kind::kFp8>(w[i], K, N[i], c, cols, scratch, panel);
-      }
-      tiles::PanelForRows(x, M, K, scratch, panel, out[i] + c, N[i], 0, cols);
-      Scale(out[i] + c, M, N[i], scale[i] + c, cols);
+      Convert<W>(wi, K, N[i], c, cols, scratch, panel);
+      tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
+                                              cols);
+      Scale(out[i] + c, M, N[i], scale[i] + c, cols, unscale);
     }
   }
 
   BF16_TARGET void Unit(int64_t u) const {
     thread_local std::vector<uint16_t> scratch;
-    if (static_cast<int64_t>(scratch.size()) < K * panel) scratch.resize(K * panel);
+    if (M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
+      scratch.resize(K * panel);
     const int64_t total = first_group[num_weights];
     const int64_t g0 = u * total / num_units, g1 = (u + 1) * total / num_units;
     for (int i = 0; i < num_weights; ++i) {
       const int64_t lo = std::max(g0, first_group[i]), hi = std::min(g1, first_group[i + 1]);
-      if (lo < hi) {
-        Columns(i, 32 * (lo - first_group[i]), std::min(N[i], 32 * (hi - first_group[i])),
-                scratch.data());
+      if (lo >= hi) continue;
+      const int64_t n0 = 32 * (lo - first_group[i]), n1 = std::min(N[i], 32 * (hi - first_group[i]));
+      if (kind == Kind::kInt8) {
+        Columns<tiles::Int8Weights>(i, n0, n1, scratch.data());
+      } else {
+        Columns<tiles::Fp8Weights>(i, n0, n1, scratch.data());
       }
     }
   }
@@ -192,7 +191,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
         od.size() != 2 || od[0] != job->M || od[1] != wd[1]) {
       return ffi::Error::InvalidArgument("quant_matmul: w must be [K, N], s [N], out [M, N]");
     }
-    job->w[i] = static_cast<const uint8_t*>(w->untyped_data());
+    job->w[i] = w->untyped_data();
     job->scale[i] = s->typed_data();
     job->out[i] = (*o)->typed_data();
     job->N[i] = wd[1];
