@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import quant
+import models.quant as quant
 from models.config import ModelConfig
 from superinfer_jax import ops
 from superinfer_jax.dist.parallel import TP_AXIS

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import quant
+import models.quant as quant
 from models.config import ModelConfig
 from models.llama import NATIVE, Acc32, LlamaModel
 from models.sharding import ShardPlan, fill_state, flat_state

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jax.sharding import Mesh
 
-from models import quant
+import models.quant as quant
 from models.config import PRESETS
 from models.loaders.sources import EMBEDDED_PRESETS, ORBAX_MARKER, embedded_gguf_path
 from models.servable import LlamaServable, check_dtype

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import quant
+import models.quant as quant
 from models.config import ModelConfig
 from models.llama import LlamaModel
 from models.servable import LlamaServable, check_dtype
