@@ -187,6 +187,25 @@ def test_cuda_form_is_an_fp8_dot_with_its_scales() -> None:
     assert_close(quant.fp8_gemm(xr, w), ref, 2.0**-4 * float(terms.max()), "fp8_gemm")
 
 
+def test_an_fp8_model_step_lowers_for_cuda_with_fp8_dots() -> None:
+    """The whole decode step of an fp8 model, lowered for CUDA: every projection an f8
+    dot (7 per layer and the head), and the CPU kernel nowhere."""
+    from superinfer_jax.kv.layout import PoolLayout
+    from superinfer_jax.model_api import StepInputs
+
+    model = random_servable(TINY, seed=2, quantization="fp8")
+    pool = PoolLayout(model.kv_spec, 8, "float32").zeros(5)
+    inputs = StepInputs.from_numpy(tokens=np.ones((2, 1)), positions=np.zeros((2, 1)),
+                                   query_lens=np.ones(2), context_lens=np.ones(2),
+                                   page_tables=np.asarray([[1, 2], [3, 4]]))
+    step = jax.jit(lambda p, pool, x: model.forward(p, pool, x))
+    cuda = step.trace(model.params, pool, inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert native.QUANT_MATMUL_TARGET not in cuda
+    dots = re.findall(r"stablehlo\.dot_general.*", cuda)
+    f8_dots = [d for d in dots if "xf8E4M3FN>, tensor<" in d]
+    assert len(f8_dots) >= 7 * TINY.num_layers + 1
+
+
 def test_grouped_experts_match_their_dequantized_weights() -> None:
     w = quant.quantize(jnp.asarray(_weight(32, 24, lead=(3,))), "int8")
     x = jnp.asarray(np.random.default_rng(10).standard_normal((7, 32)), jnp.float32)
