@@ -126,4 +126,8 @@ def save_orbax(servable: LlamaServable, path: str | Path) -> Path:
     """Save a loaded model so ``load_model(path)`` restores it without conversion."""
     from models.loaders.orbax_io import save_orbax as _save
 
+    if servable.quantization != "none":
+        raise ValueError(f"model.quantization: save the float model, not its "
+                         f"{servable.quantization} weights (they quantize again on load)")
+
     return _save(servable, path)
