@@ -1,8 +1,9 @@
 """Weight quantization (``models.quant``, ``ops/native/quant_matmul.cc``): quantize and
 dequantize against a plain numpy reference, the native int8 / fp8 kernel against a
 float64 reference and batch-invariant, the XLA path where the kernel is off, the CUDA
-form (an f8E4M3FN dot with its scales), the servable and engine on quantized weights,
-and the CLI's answers to good and bad input."""
+form (an f8E4M3FN dot with its scales), the servable on quantized weights, and the CLI's
+answers to good and bad input (SmolLM2 int8 says Paris). Greedy tokens under batching,
+rotation, recomputation and prefix hits with int8 weights: test_rotation_invariance."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ import pytest
 from models import quant
 from models.llama import NATIVE
 from models.servable import random_servable
-from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.ops import native
 from tests.numerics import F32_EPS, assert_close, f32_tolerance, logits_tolerance
-from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone, run_jobs
+from tests.superinfer_jax.engine_testlib import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_KERNEL = native.bf16_matmul_available()
@@ -244,22 +244,6 @@ def test_native_logits_equal_xla_logits_to_rounding(tiny_int8) -> None:
     ref = xla.logits(ids)
     assert_close(tiny_int8.logits(ids), ref, logits_tolerance(TINY, ref, ids.size),
                  "native vs XLA int8 logits")
-
-
-def test_greedy_tokens_alone_equal_batched(tiny_int8) -> None:
-    engine = LLMEngine(tiny_int8, SMALL)
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(1, 250, size=n).tolist() for n in (5, 19, 11, 3, 26)]
-    sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    alone = run_alone(engine, prompts, sp)
-    batched = [r.output_token_ids for r in run_jobs(engine, [(p, sp) for p in prompts])]
-    assert batched == alone
-
-
-def test_smollm2_int8_says_paris(smollm2, greedy) -> None:
-    model = smollm2.quantized("int8")
-    tok = model.tokenizer
-    assert "Paris" in tok.decode(greedy(model, tok.encode("The capital of France is"), 8))
 
 
 # -- loading and the CLI -----------------------------------------------------------------
