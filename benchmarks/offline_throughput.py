@@ -1,9 +1,19 @@
-"""Offline throughput: this engine against transformers' ``generate`` on the same weights.
+"""Offline throughput: this engine against transformers' ``generate`` on the same weights,
+and against llama.cpp on the same GGUF.
 
-For each dtype and batch size: B prompts of ``prompt_len`` random tokens, ``new_tokens``
-greedy tokens each (EOS ignored), output tokens/s end to end (prefill included) for both,
-their ratio, and the engine's mean decode step time against the memory-bandwidth roofline
-(weight bytes over the copy bandwidth measured in the same run).
+For each weight mode and batch size: B prompts of ``prompt_len`` random tokens,
+``new_tokens`` greedy tokens each (EOS ignored), output tokens/s end to end (prefill
+included), and the engine's mean decode step time against the memory-bandwidth roofline
+(weight bytes over the copy bandwidth measured in the same run). Modes: each of
+``--dtypes`` with float weights, then each of ``--weights`` (``int8``, ``fp8``:
+``models.quant``) over bfloat16 compute; ``--kv-cache-dtype`` passes through to the engine.
+
+Each row carries ``dtype`` (compute), ``weights`` (none | int8 | fp8), ``kv_cache_dtype``,
+``batch``, ``engine_tok_s``, ``vs_bfloat16`` (over the bfloat16 float-weight row of its
+batch) and ``baselines``: tok/s of ``transformers`` (the same float weights; bfloat16 for
+the quantized rows), ``llama.cpp q8_0`` and ``llama.cpp q4_1`` (``benchmarks.lib.llamacpp``:
+the shipped Q4_1 GGUF and a Q8_0 llama.cpp makes from it), all measured in this run; a
+baseline that could not run is null, with the reason in ``baselines_missing``.
 
     python -m benchmarks.offline_throughput [--quick] [--out results/offline_throughput.json]
 """
@@ -97,19 +107,57 @@ def baseline_setup(hf_model) -> str:
             f"torch.inference_mode, attention {attn}, generate() greedy")
 
 
+def _modes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    modes = [(dtype, "none") for dtype in args.dtypes.split(",") if dtype]
+    return modes + [("bfloat16", w) for w in args.weights.split(",") if w and w != "none"]
+
+
+def _param_count(model) -> int:
+    import jax
+
+    return sum(int(x.size) for x in jax.tree.leaves(model.params))
+
+
+def _llamacpp(args: argparse.Namespace, batches: list[int], prompt: list[int]) -> dict:
+    from benchmarks.lib import llamacpp
+    from models.weights_cache import gguf_source
+
+    source = gguf_source(args.model)
+    if source is None:
+        return {name: {b: f"{args.model} is not a GGUF" for b in batches}
+                for name in ("llama.cpp q8_0", "llama.cpp q4_1")}
+    return llamacpp.baselines(source, batches, prompt, args.new_tokens)
+
+
+def _baselines(hf: dict[int, float], cpp: dict, batch: int) -> tuple[dict, dict]:
+    values: dict[str, float | None] = {"transformers": hf[batch]}
+    missing: dict[str, str] = {}
+    for name, per_batch in cpp.items():
+        got = per_batch[batch]
+        values[name] = got if isinstance(got, float) else None
+        if not isinstance(got, float):
+            missing[name] = str(got)
+    return values, missing
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "offline_throughput")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="float-weight rows")
+    parser.add_argument("--weights", default="int8,fp8",
+                        help="quantized-weight rows (bfloat16 compute); '' for none")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="model.kv_cache_dtype of every row (auto: per dtype)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp")
     args = parser.parse_args(argv)
     if args.quick:
-        args.dtypes, args.batches, args.new_tokens = "float32", "1,8", 32
+        args.dtypes, args.weights, args.batches, args.new_tokens = "bfloat16", "int8", "1", 32
 
     import torch
 
@@ -123,47 +171,72 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     flops = matmul_flops()
     rng = np.random.default_rng(0)
-    rows = []
+    rows: list[dict] = []
     setup = ""
-    for dtype in args.dtypes.split(","):
-        model = load_model(args.model, dtype=dtype)
-        prompts = rng.integers(10, model.vocab_size, (max(batches), args.prompt_len)).tolist()
+    hf_tok_s: dict[str, dict[int, float]] = {}
+    prompts: list[list[int]] = []
+    cpp: dict = {}
+    for dtype, weights in _modes(args):
+        model = load_model(args.model, dtype=dtype, quantization=weights)
+        if not prompts:
+            prompts = rng.integers(10, model.vocab_size,
+                                   (max(batches), args.prompt_len)).tolist()
+            cpp = ({name: {b: "--no-llamacpp" for b in batches}
+                    for name in ("llama.cpp q8_0", "llama.cpp q4_1")}
+                   if args.no_llamacpp else _llamacpp(args, batches, prompts[0]))
         weight_bytes = model.param_bytes()
         roofline_ms = 1000 * weight_bytes / bandwidth
+        kv = default_kv_dtype(dtype) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         config = EngineConfig.build(
             max_model_len=args.prompt_len + args.new_tokens + 16, max_num_seqs=max(batches),
             max_prefill_chunk=args.prompt_len, max_num_batched_tokens=4 * args.prompt_len,
-            dtype=default_kv_dtype(dtype), compilation_cache_dir=args.compilation_cache or None,
+            dtype=kv, compilation_cache_dir=args.compilation_cache or None,
         )
         engine = LLMEngine(model, config)
-        hf_model = to_transformers(model, dtype)
-        run_transformers(hf_model, 1, prompts, 4)  # first-call overhead out of the timing
-        setup = baseline_setup(hf_model)
-        print(f"baseline: {setup}")
+        if dtype not in hf_tok_s:
+            hf_model = to_transformers(load_model(args.model, dtype=dtype) if weights != "none"
+                                       else model, dtype)
+            run_transformers(hf_model, 1, prompts, 4)  # first-call overhead out of the timing
+            setup = baseline_setup(hf_model)
+            print(f"baseline: {setup}")
+            hf_tok_s[dtype] = {b: run_transformers(hf_model, b, prompts, args.new_tokens)
+                               for b in batches}
+            del hf_model
         for batch in batches:
             ours = run_engine(model, batch, prompts, args.new_tokens, engine)
-            theirs = run_transformers(hf_model, batch, prompts, args.new_tokens)
             step = ours["decode_step_ms"]
             # both rooflines: weights streamed once per step, and 2 FLOPs per param per row
-            compute_ms = 1000 * 2 * (weight_bytes / np.dtype(np.float32).itemsize
-                                     if dtype == "float32" else weight_bytes / 2) * batch / flops
+            compute_ms = 1000 * 2 * _param_count(model) * batch / flops
             bound_ms = max(roofline_ms, compute_ms)
+            values, missing = _baselines(hf_tok_s[dtype], cpp, batch)
+            bf16 = ours["tok_s"] if (dtype, weights) == ("bfloat16", "none") else next(
+                (r["engine_tok_s"] for r in rows if r["batch"] == batch
+                 and r["dtype"] == "bfloat16" and r["weights"] == "none"), None)
             rows.append({
-                "dtype": dtype, "batch": batch,
-                "engine_tok_s": ours["tok_s"], "hf_tok_s": theirs,
-                "ratio": ours["tok_s"] / theirs,
+                "dtype": dtype, "weights": weights, "kv_cache_dtype": kv, "batch": batch,
+                "engine_tok_s": ours["tok_s"], "baselines": values,
+                "baselines_missing": missing,
+                "vs_bfloat16": ours["tok_s"] / bf16 if bf16 else None,
+                "vs_transformers": ours["tok_s"] / values["transformers"],
                 "decode_step_ms": step, "bw_roofline_ms": roofline_ms,
                 "flop_roofline_ms": compute_ms,
                 "step_over_roofline": step / bound_ms if step else None,
             })
-            print_table(rows[-1:])
-        del engine, hf_model
-    print_table(rows, title=f"offline throughput ({args.model}, prompt {args.prompt_len}, "
-                            f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s, "
-                            f"matmul {flops / 1e9:.0f} GFLOP/s)\nbaseline: {setup}")
+            print_table([_flat(rows[-1])])
+        del engine, model
+    print_table([_flat(r) for r in rows],
+                title=f"offline throughput ({args.model}, prompt {args.prompt_len}, "
+                      f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s, "
+                      f"matmul {flops / 1e9:.0f} GFLOP/s)\nbaseline: {setup}")
     write_json(args.out, {"args": vars(args), "baseline_setup": setup,
                           "copy_bandwidth_gb_s": bandwidth / 1e9,
                           "matmul_gflops": flops / 1e9, "rows": rows})
+
+
+def _flat(row: dict) -> dict:
+    """A row for the printed table: baselines as columns, reasons left to the JSON."""
+    out = {k: v for k, v in row.items() if k not in ("baselines", "baselines_missing")}
+    return out | {f"{name} tok_s": v for name, v in row["baselines"].items()}
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import models.quant as quant
 from models.config import ModelConfig
 from models.moe import MoE
 from superinfer_jax import ops
@@ -66,7 +67,13 @@ def matmuls(x: jax.Array, ws: list[jax.Array], acc32: Acc32) -> list[jax.Array]:
 
     ``acc32``: truthy for float32 accumulation and result. ``NATIVE`` sends every shape to
     the native kernel on CPU, never only some: its sums run in one fixed order per output,
-    so a row's bits do not depend on how many rows share the step."""
+    so a row's bits do not depend on how many rows share the step.
+
+    Quantized weights (``models.quant.QuantizedWeight``) take ``models.quant.matmuls``:
+    float32 results under ``acc32``, else the activations' dtype."""
+    if isinstance(ws[0], quant.QuantizedWeight):
+        outs = quant.matmuls(x, ws, native_cpu=acc32 == NATIVE)
+        return outs if acc32 else [out.astype(x.dtype) for out in outs]
     if not acc32:
         return [x @ w for w in ws]
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from models import quant
 from models.config import ModelConfig
 from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.ops.grouped_matmul import grouped_matmul
@@ -57,14 +58,28 @@ def experts_forward(x: jax.Array, weights: jax.Array, experts: jax.Array, we_gat
     key = jnp.where(mine, local, num_local)  # another device's pairs sort last
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((num_local + 1,), jnp.int32).at[key].add(1)[:num_local]
-    rows = x[order // k].astype(we_gate.dtype)  # [T * k, hidden], grouped by expert
+    compute = _compute_dtype(we_gate)
+    rows = x[order // k].astype(compute)  # [T * k, hidden], grouped by expert
     out_type = jnp.float32 if acc32 else None
-    gate = grouped_matmul(rows, we_gate, sizes, preferred_element_type=out_type)
-    up = grouped_matmul(rows, we_up, sizes, preferred_element_type=out_type)
-    hidden = (jax.nn.silu(gate) * up).astype(we_down.dtype)
-    y = grouped_matmul(hidden, we_down, sizes, preferred_element_type=out_type)
+    gate = _expert_matmul(rows, we_gate, sizes, out_type)
+    up = _expert_matmul(rows, we_up, sizes, out_type)
+    hidden = (jax.nn.silu(gate) * up).astype(compute)
+    y = _expert_matmul(hidden, we_down, sizes, out_type)
     y = y[jnp.argsort(order)].reshape(t, k, -1).astype(jnp.float32)  # unsorted
     return jnp.sum(y * weights[..., None], axis=1)
+
+
+def _compute_dtype(w) -> jnp.dtype:
+    """Stacked experts' compute dtype: bfloat16 for quantized experts (W8A16)."""
+    return jnp.dtype(jnp.bfloat16) if isinstance(w, quant.QuantizedWeight) else w.dtype
+
+
+def _expert_matmul(rows: jax.Array, w, sizes: jax.Array, out_type) -> jax.Array:
+    """``grouped_matmul`` of float or quantized (``models.quant``) stacked experts."""
+    if isinstance(w, quant.QuantizedWeight):
+        out = quant.grouped_matmul(rows, w, sizes)  # float32, scaled per group and column
+        return out if out_type is not None else out.astype(rows.dtype)
+    return grouped_matmul(rows, w, sizes, preferred_element_type=out_type)
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:

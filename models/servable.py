@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import models.quant as quant
 from models.config import ModelConfig
 from models.expert_counts import ExpertCounts
 from models.llama import NATIVE, Acc32, LlamaModel
@@ -73,7 +74,8 @@ class LlamaServable:
     ``models.llama`` (Llama family, Qwen3, Mixtral, Qwen3-MoE)."""
 
     def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str,
-                 plan: ShardPlan | None = None, compute_dtype: str = "auto"):
+                 plan: ShardPlan | None = None, compute_dtype: str = "auto",
+                 quantization: str = "none"):
         self.config = config
         self.tokenizer = tokenizer
         self.dtype = check_dtype(dtype)  # the weights as loaded (the checkpoint's dtype)
@@ -91,6 +93,11 @@ class LlamaServable:
             self.acc32 = NATIVE
         if dtype == "bfloat16" and self.compute_dtype == "float32":  # upcast once, here
             self.params = jax.tree.map(lambda w: w.astype(jnp.float32), self.params)
+        self.quantization = quant.check_mode(quantization)
+        if quant.is_quantized(self.params) and quantization == "none":
+            raise ValueError("the module holds quantized weights: pass their quantization")
+        if quantization != "none":
+            self._quantize(platform)
         if dtype == "bfloat16":
             how = ""
             if self.acc32:
@@ -107,6 +114,28 @@ class LlamaServable:
         # tokens per expert of every routed layer, added by each step (models.moe)
         self.expert_counts: ExpertCounts | None = None if config.moe is None else \
             ExpertCounts(config.moe_layers, config.moe.num_experts)
+
+    def _quantize(self, platform: str) -> None:
+        """Weights to ``self.quantization`` (``models.quant``): bfloat16 activations and
+        float32 sums on CPU, through the native kernel on one device where it runs."""
+        if not quant.is_quantized(self.params):
+            self.params = quant.quantize_params(self.params, self.quantization)
+        self.acc32 = platform == "cpu"
+        if self.acc32 and self.mesh is None and native.bf16_matmul_available():
+            self.acc32 = NATIVE
+        log.info("%s: %s weights, one scale per output channel%s", self.config.name,
+                 self.quantization, " (native kernel)" if self.acc32 == NATIVE else "")
+
+    def quantized(self, quantization: str) -> LlamaServable:
+        """This model with its projections quantized (``models.quant``): ``none``, ``int8``
+        or ``fp8``. Quantize after ``shard``, never before."""
+        if quant.check_mode(quantization) == self.quantization:
+            return self
+        if self.quantization != "none":
+            raise ValueError(f"weights are already {self.quantization}; load the model again")
+        return LlamaServable(self.config, nnx.merge(self.graphdef, self.params),
+                             self.tokenizer, self.dtype, self.plan, self.compute_dtype,
+                             quantization)
 
     @property
     def name(self) -> str:
@@ -128,6 +157,8 @@ class LlamaServable:
         """This model computing in ``compute_dtype`` (``resolve_compute``), same weights."""
         if compute_dtype == self.compute_dtype:
             return self
+        if self.quantization != "none":
+            raise ValueError("set the compute dtype before quantizing the weights")
         if self.dtype == "bfloat16" and self.compute_dtype == "float32":
             raise ValueError("the weights were upcast to float32 at load; load the model again")
         return LlamaServable(self.config, nnx.merge(self.graphdef, self.params),
@@ -142,6 +173,9 @@ class LlamaServable:
             if self.mesh == mesh:
                 return self
             raise ValueError(f"model is already sharded over {self.mesh}; load it again")
+        if self.quantization != "none":
+            raise ValueError("shard the model before quantizing it (quantized(...) after "
+                             "shard(...))")
         plan = ShardPlan(self.config, mesh)
         graphdef, state = nnx.split(nnx.eval_shape(
             lambda: LlamaModel(plan.module_config, dtype=jnp.dtype(self.dtype))))
@@ -201,9 +235,11 @@ class LlamaServable:
 
 
 def random_servable(config: ModelConfig, dtype: str = "float32", seed: int = 0,
-                    tokenizer: Any = None, mesh: Mesh | None = None) -> LlamaServable:
+                    tokenizer: Any = None, mesh: Mesh | None = None,
+                    quantization: str = "none") -> LlamaServable:
     """A randomly initialised model, for tests and benchmarks that need no weights; the
     same seed gives the same weights with or without a ``mesh``."""
     module = LlamaModel(config, dtype=jnp.dtype(check_dtype(dtype)), rngs=nnx.Rngs(seed))
     servable = LlamaServable(config, module, tokenizer, dtype)
-    return servable if mesh is None else servable.shard(mesh)
+    servable = servable if mesh is None else servable.shard(mesh)
+    return servable.quantized(quantization)

@@ -20,6 +20,7 @@ from typing import Any
 # (None) does not override the file.
 ENGINE_FLAGS = {
     "--dtype": "model.dtype", "--kv-cache-dtype": "model.kv_cache_dtype",
+    "--quantization": "model.quantization",
     "--max-model-len": "model.max_model_len", "--page-size": "hardware.page_size",
     "--num-device-pages": "hardware.num_device_pages",
     "--attention-backend": "hardware.attention_backend",
@@ -106,7 +107,8 @@ def _load_model(config: Any) -> Any:
 
     return with_chat_template(load_model(
         config.model.source, dtype=config.model.dtype,
-        tensor_parallel_size=config.engine.model.tensor_parallel_size), config)
+        tensor_parallel_size=config.engine.model.tensor_parallel_size,
+        quantization=config.model.quantization), config)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -107,10 +107,12 @@ def load_model_of(config: DeploymentConfig) -> Any:
     from models import load_model
 
     t0 = time.perf_counter()
-    log.info("loading model %s (%s)", config.model.source, config.model.dtype)
+    log.info("loading model %s (%s, weights quantization %s)", config.model.source,
+             config.model.dtype, config.model.quantization)
     model = load_model(config.model.source, dtype=config.model.dtype,
                        tensor_parallel_size=config.engine.model.tensor_parallel_size,
-                       weights_cache=config.engine.hardware.compilation_cache_dir)
+                       weights_cache=config.engine.hardware.compilation_cache_dir,
+                       quantization=config.model.quantization)
     with_chat_template(model, config)
     if not config.server.moe_expert_counts and getattr(model, "expert_counts", None) is not None:
         model.expert_counts = None  # no host callback in the step: its programs cache

@@ -212,13 +212,40 @@ def _to_model_layout(name: str, w: np.ndarray, config: ModelConfig,
     return np.ascontiguousarray(w.T) if w.ndim == 2 and name != "token_embd.weight" else w
 
 
+# Block formats whose projections quantize to ``model.quantization`` int8 / fp8: each
+# tensor's blocks are decoded and requantized per output channel as the tensor arrives
+# (Q8_0's int8 blocks and Q4_0 / Q4_1's 4-bit blocks all fit one int8 or e4m3 channel
+# scale within the tolerance docs/quantization.md measures). The k-quants and i-quants
+# keep nested super-block scales this loader does not map.
+QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def check_quantizable(reader: gguf.GGUFReader, path: Path, quantization: str) -> None:
+    """A one-line ``ValueError`` naming ``model.quantization`` and the first projection
+    tensor whose block format does not map to ``quantization``."""
+    if quantization == "none":
+        return
+    for tensor in reader.tensors:
+        target = _target(tensor.name)
+        if target is None or target == ("embed",) or target[-1] == "weight":
+            continue  # the embedding stays float; norms are vectors
+        kind = tensor.tensor_type.name
+        if kind not in QUANTIZABLE_TYPES:
+            raise ValueError(
+                f"model.quantization: {quantization} cannot map GGUF tensor {tensor.name!r} "
+                f"of {path.name} (block type {kind}; mappable: {', '.join(QUANTIZABLE_TYPES)}"
+                "); set model.quantization to none or use a Q8_0 / Q4_0 / Q4_1 file")
+
+
 def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
               progress: Callable[[str], None] | None = None,
-              mesh: Mesh | None = None) -> LlamaServable:
+              mesh: Mesh | None = None, quantization: str = "none") -> LlamaServable:
     """Load a GGUF file (any quantization gguf-py can dequantize) into a servable,
-    tensor-parallel over ``mesh`` when given."""
+    tensor-parallel over ``mesh`` when given, its projections quantized tensor by tensor
+    to ``quantization`` (``check_quantizable``)."""
     path = Path(path)
     reader = open_gguf(path)
+    check_quantizable(reader, path, quantization)
     fields = _fields(reader, path)
     names = {t.name for t in reader.tensors}
     config = gguf_config(fields, names, name or path.stem, path)
@@ -227,7 +254,7 @@ def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
     except (KeyError, ValueError) as e:
         raise ValueError(f"{path}: cannot build tokenizer ({e})") from e
     permuted = fields["general.architecture"] == "llama"
-    sink = ParamSink(config, dtype, mesh)
+    sink = ParamSink(config, dtype, mesh, quantization)
     for tensor in reader.tensors:
         target = _target(tensor.name)
         if target is None:

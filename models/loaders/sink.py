@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import models.quant as quant
 from models.config import ModelConfig
 from models.llama import LlamaModel
 from models.servable import LlamaServable, check_dtype
@@ -49,12 +50,17 @@ class ParamSink:
     Each ``put`` checks the shape, casts to the target dtype and moves the array to the
     device (errors name the source file and tensor), so the caller can drop its host copy
     at once. With a ``mesh``, each tensor is converted to the sharded layout on the host
-    (``models.sharding``) and every device receives only its own slice.
+    (``models.sharding``) and every device receives only its own slice. With a
+    ``quantization`` (``models.quant``), each projection is quantized as it arrives, so
+    the float model is never whole in memory.
     """
 
-    def __init__(self, config: ModelConfig, dtype: str, mesh: Mesh | None = None):
+    def __init__(self, config: ModelConfig, dtype: str, mesh: Mesh | None = None,
+                 quantization: str = "none"):
         self.config = config
         self.dtype = check_dtype(dtype)
+        self.quantization = quant.check_mode(quantization)
+        self._quantize = jax.jit(quant.quantize, static_argnums=1)
         self.plan = ShardPlan(config, mesh) if mesh is not None else None
         built = self.plan.module_config if self.plan else config
         self.graphdef, self.state = abstract_model(built, dtype)
@@ -72,9 +78,15 @@ class ParamSink:
                 f"{tuple(target.shape)} of config {self.config.name!r}"
             )
         if self.plan is None:
-            self._values[path] = jnp.asarray(array, dtype=target.dtype)
+            value = jnp.asarray(array, dtype=target.dtype)
         else:
-            self._values[path] = self.plan.place(path, array, target.dtype)
+            value = self.plan.place(path, array, target.dtype)
+        self._values[path] = self._quantized(path, value)
+
+    def _quantized(self, path: ParamPath, value: jax.Array) -> Any:
+        if self.quantization == "none" or not quant.quantized_path(path, value):
+            return value
+        return self._quantize(value, self.quantization)
 
     def has(self, path: ParamPath) -> bool:
         return path in self._values
@@ -83,10 +95,11 @@ class ParamSink:
         """Fill lm_head with embed.T (the model keeps its own [hidden, vocab] copy)."""
         embed = self._values[("embed",)]
         if self.plan is None:
-            self._values[("lm_head",)] = jnp.asarray(embed.T)
+            lm_head = jnp.asarray(embed.T)
         else:  # hidden-split -> vocab-split, device to device
-            self._values[("lm_head",)] = jax.jit(
+            lm_head = jax.jit(
                 jnp.transpose, out_shardings=self.plan.sharding(("lm_head",)))(embed)
+        self._values[("lm_head",)] = self._quantized(("lm_head",), lm_head)
 
     def build(self, source: str) -> LlamaModel:
         missing = [_dotted(p) for p in self._targets if p not in self._values]
@@ -99,4 +112,5 @@ class ParamSink:
 
     def servable(self, source: str, tokenizer: Any) -> LlamaServable:
         """The built model as a servable (sharded when the sink has a mesh)."""
-        return LlamaServable(self.config, self.build(source), tokenizer, self.dtype, self.plan)
+        return LlamaServable(self.config, self.build(source), tokenizer, self.dtype, self.plan,
+                             quantization=self.quantization)

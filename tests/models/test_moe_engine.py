@@ -103,3 +103,21 @@ def test_expert_parallel_greedy_tokens_equal_one_device(tp_run, name, tp):
 def test_experts_not_dividing_the_mesh_is_a_clear_error(tp_run):
     assert "num_experts (6) is not a multiple of tensor_parallel_size (4)" in \
         tp_run["indivisible_error"]
+
+
+def test_int8_experts_are_quantized_and_keep_greedy_tokens_under_rotation():
+    """``model.quantization: int8`` quantizes the stacked experts too (the router stays
+    float32); within the mode, rotation, batching and prefix hits change no greedy token."""
+    from models import quant
+
+    model = random_servable(MODELS["mixtral"], seed=3, quantization="int8")
+    model.expert_counts = None
+    moe = model.params["layers"][0]["mlp"]
+    assert isinstance(moe["we_gate"].get_value(), quant.QuantizedWeight)
+    assert isinstance(moe["we_down"].get_value(), quant.QuantizedWeight)
+    assert not isinstance(moe["router"].get_value(), quant.QuantizedWeight)
+    alone = run_alone(LLMEngine(model, ENGINE.replace(num_device_pages=40,
+                                                      enable_prefix_caching=False)))
+    done = run_forced(LLMEngine(model, ENGINE), every=3)
+    assert [r.output_token_ids for r in done] == alone
+    assert sum(r.num_rotations for r in done) >= 3

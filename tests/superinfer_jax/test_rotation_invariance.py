@@ -15,12 +15,16 @@ from superinfer_jax.request import RequestStatus
 from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, run_alone, run_rotating
 
 
-def test_tiny_model_rotation_keeps_greedy_tokens(tiny):
+# Within a weight quantization mode (models.quant) the same holds: int8 weights run
+# through their own kernel, whose rows keep their bits whatever the batch.
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_tiny_model_rotation_keeps_greedy_tokens(tiny, quantization):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     # 11 usable pages: one request needs up to 7, the batch about 30.
-    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=12, num_host_pages=64))
+    engine = LLMEngine(tiny.quantized(quantization),
+                       SMALL.replace(num_device_pages=12, num_host_pages=64))
     reference = run_alone(engine, prompts, sp)
     done = run_rotating(engine, prompts, sp, every=4)
     assert [r.output_token_ids for r in done] == reference
@@ -36,11 +40,12 @@ def test_tiny_model_rotation_keeps_greedy_tokens(tiny):
     assert stats["device_pages_free"] == 11 and stats["host_pages_free"] == 64
 
 
-def test_without_host_tier_forced_rotation_recomputes(tiny):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_without_host_tier_forced_rotation_recomputes(tiny, quantization):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 4)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=10))
+    engine = LLMEngine(tiny.quantized(quantization), SMALL.replace(num_device_pages=10))
     assert engine.duplex is None
     reference = run_alone(engine, prompts, sp)
     done = run_rotating(engine, prompts, sp, every=2)

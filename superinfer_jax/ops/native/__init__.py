@@ -4,10 +4,11 @@ Why: XLA:CPU compiles gathers and dynamic slices to loops of scalar moves, so th
 attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_copy.cc``,
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
-memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant); decode attention reads
-each row's own pages once (``decode_attention.cc``, AVX-512F); a mixture-of-experts layer's
-grouped matmul streams only the experts its rows are routed to (``grouped_matmul.cc``,
-AVX-512F / AVX512-BF16, batch-invariant).
+memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
+weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode
+attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
+mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
+(``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
 
 Built with ``$CXX`` (else ``g++``) against jaxlib's FFI headers, on first use or by
 ``python -m superinfer_jax.ops.native``; cached under ``$SUPERINFER_NATIVE_CACHE`` by a
@@ -43,12 +44,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
-                             "decode_attention.cc", "page_copy.cc", "grouped_matmul.cc"))
+                             "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
+                             "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
-                for name in ("parallel_chunks.h", "bf16_tiles.h"))
+                for name in ("parallel_chunks.h", "bf16_tiles.h", "grouped_tiles.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
+QUANT_MATMUL_TARGET = "superinfer_quant_matmul"
 DECODE_ATTENTION_TARGET = "superinfer_decode_attention"
 PAGE_GATHER_TARGET = "superinfer_page_gather"
 PAGE_SCATTER_TARGET = "superinfer_page_scatter"
@@ -57,6 +60,7 @@ _TARGETS = {PAGE_GATHER_TARGET: "SuperinferPageGather",
             PAGE_SCATTER_TARGET: "SuperinferPageScatter",
             KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
             BF16_MATMUL_TARGET: "SuperinferBf16Matmul",
+            QUANT_MATMUL_TARGET: "SuperinferQuantMatmul",
             DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention",
             GROUPED_MATMUL_TARGET: "SuperinferGroupedMatmul"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -228,6 +232,33 @@ def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
 def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` through ``bf16_matmuls`` (one weight)."""
     return bf16_matmuls(x, [w])[0]
+
+
+QUANT_WEIGHT_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+
+
+def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
+                  ) -> list[jax.Array]:
+    """``[(x @ q) * s for q, s in weights]`` for bfloat16 x [M, K], 1-4 one-byte q
+    [K, N_i] (all int8 or all float8_e4m3fn) and float32 per-column scales s [N_i];
+    float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never
+    depend on its batch; needs ``bf16_matmul_available()``."""
+    if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
+        raise ValueError(f"quant_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"quant_matmul: x must be bfloat16 [M, K], got {x.dtype} {x.shape}")
+    if len({q.dtype for q, _ in weights}) != 1:
+        raise ValueError("quant_matmul: the weights of one call share a dtype")
+    for q, s in weights:
+        if q.ndim != 2 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
+            raise ValueError(f"quant_matmul: x {x.shape}, w {q.shape} and scale {s.shape} "
+                             "do not chain")
+        if q.dtype not in QUANT_WEIGHT_DTYPES or s.dtype != jnp.float32:
+            raise ValueError(f"quant_matmul: w must be int8 or float8_e4m3fn and scale "
+                             f"float32, got {q.dtype}, {s.dtype}")
+    outs = [jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), np.float32) for q, _ in weights]
+    flat = [a for pair in weights for a in pair]
+    return list(jax.ffi.ffi_call(QUANT_MATMUL_TARGET, outs)(x, *flat))
 
 
 def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,

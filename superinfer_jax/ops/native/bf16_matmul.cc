@@ -51,9 +51,10 @@ struct MatmulJob {
   int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
   int64_t num_units;                     // contiguous, balanced ranges of those groups
 
-  // Columns [n0, n1) of weight i.
+  // Columns [n0, n1) of weight i (tile shapes: ``tiles::PanelForRows``).
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1) const {
-    superinfer::bf16_tiles::Columns(x, M, K, w[i], N[i], out[i], n0, n1);
+    superinfer::tiles::PanelForRows<superinfer::tiles::Bf16Weights>(x, M, K, w[i], N[i], out[i],
+                                                                   N[i], n0, n1);
   }
 
   // Unit u: groups [g0, g1) of all weights' groups end to end, weight by weight.
@@ -71,15 +72,7 @@ struct MatmulJob {
 
 #endif  // SUPERINFER_HAVE_BF16_KERNEL
 
-bool CpuSupported() {
-#if SUPERINFER_HAVE_BF16_KERNEL
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+bool CpuSupported() { return superinfer::Bf16CpuSupported(); }
 
 // x [M, K] times each of the weights w_i [K, N_i], into out_i [M, N_i]: one call for the
 // weights that read the same x, so the threads split all their columns at once (one wait

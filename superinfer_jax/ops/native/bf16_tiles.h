@@ -1,15 +1,14 @@
-// bfloat16 x bfloat16 -> float32 register tiles (AVX512-BF16), shared by the native matmuls.
+// The register tiles of the AVX512-BF16 matmul, shared by ``bf16_matmul.cc`` (bfloat16
+// weights) and ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16
+// exactly as they are loaded, or first into a bfloat16 panel).
 //
-// ``Panel<MR, NG>(x, M, K, w, N, out, n0, n1)`` computes columns [n0, n1) of every row of
-// ``out[M, N] = x[M, K] @ w[K, N]`` (row-major, bfloat16 in, float32 out) in tiles of MR rows
-// x NG groups of 32 columns. Every output element is one float32 accumulator, zeroed, then
-// updated by one ``vdpbf16ps`` per pair of k (0-1, 2-3, ...) in increasing k, in one lane:
-// which tile shape, row block, column range or thread computed it changes nothing, so a
-// row's bits never depend on the rows beside it (``bf16_matmul.cc``, ``grouped_matmul.cc``).
-// ``n0`` is a multiple of 32; ``n1`` a multiple of 32 or N.
+// Every output element out[m, n] is one float32 accumulator, zeroed, then updated by one
+// ``vdpbf16ps`` per pair of k (0-1, 2-3, ...) in increasing k, in one lane: which row
+// block, column panel, thread or tile shape computed it changes nothing, so a row's bits
+// never depend on M (the batch-invariance guarantee both kernels give).
 //
-// The functions are compiled for AVX512-BF16 by attribute (``BF16_TARGET``): callers check
-// the CPU first (``__builtin_cpu_supports``), and the library builds on any x86-64.
+// ``w`` points at the tile's first column of row k = 0, rows ``ldw`` elements apart;
+// ``out`` at the tile's first column of row m = 0, rows ``ldo`` elements apart.
 
 #ifndef SUPERINFER_NATIVE_BF16_TILES_H_
 #define SUPERINFER_NATIVE_BF16_TILES_H_
@@ -26,9 +25,71 @@
 #define SUPERINFER_HAVE_BF16_KERNEL 0
 #endif
 
-#if SUPERINFER_HAVE_BF16_KERNEL
 namespace superinfer {
-namespace bf16_tiles {
+
+#if SUPERINFER_HAVE_BF16_KERNEL
+
+inline bool Bf16CpuSupported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+namespace tiles {
+
+// Weight formats a tile reads: 32 consecutive weights of one row as 32 bfloat16 values
+// (a __m512i), exactly. ``Load`` reads all 32, ``LoadMasked`` the ``tail`` ones (zeros
+// elsewhere). Every format gives the tile the same bfloat16 values for the same weights,
+// so the accumulation, and its bits, do not depend on the format the weights came in.
+struct Bf16Weights {
+  using T = uint16_t;
+  BF16_TARGET static inline __m512i Load(const T* p) { return _mm512_loadu_si512(p); }
+  BF16_TARGET static inline __m512i LoadMasked(const T* p, __mmask32 tail) {
+    return _mm512_maskz_loadu_epi16(tail, p);
+  }
+};
+
+// int8 -> float32 -> bfloat16: exact (|v| <= 128 needs 8 significant bits).
+struct Int8Weights {
+  using T = int8_t;
+  BF16_TARGET static inline __m512i Widen(__m128i lo, __m128i hi) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  }
+  BF16_TARGET static inline __m512i Load(const T* p) {
+    return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  BF16_TARGET static inline __m512i LoadMasked(const T* p, __mmask32 tail) {
+    const __m256i v = _mm256_maskz_loadu_epi8(tail, p);
+    return Widen(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  }
+};
+
+// fp8 e4m3 -> float16 -> float32 -> bfloat16, exact, as the value / 2^8: e4m3's sign,
+// exponent (bias 7) and mantissa placed in a float16's fields (bias 15), subnormals
+// included. The kernel multiplies the scales by 2^8 instead (exact, and the same
+// rounding of the product).
+struct Fp8Weights {
+  using T = uint8_t;
+  static constexpr float kUnscale = 256.0f;
+  BF16_TARGET static inline __m512i Widen(__m256i bytes) {
+    // Sign-extended to 16 bits and shifted by 7: mantissa and exponent in bits 7-14 with
+    // e4m3's sign in bit 14 and the extension's copy of it in bit 15; clear bit 14.
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                                       _mm512_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    const __m512 b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  }
+  BF16_TARGET static inline __m512i Load(const T* p) {
+    return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  BF16_TARGET static inline __m512i LoadMasked(const T* p, __mmask32 tail) {
+    return Widen(_mm256_maskz_loadu_epi8(tail, p));
+  }
+};
 
 // How many weight rows ahead a tile asks for: its 64-512-byte pieces of rows N elements
 // apart are too short a run for the hardware prefetchers (about 5% at one row, measured).
@@ -55,17 +116,17 @@ BF16_TARGET inline void StoreGroup(float* out, __m512 lo, __m512 hi, int64_t val
 
 // One k-pair step of an MR x NG tile: the weight rows r0 (k) and r1 (k + 1) interleaved
 // into pairs, times the rows' broadcast (x[m, k], x[m, k + 1]) pairs.
-template <int MR, int NG, bool kMasked>
-BF16_TARGET inline void Step(__m512 (&acc)[MR][NG][2], const __m512i (&a)[MR], const uint16_t* r0,
-                             const uint16_t* r1, __mmask32 tail) {
+template <int MR, int NG, bool kMasked, class W>
+BF16_TARGET inline void Step(__m512 (&acc)[MR][NG][2], const __m512i (&a)[MR],
+                             const typename W::T* r0, const typename W::T* r1, __mmask32 tail) {
   for (int g = 0; g < NG; ++g) {
     __m512i w0, w1;
     if (kMasked && g == NG - 1) {
-      w0 = _mm512_maskz_loadu_epi16(tail, r0 + 32 * g);
-      w1 = r1 ? _mm512_maskz_loadu_epi16(tail, r1 + 32 * g) : _mm512_setzero_si512();
+      w0 = W::LoadMasked(r0 + 32 * g, tail);
+      w1 = r1 ? W::LoadMasked(r1 + 32 * g, tail) : _mm512_setzero_si512();
     } else {
-      w0 = _mm512_loadu_si512(r0 + 32 * g);
-      w1 = r1 ? _mm512_loadu_si512(r1 + 32 * g) : _mm512_setzero_si512();
+      w0 = W::Load(r0 + 32 * g);
+      w1 = r1 ? W::Load(r1 + 32 * g) : _mm512_setzero_si512();
     }
     const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
     const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
@@ -76,25 +137,25 @@ BF16_TARGET inline void Step(__m512 (&acc)[MR][NG][2], const __m512i (&a)[MR], c
   }
 }
 
-// MR rows x NG groups of 32 columns, starting at column n0; ``last_valid`` columns of the
-// last group exist (1-32). Accumulators stay in registers for the whole k loop.
-template <int MR, int NG, bool kMasked>
-BF16_TARGET void TileImpl(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N,
-                          float* out, int64_t n0, int64_t last_valid) {
+// MR rows x NG groups of 32 columns; ``last_valid`` columns of the last group exist
+// (1-32). Accumulators stay in registers for the whole k loop.
+template <int MR, int NG, bool kMasked, class W>
+BF16_TARGET void TileImpl(const uint16_t* x, int64_t K, const typename W::T* w, int64_t ldw,
+                          float* out, int64_t ldo, int64_t last_valid) {
   __m512 acc[MR][NG][2];
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < NG; ++g) acc[m][g][0] = acc[m][g][1] = _mm512_setzero_ps();
   const __mmask32 tail = last_valid >= 32 ? ~0u : ((1u << last_valid) - 1);
-  const uint16_t* r0 = w + n0;
+  const typename W::T* r0 = w;
   int64_t k = 0;
-  for (; k + 2 <= K; k += 2, r0 += 2 * N) {
+  for (; k + 2 <= K; k += 2, r0 += 2 * ldw) {
     if (kPrefetchRows > 0 && k + kPrefetchRows + 1 < K) {
-      // The tile reads 64-byte pieces of rows N elements apart, too short a run for the
+      // The tile reads 64-byte pieces of rows ldw elements apart, too short a run for the
       // hardware prefetchers to follow: ask for the rows a few k ahead.
-      const uint16_t* ahead = r0 + kPrefetchRows * N;
+      const typename W::T* ahead = r0 + kPrefetchRows * ldw;
       for (int g = 0; g < NG; ++g) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + 32 * g), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + N + 32 * g), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + ldw + 32 * g), _MM_HINT_T0);
       }
     }
     __m512i a[MR];
@@ -103,70 +164,79 @@ BF16_TARGET void TileImpl(const uint16_t* x, int64_t K, const uint16_t* w, int64
       std::memcpy(&pair, x + m * K + k, sizeof pair);
       a[m] = _mm512_set1_epi32(pair);
     }
-    Step<MR, NG, kMasked>(acc, a, r0, r0 + N, tail);
+    Step<MR, NG, kMasked, W>(acc, a, r0, r0 + ldw, tail);
   }
   if (k < K) {  // odd K: the last k pairs with a zero
     __m512i a[MR];
     for (int m = 0; m < MR; ++m) a[m] = _mm512_set1_epi32(x[m * K + k]);
-    Step<MR, NG, kMasked>(acc, a, r0, nullptr, tail);
+    Step<MR, NG, kMasked, W>(acc, a, r0, nullptr, tail);
   }
   for (int m = 0; m < MR; ++m)
     for (int g = 0; g < NG; ++g)
-      StoreGroup(out + m * N + n0 + 32 * g, acc[m][g][0], acc[m][g][1],
+      StoreGroup(out + m * ldo + 32 * g, acc[m][g][0], acc[m][g][1],
                  g == NG - 1 ? last_valid : 32);
 }
 
-template <int MR, int NG>
-BF16_TARGET void Tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t N, float* out,
-                      int64_t n0, int64_t last_valid) {
+template <int MR, int NG, class W>
+BF16_TARGET void Tile(const uint16_t* x, int64_t K, const typename W::T* w, int64_t ldw,
+                      float* out, int64_t ldo, int64_t last_valid) {
   if (last_valid >= 32) {
-    TileImpl<MR, NG, false>(x, K, w, N, out, n0, 32);
+    TileImpl<MR, NG, false, W>(x, K, w, ldw, out, ldo, 32);
   } else {
-    TileImpl<MR, NG, true>(x, K, w, N, out, n0, last_valid);
+    TileImpl<MR, NG, true, W>(x, K, w, ldw, out, ldo, last_valid);
   }
 }
 
-// Rows [0, M) of one column tile (NG groups from n0): blocks of MR rows, then what is
-// left in blocks of MR / 2, MR / 4, ... (the same NG), down to single rows.
-template <int MR, int NG>
-BF16_TARGET void Rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                      float* out, int64_t n0, int64_t last_valid) {
+// Rows [0, M) of one column tile: blocks of MR rows, then what is left in blocks of
+// MR / 2, MR / 4, ... (the same NG), down to single rows.
+template <int MR, int NG, class W>
+BF16_TARGET void Rows(const uint16_t* x, int64_t M, int64_t K, const typename W::T* w,
+                      int64_t ldw, float* out, int64_t ldo, int64_t last_valid) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) Tile<MR, NG>(x + m * K, K, w, N, out + m * N, n0, last_valid);
+  for (; m + MR <= M; m += MR)
+    Tile<MR, NG, W>(x + m * K, K, w, ldw, out + m * ldo, ldo, last_valid);
   if constexpr (MR > 1) {
-    if (m < M) Rows<MR / 2, NG>(x + m * K, M - m, K, w, N, out + m * N, n0, last_valid);
+    if (m < M) Rows<MR / 2, NG, W>(x + m * K, M - m, K, w, ldw, out + m * ldo, ldo, last_valid);
   }
 }
 
 // Columns [n0, n1) of every row, in tiles of NG groups of 32 columns; a narrower last
 // tile goes one group at a time. Each tile's slice of the weight is read by every row
 // block in turn while it is still in cache.
-template <int MR, int NG>
-BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                       float* out, int64_t n0, int64_t n1) {
+template <int MR, int NG, class W>
+BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const typename W::T* w,
+                       int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   int64_t c = n0;
-  for (; c + 32 * NG <= n1; c += 32 * NG) Rows<MR, NG>(x, M, K, w, N, out, c, 32);
-  for (; c < n1; c += 32) Rows<MR, 1>(x, M, K, w, N, out, c, std::min<int64_t>(32, n1 - c));
+  for (; c + 32 * NG <= n1; c += 32 * NG) Rows<MR, NG, W>(x, M, K, w + c, ldw, out + c, ldo, 32);
+  for (; c < n1; c += 32)
+    Rows<MR, 1, W>(x, M, K, w + c, ldw, out + c, ldo, std::min<int64_t>(32, n1 - c));
 }
 
-// Columns [n0, n1) of every row, the tile shape by rows: wide for few rows (the weight
-// streams in long runs, the bandwidth-bound decode), tall for many (each weight load feeds
-// more rows).
-BF16_TARGET inline void Columns(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
-                                int64_t N, float* out, int64_t n0, int64_t n1) {
+// The tile shape by rows: wide for few rows (the weight streams in long runs, the
+// bandwidth-bound decode), tall for many (each weight load feeds more rows).
+template <class W>
+BF16_TARGET inline void PanelForRows(const uint16_t* x, int64_t M, int64_t K,
+                                     const typename W::T* w, int64_t ldw, float* out,
+                                     int64_t ldo, int64_t n0, int64_t n1) {
   if (M == 1) {
-    Panel<1, 8>(x, M, K, w, N, out, n0, n1);
+    Panel<1, 8, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   } else if (M <= 3) {
-    Panel<2, 4>(x, M, K, w, N, out, n0, n1);
+    Panel<2, 4, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   } else if (M <= 7) {
-    Panel<4, 2>(x, M, K, w, N, out, n0, n1);
+    Panel<4, 2, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   } else {
-    Panel<8, 1>(x, M, K, w, N, out, n0, n1);
+    Panel<8, 1, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   }
 }
 
-}  // namespace bf16_tiles
-}  // namespace superinfer
+}  // namespace tiles
+
+#else
+
+inline bool Bf16CpuSupported() { return false; }
+
 #endif  // SUPERINFER_HAVE_BF16_KERNEL
+
+}  // namespace superinfer
 
 #endif  // SUPERINFER_NATIVE_BF16_TILES_H_

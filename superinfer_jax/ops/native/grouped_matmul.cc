@@ -28,7 +28,7 @@
 #include <memory>
 #include <vector>
 
-#include "bf16_tiles.h"
+#include "grouped_tiles.h"
 #include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 

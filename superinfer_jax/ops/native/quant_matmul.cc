@@ -1,0 +1,227 @@
+// bfloat16 x (int8 | fp8 e4m3) -> float32 matmul with per-output-channel scales, for
+// XLA:CPU, as a typed XLA FFI custom call (weight-only quantization, W8A16).
+//
+// Why this exists: a decode step on CPU streams every weight once, so its floor is the
+// weights' bytes over memory bandwidth; one-byte weights halve the bfloat16 step's bytes.
+// XLA's dot would first convert the whole weight to a wider type on every step.
+//
+// How: each thread takes a contiguous range of output columns. The bfloat16 kernel's
+// register tiles (``bf16_tiles.h``) read the one-byte weights and convert them to
+// bfloat16 as they load them (exact: every int8 and every e4m3 value is a bfloat16);
+// above a few rows, a panel of a few dozen to a few hundred columns is converted once
+// into a per-thread scratch that every row block then reads from cache. Last, the
+// outputs are multiplied by their columns' scales.
+//
+// Batch invariance, by construction: out[m, n] = (one float32 accumulator, updated by one
+// ``vdpbf16ps`` per pair of k in increasing k) * scale[n]. Neither the panel width, the
+// thread, nor M changes that, so a row's bits do not depend on the rows beside it.
+//
+//   x     [M, K] bf16
+//   w_i   [K, N_i] int8 or f8E4M3FN (row-major [in, out]), 1 to 4 of them
+//   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
+//   out_i [M, N_i] f32
+//
+// Only CPUs with AVX512-BF16 run it (``SuperinferQuantMatmulSupported``); callers fall
+// back to XLA's dot of the dequantized weight elsewhere.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "bf16_tiles.h"
+#include "parallel_chunks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxWeights = 4;
+
+// A panel's bfloat16 scratch stays within this many bytes (it is reread by every row
+// block, so it should stay in the core's L2).
+constexpr int64_t kScratchBytes = 192 * 1024;
+
+// Up to this many rows, the tiles convert weights in registers (no scratch).
+constexpr int64_t kDirectRows = 8;
+
+enum class Kind { kInt8, kFp8 };
+
+#if SUPERINFER_HAVE_BF16_KERNEL
+
+namespace tiles = superinfer::tiles;
+
+// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] bfloat16, through the
+// format's own exact conversion (``bf16_tiles.h``).
+template <class W>
+BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
+                         uint16_t* scratch, int64_t ldp) {
+  for (int64_t k = 0; k < K; ++k) {
+    const typename W::T* src = w + k * N + c;
+    if (k + tiles::kPrefetchRows < K) {
+      const typename W::T* ahead = src + tiles::kPrefetchRows * N;
+      for (int64_t j = 0; j < cols; j += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
+    }
+    uint16_t* dst = scratch + k * ldp;
+    int64_t j = 0;
+    for (; j + 32 <= cols; j += 32) _mm512_storeu_si512(dst + j, W::Load(src + j));
+    if (j < cols) {
+      const __mmask32 tail = static_cast<__mmask32>((1ull << (cols - j)) - 1);
+      _mm512_mask_storeu_epi16(dst + j, tail, W::LoadMasked(src + j, tail));
+    }
+  }
+}
+
+// out[m, c] *= scale[c] * unscale for columns [0, cols) of M rows.
+BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols,
+                       float unscale) {
+  const __m512 u = _mm512_set1_ps(unscale);
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = out + m * ldo;
+    int64_t j = 0;
+    for (; j + 16 <= cols; j += 16) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + j), u);
+      _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), s));
+    }
+    if (j < cols) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
+      const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scale + j), u);
+      _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), s));
+    }
+  }
+}
+
+struct QuantJob {
+  Kind kind;
+  const uint16_t* x;
+  int64_t M, K;
+  int num_weights;
+  const void* w[kMaxWeights];
+  const float* scale[kMaxWeights];
+  float* out[kMaxWeights];
+  int64_t N[kMaxWeights];
+  int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
+  int64_t num_units;
+  int64_t panel;  // columns per converted panel, a multiple of 32
+
+  // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
+  // as they load them (each weight converted once or twice); more rows convert a panel
+  // into scratch once and every row block reads it from cache. The tiles see the same
+  // bfloat16 values either way, so the bits are the same.
+  template <class W>
+  BF16_TARGET void Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
+    const auto* wi = static_cast<const typename W::T*>(w[i]);
+    const float unscale = kind == Kind::kFp8 ? tiles::Fp8Weights::kUnscale : 1.0f;
+    if (M <= kDirectRows) {
+      tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
+      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0, unscale);
+      return;
+    }
+    for (int64_t c = n0; c < n1; c += panel) {
+      const int64_t cols = std::min(panel, n1 - c);
+      Convert<W>(wi, K, N[i], c, cols, scratch, panel);
+      tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
+                                              cols);
+      Scale(out[i] + c, M, N[i], scale[i] + c, cols, unscale);
+    }
+  }
+
+  BF16_TARGET void Unit(int64_t u) const {
+    thread_local std::vector<uint16_t> scratch;
+    if (M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
+      scratch.resize(K * panel);
+    const int64_t total = first_group[num_weights];
+    const int64_t g0 = u * total / num_units, g1 = (u + 1) * total / num_units;
+    for (int i = 0; i < num_weights; ++i) {
+      const int64_t lo = std::max(g0, first_group[i]), hi = std::min(g1, first_group[i + 1]);
+      if (lo >= hi) continue;
+      const int64_t n0 = 32 * (lo - first_group[i]), n1 = std::min(N[i], 32 * (hi - first_group[i]));
+      if (kind == Kind::kInt8) {
+        Columns<tiles::Int8Weights>(i, n0, n1, scratch.data());
+      } else {
+        Columns<tiles::Fp8Weights>(i, n0, n1, scratch.data());
+      }
+    }
+  }
+};
+
+#endif  // SUPERINFER_HAVE_BF16_KERNEL
+
+// x [M, K] times each (w_i, s_i) pair, into out_i [M, N_i].
+ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
+                           ffi::RemainingArgs args, ffi::RemainingRets outs) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
+  if (args.size() % 2 || args.size() == 0 || args.size() > 2 * kMaxWeights ||
+      args.size() / 2 != outs.size()) {
+    return ffi::Error::InvalidArgument("quant_matmul: 1-4 (weight, scale) pairs, one output each");
+  }
+#if SUPERINFER_HAVE_BF16_KERNEL
+  static const bool supported = superinfer::Bf16CpuSupported();
+  if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16");
+  auto job = std::make_shared<QuantJob>();
+  job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
+  job->M = xd[0];
+  job->K = xd[1];
+  job->num_weights = static_cast<int>(outs.size());
+  job->first_group[0] = 0;
+  for (int i = 0; i < job->num_weights; ++i) {
+    auto w = args.get<ffi::AnyBuffer>(2 * i);
+    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto o = outs.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !s.has_value() || !o.has_value()) {
+      return ffi::Error::InvalidArgument("quant_matmul: scales and outputs must be float32");
+    }
+    const ffi::DataType type = w->element_type();
+    const Kind kind = type == ffi::DataType::S8 ? Kind::kInt8 : Kind::kFp8;
+    if (type != ffi::DataType::S8 && type != ffi::DataType::F8E4M3FN) {
+      return ffi::Error::InvalidArgument("quant_matmul: weights must be int8 or f8E4M3FN");
+    }
+    if (i > 0 && kind != job->kind) {
+      return ffi::Error::InvalidArgument("quant_matmul: weights of one call share a type");
+    }
+    job->kind = kind;
+    auto wd = w->dimensions();
+    auto sd = s->dimensions();
+    auto od = (*o)->dimensions();
+    if (wd.size() != 2 || wd[0] != job->K || sd.size() != 1 || sd[0] != wd[1] ||
+        od.size() != 2 || od[0] != job->M || od[1] != wd[1]) {
+      return ffi::Error::InvalidArgument("quant_matmul: w must be [K, N], s [N], out [M, N]");
+    }
+    job->w[i] = w->untyped_data();
+    job->scale[i] = s->typed_data();
+    job->out[i] = (*o)->typed_data();
+    job->N[i] = wd[1];
+    job->first_group[i + 1] = job->first_group[i] + (wd[1] + 31) / 32;
+  }
+  const int64_t total = job->first_group[job->num_weights];
+  if (job->M == 0 || total == 0) return ffi::Error::Success();
+  if (job->K == 0) {
+    for (int i = 0; i < job->num_weights; ++i)
+      std::memset(job->out[i], 0, sizeof(float) * job->M * job->N[i]);
+    return ffi::Error::Success();
+  }
+  job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
+  const int64_t workers = superinfer::Workers(thread_pool);
+  job->num_units = std::min(total, workers);
+  superinfer::RunChunks(thread_pool, job->num_units, workers, [job](int64_t u) { job->Unit(u); });
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("quant_matmul: built without the AVX512-BF16 kernel");
+#endif
+}
+
+}  // namespace
+
+// 1 where this CPU can run the kernel, else 0 (ctypes, before any program is traced).
+extern "C" int SuperinferQuantMatmulSupported() { return superinfer::Bf16CpuSupported() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferQuantMatmul, QuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
