@@ -105,7 +105,9 @@ def test_benchmark_against_scripted_server(backend, fake_grpc, fake_http):
     assert result["num_rotations"] == (3 if backend == "grpc" else 6)
     sent = np.array([r.send_time for r in records]) - records[0].send_time
     arrivals = np.array([w.arrival_s for w in workload])
-    assert np.abs(sent - arrivals).max() < 0.05  # requests leave at their arrival times
+    # requests leave at their arrival times: never early, and late by well under the
+    # workload's span (a loaded machine delays a send by tens of milliseconds)
+    assert (sent >= arrivals - 1e-3).all() and (sent - arrivals).max() < 0.25
     assert result["ttft_attainment"] == 1.0 and result["failed"] == 0
 
 
