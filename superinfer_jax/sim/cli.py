@@ -349,6 +349,7 @@ def run(args: argparse.Namespace, load_tokenizer: TokenizerLoader | None = None)
                   f"{', '.join(p.hardware)}")
         return 0
     preset = _preset(args)
+    speculations(args)  # bad --speculative / --acceptance: an error before any work
     t0 = time.perf_counter()
     rows = run_sweep(preset, args, load_tokenizer)
     for hw in preset.hardware:
