@@ -34,7 +34,10 @@ at a time, while
    and a compute time, each linear);
 2. the call still ends within the TBT slack (the seconds from the call's start to the
    row's next-token deadline) of every row whose deadline the call without speculation
-   meets: speculation never makes a row miss that ``k = 0`` would not;
+   meets: speculation never makes a row miss that ``k = 0`` would not. Requests outside
+   the call whose next token it delays (a prompt whose first token came from this
+   step's prefill call) count too, with the next step's decode call taken off their
+   slack;
 3. ``k_i`` stays within ``num_tokens`` and the row's own limit (tokens left, context).
 
 ``fixed`` mode gives every row ``min(num_tokens, limit)``.
@@ -102,11 +105,13 @@ class SpeculationPolicy:
                              f"{MAX_SPECULATIVE_TOKENS}], got {self.num_tokens}")
 
     def choose(self, acceptance: Sequence[float], slack_s: Sequence[float],
-               limits: Sequence[int], step_s: StepSeconds, other_s: float = 0.0
-               ) -> list[int]:
+               limits: Sequence[int], step_s: StepSeconds, other_s: float = 0.0,
+               delayed_slack_s: Sequence[float] = ()) -> list[int]:
         """``k`` per row. ``acceptance``: each row's estimated rate; ``slack_s``: seconds
         from the decode call's start to its next-token deadline (``inf``: none);
-        ``limits``: the most tokens each row may propose."""
+        ``limits``: the most tokens each row may propose; ``delayed_slack_s``: the same
+        for requests outside the call whose next token the call delays (a prompt that
+        got its first token from this step's prefill call)."""
         n = len(acceptance)
         if len(slack_s) != n or len(limits) != n:
             raise ValueError("acceptance, slack_s and limits must have one entry per row")
@@ -114,13 +119,13 @@ class SpeculationPolicy:
         ks = [max(0, min(cap, lim)) for lim in limits]
         if self.mode == "fixed" or n == 0:
             return ks
-        return _choose_slo(acceptance, slack_s, ks, step_s, other_s)
+        return _choose_slo(acceptance, [*slack_s, *delayed_slack_s], ks, step_s, other_s)
 
 
 def _choose_slo(acceptance: Sequence[float], slack_s: Sequence[float], caps: list[int],
                 step_s: StepSeconds, other_s: float) -> list[int]:
     """Rule 1-3 of the module docstring: proposals in decreasing expected gain."""
-    n = len(acceptance)
+    n = len(acceptance)  # ``slack_s`` may have more entries: requests the call delays
     ks = [0] * n
     tokens = n
     seconds = step_s(n, tokens)

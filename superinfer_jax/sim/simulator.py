@@ -331,6 +331,7 @@ class _Run:
         reqs, cost = self.requests, self.cost
         self.num_steps += 1
         start = t
+        started: list[SimRequest] = []
         t += cost.host_s(len(plan.prefill) + len(plan.decode), num_pages)
         if plan.prefill:
             rows = [(reqs[r], n) for r, n in plan.prefill]
@@ -338,10 +339,13 @@ class _Run:
                 [(n, q.num_computed_tokens) for q, n in rows]))
             self.num_prefill += sum(n for _, n in rows)
             self._advance(rows, t)
+            if self.spec is not None:  # first tokens now: the decode call delays the next
+                started = [q for q, _ in rows if q.num_output == 1 and not q.status.is_finished
+                           and q.token_times[-1] == t]
         if plan.decode:
             drows = [reqs[r] for r in plan.decode]
             if self.spec is not None:
-                return self._decode_speculative(drows, t, t - start)
+                return self._decode_speculative(drows, t, t - start, started)
             total = longest = 0  # contexts before the call; +1 after it
             for q in drows:  # summed here: a list of them would box every one
                 c = q.num_computed_tokens
@@ -369,13 +373,14 @@ class _Run:
             if req.num_output >= req.output_len or req.num_tokens >= max_len:
                 self._finish(req, now)
 
-    def _decode_speculative(self, rows: list[SimRequest], t: float, other_s: float) -> float:
+    def _decode_speculative(self, rows: list[SimRequest], t: float, other_s: float,
+                            started: list[SimRequest]) -> float:
         """The decode call from ``t`` with each row verifying ``1 + k`` tokens (``k`` from
         the policy, cut to the pages free); returns when it ends."""
         spec, kv = self.spec, self.kv
         assert spec is not None
         ks = spec.choose(rows, row_limits(rows, self.cfg.model.max_model_len), t, other_s,
-                         self.cost)
+                         self.cost, started)
         kept = []
         for j, q in enumerate(rows):  # pages for 1 + k, kept for the 1 + m accepted
             k = ks[j]

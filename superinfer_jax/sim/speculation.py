@@ -105,8 +105,10 @@ class SpecState:
         return m
 
     def choose(self, rows: list[SimRequest], limits: list[int], now: float, other_s: float,
-               cost: CostModel) -> list[int]:
-        """``k`` per decode row for a call starting at ``now``."""
+               cost: CostModel, started: Sequence[SimRequest] = ()) -> list[int]:
+        """``k`` per decode row for a call starting at ``now``; ``started``: requests that
+        got their first token at ``now`` from the prefill call, whose second token waits
+        for this call and the next step's (taken to be at least this call unspeculated)."""
         slack = []
         for q in rows:
             tbt = q.slo.tbt_s
@@ -114,17 +116,20 @@ class SpecState:
             slack.append(last + tbt - now)
         total = sum(q.num_computed_tokens for q in rows)
         longest = max(q.num_computed_tokens for q in rows)
-        mean_ctx = total // len(rows)
+        cap = self.spec.policy.num_tokens
 
         def step_s(num_rows: int, tokens: int) -> float:
+            """The call at these contexts, each proposal priced as if in the longest row
+            (never under the call's true price, so a deadline the policy keeps holds)."""
             extra = tokens - num_rows
-            kv = total + tokens
-            pairs = total + num_rows + extra * mean_ctx + extra * 2
-            return cost.decode_call_s(CallShape(num_rows, 1 + min(extra, 1), tokens, kv,
-                                                pairs, longest + 1))
+            pairs = total + num_rows + extra * (longest + 1 + cap)
+            return cost.decode_call_s(CallShape(num_rows, 1 + min(extra, cap), tokens,
+                                                total + tokens, pairs, longest + 1 + cap))
 
         acceptance = [self.estimate[q.req_id].mean for q in rows]
-        return self.spec.policy.choose(acceptance, slack, limits, step_s, other_s)
+        plain = step_s(len(rows), len(rows)) if started else 0.0
+        delayed = [q.slo.tbt_s - plain for q in started]
+        return self.spec.policy.choose(acceptance, slack, limits, step_s, other_s, delayed)
 
     def record(self, req_id: str, k: int, m: int) -> None:
         self.estimate[req_id].update(k, m)
