@@ -21,7 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from superinfer_jax.sched.speculation import AcceptanceEstimator, SpeculationPolicy
+from superinfer_jax.sched.speculation import (
+    AcceptanceEstimator,
+    SpeculationPolicy,
+    StepSeconds,
+)
 from superinfer_jax.sim.cost import CallShape, CostModel
 
 if TYPE_CHECKING:
@@ -114,18 +118,8 @@ class SpecState:
             tbt = q.slo.tbt_s
             last = q.token_times[-1] if len(q.token_times) else now
             slack.append(last + tbt - now)
-        total = sum(q.num_computed_tokens for q in rows)
-        longest = max(q.num_computed_tokens for q in rows)
-        cap = self.spec.policy.num_tokens
-
-        def step_s(num_rows: int, tokens: int) -> float:
-            """The call at these contexts, each proposal priced as if in the longest row
-            (never under the call's true price, so a deadline the policy keeps holds)."""
-            extra = tokens - num_rows
-            pairs = total + num_rows + extra * (longest + 1 + cap)
-            return cost.decode_call_s(CallShape(num_rows, 1 + min(extra, cap), tokens,
-                                                total + tokens, pairs, longest + 1 + cap))
-
+        step_s = call_seconds([q.num_computed_tokens for q in rows],
+                              self.spec.policy.num_tokens, cost)
         acceptance = [self.estimate[q.req_id].mean for q in rows]
         plain = step_s(len(rows), len(rows)) if started else 0.0
         delayed = [q.slo.tbt_s - plain for q in started]
@@ -155,6 +149,22 @@ class SpecState:
             "spec_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
             "spec_acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
         }
+
+
+def call_seconds(contexts: list[int], cap: int, cost: CostModel) -> StepSeconds:
+    """``step_s(rows, tokens)`` of a decode call over rows of these contexts (before the
+    call) with ``tokens - rows`` proposals of at most ``cap`` per row, each priced as if
+    in the longest row: never under ``decode_shape``'s true price, so a deadline the
+    policy keeps holds."""
+    total, longest = sum(contexts), max(contexts)
+
+    def step_s(num_rows: int, tokens: int) -> float:
+        extra = tokens - num_rows
+        pairs = total + num_rows + extra * (longest + 1 + cap)
+        return cost.decode_call_s(CallShape(num_rows, 1 + min(extra, cap), tokens,
+                                            total + tokens, pairs, longest + 1 + cap))
+
+    return step_s
 
 
 def decode_shape(rows: list[SimRequest], ks: list[int]) -> CallShape:

@@ -129,3 +129,19 @@ def test_bad_policy(mode, k, message):
         SpeculationPolicy(mode, k)
     with pytest.raises(ValueError, match="one entry per row"):
         SpeculationPolicy().choose([0.5], [], [1], compute_bound)
+
+
+def test_requests_outside_the_call_keep_their_deadlines_too():
+    """A prompt whose first token came from the step's prefill call waits for this call:
+    its slack bounds the call like a row's; one the plain call misses does not."""
+    def step(rows: int, tokens: int) -> float:
+        return 0.04 + 1e-5 * tokens  # memory-bound: a proposal adds 10 us
+
+    free = SpeculationPolicy("slo", 3).choose([0.9] * 20, [INF] * 20, [9] * 20, step)
+    assert free == [3] * 20
+    held = SpeculationPolicy("slo", 3).choose([0.9] * 20, [INF] * 20, [9] * 20, step,
+                                              delayed_slack_s=[0.04031])
+    assert sum(held) == 11 and step(20, 31) <= 0.04031 < step(20, 32)
+    missed = SpeculationPolicy("slo", 3).choose([0.9] * 20, [INF] * 20, [9] * 20, step,
+                                                delayed_slack_s=[0.03])
+    assert missed == free

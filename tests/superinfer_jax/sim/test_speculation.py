@@ -18,6 +18,7 @@ from superinfer_jax.request import SLO
 from superinfer_jax.sched.speculation import SpeculationPolicy
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
 from superinfer_jax.sim import stats as sim_stats
+from superinfer_jax.sim.presets import get_preset
 from superinfer_jax.sim.speculation import SpecState, SpeculationSpec
 
 P, D = 0.010, 0.005
@@ -147,3 +148,25 @@ def test_simulate_bad_speculation(argv, message, capsys):
     assert cli_main(["simulate", "--no-progress", "--preset", "paper-llama8b-sharegpt",
                      *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_policy_never_prices_a_call_under_its_true_price():
+    """``call_seconds`` against the roofline's price of the exact ragged shape (``1 + k``
+    tokens per row): equal without proposals, never lower with them."""
+    import random
+
+    from superinfer_jax.sim import CallShape
+    from superinfer_jax.sim.speculation import call_seconds
+
+    sim = get_preset("paper-llama8b-sharegpt").simulator("gh200-96g", "fcfs")
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 400)
+        contexts = [rng.randint(1, 8000) for _ in range(n)]
+        ks = [rng.randint(0, 5) for _ in range(n)]
+        step_s = call_seconds(contexts, 5, sim.cost)
+        plain = sim.cost.decode_call_s(CallShape.of_rows([(1, c) for c in contexts]))
+        true = sim.cost.decode_call_s(CallShape.of_rows(
+            [(1 + k, c) for k, c in zip(ks, contexts, strict=True)]))
+        assert step_s(n, n) == pytest.approx(plain, rel=1e-12)
+        assert step_s(n, n + sum(ks)) >= true * (1 - 1e-12)
