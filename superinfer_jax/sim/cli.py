@@ -16,6 +16,15 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
         --engine max_model_len=320 --engine max_num_seqs=16    # this machine, calibrated
     superinfer simulate --preset paper-llama8b-mooncake-conv \
         --hardware gh200-144g,h200-pcie --policies fcfs,rotasched  # prefix caching on/off
+    superinfer simulate --preset paper-qwen32b-sharegpt --hardware gh200-96g \
+        --policies rotasched --speculative none,fixed:1,fixed:3,fixed:5,slo:5 \
+        --acceptance beta22,measured                   # speculative decoding policies
+
+Speculation (``--speculative``, ``sim.speculation``): each request's acceptance rate is
+drawn from Beta(2, 2) or from ``--acceptance-rates`` (``measured``; by default a
+PLACEHOLDER spread, not a measurement); a row per policy and acceptance model, with the
+goodput (requests meeting both SLOs per second) and the acceptance achieved. Without
+the option nothing changes.
 
 A Mooncake trace (``mooncake_conv``, ``mooncake_synthetic``, or a JSONL file with
 ``hash_ids``) replays its own timestamps scaled to each rate, with its hash ids as prompt
@@ -38,6 +47,7 @@ from typing import Any
 
 from superinfer_jax.sim.mooncake import BlockTrace, is_block_trace, load_block_trace
 from superinfer_jax.sim.report import print_table, write_json
+from superinfer_jax.sim.speculation import PLACEHOLDER_MEASURED_RATES, SpeculationSpec
 from superinfer_jax.sim.workloads import (
     SLOClass,
     TokenizerLoader,
@@ -94,6 +104,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--model preset's)")
     c.add_argument("--num-device-pages", type=int, help="the profiled engine's device pool")
     c.add_argument("--num-host-pages", type=int, default=0)
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", help="comma-separated: none, fixed:K (every row "
+                   "proposes K), slo:K (per row, at most K, from its TBT slack and the "
+                   "step's cost); a row each")
+    s.add_argument("--acceptance", default="beta22", help="comma-separated acceptance "
+                   "models: beta22 (rates drawn from Beta(2, 2)), measured (drawn from "
+                   "--acceptance-rates); a row each")
+    s.add_argument("--acceptance-rates", help="comma-separated per-token acceptance rates "
+                   "for 'measured' (default: a PLACEHOLDER spread "
+                   f"{','.join(map(str, PLACEHOLDER_MEASURED_RATES))} until the CPU n-gram "
+                   "runs measure them)")
     p.add_argument("--quick", action="store_true", help="3 rates, 30 s of arrivals")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", help="JSON path (default results/simulate-<preset>.json)")
@@ -194,6 +215,25 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     return out
 
 
+def speculations(args: argparse.Namespace) -> list[SpeculationSpec | None]:
+    """The ``--speculative`` x ``--acceptance`` runs ([None] without the option)."""
+    if not getattr(args, "speculative", None):
+        return [None]
+    rates: tuple[float, ...] = PLACEHOLDER_MEASURED_RATES
+    if args.acceptance_rates:
+        try:
+            rates = tuple(float(x) for x in _names(args.acceptance_rates))
+        except ValueError as e:
+            raise ValueError(f"--acceptance-rates must be comma-separated numbers, got "
+                             f"{args.acceptance_rates!r}") from e
+    out: list[SpeculationSpec | None] = []
+    for model in _names(args.acceptance):
+        for text in _names(args.speculative):
+            out.append(None if text == "none" else
+                       SpeculationSpec.parse(text, model, rates, args.seed))
+    return list(dict.fromkeys(out))
+
+
 def workload_spec(preset, rate: float, args: argparse.Namespace) -> WorkloadSpec:
     mix = parse_slo_mix(args.slo_mix) if args.slo_mix else \
         (SLOClass(1.0, preset.ttft_ms, preset.tbt_ms),)
@@ -264,14 +304,16 @@ def run_sweep(preset, args: argparse.Namespace,
     content = is_block_trace(preset.dataset)
     cachings = CACHING[args.prefix_caching or ("both" if content else "on" if
                                                preset.engine.prefix_caching.enabled else "off")]
-    runs = [(hw, rate, pol, c) for hw in preset.hardware for rate in preset.rates
-            for pol in preset.policies for c in cachings]
+    spec_runs = speculations(args)
+    runs = [(hw, rate, pol, c, sp) for hw in preset.hardware for rate in preset.rates
+            for pol in preset.policies for c in cachings for sp in spec_runs]
     bar = tqdm(runs, desc="simulating", disable=args.no_progress)
-    for hw, rate, policy, caching in bar:
+    for hw, rate, policy, caching, spec in bar:
         bar.set_postfix_str(f"{hw} {policy} @ {rate:g}/s")
         run_preset = replace(preset, engine=preset.engine.replace(
             enable_prefix_caching=caching))
-        sim = run_preset.simulator(hw, policy, transfer_mode=args.transfer_mode)
+        sim = run_preset.simulator(hw, policy, transfer_mode=args.transfer_mode,
+                                   speculation=spec)
         specs = workloads[rate]
         with tqdm(total=len(specs), desc=f"{policy}@{rate:g}", leave=False,
                   disable=args.no_progress) as reqbar:
@@ -280,11 +322,17 @@ def run_sweep(preset, args: argparse.Namespace,
         row = {"hardware": hw, "policy": policy, "rate": rate, "requests": len(specs)}
         if content:
             row["cache"] = "on" if caching else "off"
+        if spec_runs != [None]:
+            row["spec"] = "none" if spec is None else spec.label
+            row["accept"] = "-" if spec is None else spec.acceptance
         row.update({col: s[key] for col, key in ROW_KEYS.items()})
         if content:  # prompt tokens served from the cache (0 with caching off), and the
             # share of looked-up tokens the host tier served (after the device's hit)
             row["hit_rate"] = s.get("prefix_hit_rate", 0.0)
             row["host_hit"] = s.get("prefix_host_hit_rate", 0.0)
+        if spec_runs != [None]:  # requests meeting both SLOs per second, and acceptance
+            row["goodput"] = s["request_goodput"]
+            row["acc_rate"] = s.get("spec_acceptance_rate", 0.0)
         rows.append({**row, "summary": s})
     return rows
 
@@ -301,6 +349,7 @@ def run(args: argparse.Namespace, load_tokenizer: TokenizerLoader | None = None)
                   f"{', '.join(p.hardware)}")
         return 0
     preset = _preset(args)
+    speculations(args)  # bad --speculative / --acceptance: an error before any work
     t0 = time.perf_counter()
     rows = run_sweep(preset, args, load_tokenizer)
     for hw in preset.hardware:
@@ -357,4 +406,6 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"{row['policy']}, no cache" if row.get("cache") == "off" else row["policy"]
+    name = row["policy"] if "spec" not in row else \
+        f"{row['policy']} spec {row['spec']} ({row['accept']})"
+    return f"{name}, no cache" if row.get("cache") == "off" else name

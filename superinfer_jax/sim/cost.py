@@ -144,10 +144,13 @@ class RooflineCost:
                          StepWork(tokens, shape.kv_tokens_read, shape.attn_pairs))
 
     def decode_call_s(self, shape: CallShape) -> float:
+        """Rows padded to a bucket (``pad``); a row's speculative tokens beyond its first
+        (``num_tokens - num_rows``) are priced ragged."""
         rows = bucket(shape.num_rows, self.config.decode_buckets) if self.pad \
             else shape.num_rows
+        tokens = rows + shape.num_tokens - shape.num_rows
         return step_time(self.model, self.hw,
-                         StepWork(rows, shape.kv_tokens_read, shape.attn_pairs))
+                         StepWork(tokens, shape.kv_tokens_read, shape.attn_pairs))
 
     def host_s(self, num_rows: int, num_pages: int) -> float:
         return 0.0  # in ``hw.step_overhead_s`` of each call; DMA engines copy pages
@@ -199,7 +202,9 @@ class CalibratedCost:
         return p0 + rows * (p1 * cols + p2 * cols * past)
 
     def decode_call_s(self, shape: CallShape) -> float:
-        rows = bucket(shape.num_rows, self.config.decode_buckets)
+        """Speculative tokens beyond a row's first each cost what a padded row costs."""
+        rows = bucket(shape.num_rows, self.config.decode_buckets) + shape.num_tokens \
+            - shape.num_rows
         return self.latency.decode_s(rows, rows * shape.max_context)
 
     def host_s(self, num_rows: int, num_pages: int) -> float:

@@ -30,6 +30,7 @@ from superinfer_jax.sched.rotasched.registry import resolve_policy
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
+from superinfer_jax.sim.speculation import SpeculationSpec
 
 
 def split_policy(text: str) -> tuple[str, dict[str, Any]]:
@@ -132,14 +133,17 @@ class SimPreset:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
 
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
-                  pad: bool | None = None) -> Simulator:
-        """A simulator of this preset on ``hardware`` under ``policy``."""
+                  pad: bool | None = None, speculation: SpeculationSpec | None = None
+                  ) -> Simulator:
+        """A simulator of this preset on ``hardware`` under ``policy`` (``speculation``:
+        decode rows verify proposals, ``sim.speculation``)."""
         config = with_policy(self.engine, policy)
         policy = config.engine.policy
         if hardware == THIS_MACHINE and self.calibration is not None:
             c = self.calibration
             calibrated = CalibratedCost(c.latency, config, c.page_bytes, c.host)
-            return Simulator(config, calibrated, c.num_device_pages, c.num_host_pages, c.latency)
+            return Simulator(config, calibrated, c.num_device_pages, c.num_host_pages, c.latency,
+                             speculation)
         if hardware not in HARDWARE:
             raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
         model, hw = MODELS[self.model], HARDWARE[hardware]
@@ -149,7 +153,7 @@ class SimPreset:
         host = int(self.host_memory_gb * (1 << 30)) // cost.page_bytes
         uses_latency = getattr(resolve_policy(policy), "uses_latency", False)
         latency = latency_model_of(cost, config) if uses_latency else None
-        return Simulator(config, cost, pages, host, latency)
+        return Simulator(config, cost, pages, host, latency, speculation)
 
 
 PRESETS: dict[str, SimPreset] = {p.name: p for p in (

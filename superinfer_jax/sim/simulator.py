@@ -28,7 +28,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.kv.prefix_cache import isolation_key
@@ -45,6 +45,7 @@ from superinfer_jax.sim.request_specs import (
     check_conversations,
     check_specs,
 )
+from superinfer_jax.sim.speculation import SpecState, SpeculationSpec, decode_shape, row_limits
 
 OUT, IN = 0, 1  # copy directions: device -> host, host -> device
 _SAMPLING = SamplingParams(max_tokens=1, ignore_eos=True)  # unused by policies; shared
@@ -135,13 +136,17 @@ class SimResult:
     schedule_s: array | None = None  # array('d')
     # ``run_conversations``: request id -> (conversation index, turn index)
     turn_of: dict[str, tuple[int, int]] | None = None
+    # with speculation: its counters (``SpecState.summary``)
+    speculation: dict[str, Any] | None = None
 
 
 class Simulator:
-    """One engine configuration on one cost model; ``run`` plays a workload through it."""
+    """One engine configuration on one cost model; ``run`` plays a workload through it.
+    ``speculation``: decode rows verify proposals (``sim.speculation``); None: none."""
 
     def __init__(self, config: EngineConfig, cost: CostModel, num_device_pages: int,
-                 num_host_pages: int = 0, latency: LatencyModel | None = None):
+                 num_host_pages: int = 0, latency: LatencyModel | None = None,
+                 speculation: SpeculationSpec | None = None):
         if num_device_pages < config.max_pages_per_seq + 1:
             raise ValueError(
                 f"num_device_pages ({num_device_pages}) cannot hold one request of "
@@ -154,6 +159,7 @@ class Simulator:
         self.num_device_pages = num_device_pages
         self.num_host_pages = num_host_pages
         self.latency = latency
+        self.speculation = speculation
 
     def run(self, specs: Sequence[RequestSpec],
             progress: Callable[[int], None] | None = None,
@@ -229,6 +235,7 @@ class _Run:
         self.hit_pages_in = 0  # host -> device copies of host-tier prefix hits
         self.last_token = 0.0
         self.timing = (array("l"), array("d")) if time_schedule else None
+        self.spec = None if sim.speculation is None else SpecState(sim.speculation)
 
 
     def play(self) -> SimResult:
@@ -314,6 +321,8 @@ class _Run:
             req.cache_key = self.cache_key  # hashed lazily by the scheduler's admission
         self.requests[req.req_id] = req
         self.order.append(req)
+        if self.spec is not None:
+            self.spec.add(req_id)
         self.sched.add(req)
 
 
@@ -321,6 +330,8 @@ class _Run:
         """Run the plan's two calls from ``t``; returns when the step ends."""
         reqs, cost = self.requests, self.cost
         self.num_steps += 1
+        start = t
+        started: list[SimRequest] = []
         t += cost.host_s(len(plan.prefill) + len(plan.decode), num_pages)
         if plan.prefill:
             rows = [(reqs[r], n) for r, n in plan.prefill]
@@ -328,8 +339,13 @@ class _Run:
                 [(n, q.num_computed_tokens) for q, n in rows]))
             self.num_prefill += sum(n for _, n in rows)
             self._advance(rows, t)
+            if self.spec is not None:  # first tokens now: the decode call delays the next
+                started = [q for q, _ in rows if q.num_output == 1 and not q.status.is_finished
+                           and q.token_times[-1] == t]
         if plan.decode:
             drows = [reqs[r] for r in plan.decode]
+            if self.spec is not None:
+                return self._decode_speculative(drows, t, t - start, started)
             total = longest = 0  # contexts before the call; +1 after it
             for q in drows:  # summed here: a list of them would box every one
                 c = q.num_computed_tokens
@@ -357,6 +373,36 @@ class _Run:
             if req.num_output >= req.output_len or req.num_tokens >= max_len:
                 self._finish(req, now)
 
+    def _decode_speculative(self, rows: list[SimRequest], t: float, other_s: float,
+                            started: list[SimRequest]) -> float:
+        """The decode call from ``t`` with each row verifying ``1 + k`` tokens (``k`` from
+        the policy, cut to the pages free); returns when it ends."""
+        spec, kv = self.spec, self.kv
+        assert spec is not None
+        ks = spec.choose(rows, row_limits(rows, self.cfg.model.max_model_len), t, other_s,
+                         self.cost, started)
+        kept = []
+        for j, q in enumerate(rows):  # pages for 1 + k, kept for the 1 + m accepted
+            k = ks[j]
+            while k and not kv.can_allocate(q.req_id, q.num_computed_tokens + 1 + k):
+                k -= 1
+            ks[j] = k
+            m = spec.accepted(q.req_id, k) if k else 0
+            spec.record(q.req_id, k, m)
+            if m:
+                kv.allocate_for(q.req_id, q.num_computed_tokens + 1 + m)
+            kept.append(1 + m)
+        t += self.cost.decode_call_s(decode_shape(rows, ks))
+        self.num_decode += len(rows) + sum(ks)
+        for q, n in zip(rows, kept, strict=True):
+            q.num_computed_tokens += n
+            q.num_output += n
+            q.num_tokens += n
+            cast(list[float], q.token_times).extend([t] * n)
+            if q.num_output >= q.output_len or q.num_tokens >= self.cfg.model.max_model_len:
+                self._finish(q, t)
+        return t
+
     def _advance(self, rows: Iterable[tuple[SimRequest, int]], now: float) -> None:
         """The engine's ``_advance`` for each row: account ``n`` tokens of ``req``; the
         final row samples one. The length check is ``at_length_limit``, written out."""
@@ -375,6 +421,8 @@ class _Run:
     def _finish(self, req: SimRequest, now: float) -> None:
         """``req`` reached its length limit with the token landed at ``now``."""
         self.sched.remove(req)
+        if self.spec is not None:
+            self.spec.forget(req.req_id)
         req.block_hashes = []  # 16 bytes and a list slot a page: not kept after
         req.token_times = array("d", req.token_times)  # 8 bytes a token, not 32
         req.set_status(RequestStatus.FINISHED_LENGTH, now)
@@ -457,4 +505,5 @@ class _Run:
             prefix_cache_host_hits=host_hits, prefix_hit_pages_in=self.hit_pages_in,
             schedule_queue=self.timing[0] if self.timing else None,
             schedule_s=self.timing[1] if self.timing else None,
-            turn_of=self.turn_of if self.conversations else None)
+            turn_of=self.turn_of if self.conversations else None,
+            speculation=None if self.spec is None else self.spec.summary())

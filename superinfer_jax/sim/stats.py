@@ -16,6 +16,8 @@ request's first admission over all prompt tokens (``Request.num_cached_tokens``,
 engine reports as cached tokens in usage); ``prefix_device_hit_rate`` and
 ``prefix_host_hit_rate`` split the cache's own counters (hits over lookups, every
 admission, re-admissions after preemption included) by the tier the pages came from.
+
+Speculation (only for a run that had it): ``spec_*`` counters (``sim.speculation``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def summarize(result: SimResult) -> dict[str, Any]:
     out.update(_counters(result))
     if result.prefix_caching:
         out.update(_prefix(result))
+    if result.speculation is not None:
+        out.update(result.speculation)
     return out
 
 
