@@ -346,6 +346,13 @@ SPECULATIVE_MODES = ("fixed", "slo")
 MAX_SPECULATIVE_TOKENS = 16  # a verify call's columns: 1 + num_tokens
 
 
+def _proposer_name(key: str, name: str) -> str | None:
+    """A built-in method or a plug-in's ``package.module:Class`` (loaded at engine start)."""
+    if name in SPECULATIVE_METHODS or ":" in name:
+        return None
+    return f"must be one of {list(SPECULATIVE_METHODS)} or package.module:Class, got {name!r}"
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (docs/speculative.md): a proposer guesses up to
@@ -353,7 +360,7 @@ class SpeculativeConfig:
     acceptance keeps the output exactly the target model's."""
 
     method: str = knob(
-        "none",
+        "none", check=_proposer_name,
         help="none | ngram (prompt lookup: continue a repeated n-gram of the request) | "
              "draft (a smaller model, draft_model) | a proposer's package.module:Class")
     num_tokens: int = knob(
@@ -369,17 +376,6 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         validate(self, prefix="speculative.")
-        builtin = self.method in SPECULATIVE_METHODS
-        if not builtin and ":" not in self.method:
-            raise ConfigError("speculative.method", f"must be one of "
-                              f"{list(SPECULATIVE_METHODS)} or package.module:Class, "
-                              f"got {self.method!r}")
-        if self.method == "draft" and not self.draft_model:
-            raise ConfigError("speculative.draft_model", "must name a model when "
-                              "speculative.method is draft")
-        if self.method != "draft" and self.draft_model:
-            raise ConfigError("speculative.draft_model", f"is set but speculative.method "
-                              f"is {self.method!r} (only draft reads it)")
 
     @property
     def enabled(self) -> bool:

@@ -512,4 +512,5 @@ class LLMEngine:
             prefix_cache=None if cache is None else PrefixCacheStats(
                 cache.queries, cache.hits, self.kv.num_cached_pages,
                 0 if self.kv.host_cache is None else self.kv.host_cache.hits,
-                self.kv.num_host_cached_pages))
+                self.kv.num_host_cached_pages),
+            spec_decode=None if self.spec is None else self.spec.snapshot())

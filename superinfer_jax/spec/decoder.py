@@ -32,6 +32,7 @@ from superinfer_jax.runner.model_runner import ModelRunner
 from superinfer_jax.sched.step_plan import StepPlan
 from superinfer_jax.spec.proposer import Proposer, make_proposer
 from superinfer_jax.spec.verify import greedy_accept, make_verify
+from superinfer_jax.stats import SpecDecodeStats
 
 
 @dataclass
@@ -95,6 +96,11 @@ class SpecDecoder:
             sharding = (rep, rep, parallel.pool_sharding(runner.mesh))
         self._verify = make_verify(runner.model, runner._params_treedef, runner.backend,
                                    sharding)
+
+    def snapshot(self) -> SpecDecodeStats:
+        s = self.stats
+        return SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                               tuple(s.accepted_per_pos))
 
     def shapes(self) -> list[tuple[int, int]]:
         """The verify call's compiled shapes: one per decode-row bucket, 1 + k columns."""

@@ -110,6 +110,9 @@ def resolve_proposer(spec: str) -> type:
 
 def make_proposer(config: EngineConfig) -> Proposer:
     method = config.speculative.method
+    if method == "draft" and not config.speculative.draft_model:
+        raise ConfigError("speculative.draft_model", "must name a model when "
+                          "speculative.method is draft")
     if method == "draft":
         raise ConfigError("speculative.method", "draft is not available in this build "
                           "(use ngram or a package.module:Class proposer)")

@@ -1,0 +1,195 @@
+"""Speculative decoding never changes greedy output: n-gram proposals verified in one
+forward pass give exactly the tokens (and logprobs) decoding one token at a time gives,
+alone or batched, under rotation, prefix hits, chunked prefill and forks; the proposer
+and the acceptance rule against plain-Python references; bad config named by its key.
+
+The reference is the same tiny model on an engine without speculation (same compiled
+shapes for prefill and decode: the persistent XLA cache serves both)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.metrics import _SnapshotCollector
+from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.request import FieldError, RequestStatus
+from superinfer_jax.spec.proposer import ngram_propose, resolve_proposer
+from superinfer_jax.spec.verify import greedy_accept
+from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_rotating
+
+SP = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _ngram_reference(tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup in plain Python: longest suffix (4..1) first, latest occurrence."""
+    for n in range(min(4, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_plain_reference():
+    rng = np.random.default_rng(0)
+    cases = [[1, 2, 3, 4, 9, 1, 2, 3, 4], [5, 6, 7], [1, 2, 1, 3, 1], [7], [4, 4, 4, 4]]
+    cases += [rng.integers(0, 6, int(n)).tolist() for n in rng.integers(1, 40, 200)]
+    for tokens in cases:
+        for k in (1, 3, 5):
+            got = ngram_propose(np.asarray(tokens, np.int32), k).tolist()
+            assert got == _ngram_reference(tokens, k), (tokens, k)
+    # the longest match wins over a later shorter one
+    assert ngram_propose(np.asarray([1, 2, 3, 8, 9, 3, 7, 0, 2, 3]), 2).tolist() == [8, 9]
+
+
+def test_greedy_accept_is_the_longest_agreeing_prefix():
+    target = np.array([5, 6, 7, 8])
+    assert greedy_accept([5, 6, 7], target) == 3
+    assert greedy_accept([5, 0, 7], target) == 1
+    assert greedy_accept([0, 6, 7], target) == 0
+    assert greedy_accept([], target) == 0
+
+
+def _spec(k: int, **changes) -> EngineConfig:
+    return SMALL.replace(speculative_method="ngram", num_speculative_tokens=k, **changes)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Prompts with repeats (proposals that the target takes and rejects), one without,
+    and two longer than a 16-token prefill chunk (chunked prefill)."""
+    rng = np.random.default_rng(3)
+    out = [(rng.integers(0, 250, 5).tolist() * 3)[:int(n)] for n in (9, 13, 15)]
+    out += [rng.integers(0, 250, 7).tolist(), (rng.integers(0, 250, 6).tolist() * 6)[:34]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, prompts):
+    return run_alone(LLMEngine(tiny, SMALL), prompts, SP)
+
+
+def _batched(engine, prompts, sp):
+    ids = [engine.add_request(p, sp) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+    return [engine.release(r) for r in ids]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k):
+    engine = LLMEngine(tiny, _spec(k))
+    assert run_alone(engine, prompts, SP) == reference
+    done = _batched(engine, prompts, SP)  # batched, and the second time prefix hits
+    assert [r.output_token_ids for r in done] == reference
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in done)
+    stats = engine.stats()
+    spec = stats.spec_decode
+    assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert stats["prefix_cache_hits"] > 0
+    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+    assert len(spec.accepted_per_pos) == k
+    # fewer model steps than tokens: accepted tokens came for free
+    assert engine.num_model_steps < 2 * sum(len(t) for t in reference)
+
+
+def test_rotation_keeps_speculated_greedy_tokens(tiny, prompts, reference):
+    engine = LLMEngine(tiny, _spec(3, num_device_pages=12, num_host_pages=64))
+    done = run_rotating(engine, prompts, SP, every=3)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_rotations for r in done) >= 2
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_recompute_keeps_speculated_greedy_tokens(tiny, prompts, reference):
+    engine = LLMEngine(tiny, _spec(5, num_device_pages=10))
+    done = run_rotating(engine, prompts, SP, every=2)
+    assert [r.output_token_ids for r in done] == reference
+    assert sum(r.num_preemptions for r in done) >= 1
+
+
+def test_logprobs_stops_and_lengths_as_without_speculation(tiny, prompts):
+    plain, spec = LLMEngine(tiny, SMALL), LLMEngine(tiny, _spec(3))
+    first = run_alone(plain, prompts[:1], SP)[0]
+    stop = first[10]  # a stop token id the output reaches
+    jobs = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3),
+            SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)),
+            SamplingParams(max_tokens=7, ignore_eos=True)]
+    for sp in jobs:
+        want, got = _batched(plain, prompts[:3], sp), _batched(spec, prompts[:3], sp)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+        assert [r.status for r in got] == [r.status for r in want]
+        if sp.logprobs:
+            for a, b in zip(got, want, strict=True):
+                assert len(a.output_logprobs) == len(b.output_logprobs) == 24
+                for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True):
+                    assert x.token_id == y.token_id and x.rank == y.rank
+                    # float32 logits of the same state, by another shape of matmul
+                    assert abs(x.logprob - y.logprob) < 1e-4
+                    assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    assert spec.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_forks_and_opt_out(tiny, prompts, reference):
+    engine = LLMEngine(tiny, _spec(3))
+    first = engine.add_request(prompts[0], SP, cache_salt="n2")
+    fork = engine.add_request(prompts[0], SP, cache_salt="n2", fork_of=first)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.release(first).output_token_ids == reference[0]
+    assert engine.release(fork).output_token_ids == reference[0]
+    before = engine.stats().spec_decode.num_drafts
+    out = _batched(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True,
+                                                   speculative=False))
+    assert [r.output_token_ids for r in out] == reference
+    assert engine.stats().spec_decode.num_drafts == before  # nobody speculated
+
+
+def test_sampled_requests_decode_as_usual(tiny, prompts):
+    """Temperature > 0 does not speculate here (greedy acceptance only): the seeded output
+    is the one without speculation."""
+    sp = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+    want = _batched(LLMEngine(tiny, SMALL), prompts[:2], sp)
+    engine = LLMEngine(tiny, _spec(3))
+    got = _batched(engine, prompts[:2], sp)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+    assert engine.stats().spec_decode.num_drafts == 0
+
+
+def test_metrics_use_vllm_names():
+    collector = _SnapshotCollector("m")
+    collector.stats = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 9,
+                       "spec_decode_num_accepted_tokens": 5,
+                       "spec_decode_num_accepted_tokens_pos_0": 4,
+                       "spec_decode_num_accepted_tokens_pos_1": 1}
+    families = {f.name: f for f in collector.collect()}
+    assert families["vllm:spec_decode_num_drafts"].samples[0].value == 4
+    assert families["vllm:spec_decode_num_draft_tokens"].samples[0].value == 9
+    assert families["vllm:spec_decode_num_accepted_tokens"].samples[0].value == 5
+    per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [(s.labels["position"], s.value) for s in per_pos] == [("0", 4), ("1", 1)]
+
+
+@pytest.mark.parametrize("knobs,key", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"speculative_method": "medusa"}, "speculative_method"),
+    ({"speculative_mode": "eager"}, "speculative_mode"),
+])
+def test_bad_config_names_the_key(knobs, key):
+    """Named as the caller spelled it: the flat knob (the YAML names the section key)."""
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.build(**knobs)
+    assert e.value.key == key
+
+
+def test_unloadable_proposer_and_bad_opt_out_are_named(tiny):
+    with pytest.raises(ConfigError, match="speculative.draft_model"):
+        LLMEngine(tiny, SMALL.replace(speculative_method="draft"))
+    with pytest.raises(ConfigError, match="speculative.method"):
+        resolve_proposer("no_such_module_xyz:Proposer")
+    with pytest.raises(FieldError, match="speculative"):
+        SamplingParams(speculative="yes")
