@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from superinfer_jax.config import EngineConfig, bucket
+from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.dist.parallel import host_value
 from superinfer_jax.kv.page_allocator import KVCacheManager
 from superinfer_jax.output_processor import RequestOutput
@@ -82,6 +83,9 @@ class SpecDecoder:
     def __init__(self, config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
                  proposer: Proposer | None = None):
         spec = config.speculative
+        if spec.mode != "fixed":
+            raise ConfigError("speculative.mode", f"{spec.mode!r} is not wired into this "
+                              "engine yet (use fixed)")
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -124,11 +128,14 @@ class SpecDecoder:
         ks = [self._room(req) for req in candidates]
         proposals = self.proposer.propose(candidates, ks)
         rows: list[VerifyRow] = []
+        # the step budget counts verified tokens: proposals spend what the rows left
+        spare = plan.budget.tokens - plan.num_tokens if plan.budget is not None else 1 << 30
         for req, k, proposal in zip(candidates, ks, proposals, strict=True):
-            proposal = np.asarray(proposal, np.int32)[:k]
+            proposal = np.asarray(proposal, np.int32)[:max(0, min(k, spare))]
             proposal = proposal[:self._pages_for(req, proposal.shape[0])]
             if proposal.shape[0]:
                 rows.append(VerifyRow(req, req.num_computed_tokens, proposal))
+                spare -= proposal.shape[0]
         if rows:
             taken = {row.req.req_id for row in rows}
             plan.decode = [r for r in plan.decode if r not in taken]

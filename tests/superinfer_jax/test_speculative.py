@@ -189,7 +189,19 @@ def test_bad_config_names_the_key(knobs, key):
 def test_unloadable_proposer_and_bad_opt_out_are_named(tiny):
     with pytest.raises(ConfigError, match="speculative.draft_model"):
         LLMEngine(tiny, SMALL.replace(speculative_method="draft"))
+    with pytest.raises(ConfigError, match="speculative.mode"):
+        LLMEngine(tiny, _spec(3, speculative_mode="slo"))
     with pytest.raises(ConfigError, match="speculative.method"):
         resolve_proposer("no_such_module_xyz:Proposer")
     with pytest.raises(FieldError, match="speculative"):
         SamplingParams(speculative="yes")
+
+
+def test_step_budget_counts_verified_tokens(tiny, prompts, reference):
+    engine = LLMEngine(tiny, _spec(5, max_num_batched_tokens=16))
+    ids = [engine.add_request(p, SP) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.last_stats
+        assert stats.num_prefill_tokens + stats.num_decode_tokens <= 16
+    assert [engine.release(r).output_token_ids for r in ids] == reference
