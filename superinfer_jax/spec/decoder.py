@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from superinfer_jax.config import EngineConfig, bucket
@@ -30,9 +31,10 @@ from superinfer_jax.output_processor import RequestOutput
 from superinfer_jax.request import Request, TokenLogprobs
 from superinfer_jax.runner.input_batch import CallArrays
 from superinfer_jax.runner.model_runner import ModelRunner
+from superinfer_jax.runner.sampling import SamplingInputs
 from superinfer_jax.sched.step_plan import StepPlan
 from superinfer_jax.spec.proposer import Proposer, make_proposer
-from superinfer_jax.spec.verify import greedy_accept, make_verify
+from superinfer_jax.spec.verify import accepted_length, make_verify
 from superinfer_jax.stats import SpecDecodeStats
 
 
@@ -65,14 +67,16 @@ class VerifyRow:
 @dataclass
 class VerifyCall:
     rows: list[VerifyRow]
-    target: object  # [B, C] device array: the target's greedy token per column
-    logprobs: object | None  # StepLogprobs-like tuple when a row asked
+    tokens: jax.Array  # [B, C]: the target's token at each column
+    accepted: jax.Array  # [B, C]: whether column j's guess was accepted
+    logprobs: object | None  # the emitted tokens' logprobs when a row asked
 
 
 def speculates(req: Request) -> bool:
-    """Whether ``req``'s next tokens may be proposed and verified greedily."""
+    """Whether ``req``'s next tokens may be proposed and verified: nothing but the raw
+    logits (and its temperature, top-k and top-p) decides them."""
     sp = req.sampling
-    return (sp.speculative and sp.greedy and not sp.has_penalties and not sp.logit_bias
+    return (sp.speculative and not sp.has_penalties and not sp.logit_bias
             and req.grammar is None and len(req.output_token_ids) >= sp.min_tokens
             and req.num_inflight_tokens == 0 and not req.final_token_inflight)
 
@@ -97,7 +101,7 @@ class SpecDecoder:
         if runner.mesh is not None:
             from superinfer_jax.dist import parallel
             rep = parallel.replicated(runner.mesh)
-            sharding = (rep, rep, parallel.pool_sharding(runner.mesh))
+            sharding = (rep, rep, rep, parallel.pool_sharding(runner.mesh))
         self._verify = make_verify(runner.model, runner._params_treedef, runner.backend,
                                    sharding)
 
@@ -116,8 +120,11 @@ class SpecDecoder:
         t0 = time.perf_counter()
         for rows, cols in self.shapes():
             arrays = CallArrays(rows, cols, self.config.max_pages_per_seq)
-            self._call(arrays, np.zeros(rows, np.bool_))
-        self.runner.read_tokens(self.runner.no_tokens)
+            proposals = np.full((rows, cols), -1, np.int32)
+            for temperature in (0.0, 1.0):  # greedy calls, then the sampling branch
+                arrays.temperature[:] = temperature
+                self.runner.read_tokens(self._call(arrays, np.zeros(rows, np.bool_),
+                                                   proposals)[0])
         return time.perf_counter() - t0
 
     def take(self, plan: StepPlan, requests: dict[str, Request]) -> list[VerifyRow]:
@@ -161,6 +168,7 @@ class SpecDecoder:
         num_rows = bucket(len(rows), self.config.decode_buckets)
         arrays = CallArrays(num_rows, self.cols, self.config.max_pages_per_seq)
         want = np.zeros(num_rows, np.bool_)
+        proposals = np.full((num_rows, self.cols), -1, np.int32)
         for b, row in enumerate(rows):
             req, start, n = row.req, row.start, 1 + row.proposal.shape[0]
             arrays.tokens[b, 0] = req.all_token_ids[start]
@@ -170,22 +178,33 @@ class SpecDecoder:
             arrays.context_lens[b] = start + n
             table = self.kv.page_table(req.req_id)
             arrays.page_tables[b, :len(table)] = table
+            arrays.set_sampling(b, req)
+            proposals[b, :n - 1] = row.proposal
             want[b] = req.sampling.logprobs is not None
-        target, logprobs = self._call(arrays, want)
-        return VerifyCall(rows, target, logprobs if want.any() else None)
+        tokens, accepted, logprobs = self._call(arrays, want, proposals)
+        return VerifyCall(rows, tokens, accepted, logprobs if want.any() else None)
 
-    def _call(self, arrays: CallArrays, want: np.ndarray) -> tuple[object, object]:
+    def _call(self, arrays: CallArrays, want: np.ndarray,
+              proposals: np.ndarray) -> tuple[jax.Array, jax.Array, object]:
+        """Run the verify program; column ``j`` of row ``b`` samples position
+        ``positions[b, j] + 1`` with the row's sampling values."""
         runner = self.runner
-        target, logprobs, runner.kv_pool = self._verify(
-            runner.step_params, runner.kv_pool, arrays.inputs(), want)
-        return target, logprobs
+        cols = self.cols
+        sampling = SamplingInputs(
+            np.repeat(arrays.temperature, cols), np.repeat(arrays.top_k, cols),
+            np.repeat(arrays.top_p, cols), np.repeat(arrays.seeds, cols),
+            (arrays.positions + 1).reshape(-1))
+        tokens, accepted, logprobs, runner.kv_pool = self._verify(
+            runner.step_params, runner.kv_pool, arrays.inputs(), want, sampling, proposals)
+        return tokens, accepted, logprobs
 
     def land(self, call: VerifyCall,
              advance: Callable[[Request, int, float], RequestOutput | None],
              fail: Callable[[Request, BaseException], None]) -> list[RequestOutput]:
         """Accept each row's proposal prefix and land its tokens one by one (stop strings,
         EOS and lengths end a request as without speculation); one output per request."""
-        target = self.runner.read_tokens(call.target)  # type: ignore[arg-type]
+        target = self.runner.read_tokens(call.tokens)
+        accepted_cols = self.runner.read_tokens(call.accepted)
         lp = None if call.logprobs is None else _read_lp(call.logprobs)
         now = time.perf_counter()
         outputs = []
@@ -193,7 +212,7 @@ class SpecDecoder:
             req = row.req
             if req.status.is_finished:
                 continue
-            accepted = greedy_accept(row.proposal, target[b])
+            accepted = accepted_length(accepted_cols[b], row.proposal.shape[0])
             self.stats.count(row.proposal.shape[0], accepted, self.k)
             tokens = [int(t) for t in row.proposal[:accepted]] + [int(target[b, accepted])]
             req.num_computed_tokens = row.start + 1 + accepted
