@@ -3,9 +3,10 @@ call, and landing the accepted tokens.
 
 A decode row speculates when its request allows it (``SamplingParams.speculative``), its
 last token is on the host (speculation runs the step synchronously: a proposal needs the
-tokens so far) and the proposer guesses something. Only requests whose greedy token is
-the raw logits' argmax speculate (temperature 0, no penalties, logit bias, grammar or
-pending ``min_tokens``); every other row decodes as usual, so the output never changes.
+tokens so far) and the proposer guesses something. Only requests whose next token
+depends on nothing but the raw logits and their temperature, top-k and top-p speculate
+(no penalties, logit bias, grammar or pending ``min_tokens``): greedy ones by the argmax
+rule, sampled ones by the rejection rule (``verify``); every other row decodes as usual.
 
 Pages: a verify row writes KV for its 1 + k positions; pages for them are taken when the
 pool has them, else the proposal is cut to the pages the request holds. After

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.stats import chisquare
 
+from models.config import ModelConfig
+from models.servable import random_servable
 from serving.metrics import _SnapshotCollector
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.kv.layout import PoolLayout
+from superinfer_jax.model_api import StepInputs
 from superinfer_jax.request import FieldError, RequestStatus
 from superinfer_jax.spec.proposer import ngram_propose, resolve_proposer
-from superinfer_jax.spec.verify import accepted_length
+from superinfer_jax.spec.verify import accepted_length, make_verify
 from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_rotating
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -193,3 +198,81 @@ def test_step_budget_counts_verified_tokens(tiny, prompts, reference):
         stats = engine.last_stats
         assert stats.num_prefill_tokens + stats.num_decode_tokens <= 16
     assert [engine.release(r).output_token_ids for r in ids] == reference
+
+
+V32 = ModelConfig(name="tiny32", vocab_size=32, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=64, eos_token_ids=(31,))
+# low enough that the random model's flat logits give bins worth testing
+TEMPERATURE = 0.06
+DRAWS = 800
+
+
+def _exact_joint(model, prompt: list[int]) -> np.ndarray:
+    """The target's distribution of its first three sampled tokens, by enumeration: one
+    plain forward over every prompt + (a, b), the logits at every position (float64
+    softmax at ``TEMPERATURE``, no top-k or top-p)."""
+    n = len(prompt)
+    rows = np.array([prompt + [a, b] for a in range(32) for b in range(32)], np.int32)
+    batch, cols = rows.shape
+    per_row = -(-cols // 8)
+    pool = PoolLayout(model.kv_spec, 8, "float32").zeros(1 + batch * per_row)
+    tables = (1 + np.arange(batch * per_row)).reshape(batch, per_row)
+    inputs = StepInputs.from_numpy(rows, np.tile(np.arange(cols), (batch, 1)),
+                                   np.full(batch, cols), np.full(batch, cols), tables)
+    logits = np.asarray(model.forward(model.params, pool, inputs, all_logits=True)[0],
+                        np.float64) / TEMPERATURE
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1, p2 = softmax(logits[0, n - 1]), softmax(logits[::32, n])
+    p3 = softmax(logits[:, n + 1]).reshape(32, 32, 32)
+    return (p1[:, None, None] * p2[:, :, None] * p3).ravel()
+
+
+def _joint_p_value(engine, prompt: list[int], joint: np.ndarray) -> float:
+    """Chi-square of the first three tokens of ``DRAWS`` seeded requests against
+    ``joint``; bins expected under 5 draws are pooled into one."""
+    sps = [SamplingParams(max_tokens=4, temperature=TEMPERATURE, seed=s, ignore_eos=True)
+           for s in range(DRAWS)]
+    counts = np.zeros(joint.shape[0])
+    for r in _batched_jobs(engine, prompt, sps):
+        a, b, c = r.output_token_ids[:3]
+        counts[(a * 32 + b) * 32 + c] += 1
+    expected = joint * DRAWS
+    big = expected >= 5
+    assert big.sum() >= 10
+    observed = np.append(counts[big], counts[~big].sum())
+    return float(chisquare(observed, np.append(expected[big], expected[~big].sum())).pvalue)
+
+
+def _batched_jobs(engine, prompt, sps):
+    ids = [engine.add_request(prompt, sp) for sp in sps]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.release(r) for r in ids]
+
+
+def test_sampled_tokens_follow_the_target_distribution_exactly():
+    """Speculative sampling's output distribution is the target's (p > 0.001), and the
+    same test rejects a rule that redraws a rejected guess from the target's own
+    distribution instead of the residual (p < 1e-6)."""
+    model = random_servable(V32, seed=3)
+    config = EngineConfig.build(max_model_len=64, max_num_seqs=32, max_num_batched_tokens=512,
+                                max_prefill_chunk=32, max_prefill_rows=16, page_size=8,
+                                warmup=False, show_progress=False)
+    greedy = LLMEngine(model, config)
+    # the prompt is the model's own greedy text: proposals the target often takes
+    prompt = [1, 2, 3] + _batched_jobs(greedy, [1, 2, 3], [
+        SamplingParams(max_tokens=16, ignore_eos=True)])[0].output_token_ids
+    joint = _exact_joint(model, prompt)
+    engine = LLMEngine(model, config.replace(speculative_method="ngram",
+                                             num_speculative_tokens=3))
+    assert _joint_p_value(engine, prompt, joint) > 0.001
+    spec = engine.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # both branches ran
+    engine.spec._verify = make_verify(model, engine.runner._params_treedef,
+                                      engine.runner.backend, rule="resample_target")
+    assert _joint_p_value(engine, prompt, joint) < 1e-6
