@@ -8,6 +8,13 @@ shapes for prefill and decode: the persistent XLA cache serves both)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -276,3 +283,16 @@ def test_sampled_tokens_follow_the_target_distribution_exactly():
     engine.spec._verify = make_verify(model, engine.runner._params_treedef,
                                       engine.runner.backend, rule="resample_target")
     assert _joint_p_value(engine, prompt, joint) < 1e-6
+
+
+def test_tensor_parallel_speculation_keeps_greedy_tokens():
+    """TP=2 (2 virtual CPU devices, in a subprocess) with speculation = TP=1 without."""
+    cmd = [sys.executable, "-m", "tests.superinfer_jax.spec_tp_check"]
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        cmd += ["--cache-dir", cache]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["identical"] and result["accepted"] > 0
