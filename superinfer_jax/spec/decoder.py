@@ -4,9 +4,11 @@ call, and landing the accepted tokens.
 A decode row speculates when its request allows it (``SamplingParams.speculative``), its
 last token is on the host (speculation runs the step synchronously: a proposal needs the
 tokens so far) and the proposer guesses something. Only requests whose next token
-depends on nothing but the raw logits and their temperature, top-k and top-p speculate
-(no penalties, logit bias, grammar or pending ``min_tokens``): greedy ones by the argmax
-rule, sampled ones by the rejection rule (``verify``); every other row decodes as usual.
+depends on nothing but the raw logits, its temperature, top-k and top-p, and its grammar,
+speculate (no penalties, logit bias or pending ``min_tokens``): greedy ones by the
+argmax rule, sampled ones by the rejection rule (``verify``); every other row decodes as
+usual. A grammar cuts a proposal at its first rejected guess, and each column is masked
+by the grammar's state after the guesses before it.
 
 Pages: a verify row writes KV for its 1 + k positions; pages for them are taken when the
 pool has them, else the proposal is cut to the pages the request holds. After
@@ -78,7 +80,7 @@ def speculates(req: Request) -> bool:
     logits (and its temperature, top-k and top-p) decides them."""
     sp = req.sampling
     return (sp.speculative and not sp.has_penalties and not sp.logit_bias
-            and req.grammar is None and len(req.output_token_ids) >= sp.min_tokens
+            and len(req.output_token_ids) >= sp.min_tokens
             and req.num_inflight_tokens == 0 and not req.final_token_inflight)
 
 
@@ -98,6 +100,8 @@ class SpecDecoder:
         self.cols = 1 + spec.num_tokens
         self.proposer = proposer or make_proposer(config)
         self.stats = SpecStats(accepted_per_pos=[0] * spec.num_tokens)
+        self.words = -(-runner.model.vocab_size // 32)  # grammar bitmask words
+        self._open_masks: dict[int, jax.Array] = {}  # rows -> committed all-allowed masks
         sharding = None
         if runner.mesh is not None:
             from superinfer_jax.dist import parallel
@@ -122,10 +126,12 @@ class SpecDecoder:
         for rows, cols in self.shapes():
             arrays = CallArrays(rows, cols, self.config.max_pages_per_seq)
             proposals = np.full((rows, cols), -1, np.int32)
-            for temperature in (0.0, 1.0):  # greedy calls, then the sampling branch
+            for temperature, masked in ((0.0, False), (1.0, True)):  # every branch
                 arrays.temperature[:] = temperature
-                self.runner.read_tokens(self._call(arrays, np.zeros(rows, np.bool_),
-                                                   proposals)[0])
+                masks = self._masks(rows, [])
+                self.runner.read_tokens(self._call(
+                    arrays, np.zeros(rows, np.bool_), proposals,
+                    np.full(rows, masked, np.bool_), masks)[0])
         return time.perf_counter() - t0
 
     def take(self, plan: StepPlan, requests: dict[str, Request]) -> list[VerifyRow]:
@@ -140,6 +146,8 @@ class SpecDecoder:
         spare = plan.budget.tokens - plan.num_tokens if plan.budget is not None else 1 << 30
         for req, k, proposal in zip(candidates, ks, proposals, strict=True):
             proposal = np.asarray(proposal, np.int32)[:max(0, min(k, spare))]
+            if req.grammar is not None and proposal.shape[0]:  # cut where it is rejected
+                proposal = proposal[:req.grammar.validate_tokens(proposal.tolist())]
             proposal = proposal[:self._pages_for(req, proposal.shape[0])]
             if proposal.shape[0]:
                 rows.append(VerifyRow(req, req.num_computed_tokens, proposal))
@@ -182,11 +190,37 @@ class SpecDecoder:
             arrays.set_sampling(b, req)
             proposals[b, :n - 1] = row.proposal
             want[b] = req.sampling.logprobs is not None
-        tokens, accepted, logprobs = self._call(arrays, want, proposals)
+        masked = np.array([row.req.grammar is not None for row in rows]
+                          + [False] * (num_rows - len(rows)))
+        masks = self._masks(num_rows, [(b, row) for b, row in enumerate(rows)
+                                       if row.req.grammar is not None])
+        tokens, accepted, logprobs = self._call(arrays, want, proposals, masked, masks)
         return VerifyCall(rows, tokens, accepted, logprobs if want.any() else None)
 
-    def _call(self, arrays: CallArrays, want: np.ndarray,
-              proposals: np.ndarray) -> tuple[jax.Array, jax.Array, object]:
+    def _masks(self, num_rows: int, grammar_rows: list[tuple[int, VerifyRow]]
+               ) -> jax.Array | np.ndarray:
+        """Each column's grammar bitmask [rows, 1 + k, words]: the grammar's mask after
+        the guesses before the column (the grammar is advanced through them and rolled
+        back). Without grammar rows, a committed all-allowed constant (no transfer)."""
+        if not grammar_rows:
+            if num_rows not in self._open_masks:
+                self._open_masks[num_rows] = self.runner.committed(
+                    np.full((num_rows, self.cols, self.words), -1, np.int32))
+            return self._open_masks[num_rows]
+        masks = np.full((num_rows, self.cols, self.words), -1, np.int32)
+        for b, row in grammar_rows:
+            grammar = row.req.grammar
+            n = row.proposal.shape[0]
+            for j in range(n + 1):
+                grammar.fill_bitmask(masks[b, j])
+                if j < n and not grammar.accept_token(int(row.proposal[j])):
+                    raise RuntimeError("structured output: a validated guess was rejected")
+            grammar.rollback(n)
+        return masks
+
+    def _call(self, arrays: CallArrays, want: np.ndarray, proposals: np.ndarray,
+              masked: np.ndarray, masks: jax.Array | np.ndarray
+              ) -> tuple[jax.Array, jax.Array, object]:
         """Run the verify program; column ``j`` of row ``b`` samples position
         ``positions[b, j] + 1`` with the row's sampling values."""
         runner = self.runner
@@ -196,7 +230,8 @@ class SpecDecoder:
             np.repeat(arrays.top_p, cols), np.repeat(arrays.seeds, cols),
             (arrays.positions + 1).reshape(-1))
         tokens, accepted, logprobs, runner.kv_pool = self._verify(
-            runner.step_params, runner.kv_pool, arrays.inputs(), want, sampling, proposals)
+            runner.step_params, runner.kv_pool, arrays.inputs(), want, sampling, proposals,
+            masked, masks)
         return tokens, accepted, logprobs
 
     def land(self, call: VerifyCall,

@@ -33,16 +33,20 @@ def make_verify(model: ServableModel, treedef: Any, backend: str,
                 out_shardings: Any = None, rule: str = "exact") -> Any:
     """The jitted verify program, pool donated: (params leaves, pool, inputs, want
     logprobs [B] bool, sampling [B * C] (row-major), proposals [B, C]: the guess column
-    ``j`` checks, -1 for none) -> (tokens [B, C], accepted [B, C] bool, logprobs of the
-    emitted tokens [4 arrays], pool). ``rule``: ``exact``; ``resample_target`` is a
-    deliberately wrong rule (a rejected guess redrawn from the target's distribution,
-    not the residual) that the distribution test must tell apart."""
+    ``j`` checks, -1 for none, masked [B] bool and masks [B, C, words] int32: each
+    column's grammar bitmask) -> (tokens [B, C], accepted [B, C] bool, the emitted
+    tokens' logprobs from the raw logits [4 arrays], pool). ``rule``: ``exact``;
+    ``resample_target`` is a deliberately wrong rule (a rejected guess redrawn from the
+    target's distribution, not the residual) that the distribution test must tell
+    apart."""
 
     def verify(param_leaves, kv_pool, inputs: StepInputs, want_logprobs,
-               sampling: SamplingInputs, proposals):
+               sampling: SamplingInputs, proposals, masked, masks):
         params = jax.tree.unflatten(treedef, param_leaves)
-        logits, kv_pool = model.forward(params, kv_pool, inputs, attention_backend=backend,
-                                        all_logits=True)
+        raw, kv_pool = model.forward(params, kv_pool, inputs, attention_backend=backend,
+                                     all_logits=True)
+        logits = jax.lax.cond(jnp.any(masked), lambda: _grammar(raw, masked, masks),
+                              lambda: raw)
         greedy = greedy_tokens(logits)  # the sampler's greedy rule, every column
         rows, cols = greedy.shape
         tokens, accepted = jax.lax.cond(
@@ -53,13 +57,22 @@ def make_verify(model: ServableModel, treedef: Any, backend: str,
         zeros = (jnp.zeros((rows, cols), jnp.float32), jnp.zeros((rows, cols), jnp.int32),
                  jnp.zeros((rows, cols, MAX_LOGPROBS), jnp.int32),
                  jnp.zeros((rows, cols, MAX_LOGPROBS), jnp.float32))
-        logprobs = jax.lax.cond(jnp.any(want_logprobs), lambda: _top(logits, emitted),
+        logprobs = jax.lax.cond(jnp.any(want_logprobs), lambda: _top(raw, emitted),
                                 lambda: zeros)
         return tokens, accepted, logprobs, kv_pool
 
     if out_shardings is None:
         return jax.jit(verify, donate_argnums=(1,))
     return jax.jit(verify, donate_argnums=(1,), out_shardings=out_shardings)
+
+
+def _grammar(logits: jax.Array, masked: jax.Array, masks: jax.Array) -> jax.Array:
+    """Tokens a masked row's grammar forbids at each column set to -inf (the bit layout
+    of ``structured.grammar``: token t is bit t % 32 of word t // 32)."""
+    vocab = logits.shape[-1]
+    bit = jnp.arange(vocab)
+    allowed = (masks[:, :, bit // 32] >> (bit % 32)) & 1
+    return jnp.where(masked[:, None, None] & (allowed == 0), -jnp.inf, logits)
 
 
 def _sampled(logits: jax.Array, greedy: jax.Array, s: SamplingInputs, proposals: jax.Array,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -296,3 +297,32 @@ def test_tensor_parallel_speculation_keeps_greedy_tokens():
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["identical"] and result["accepted"] > 0
+
+
+def test_structured_outputs_speculate_within_the_grammar(smollm2_tokenizer):
+    """Grammar rows speculate (proposals cut where the grammar rejects them, every column
+    masked by the grammar's state there): the same greedy tokens, still valid."""
+    from superinfer_jax.structured import StructuredOutputSpec
+    from tests.superinfer_jax.engine_testlib import VOCAB_CONFIG, run_jobs, tiny_with_tokenizer
+
+    model = tiny_with_tokenizer(smollm2_tokenizer, seed=0)
+    tok = model.tokenizer
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "maxItems": 6,
+                                                        "items": {"type": "string"}}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    config = VOCAB_CONFIG.replace(disable_any_whitespace=True)
+    prompt = tok.encode('{"name": "ab", "tags": ["ab", "ab"]} {"name": "ab", "tags": ["ab"]}')
+    jobs = [(prompt, SamplingParams(max_tokens=60, structured=StructuredOutputSpec(
+                "json", json.dumps(schema)))),
+            (prompt, SamplingParams(max_tokens=24, structured=StructuredOutputSpec(
+                "regex", r"(ab|cd)+x(ab)+")))]
+    want = run_jobs(LLMEngine(model, config), jobs)
+    engine = LLMEngine(model, config.replace(speculative_method="ngram",
+                                             num_speculative_tokens=3))
+    got = run_jobs(engine, jobs)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
+    assert [r.status for r in got] == [r.status for r in want]
+    assert engine.stats().spec_decode.num_drafts > 0
+    assert re.fullmatch(r"(ab|cd)+x(ab)+", got[1].output_text) or got[1].status == \
+        RequestStatus.FINISHED_LENGTH
