@@ -19,6 +19,7 @@ and the rejected tail is overwritten by the next step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from superinfer_jax.sched.step_plan import StepPlan
 from superinfer_jax.spec.proposer import Proposer, make_proposer
 from superinfer_jax.spec.verify import accepted_length, make_verify
 from superinfer_jax.stats import SpecDecodeStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,12 +143,20 @@ class SpecDecoder:
         if not candidates:
             return []
         ks = [self._room(req) for req in candidates]
-        proposals = self.proposer.propose(candidates, ks)
+        try:
+            proposals = self.proposer.propose(candidates, ks)
+        except Exception:  # a proposer's bug costs this step's speculation, not the engine
+            log.exception("speculative proposer %r failed; decoding without proposals",
+                          self.config.speculative.method)
+            return []
         rows: list[VerifyRow] = []
         # the step budget counts verified tokens: proposals spend what the rows left
         spare = plan.budget.tokens - plan.num_tokens if plan.budget is not None else 1 << 30
         for req, k, proposal in zip(candidates, ks, proposals, strict=True):
-            proposal = np.asarray(proposal, np.int32)[:max(0, min(k, spare))]
+            proposal = np.asarray(proposal, np.int32).reshape(-1)[:max(0, min(k, spare))]
+            if proposal.shape[0] and not 0 <= proposal.min() <= proposal.max() \
+                    < self.runner.model.vocab_size:
+                continue  # out-of-vocabulary guesses: this request decodes as usual
             if req.grammar is not None and proposal.shape[0]:  # cut where it is rejected
                 proposal = proposal[:req.grammar.validate_tokens(proposal.tolist())]
             proposal = proposal[:self._pages_for(req, proposal.shape[0])]

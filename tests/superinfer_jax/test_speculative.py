@@ -326,3 +326,30 @@ def test_structured_outputs_speculate_within_the_grammar(smollm2_tokenizer):
     assert engine.stats().spec_decode.num_drafts > 0
     assert re.fullmatch(r"(ab|cd)+x(ab)+", got[1].output_text) or got[1].status == \
         RequestStatus.FINISHED_LENGTH
+
+
+class NoisyProposer:
+    """A plug-in (``module:Class``) whose guesses are mostly wrong, sometimes out of the
+    vocabulary, and once in a while raise: the output must not change."""
+
+    needs_hidden = False
+
+    def __init__(self, config):
+        self.calls = 0
+
+    def propose(self, requests, ks):
+        self.calls += 1
+        if self.calls % 7 == 0:
+            raise RuntimeError("proposer bug")
+        if self.calls % 5 == 0:
+            return [np.full(k, 10_000, np.int32) for k in ks]
+        return [np.asarray(r.all_token_ids[-k:] if k else [], np.int32) for r, k in
+                zip(requests, ks, strict=True)]
+
+
+def test_a_plugin_proposer_never_changes_the_output(tiny, prompts, reference):
+    engine = LLMEngine(tiny, SMALL.replace(
+        speculative_method="tests.superinfer_jax.test_speculative:NoisyProposer",
+        num_speculative_tokens=2))
+    assert [r.output_token_ids for r in _batched(engine, prompts, SP)] == reference
+    assert engine.stats().spec_decode.num_drafts > 0
