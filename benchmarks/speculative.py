@@ -8,8 +8,9 @@ once. Decode tok/s = output tokens after the first / the time from the first tok
 the last, summed over the workload's requests; ``greedy_identical``: every request's
 tokens equal the baseline's. One JSON row per (method, mode, workload, batch, k):
 ``tok_s``, ``baseline_tok_s``, ``acceptance_rate`` (accepted / proposed tokens, the
-engine's ``spec_decode`` counters), ``greedy_identical``. Figures on a loaded machine
-say so in the docs that quote them.
+engine's ``spec_decode`` counters), ``greedy_identical``; workload ``grounded`` sums
+the repeat, edit and quote rows. Figures on a loaded machine say so in the docs that
+quote them.
 
 ``--quick``: the n-gram rows, 2 prompts per kind, k = 3, 48 tokens (under 3 minutes
 on 2 idle cores, compiles included). ``--build-data`` rewrites the committed workload
@@ -97,6 +98,48 @@ def _workloads(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
     return out
 
 
+def _row(workload: str, batch: int, k: int, sums: dict[str, Any]) -> dict[str, Any]:
+    """One JSON row from a workload's summed counts (see the module docstring)."""
+    tok_s = sums["tokens"] / sums["seconds"] if sums["seconds"] else 0.0
+    base = sums["base_tokens"] / sums["base_seconds"] if sums["base_seconds"] else 0.0
+    return {"method": "ngram", "mode": "fixed", "workload": workload, "batch": batch, "k": k,
+            "requests": sums["requests"], "tok_s": round(tok_s, 2),
+            "baseline_tok_s": round(base, 2), "speedup": round(tok_s / max(base, 1e-9), 3),
+            "acceptance_rate": round(sums["accepted"] / max(sums["proposed"], 1), 4),
+            "mean_accepted_per_draft": round(sums["accepted"] / max(sums["drafts"], 1), 3),
+            "greedy_identical": sums["identical"]}
+
+
+def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
+    """Every workload's rows at ``batch``, and ``grounded``: its three kinds together."""
+    base = _engine(model, args, "none", 0, batch)
+    engines = {k: _engine(model, args, "ngram", k, batch) for k in args.ks}
+    for engine in (base, *engines.values()):
+        _warm(engine, model.tokenizer)
+    rows = []
+    grounded: dict[int, dict[str, Any]] = {}
+    for workload, items in _workloads(args).items():
+        prompts = _prompts(model.tokenizer, items)
+        want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
+        for k, engine in engines.items():
+            before = _counters(engine)
+            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+            drafts, proposed, accepted = (b - a for a, b in zip(
+                before, _counters(engine), strict=True))
+            sums = {"requests": len(prompts), "tokens": tokens, "seconds": seconds,
+                    "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts,
+                    "proposed": proposed, "accepted": accepted, "identical": got == want}
+            rows.append(_row(workload, batch, k, sums))
+            print(rows[-1], file=sys.stderr, flush=True)
+            if workload in spec_workload.KINDS:
+                total = grounded.setdefault(k, dict.fromkeys(sums, 0) | {"identical": True})
+                for key, value in sums.items():
+                    total[key] = (total[key] and value) if key == "identical" \
+                        else total[key] + value
+    rows += [_row("grounded", batch, k, sums) for k, sums in grounded.items()]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative",
                                      description=__doc__.split("\n\n")[0])
@@ -121,32 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model("smollm2-135m", dtype="float32")
     rows = []
-    workloads = _workloads(args)
     for batch in args.batch:
-        base = _engine(model, args, "none", 0, batch)
-        engines = {k: _engine(model, args, "ngram", k, batch) for k in args.ks}
-        for engine in (base, *engines.values()):
-            _warm(engine, model.tokenizer)
-        for workload, items in workloads.items():
-            prompts = _prompts(model.tokenizer, items)
-            want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
-            for k, engine in engines.items():
-                before = _counters(engine)
-                got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
-                drafts, proposed, accepted = (b - a for a, b in zip(
-                    before, _counters(engine), strict=True))
-                rows.append({
-                    "method": "ngram", "mode": "fixed", "workload": workload,
-                    "batch": batch, "k": k, "requests": len(prompts),
-                    "tok_s": round(tokens / seconds, 2) if seconds else 0.0,
-                    "baseline_tok_s": round(base_tokens / base_s, 2) if base_s else 0.0,
-                    "acceptance_rate": round(accepted / max(proposed, 1), 4),
-                    "mean_accepted_per_draft": round(accepted / max(drafts, 1), 3),
-                    "greedy_identical": got == want,
-                })
-                rows[-1]["speedup"] = round(rows[-1]["tok_s"] / max(
-                    rows[-1]["baseline_tok_s"], 1e-9), 3)
-                print(rows[-1], file=sys.stderr, flush=True)
+        rows += _measure(model, args, batch)
     print_table(rows, "speculative decoding, SmolLM2 (decode tok/s)")
     write_json(args.out, {"benchmark": "speculative", "quick": args.quick, "rows": rows})
     return 0 if all(r["greedy_identical"] for r in rows) else 1
