@@ -322,6 +322,10 @@ class Request:
     # takes those pages from the prefix cache (prefill once, fork).
     fork_of: Request | None = None
     grammar: Any = None  # the structured-output matcher, when the sampling has one
+    # Speculative decoding: guesses verified for this request and kept, so far (its
+    # online acceptance rate, for a speculation-length policy).
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -261,6 +261,8 @@ class SpecDecoder:
                 continue
             accepted = accepted_length(accepted_cols[b], row.proposal.shape[0])
             self.stats.count(row.proposal.shape[0], accepted, self.k)
+            req.num_spec_proposed += row.proposal.shape[0]
+            req.num_spec_accepted += accepted
             tokens = [int(t) for t in row.proposal[:accepted]] + [int(target[b, accepted])]
             req.num_computed_tokens = row.start + 1 + accepted
             try:

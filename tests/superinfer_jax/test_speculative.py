@@ -103,6 +103,7 @@ def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k)
     assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert stats["prefix_cache_hits"] > 0
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+    assert sum(r.num_spec_accepted for r in done) <= spec.num_accepted_tokens
     assert len(spec.accepted_per_pos) == k
     # fewer model steps than tokens: accepted tokens came for free
     assert engine.num_model_steps < 2 * sum(len(t) for t in reference)
