@@ -354,3 +354,14 @@ def test_a_plugin_proposer_never_changes_the_output(tiny, prompts, reference):
         num_speculative_tokens=2))
     assert [r.output_token_ids for r in _batched(engine, prompts, SP)] == reference
     assert engine.stats().spec_decode.num_drafts > 0
+
+
+def test_http_opt_out_field_is_a_strict_bool():
+    from pydantic import ValidationError
+
+    from serving.openai_schema import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="x").speculative is True
+    assert CompletionRequest(model="m", prompt="x", speculative=False).speculative is False
+    with pytest.raises(ValidationError, match="speculative"):
+        CompletionRequest(model="m", prompt="x", speculative="maybe")
