@@ -93,6 +93,9 @@ class SpecDecoder:
     def __init__(self, config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
                  proposer: Proposer | None = None):
         spec = config.speculative
+        if jax.process_count() > 1:  # the multi-host lockstep replays step calls only
+            raise ConfigError("speculative.method", "is not supported across several "
+                              "hosts yet (use none)")
         if spec.mode != "fixed":
             raise ConfigError("speculative.mode", f"{spec.mode!r} is not wired into this "
                               "engine yet (use fixed)")
