@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models import quant
+import models.quant as quant
 from models.config import ModelConfig
 from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.ops.grouped_matmul import grouped_matmul

@@ -182,6 +182,8 @@ SECTION_HELP = {
     "duplex_kv": "the host tier: rotated KV pages in pinned host memory, and their copies",
     "prefix_caching": "automatic prefix caching: full KV pages shared by hash, on the "
                       "device and (with a host tier) in host memory",
+    "speculative": "speculative decoding: proposed tokens verified in one forward pass "
+                   "(docs/speculative.md)",
     "server": "the gRPC and OpenAI HTTP fronts",
 }
 SECTIONS = tuple(SECTION_HELP)  # in the file's order

@@ -171,6 +171,7 @@ class _SnapshotCollector(Collector):
                 c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
                 c.add_metric([self.model_name], value)
                 yield c
+        yield from _spec_decode(view, self.model_name, labels)
         if self.block_size is not None:
             info = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig.",
@@ -260,3 +261,25 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _spec_decode(view: EngineStats, model_name: str, labels: list[str]) -> Iterator[Any]:
+    """vLLM's speculative-decoding counters (only when speculation is on)."""
+    spec = view.spec_decode
+    if spec is None:
+        return
+    for name, value, doc in (
+        ("spec_decode_num_drafts", spec.num_drafts, "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", spec.num_draft_tokens, "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", spec.num_accepted_tokens,
+         "Number of accepted tokens."),
+    ):
+        c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=labels)
+        c.add_metric([model_name], value)
+        yield c
+    per_pos = CounterMetricFamily(VLLM_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.",
+                                  labels=[*labels, "position"])
+    for i, n in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([model_name, str(i)], n)
+    yield per_pos

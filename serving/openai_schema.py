@@ -15,7 +15,8 @@ fuzzers see the same bounds.
 
 Extensions: ``slo_constraints: {ttft_ms, tbt_ms, priority_class}``, and vLLM's ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
-``structured_outputs`` and ``stream_options.continuous_usage_stats``. Responses carry a
+``speculative`` (ours: false opts out of speculative decoding), ``structured_outputs``
+and ``stream_options.continuous_usage_stats``. Responses carry a
 ``superinfer`` object (TTFT, queue time, rotations, SLO outcome, the engine's own finish
 reason), which OpenAI clients keep as an extra field.
 """
@@ -240,6 +241,7 @@ class _Common(_Strict):
         None, json_schema_extra={"maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer",
                                            **FIELD_RANGES["stop_token_ids"].json_schema()}})
     ignore_eos: bool = False
+    speculative: bool = True  # false: this request opts out of speculative decoding
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: JsonInt = Field(1, json_schema_extra={"minimum": 1, "maximum": DEFAULT_MAX_N})

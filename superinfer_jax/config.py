@@ -351,6 +351,47 @@ class PrefixCachingConfig:
         validate(self, prefix="prefix_caching.")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_MODES = ("fixed", "slo")
+MAX_SPECULATIVE_TOKENS = 16  # a verify call's columns: 1 + num_tokens
+
+
+def _proposer_name(key: str, name: str) -> str | None:
+    """A built-in method or a plug-in's ``package.module:Class`` (loaded at engine start)."""
+    if name in SPECULATIVE_METHODS or ":" in name:
+        return None
+    return f"must be one of {list(SPECULATIVE_METHODS)} or package.module:Class, got {name!r}"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md): a proposer guesses up to
+    ``num_tokens`` tokens per decoding request, one forward pass verifies them, and
+    acceptance keeps the output exactly the target model's."""
+
+    method: str = knob(
+        "none", check=_proposer_name,
+        help="none | ngram (prompt lookup: continue a repeated n-gram of the request) | "
+             "draft (a smaller model, draft_model) | a proposer's package.module:Class")
+    num_tokens: int = knob(
+        3, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        help="most proposed tokens per request and step (k; a verify row is 1 + k tokens)")
+    draft_model: str | None = knob(
+        None, example="smollm2-135m",
+        help="method draft: the draft model (same tokenizer and vocabulary as the target)")
+    mode: str = knob(
+        "fixed", choices=SPECULATIVE_MODES,
+        help="fixed: every eligible request proposes num_tokens | slo: the speculation "
+             "length per request from its TBT slack and acceptance rate (0 allowed)")
+
+    def __post_init__(self) -> None:
+        validate(self, prefix="speculative.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 def _section(cls: type) -> Any:
     return dataclasses.field(default_factory=cls)
 
@@ -372,6 +413,7 @@ class EngineConfig:
     rotasched: RotaSchedConfig = _section(RotaSchedConfig)
     duplex_kv: DuplexKVConfig = _section(DuplexKVConfig)
     prefix_caching: PrefixCachingConfig = _section(PrefixCachingConfig)
+    speculative: SpeculativeConfig = _section(SpeculativeConfig)
     show_progress: bool = internal(
         True, reason="a terminal's progress bar, set by the command (batch --no-progress)")
 
@@ -472,8 +514,11 @@ _FLAT_NAMES = {"kv_cache_dtype": "dtype", "enabled": "enable_prefix_caching",
                "cache_generated": "prefix_cache_generated",
                "keep_queued": "prefix_cache_keep_queued",
                "host_eviction": "host_cache_eviction", "host_max_pages": "host_cache_max_pages",
-               "structured_outputs_disable_any_whitespace": "disable_any_whitespace"}
-_FLAT_SECTIONS = ("model", "hardware", "engine", "duplex_kv", "prefix_caching")
+               "structured_outputs_disable_any_whitespace": "disable_any_whitespace",
+               "method": "speculative_method", "num_tokens": "num_speculative_tokens",
+               "draft_model": "speculative_draft_model", "mode": "speculative_mode"}
+_FLAT_SECTIONS = ("model", "hardware", "engine", "duplex_kv", "prefix_caching",
+                  "speculative")
 FLAT_KNOBS: dict[str, tuple[str, str]] = {
     _FLAT_NAMES.get(f.name, f.name): (section, f.name)
     for section in _FLAT_SECTIONS

@@ -75,6 +75,7 @@ from superinfer_jax.runner.profiler import (
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched import make_scheduler
 from superinfer_jax.sched.scheduler import StepPlan
+from superinfer_jax.spec.decoder import SpecDecoder, VerifyCall, VerifyRow
 from superinfer_jax.stats import EngineStats, HostTierStats, PrefixCacheStats, StepStats
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -112,6 +113,9 @@ class LLMEngine:
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
         self.total_host_time_s = 0.0  # host work of those steps before the first block
+        # speculative decoding (``spec.decoder``): its steps run synchronously
+        self.spec = SpecDecoder(config, self.runner, self.kv) \
+            if config.speculative.enabled else None
         if config.engine.warmup:
             self.warmup()
 
@@ -153,6 +157,7 @@ class LLMEngine:
         disk follow through ``idle_work`` (slack ranking waits for the profile)."""
         background = self.config.engine.compile_in_background and jax.process_count() == 1
         times = self.runner.warmup(background)
+        times["verify"] = 0.0 if self.spec is None else self.spec.warmup()
         t0 = time.perf_counter()
         if self.scheduler.policy.uses_latency:
             saved = load_latency_model(self._latency_path())
@@ -300,6 +305,7 @@ class LLMEngine:
         self._issue_rotations(plan, t0)
         stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
                           num_rotated_in=len(plan.rotate_in))
+        verify_rows = [] if self.spec is None else self.spec.take(plan, self.requests)
         launched = None
         if not plan.is_empty:
             launched = self._launch(plan)
@@ -309,9 +315,13 @@ class LLMEngine:
             self.num_model_steps += 1
             self.total_host_time_s += stats.host_time_s
         self._apply_rotation_events(self.runner.flush_rotations(), t0)  # in_step mode
-        done = self.runner.put_in_flight(launched) if self.config.engine.async_scheduling \
-            else launched
+        verify = self._verify(verify_rows, stats, counted=launched is not None)
+        done = self.runner.put_in_flight(launched) \
+            if self.config.engine.async_scheduling and self.spec is None else launched
         outputs = self._collect(done) if done is not None else []
+        if verify is not None:
+            assert self.spec is not None
+            outputs += self.spec.land(verify, self._advance, self._fail_request)
         if launched is not None and launched.deferred_index:
             self._resample(launched)  # their previous tokens have just landed
         outputs += self._failed
@@ -359,6 +369,18 @@ class LLMEngine:
                 step.decode, step.decode_rows = sampled, finals
                 step.decode_logprobs = call.logprobs
         return step
+
+    def _verify(self, rows: list[VerifyRow], stats: StepStats,
+                counted: bool) -> VerifyCall | None:
+        """Dispatch the speculating rows' verify call (``spec.decoder``), after the
+        step's page copies are issued; ``counted``: another call already made this a
+        model step."""
+        if not rows:
+            return None
+        assert self.spec is not None
+        stats.num_decode_tokens += sum(1 + row.proposal.shape[0] for row in rows)
+        self.num_model_steps += not counted
+        return self.spec.dispatch(rows)
 
     def _surely_final(self, req: Request) -> bool:
         """Whether the tokens in flight end ``req`` whatever they are (a length limit)."""
@@ -490,4 +512,5 @@ class LLMEngine:
             prefix_cache=None if cache is None else PrefixCacheStats(
                 cache.queries, cache.hits, self.kv.num_cached_pages,
                 0 if self.kv.host_cache is None else self.kv.host_cache.hits,
-                self.kv.num_host_cached_pages))
+                self.kv.num_host_cached_pages),
+            spec_decode=None if self.spec is None else self.spec.snapshot())

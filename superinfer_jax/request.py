@@ -202,6 +202,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
     # A grammar the output must follow (``superinfer_jax.structured``); None: free text.
     structured: Any = None
+    # Whether this request may use the engine's speculative decoding (false: opt out; the
+    # output is the same either way, only its speed changes).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "temperature", "top_k", "top_p", "presence_penalty",
@@ -234,6 +237,9 @@ class SamplingParams:
                              f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             FIELD_RANGES["stop_token_ids"].check("stop_token_ids", t)
+        if not isinstance(self.speculative, bool):
+            raise FieldError("speculative", f"speculative must be a bool, got "
+                                            f"{self.speculative!r}")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
@@ -316,6 +322,10 @@ class Request:
     # takes those pages from the prefix cache (prefill once, fork).
     fork_of: Request | None = None
     grammar: Any = None  # the structured-output matcher, when the sampling has one
+    # Speculative decoding: guesses verified for this request and kept, so far (its
+    # online acceptance rate, for a speculation-length policy).
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -64,6 +64,21 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters (vLLM's ``spec_decode_*``): verify rows with a
+    proposal, tokens proposed, tokens accepted, and accepted per proposal position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats(Mapping[str, float]):
     num_running: int = 0
     num_waiting: int = 0
@@ -72,6 +87,7 @@ class EngineStats(Mapping[str, float]):
     host: HostTierStats | None = None  # None: no host tier
     num_requests_total: int | None = None  # admitted so far: the serving loop's count
     prefix_cache: PrefixCacheStats | None = None  # None: prefix caching off
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding off
 
 
     @property
@@ -129,6 +145,12 @@ class EngineStats(Mapping[str, float]):
                        prefix_cache_host_pages=self.prefix_cache.host_cached_pages)
         if self.num_requests_total is not None:
             out["num_requests_total"] = self.num_requests_total
+        spec = self.spec_decode
+        if spec is not None:
+            out.update({_SPEC_PREFIX + "num_drafts": spec.num_drafts,
+                        _SPEC_PREFIX + "num_draft_tokens": spec.num_draft_tokens,
+                        _SPEC_PREFIX + "num_accepted_tokens": spec.num_accepted_tokens})
+            out.update({f"{_SPEC_POS}{i}": n for i, n in enumerate(spec.accepted_per_pos)})
         return out
 
     @classmethod
@@ -137,7 +159,8 @@ class EngineStats(Mapping[str, float]):
         and the host-tier keys come all together or not at all."""
         if isinstance(stats, EngineStats):
             return stats
-        unknown = sorted(set(stats) - set(_ALL_KEYS))
+        unknown = sorted(k for k in set(stats) - set(_ALL_KEYS)
+                         if not k.startswith(_SPEC_POS))
         if unknown:
             raise ValueError(f"engine stats: unknown keys {unknown} (known: {list(_ALL_KEYS)})")
         for key, value in stats.items():
@@ -165,7 +188,16 @@ class EngineStats(Mapping[str, float]):
                                      int(stats["prefix_cache_host_hits"]),
                                      int(stats["prefix_cache_host_pages"]))
         total = stats.get("num_requests_total")
-        return cls(prefix_cache=cache, num_running=int(stats.get("num_running", 0)),
+        spec = None
+        if _SPEC_PREFIX + "num_drafts" in stats:
+            positions = sorted((int(k.removeprefix(_SPEC_POS)), int(v))
+                               for k, v in stats.items() if k.startswith(_SPEC_POS))
+            spec = SpecDecodeStats(int(stats[_SPEC_PREFIX + "num_drafts"]),
+                                   int(stats.get(_SPEC_PREFIX + "num_draft_tokens", 0)),
+                                   int(stats.get(_SPEC_PREFIX + "num_accepted_tokens", 0)),
+                                   tuple(v for _, v in positions))
+        return cls(spec_decode=spec, prefix_cache=cache,
+                   num_running=int(stats.get("num_running", 0)),
                    num_waiting=int(stats.get("num_waiting", 0)),
                    device_pages_total=int(stats.get("device_pages_total", 0)),
                    device_pages_free=int(stats.get("device_pages_free", 0)),
@@ -189,5 +221,9 @@ class EngineStats(Mapping[str, float]):
 _HOST_KEYS = ("num_rotary", "host_pages_total", "host_pages_free", *_TRANSFER_KEYS)
 _CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_pages",
                "prefix_cache_host_hits", "prefix_cache_host_pages")
+_SPEC_PREFIX = "spec_decode_"
+_SPEC_POS = "spec_decode_num_accepted_tokens_pos_"  # then the position, from 0
 _ALL_KEYS = ("num_running", "num_waiting", "device_pages_total", "device_pages_free",
-             *_HOST_KEYS, *_CACHE_KEYS, "num_requests_total")
+             *_HOST_KEYS, *_CACHE_KEYS, "num_requests_total",
+             *(_SPEC_PREFIX + k for k in ("num_drafts", "num_draft_tokens",
+                                          "num_accepted_tokens")))

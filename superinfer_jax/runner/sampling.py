@@ -37,6 +37,20 @@ class SamplingInputs:
 
 
 def _sample_rows(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    masked = masked_logits(logits, s)
+    sampled = jax.vmap(jax.random.categorical)(sample_keys(s), masked)
+    return jnp.where(s.temperature > 0, sampled, greedy_tokens(logits))
+
+
+def sample_keys(s: SamplingInputs) -> jax.Array:
+    """Each row's key: its seed folded with the position it samples."""
+    return jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
+        s.seeds, s.positions)
+
+
+def masked_logits(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """The logits a sampled row draws from: scaled by its temperature, tokens outside its
+    top-k and top-p at -inf (the distribution speculative decoding's acceptance uses)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
@@ -49,12 +63,7 @@ def _sample_rows(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     num_keep = jnp.maximum(keep_sorted.sum(axis=-1), 1)
     pth = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
-        s.seeds, s.positions
-    )
-    sampled = jax.vmap(jax.random.categorical)(keys, masked)
-    return jnp.where(s.temperature > 0, sampled, greedy_tokens(logits))
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:

@@ -84,6 +84,16 @@ class GrammarMatcher:
             raise ValueError(f"token id must be >= 0, got {token_id}")
         return self._m.consume_token(int(token_id))
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar accepts from here; the state
+        does not move (speculative decoding cuts a proposal there)."""
+        return int(self._m.validate_tokens([int(t) for t in token_ids]))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
     def is_terminated(self) -> bool:
         """No token but EOS may follow: the grammar is complete and cannot be extended,
         EOS was accepted, or the matcher is in an error state."""

@@ -122,6 +122,8 @@ def _other_value(key):
     meta, default = key.meta, key.default
     if key.path == "engine.policy":
         return "swap"
+    if key.path == "speculative.method":
+        return "ngram"
     if meta.get("choices"):
         return next(c for c in meta["choices"] if c != default)
     if isinstance(default, bool):

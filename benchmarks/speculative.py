@@ -1,0 +1,175 @@
+"""Speculative decoding on SmolLM2: decode tokens per second with and without it, in one
+run, on the input-grounded workload (``benchmarks/data/speculative_grounded.jsonl``:
+repeat, edit and quote a ShareGPT passage) and on plain ShareGPT chat.
+
+Each prompt runs through the chat template on a baseline engine (no speculation) and on
+the speculating engine, greedy, at batch 1 (one request at a time) or ``--batch`` at
+once. Decode tok/s = output tokens after the first / the time from the first token to
+the last, summed over the workload's requests; ``greedy_identical``: every request's
+tokens equal the baseline's. One JSON row per (method, mode, workload, batch, k):
+``tok_s``, ``baseline_tok_s``, ``acceptance_rate`` (accepted / proposed tokens, the
+engine's ``spec_decode`` counters), ``greedy_identical``; workload ``grounded`` sums
+the repeat, edit and quote rows. Figures on a loaded machine say so in the docs that
+quote them.
+
+``--quick``: the n-gram rows, 2 prompts per kind, k = 3, 48 tokens (under 3 minutes
+on 2 idle cores, compiles included). ``--build-data`` rewrites the committed workload
+(seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.lib import spec_workload
+from benchmarks.lib.common import add_common_args, print_table, write_json
+
+
+def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: int):
+    from superinfer_jax import EngineConfig, LLMEngine
+
+    knobs: dict[str, Any] = dict(
+        max_model_len=args.max_model_len, max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=256, max_prefill_chunk=256, max_prefill_rows=1,
+        page_size=16, show_progress=False, warmup=False,
+        compilation_cache_dir=os.path.join(tempfile.gettempdir(), "superinfer-spec-bench"))
+    if method != "none":
+        knobs.update(speculative_method=method, num_speculative_tokens=k)
+    return LLMEngine(model, EngineConfig.build(**knobs))
+
+
+def _warm(engine: Any, tokenizer: Any) -> None:
+    """Compile what the timed runs use (decode, verify, a prefill) before timing."""
+    from superinfer_jax import SamplingParams
+
+    if engine.spec is not None:
+        engine.spec.warmup()
+    prompt = tokenizer.encode("one two three four one two three four one two three")
+    for speculative in (True, False):  # verify rows, then plain decode rows
+        engine.add_request(prompt, SamplingParams(max_tokens=12, speculative=speculative))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def _counters(engine: Any) -> tuple[int, int, int]:
+    spec = engine.stats().spec_decode
+    return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+
+
+def _run(engine: Any, prompts: list[list[int]], batch: int, max_tokens: int
+         ) -> tuple[list[list[int]], int, float]:
+    """Every prompt, ``batch`` at a time; (tokens per prompt, decode tokens, seconds)."""
+    from superinfer_jax import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens)
+    outputs: list[list[int]] = []
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(prompts), batch):
+        ids = [engine.add_request(p, sp) for p in prompts[i:i + batch]]
+        first: float | None = None
+        while engine.has_unfinished_requests():
+            out = engine.step()
+            if first is None and out:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        done = [engine.release(r) for r in ids]
+        outputs += [r.output_token_ids for r in done]
+        tokens += sum(len(r.output_token_ids) for r in done) - len(done)
+        seconds += end - (first or end)
+    return outputs, tokens, seconds
+
+
+def _prompts(tokenizer: Any, rows: list[dict[str, str]]) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": r["prompt"]}])) for r in rows]
+
+
+def _workloads(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
+    rows = spec_workload.load()
+    per_kind = 2 if args.quick else args.per_kind
+    out = {kind: [r for r in rows if r["kind"] == kind][:per_kind]
+           for kind in spec_workload.KINDS}
+    out["chat"] = spec_workload.chat(per_kind)
+    return out
+
+
+def _row(workload: str, batch: int, k: int, sums: dict[str, Any]) -> dict[str, Any]:
+    """One JSON row from a workload's summed counts (see the module docstring)."""
+    tok_s = sums["tokens"] / sums["seconds"] if sums["seconds"] else 0.0
+    base = sums["base_tokens"] / sums["base_seconds"] if sums["base_seconds"] else 0.0
+    return {"method": "ngram", "mode": "fixed", "workload": workload, "batch": batch, "k": k,
+            "requests": sums["requests"], "tok_s": round(tok_s, 2),
+            "baseline_tok_s": round(base, 2), "speedup": round(tok_s / max(base, 1e-9), 3),
+            "acceptance_rate": round(sums["accepted"] / max(sums["proposed"], 1), 4),
+            "mean_accepted_per_draft": round(sums["accepted"] / max(sums["drafts"], 1), 3),
+            "greedy_identical": sums["identical"]}
+
+
+def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
+    """Every workload's rows at ``batch``, and ``grounded``: its three kinds together."""
+    base = _engine(model, args, "none", 0, batch)
+    engines = {k: _engine(model, args, "ngram", k, batch) for k in args.ks}
+    for engine in (base, *engines.values()):
+        _warm(engine, model.tokenizer)
+    rows = []
+    grounded: dict[int, dict[str, Any]] = {}
+    for workload, items in _workloads(args).items():
+        prompts = _prompts(model.tokenizer, items)
+        want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
+        for k, engine in engines.items():
+            before = _counters(engine)
+            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+            drafts, proposed, accepted = (b - a for a, b in zip(
+                before, _counters(engine), strict=True))
+            sums = {"requests": len(prompts), "tokens": tokens, "seconds": seconds,
+                    "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts,
+                    "proposed": proposed, "accepted": accepted, "identical": got == want}
+            rows.append(_row(workload, batch, k, sums))
+            print(rows[-1], file=sys.stderr, flush=True)
+            if workload in spec_workload.KINDS:
+                total = grounded.setdefault(k, dict.fromkeys(sums, 0) | {"identical": True})
+                for key, value in sums.items():
+                    total[key] = (total[key] and value) if key == "identical" \
+                        else total[key] + value
+    rows += [_row("grounded", batch, k, sums) for k, sums in grounded.items()]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative",
+                                     description=__doc__.split("\n\n")[0])
+    add_common_args(parser, "speculative")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5],
+                        help="speculation lengths (--quick: 3)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--per-kind", type=int, default=8,
+                        help="prompts per workload kind (--quick: 2)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="(--quick: 48)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--build-data", action="store_true",
+                        help="rewrite the committed workload (seed 0) and exit")
+    args = parser.parse_args(argv)
+    if args.build_data:
+        spec_workload.write()
+        print(f"wrote {spec_workload.DATA}")
+        return 0
+    if args.quick:
+        args.ks, args.max_tokens = [3], 48
+    from models import load_model
+
+    model = load_model("smollm2-135m", dtype="float32")
+    rows = []
+    for batch in args.batch:
+        rows += _measure(model, args, batch)
+    print_table(rows, "speculative decoding, SmolLM2 (decode tok/s)")
+    write_json(args.out, {"benchmark": "speculative", "quick": args.quick, "rows": rows})
+    return 0 if all(r["greedy_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
