@@ -29,10 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 import models.quant as quant
 from models.config import ModelConfig
+from models.sharding import EXPERT_SPEC
 from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.ops.grouped_matmul import grouped_matmul
-
-EXPERT_SPEC = P(TP_AXIS, None, None)  # stacked expert weights: whole experts per device
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:

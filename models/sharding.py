@@ -54,7 +54,6 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.moe import EXPERT_SPEC
 from superinfer_jax.dist.parallel import TP_AXIS
 
 ParamPath = tuple[str | int, ...]
@@ -62,6 +61,7 @@ ParamPath = tuple[str | int, ...]
 _COLUMNS = P(None, TP_AXIS)  # [in, out]: out split
 _ROWS = P(TP_AXIS, None)  # [in, out]: in split
 _VECTOR = P(TP_AXIS)
+EXPERT_SPEC = P(TP_AXIS, None, None)  # stacked expert weights: whole experts per device
 _RULES: dict[str, P] = {
     "wq": _COLUMNS, "wk": _COLUMNS, "wv": _COLUMNS, "bq": _VECTOR, "bk": _VECTOR,
     "bv": _VECTOR, "wo": _ROWS, "w_gate": _COLUMNS, "w_up": _COLUMNS, "w_down": _ROWS,
