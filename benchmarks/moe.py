@@ -246,8 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
                 f"context {args.context} (ms, medians and fastest calls)")
     print_table([{k: r[k] for k in r if k not in timing[0] or k in ("dtype", "batch")}
                  for r in steps], title="(c) bytes per step (weights read + KV)")
-    print_table(generate, title=f"(d) greedy decoding, prompt {args.prompt_len}, "
+    print_table([{k: v for k, v in r.items() if k != "hf_setup"} for r in generate],
+                title=f"(d) greedy decoding, prompt {args.prompt_len}, "
                 f"{args.new_tokens} new tokens: this engine vs transformers generate (tok/s)")
+    if generate:
+        print(f"transformers: {generate[0]['hf_setup']}")
     summary = {
         "grouped_min_dense_over_native": min((r.get("dense_over_native", 0) for r in grouped),
                                              default=None),

@@ -126,6 +126,18 @@ def hf_generate(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, np.
     return prompts.shape[0] * new_tokens / elapsed, out[:, prompts.shape[1]:].numpy()
 
 
+def hf_setup(model) -> str:
+    """How the transformers baseline runs (versions, attention and experts kernels), so a
+    reader can tell a fair baseline from a hobbled one."""
+    import torch
+    import transformers
+
+    cfg = model.config
+    return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
+            f"attention {getattr(cfg, '_attn_implementation', None)}, "
+            f"experts {getattr(cfg, '_experts_implementation', None)}, inference_mode")
+
+
 def generate_row(path: Path, model: LlamaServable, batch: int, prompt_len: int,
                  new_tokens: int) -> dict:
     """One dtype and batch: this engine and transformers on the checkpoint at ``path``
@@ -152,6 +164,7 @@ def generate_row(path: Path, model: LlamaServable, batch: int, prompt_len: int,
     return {"dtype": model.dtype, "batch": batch, "new_tokens": new_tokens,
             "engine_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
             "engine_over_hf": round(ours / theirs, 2), "hf_threads": hf_threads,
+            "hf_setup": hf_setup(hf),
             # greedy agreement: leading tokens identical in every row (a near-tie in a
             # random model's logits, or bfloat16 rounding, can part the two later)
             "same_leading_tokens": int(np.argmin(same)) if not same.all() else len(same)}
