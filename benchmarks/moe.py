@@ -1,25 +1,31 @@
-"""Mixture-of-experts speed on CPU: the grouped matmul, the MoE decode step, its bytes.
+"""Mixture-of-experts speed on CPU: the grouped matmul, the MoE decode step, its bytes,
+and transformers' ``generate`` on the same checkpoint.
 
-A small random MoE (16 experts, top-2, hidden 512, 4 layers by default), bfloat16 and
-float32, three tables:
+One random Mixtral (16 experts, top-2, hidden 512, expert intermediate 512, 4 layers,
+vocab 1024 by default), built by transformers and saved with ``save_pretrained``
+(``benchmarks.lib.moe_generate``); bfloat16 and float32; four tables:
 
 (a) ``grouped``: one expert projection at batch 32 (32 tokens x top-k rows, routed by a
     random router): ``ops.grouped_matmul`` (the native kernel on CPU), its XLA path and
     ``ragged_dot``, against a dense all-experts einsum (every token times every expert);
     ``dense_over_native`` is the speed-up (the issue asks >= 2x where experts >= 4x top-k).
-(b) ``step``: the decode step of the whole model (the engine's Llama forward, paged
-    attention, every MLP a ``benchmarks.lib.moe_block.MoEBlock``) at batch 1, 8 and 32,
-    against the dense Llama with the same active parameters (intermediate size = top-k x
-    expert size); ``moe_over_dense`` is the ratio (the issue asks <= 1.3x).
+(b) ``step``: the decode step of the checkpoint loaded by ``models.load_model``
+    (``models.moe`` in the engine's forward, paged attention) at batch 1, 8 and 32,
+    against the dense model with the same active parameters (same attention, intermediate
+    size = top-k x expert size); ``moe_over_dense`` is the ratio (the issue asks <= 1.3x).
+    The per-expert counts' host callback is off while timing, as in serving.
 (c) ``bytes``: per step, the expert weights the grouped matmul reads against the bytes of
     the experts the batch was actually routed to (``read_over_routed``: 1 means each routed
     expert is read once and no other), and the step's bytes (weights read + KV) against the
     dense model's, which explains (b)'s ratio: a batch routed to most experts reads most
-    of them. Routing is taken from a probe run of the same model.
+    of them. Routing comes from the model's own per-expert counts on one probe step.
+(d) ``generate``: greedy decoding of ``--new-tokens`` tokens at batch 1 (and 8 unless
+    ``--quick``) from the checkpoint in this engine (``LLMEngine``) and in transformers
+    (``from_pretrained``, torch CPU, ``generate``): tok/s each, their ratio, and how many
+    leading tokens agree.
 
 Variants alternate round by round in one process; medians, and for (b) the fastest call
-of each too (on a loaded machine the least disturbed one). transformers' ``generate`` on
-the same checkpoint needs the Mixtral model and its loader (``models/``): reported absent.
+of each too (on a loaded machine the least disturbed one).
 
     python -m benchmarks.moe [--quick] [--out results/moe.json]
 
@@ -31,18 +37,21 @@ helper thread waiting for a core no longer decides the step):
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.lib.common import add_common_args, print_table, write_json
-from benchmarks.lib.moe_block import MoEShape, moe_servable
-from models.config import ModelConfig
+from benchmarks.lib.moe_generate import MoEShape, dense_twin, generate_row, write_mixtral
+from models import load_model
+from models.expert_counts import ExpertCounts
 from models.servable import LlamaServable, random_servable
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import StepInputs
@@ -67,10 +76,10 @@ def _medians(fns: dict[str, Callable[[], object]], rounds: int,
     return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_grouped(dtype: str, shape: MoEShape, hidden: int, batch: int, rounds: int) -> dict:
+def bench_grouped(dtype: str, shape: MoEShape, batch: int, rounds: int) -> dict:
     """(a): one expert projection, [batch * top_k, hidden] x [E, hidden, F]."""
     rng = np.random.default_rng(0)
-    e, k, f = shape.num_experts, shape.top_k, shape.expert_size
+    e, k, f, hidden = shape.experts, shape.top_k, shape.expert_size, shape.hidden
     tokens = jnp.asarray(rng.standard_normal((batch, hidden), np.float32), dtype)
     w = jnp.asarray(rng.standard_normal((e, hidden, f), np.float32) * 0.02, dtype)
     chosen = jax.lax.top_k(jnp.asarray(rng.standard_normal((batch, e)), jnp.float32), k)[1]
@@ -101,17 +110,6 @@ def bench_grouped(dtype: str, shape: MoEShape, hidden: int, batch: int, rounds: 
     return row
 
 
-def model_configs(args: argparse.Namespace) -> tuple[ModelConfig, ModelConfig]:
-    """The MoE's attention/embedding config and the dense model with its active FFN."""
-    base = ModelConfig(name="moe-bench", vocab_size=1024, hidden_size=args.hidden,
-                       intermediate_size=args.expert_size, num_layers=args.layers,
-                       num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128),
-                       head_dim=64, max_position_embeddings=2048, eos_token_ids=(1023,))
-    dense = dataclasses.replace(base, name="dense-bench",
-                                intermediate_size=args.top_k * args.expert_size)
-    return base, dense
-
-
 def _decode(model: LlamaServable, batch: int, context: int, seed: int):
     """A jitted decode step (pool donated) and its inputs: every row ``context`` tokens in."""
     pages = -(-context // PAGE)
@@ -137,60 +135,62 @@ def _param_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def bench_step(dtype: str, batch: int, args: argparse.Namespace, shape: MoEShape) -> dict:
-    """(b) and (c) at one batch size."""
-    base, dense_cfg = model_configs(args)
-    moe = moe_servable(base, shape, dtype, seed=1)
-    dense = random_servable(dense_cfg, dtype=dtype, seed=1)
+
+def bench_step(moe: LlamaServable, batch: int, args: argparse.Namespace) -> dict:
+    """(b) and (c) at one batch size: ``moe`` loaded from the checkpoint, against a random
+    dense model with its active parameters."""
+    dense = random_servable(dense_twin(moe.config), dtype=moe.dtype, seed=1)
+    routed = routed_experts(moe, batch, args.context)
     runs = {"moe": _decode(moe, batch, args.context, seed=batch)[0],
             "dense": _decode(dense, batch, args.context, seed=batch)[0]}
     best: dict[str, float] = {}
     ms = _medians(runs, args.rounds, best)
-    if args.ragged:  # timed on its own: its dense temporaries would evict the others' weights
-        ragged = moe_servable(base, shape, dtype, seed=1, impl="ragged_dot")
-        run = _decode(ragged, batch, args.context, seed=batch)[0]
-        ms.update(_medians({"moe_ragged_dot": run}, max(3, args.rounds // 3)))
-    routed = _routed_experts(base, shape, dtype, batch, args.context)
-    row = {"dtype": dtype, "batch": batch, **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
+    row = {"dtype": moe.dtype, "batch": batch, **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
            **{f"{n}_best_ms": round(best[n], 3) for n in ("moe", "dense")},
            "moe_over_dense": round(ms["moe"] / ms["dense"], 2),
            "best_moe_over_dense": round(best["moe"] / best["dense"], 2)}
-    return {**row, **_bytes(moe, dense, shape, base, routed, batch, args.context)}
+    return {**row, **step_bytes(moe, dense, routed, batch, args.context)}
 
 
-def _routed_experts(base: ModelConfig, shape: MoEShape, dtype: str, batch: int,
-                    context: int) -> list[np.ndarray]:
-    """Each layer's rows per expert in the timed step: the same model and inputs, run once
-    with a probe that records the group sizes."""
-    seen: list[np.ndarray] = []
-    probe = moe_servable(base, shape, dtype, seed=1, probe=lambda s: seen.append(np.asarray(s)))
-    _decode(probe, batch, context, seed=batch)  # compiles and runs once
-    assert len(seen) == base.num_layers, seen
-    return seen
+def routed_experts(moe: LlamaServable, batch: int, context: int) -> np.ndarray:
+    """Tokens per expert of each routed layer ([layers, experts]) in the timed step: the
+    same model and inputs, run once with the model's per-expert counts on. Leaves the
+    counts off (``expert_counts = None``: no host callback in the step), as serving does."""
+    cfg = moe.config
+    assert cfg.moe is not None
+    moe.expert_counts = ExpertCounts(cfg.moe_layers, cfg.moe.num_experts)
+    try:
+        _decode(moe, batch, context, seed=batch)  # compiles and runs once
+        return moe.expert_counts.snapshot()
+    finally:
+        moe.expert_counts = None
 
 
-def _bytes(moe: LlamaServable, dense: LlamaServable, shape: MoEShape, base: ModelConfig,
-           routed: list[np.ndarray], batch: int, context: int) -> dict:
+def step_bytes(moe: LlamaServable, dense: LlamaServable, routed: np.ndarray, batch: int,
+               context: int) -> dict:
     """(c): weights each step reads (embedding rows aside: one row per token) plus KV."""
+    cfg = moe.config
+    assert cfg.moe is not None
     itemsize = jnp.dtype(moe.dtype).itemsize
-    expert = 3 * base.hidden_size * shape.expert_size * itemsize
-    experts_total = expert * shape.num_experts * base.num_layers
-    routed_bytes = expert * sum(int(np.sum(s > 0)) for s in routed)
-    embed = base.vocab_size * base.hidden_size * itemsize
+    expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size * itemsize
+    per_layer = (routed > 0).sum(axis=1)
+    experts_total = expert * cfg.moe.num_experts * len(cfg.moe_layers)
+    routed_bytes = expert * int(per_layer.sum())
+    embed = cfg.vocab_size * cfg.hidden_size * itemsize
     kv_width = 4 if moe.acc32 else itemsize  # the pool's dtype (float32 on the CPU bf16 path)
-    kv = batch * context * base.num_layers * 2 * base.num_kv_heads * base.head_dim * kv_width
-    moe_other = _param_bytes(moe.params) - experts_total - embed
-    dense_step = _param_bytes(dense.params) - embed + kv
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_width
+    moe_other = moe.param_bytes() - experts_total - embed
+    dense_step = dense.param_bytes() - embed + kv
     moe_step = moe_other + routed_bytes + kv
-    return {"experts_routed": "/".join(str(int(np.sum(s > 0))) for s in routed),
+    return {"experts_routed": "/".join(str(int(n)) for n in per_layer),
             "routed_MB": round(routed_bytes / 1e6, 2),
-            "read_over_routed": 1.0,  # the native kernel: each routed expert once
+            "read_over_routed": 1.0,  # the grouped matmul: each routed expert once
             "ragged_read_over_routed": round(experts_total / routed_bytes, 2),
             "moe_step_MB": round(moe_step / 1e6, 2), "dense_step_MB": round(dense_step / 1e6, 2),
             "moe_over_dense_bytes": round(moe_step / dense_step, 2)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser, "moe")
     parser.add_argument("--experts", type=int, default=16)
@@ -202,12 +202,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--rounds", type=int, default=None, help="timed calls per variant")
-    parser.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the MoE step through ragged_dot (default: not --quick)")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="greedy tokens per row in (d) (default 64, 16 with --quick)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens in (d)")
+    parser.add_argument("--generate-batches", default=None,
+                        help="batch sizes of (d) (default 1,8; 1 with --quick)")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (5 if args.quick else 15)
-    args.ragged = (not args.quick) if args.ragged is None else args.ragged
-    shape = MoEShape(args.experts, args.top_k, args.expert_size)
+    args.new_tokens = args.new_tokens or (16 if args.quick else 64)
+    args.generate_batches = args.generate_batches or ("1" if args.quick else "1,8")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    shape = MoEShape(args.experts, args.top_k, args.hidden, args.expert_size, args.layers)
     dtypes = args.dtypes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     if args.quick:  # the smallest and the largest batch
@@ -215,15 +224,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"backend {jax.default_backend()}; native grouped matmul: "
           + ", ".join(f"{d} {native.grouped_matmul_available(d)}" for d in dtypes))
 
-    grouped = [bench_grouped(d, shape, args.hidden, 32, args.rounds) for d in dtypes]
+    grouped = [bench_grouped(d, shape, 32, args.rounds) for d in dtypes]
     print_table(grouped, title=f"(a) grouped matmul, one [{32 * args.top_k}, {args.hidden}] x "
                 f"[{args.experts}, {args.hidden}, {args.expert_size}] projection at batch 32 "
                 "(ms, medians)")
-    steps = []
-    for d in dtypes:
-        for b in batches:
-            steps.append(bench_step(d, b, args, shape))
-            print(f"  step {d} batch {b} done", flush=True)
+    steps, generate = [], []
+    with tempfile.TemporaryDirectory(prefix="moe_bench_") as tmp:
+        path = write_mixtral(Path(tmp), shape)
+        for d in dtypes:
+            moe = load_model(path, dtype=d)
+            for b in batches:
+                steps.append(bench_step(moe, b, args))
+                print(f"  step {d} batch {b} done", flush=True)
+            for b in (int(b) for b in args.generate_batches.split(",")):
+                generate.append(generate_row(path, moe, b, args.prompt_len, args.new_tokens))
+                print(f"  generate {d} batch {b} done", flush=True)
     timing = [{k: r[k] for k in r if k.endswith("_ms") or k.endswith("over_dense")
                or k in ("dtype", "batch")} for r in steps]
     print_table(timing, title=f"(b) decode step, {args.layers} layers, {args.experts} experts "
@@ -231,15 +246,22 @@ def main(argv: list[str] | None = None) -> dict:
                 f"context {args.context} (ms, medians and fastest calls)")
     print_table([{k: r[k] for k in r if k not in timing[0] or k in ("dtype", "batch")}
                  for r in steps], title="(c) bytes per step (weights read + KV)")
+    print_table([{k: v for k, v in r.items() if k != "hf_setup"} for r in generate],
+                title=f"(d) greedy decoding, prompt {args.prompt_len}, "
+                f"{args.new_tokens} new tokens: this engine vs transformers generate (tok/s)")
+    if generate:
+        print(f"transformers: {generate[0]['hf_setup']}")
     summary = {
         "grouped_min_dense_over_native": min((r.get("dense_over_native", 0) for r in grouped),
                                              default=None),
         "step_max_moe_over_dense": max(r["moe_over_dense"] for r in steps),
         "step_max_best_moe_over_dense": max(r["best_moe_over_dense"] for r in steps),
-        "transformers_generate": "absent: needs the Mixtral model and loader in models/",
+        "generate_min_engine_over_hf": min((r["engine_over_hf"] for r in generate),
+                                           default=None),
     }
     print("\n" + ", ".join(f"{k}={v}" for k, v in summary.items()))
-    payload = {"config": vars(args), "summary": summary, "grouped": grouped, "steps": steps}
+    payload = {"config": vars(args), "load_average": os.getloadavg(), "summary": summary,
+               "grouped": grouped, "steps": steps, "generate": generate}
     write_json(args.out, payload)
     return payload
 
