@@ -47,7 +47,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
-                for name in ("parallel_chunks.h", "bf16_tiles.h", "grouped_tiles.h"))
+                for name in ("parallel_chunks.h", "bf16_tiles.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"

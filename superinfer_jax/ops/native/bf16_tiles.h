@@ -1,11 +1,12 @@
 // The register tiles of the AVX512-BF16 matmul, shared by ``bf16_matmul.cc`` (bfloat16
-// weights) and ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16
-// exactly as they are loaded, or first into a bfloat16 panel).
+// weights), ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16
+// exactly as they are loaded, or first into a bfloat16 panel) and ``grouped_matmul.cc``
+// (each expert's rows against its bfloat16 weight).
 //
 // Every output element out[m, n] is one float32 accumulator, zeroed, then updated by one
 // ``vdpbf16ps`` per pair of k (0-1, 2-3, ...) in increasing k, in one lane: which row
 // block, column panel, thread or tile shape computed it changes nothing, so a row's bits
-// never depend on M (the batch-invariance guarantee both kernels give).
+// never depend on M (the batch-invariance guarantee the kernels give).
 //
 // ``w`` points at the tile's first column of row k = 0, rows ``ldw`` elements apart;
 // ``out`` at the tile's first column of row m = 0, rows ``ldo`` elements apart.

@@ -28,7 +28,7 @@
 #include <memory>
 #include <vector>
 
-#include "grouped_tiles.h"
+#include "bf16_tiles.h"
 #include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -150,8 +150,9 @@ struct GroupedJob {
     const char* w0 = static_cast<const char*>(w) + elem * g.index * K * N;
     float* o = out + g.row0 * N;
     if (bf16) {
-      superinfer::bf16_tiles::Columns(reinterpret_cast<const uint16_t*>(x0), g.rows, K,
-                                      reinterpret_cast<const uint16_t*>(w0), N, o, n0, n1);
+      superinfer::tiles::PanelForRows<superinfer::tiles::Bf16Weights>(
+          reinterpret_cast<const uint16_t*>(x0), g.rows, K,
+          reinterpret_cast<const uint16_t*>(w0), N, o, N, n0, n1);
     } else {
       ColumnsF32(reinterpret_cast<const float*>(x0), g.rows, K,
                  reinterpret_cast<const float*>(w0), N, o, n0, n1);
