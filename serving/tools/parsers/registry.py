@@ -6,9 +6,6 @@ A plug-in subclasses ``serving.tools.ToolParser`` (implements ``parse(text, fina
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,6 +13,7 @@ from serving.tools.parsers.base import ToolParser
 from serving.tools.parsers.hermes import HermesToolParser
 from serving.tools.parsers.llama3_json import Llama3JsonToolParser
 from serving.tools.parsers.mistral import MistralToolParser
+from superinfer_jax.sched.rotasched.registry import import_class_path
 
 _REGISTRY: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
@@ -41,22 +39,11 @@ def resolve_plugin(spec: Any, registry: dict[str, type], base: type,
                    what: str) -> tuple[type | None, str | None]:
     """(the class ``spec`` names, None) or (None, what is wrong), worded to follow the
     key's name: ``must be one of ...``."""
-    if isinstance(spec, str) and spec in registry:
-        return registry[spec], None
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        return None, (f"must be one of the registered {what}s {list(registry)} or a "
-                      f"package.module:Class path, got {spec!r}")
-    module_name, attr = spec.split(":")
-    try:
-        module = _import(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is reported, named
-        return None, f"{spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})"
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None, f"{spec!r}: module {module_name!r} has no attribute {attr!r}"
+    obj, problem = import_class_path(spec, registry, what)
+    if problem is not None:
+        return None, problem
     if not (isinstance(obj, type) and issubclass(obj, base)):
+        attr = spec.partition(":")[2] or spec
         return None, f"{spec!r}: {attr} is not a {base.__module__}.{base.__name__} subclass"
     return obj, None
 
@@ -73,12 +60,3 @@ def resolve_tool_parser(spec: str) -> type[ToolParser]:
     return cls  # type: ignore[return-value]
 
 
-def _import(module_name: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        here = os.getcwd()
-        if e.name != module_name.split(".")[0] or here in sys.path or "" in sys.path:
-            raise
-        sys.path.append(here)
-        return importlib.import_module(module_name)

@@ -24,8 +24,8 @@ from superinfer_jax.sched.scheduler import Scheduler
 if TYPE_CHECKING:
     from superinfer_jax.sched.rotasched.policy import Policy
 
-__all__ = ["make_policy", "make_scheduler", "policy_problem", "register_policy",
-           "registered_policies", "resolve_policy"]
+__all__ = ["import_class_path", "make_policy", "make_scheduler", "policy_problem",
+           "register_policy", "registered_policies", "resolve_policy"]
 
 # the built-ins; ``register_policy`` adds plug-ins
 _REGISTRY: dict[str, type] = {"fcfs": FCFSPolicy, "swap": SwapPolicy,
@@ -76,11 +76,30 @@ def make_scheduler(config: EngineConfig, kv: KVCacheManager,
 
 
 def _resolve(spec: Any) -> tuple[type | None, str | None]:
-    if isinstance(spec, str) and spec in _REGISTRY:
-        return _REGISTRY[spec], None
-    names = list(_REGISTRY)
+    obj, problem = import_class_path(spec, _REGISTRY, "policy")
+    if problem is not None or obj is None:
+        return None, problem
+    attr = spec.partition(":")[2] or spec
+    if not isinstance(obj, type):
+        return None, f"{spec!r}: {attr} is not a class (a policy is built as Class(config))"
+    missing = _missing_methods(obj)
+    if missing:
+        return None, (f"{spec!r}: {attr} does not implement the policy interface (missing "
+                      f"{', '.join(missing)}); subclass superinfer_jax.sched.rotasched.Policy")
+    return obj, None
+
+
+def import_class_path(spec: Any, registry: dict[str, Any], what: str
+                      ) -> tuple[Any | None, str | None]:
+    """A plug-in named by ``spec``: (the registered entry or the object a
+    ``package.module:Class`` path names, None), or (None, what is wrong, worded to follow
+    the key's name: ``must be one of ...``). A module is also looked for in the working
+    directory, as ``python -m`` would."""
+    if isinstance(spec, str) and spec in registry:
+        return registry[spec], None
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        return None, (f"must be one of the registered policies {names} or a "
+        plural = what[:-1] + "ies" if what.endswith("y") else what + "s"
+        return None, (f"must be one of the registered {plural} {list(registry)} or a "
                       f"package.module:Class path, got {spec!r}")
     module_name, attr = spec.split(":")
     try:
@@ -92,12 +111,6 @@ def _resolve(spec: Any) -> tuple[type | None, str | None]:
         obj = getattr(obj, part, None)
         if obj is None:
             return None, f"{spec!r}: module {module_name!r} has no attribute {attr!r}"
-    if not isinstance(obj, type):
-        return None, f"{spec!r}: {attr} is not a class (a policy is built as Class(config))"
-    missing = _missing_methods(obj)
-    if missing:
-        return None, (f"{spec!r}: {attr} does not implement the policy interface (missing "
-                      f"{', '.join(missing)}); subclass superinfer_jax.sched.rotasched.Policy")
     return obj, None
 
 
