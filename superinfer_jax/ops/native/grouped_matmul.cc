@@ -179,10 +179,9 @@ struct GroupedJob {
 
 bool CpuSupported(bool bf16) {
 #if SUPERINFER_HAVE_BF16_KERNEL
+  if (bf16) return superinfer::Bf16CpuSupported();  // the shared tiles' own check
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f")) return false;
-  return !bf16 || (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                   __builtin_cpu_supports("avx512bf16"));
+  return __builtin_cpu_supports("avx512f");
 #else
   (void)bf16;
   return false;
