@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from serving.tools.parsers.base import held_back
-from serving.tools.parsers.registry import resolve_plugin
+from serving.tools.parsers.registry import require_plugin, resolve_plugin
 
 
 class ReasoningParser(ABC):
@@ -62,7 +62,5 @@ def reasoning_parser_problem(spec: Any) -> str | None:
 
 
 def resolve_reasoning_parser(spec: str) -> type[ReasoningParser]:
-    cls, problem = resolve_plugin(spec, _REGISTRY, ReasoningParser, "reasoning parser")
-    if problem is not None:
-        raise ValueError(f"reasoning_parser {problem}")
-    return cls  # type: ignore[return-value]
+    return require_plugin(spec, _REGISTRY, ReasoningParser, "reasoning parser",
+                          "reasoning_parser")

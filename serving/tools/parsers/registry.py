@@ -48,15 +48,21 @@ def resolve_plugin(spec: Any, registry: dict[str, type], base: type,
     return obj, None
 
 
+def require_plugin(spec: Any, registry: dict[str, type], base: type, what: str,
+                   key: str) -> type:
+    """``resolve_plugin``'s class, or a ValueError naming ``key`` and what is wrong."""
+    cls, problem = resolve_plugin(spec, registry, base, what)
+    if problem is not None or cls is None:
+        raise ValueError(f"{key} {problem}")
+    return cls
+
+
 def tool_parser_problem(spec: Any) -> str | None:
     """What is wrong with ``spec`` as a tool-call parser (None: nothing)."""
     return resolve_plugin(spec, _REGISTRY, ToolParser, "tool-call parser")[1]
 
 
 def resolve_tool_parser(spec: str) -> type[ToolParser]:
-    cls, problem = resolve_plugin(spec, _REGISTRY, ToolParser, "tool-call parser")
-    if problem is not None:
-        raise ValueError(f"tool_call_parser {problem}")
-    return cls  # type: ignore[return-value]
+    return require_plugin(spec, _REGISTRY, ToolParser, "tool-call parser", "tool_call_parser")
 
 
