@@ -160,6 +160,13 @@ class RotaSchedConfig:
     # Late first tokens displace runners in this order. ``shortest`` is weighted shortest
     # first (most deadlines met): short prompts pass long ones that would miss anyway;
     # ``lag`` is the paper's rule; mode ``slack`` orders by slack (docs/scheduling.md#late_order).
+    # A hopeless request waits behind everyone who can still make it; past this many TTFT
+    # SLOs since arrival it keeps its arrival place again, which bounds the first-token
+    # tail (docs/scheduling.md#hopeless_wait_cap); none: deferred until served.
+    hopeless_wait_cap: float | None = knob(
+        None, ge=0, example=2.0,
+        help="TTFT SLOs since arrival after which a hopeless request is no longer deferred "
+             "(hopeless_last) but goes by arrival; none: deferred until served")
     late_order: str = knob(
         "shortest", choices=LATE_ORDERS,
         help="shortest (late first tokens: fewest tokens over priority weight first, those "

@@ -123,9 +123,9 @@ class Scheduler:
     def rest_by_arrival(self, head: list[Request], room: Callable[[], int] | None = None,
                         listed: set[int] | None = None,
                         defer: Callable[[Request], bool] | None = None,
-                        defer_before: int = 0) -> Iterator[Request]:
+                        defer_before: int = 0, defer_after: int = 0) -> Iterator[Request]:
         """Every candidate not in ``head``, by arrival: ``selection.rest_by_arrival``."""
-        return rest_by_arrival(self, head, room, listed, defer, defer_before)
+        return rest_by_arrival(self, head, room, listed, defer, defer_before, defer_after)
 
     def device_pages_in_use(self) -> tuple[int, int]:
         """(used, usable) device pages."""

@@ -34,6 +34,8 @@ class Ranking:
     defer: Callable[[Request], bool] | None = None
     # leading queue entries known deferred (``WaitingQueue.missed_prefix``): left unread
     defer_before: int = 0
+    # leading queue entries never deferred (waited past the deferral's end): read first
+    defer_after: int = 0
     # ids of head entries that may take only pages and seats no runner needs (None: none)
     free_only: set[int] | None = None
 
@@ -41,46 +43,54 @@ class Ranking:
                  listed: set[int] | None = None,
                  defer: Callable[[Request], bool] | None = None,
                  defer_before: int = 0,
-                 free_only: set[int] | None = None) -> None:  # written out: ``NATIVE_INIT``
+                 free_only: set[int] | None = None,
+                 defer_after: int = 0) -> None:  # written out: ``NATIVE_INIT``
         self.head = head
         self.scheduler = scheduler
         self.listed = listed
         self.defer = defer
         self.defer_before = defer_before
+        self.defer_after = defer_after
         self.free_only = free_only
 
     def __iter__(self) -> Iterator[Request]:
         return chain(self.head, rest_by_arrival(
             self.scheduler, self.head, listed=self.listed, defer=self.defer,
-            defer_before=self.defer_before))
+            defer_before=self.defer_before, defer_after=self.defer_after))
 
 
 def rest_by_arrival(s: Scheduler, head: list[Request], room: Callable[[], int] | None = None,
                     listed: set[int] | None = None,
                     defer: Callable[[Request], bool] | None = None,
-                    defer_before: int = 0) -> Iterator[Request]:
+                    defer_before: int = 0, defer_after: int = 0) -> Iterator[Request]:
     """Every candidate not in ``head``, by arrival (a ``Ranking``'s tail); with ``room``,
-    waiting requests known to need more pages are skipped (``WaitingQueue.walk``)."""
+    waiting requests known to need more pages are skipped (``WaitingQueue.walk``). With
+    ``defer``, the queue's first ``defer_after`` entries are never deferred (read first),
+    the entries from there to ``defer_before`` are (but for requeued ones ``defer``
+    keeps), and ``defer`` tests the rest."""
     if listed is None:
         listed = {id(r) for r in head}
     parked = sorted((r.arrival_time, j, r) for j, r in enumerate(
         q for q in s.rotary if q.status == ROTARY) if id(r) not in listed)
     parked_later: list[tuple[float, int, Request]] = []
     waiting = s.waiting
-    start = 0
-    early: list[tuple[float, int, Request]] = []  # requeued, before ``start``, kept
+    start = lead = 0
+    early: list[tuple[float, int, Request]] = []  # requeued, from ``lead`` to ``start``, kept
     if defer is not None:  # parked requests are few: split them once, up front
         parked_later = [e for e in parked if defer(e[2])]
         parked = [e for e in parked if not defer(e[2])]
         start = min(defer_before, len(waiting))
-        if start and waiting.requeued:
-            bound = waiting.by_arrival()[start - 1][:2]
+        lead = min(defer_after, start)
+        if start > lead and waiting.requeued:
+            entries = waiting.by_arrival()
+            low, bound = entries[lead][:2], entries[start - 1][:2]
             early = sorted(e for e in map(waiting.entry, waiting.requeued.values())
-                           if e[:2] <= bound and id(e[2]) not in listed
+                           if low <= e[:2] <= bound and id(e[2]) not in listed
                            and not defer(e[2]))
     waiting_later: list[tuple[float, int, Request]] = []
     k = 0
-    for a, pos, r in chain(early, waiting.walk(room, start)):
+    first = waiting.walk(room, 0, lead) if lead else ()
+    for a, pos, r in chain(first, early, waiting.walk(room, start)):
         if id(r) in listed:
             continue
         while k < len(parked) and parked[k][0] < a:  # a tie: waiting first
@@ -94,7 +104,7 @@ def rest_by_arrival(s: Scheduler, head: list[Request], room: Callable[[], int] |
     if start or waiting_later or parked_later:  # the deferred, merged the same way
         kept = {id(e[2]) for e in early}
         # by (arrival, waiting before parked), each list in its own order
-        later = chain(((e[0], 0, e[2]) for e in waiting.walk(room, 0, start)
+        later = chain(((e[0], 0, e[2]) for e in waiting.walk(room, lead, start)
                        if id(e[2]) not in listed and id(e[2]) not in kept),
                       ((a, 0, r) for a, _, r in waiting_later))
         yield from (e[2] for e in merge(later, ((a, 1, r) for a, _, r in parked_later),
@@ -175,7 +185,8 @@ class StepSelection:
                     assert ranking is not None
                     tail = rest_by_arrival(s, head, room=self.room, listed=ranking.listed,
                                            defer=ranking.defer,
-                                           defer_before=ranking.defer_before)
+                                           defer_before=ranking.defer_before,
+                                           defer_after=ranking.defer_after)
                 got = next(tail, None)
                 if got is None:
                     break

@@ -173,6 +173,7 @@ class RotaSchedPolicy(SwapPolicy):
     def _rank_by_slack(self, s: Scheduler, now: float) -> Iterable[Request]:
         k = self.params.min_residency_tokens
         hopeless_last = self.params.hopeless_last
+        cap = self.params.hopeless_wait_cap
         replies = self.params.parked_replies
         lm = s.latency  # a decode step over the runners (``reply_due_on_time``)
         step_s = None if lm is None or replies == "lag" else lm.decode_s(
@@ -197,7 +198,8 @@ class RotaSchedPolicy(SwapPolicy):
             missed = missed_ttft(r, now)
             if urgency > 0 and not missed:
                 return (1, 2, -urgency, r.arrival_time)  # late: may displace runners
-            if missed and hopeless_last:
+            if missed and hopeless_last and (
+                    cap is None or now - r.arrival_time <= cap * r.slo.ttft_s):
                 return (3, 0, 0.0, r.arrival_time)  # hopeless, behind those who can make it
             return (2, 0, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 

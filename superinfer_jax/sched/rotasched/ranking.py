@@ -14,7 +14,8 @@ running) by ``(group, value, arrival)``:
              runners: value -lag; with ``late_order: shortest``, the late first tokens
              after the late requests with tokens, by tokens over priority weight
     group 3  everyone else by arrival; with ``hopeless_last``, the hopeless ones (past
-             the TTFT deadline without a first token) after it
+             the TTFT deadline without a first token) after it, but for those waiting
+             past ``hopeless_wait_cap`` TTFT SLOs: they keep their arrival place
 
 Within one SLO a fresh request's lag is monotone in ``now - arrival_time``, so the late
 ones form one window of arrivals (``late_window``): only it and the requeued requests are
@@ -155,8 +156,15 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     if not p.hopeless_last:  # group 3: the ``Ranking``'s tail
         return Ranking(head, s, listed, free_only=free_only)
     # the hopeless fresh requests lead the arrival order: skipped unread
-    return Ranking(head, s, listed, _Hopeless(now), s.waiting.missed_prefix(now),
-                   free_only=free_only)
+    waiting, cap = s.waiting, p.hopeless_wait_cap
+    # those waiting past ``hopeless_wait_cap`` under every SLO lead it, read first
+    overdue = 0 if cap is None else min(
+        (waiting.first_within(now, cap * slo.ttft_s) for slo in waiting.slos), default=0)
+    # under several SLOs one of them may be overdue before the missed prefix ends: the
+    # queue is then read from the overdue ones on and each entry tested
+    known = waiting.missed_prefix(now) if cap is None or len(waiting.slos) <= 1 else overdue
+    return Ranking(head, s, listed, _Hopeless(now, cap), known,
+                   free_only=free_only, defer_after=overdue)
 
 
 def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
@@ -195,12 +203,16 @@ def first_token_slack(s: Scheduler, req: Request, now: float) -> float:
 
 
 class _Hopeless:
-    """``hopeless_last``'s test: no first token and past its TTFT deadline."""
+    """``hopeless_last``'s test: no first token and past its TTFT deadline, and, with
+    ``hopeless_wait_cap``, not waiting past ``cap`` TTFT SLOs since arrival."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, cap: float | None = None) -> None:
         self.now = now
+        self.cap = cap
 
     def __call__(self, req: Request) -> bool:
+        if self.cap is not None and self.now - req.arrival_time > self.cap * req.slo.ttft_s:
+            return False
         return missed_ttft(req, self.now)
 
 

@@ -103,7 +103,9 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
                     return (3, 0.0, r.arrival_time)
             return (2.25, r.num_tokens / p.priority_weights[r.slo.priority_class],
                     r.arrival_time)
-        if missed and p.hopeless_last:
+        cap = p.hopeless_wait_cap  # past it, a hopeless request keeps its arrival place
+        if missed and p.hopeless_last and (
+                cap is None or now - r.arrival_time <= cap * r.slo.ttft_s):
             return (4, 0.0, r.arrival_time)
         return (3, 0.0, r.arrival_time)
 

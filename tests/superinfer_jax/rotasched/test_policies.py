@@ -340,6 +340,25 @@ def test_hopeless_requests_go_last_when_asked(hopeless_last):
     assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])
 
 
+@pytest.mark.parametrize(("arrival", "served"), [(-2.0, "fresh"), (-3.5, "hopeless")])
+def test_a_hopeless_request_is_deferred_only_up_to_its_wait_cap(arrival, served):
+    """``hopeless_wait_cap`` 3 (TTFT SLO 1 s): a request 2.9 s past arrival is still
+    deferred behind the one that can make it; one 4.4 s past arrival keeps its arrival
+    place and takes the one free seat."""
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0)
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
+    d = Driver(sched, kv)
+    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
+    for t in (0.0, 0.1, 0.2):
+        d.step(t)
+    assert kv.num_free_pages == 2
+    d.add(req("hopeless", 8, arrival=arrival))
+    d.add(req("fresh", 8, arrival=0.85))
+    plan = d.step(0.9)
+    assert plan.rotate_out == []
+    assert [r for r, _ in plan.prefill] == [served]
+
+
 def _parked_reply(mode: str | None, step_s: float = 0.01, **knobs):
     """"runner" and "reply" decode past their 4-token residency, then a late first token
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
