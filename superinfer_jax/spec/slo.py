@@ -1,0 +1,128 @@
+"""``speculative.mode: slo`` in the engine: each step, the speculation length of every
+decode row from ``sched.speculation.SpeculationPolicy.choose``, fed with the engine's
+state.
+
+- **Acceptance**: a Beta(1, 1) posterior per request (``AcceptanceEstimator``), updated
+  as its verified rows land (``observe``): ``m`` accepted of ``k`` proposed is ``m``
+  acceptances and, when ``m < k``, one rejection. A new request starts at 0.5.
+- **Cost**: ``step_s(rows, tokens)`` is the latency model's decode call with every
+  verified token priced as a decode row (``d0 + d1 * tokens``) plus attention over the
+  contexts (``d2`` per context token; a proposal priced at the longest row's context
+  plus ``num_tokens``, never under its true share). ``other_s`` is the step's prefill
+  call (the latency model's prefill cost of the plan's prefill rows).
+- **Slack**: a row's next-token deadline (its last token's time plus its TBT SLO) less
+  now; a prompt that completes in this step's prefill call waits for this step and the
+  next one, so its slack is its TBT SLO less the next step's decode call.
+- **Rows**: every decode row of the plan counts in the call (the rows that may not
+  speculate with ``k = 0``: they bound its deadline and its cost); each speculating row
+  may propose at most what its proposer guessed.
+
+Without a latency model (warm-up off and no profile saved yet) a step cannot be priced,
+so no row speculates (``k = 0``: the row decodes as usual) until one is set; the engine
+loads or measures one at warm-up in this mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from superinfer_jax.request import Request
+from superinfer_jax.sched.latency import LatencyModel
+from superinfer_jax.sched.speculation import AcceptanceEstimator, SpeculationPolicy, StepSeconds
+from superinfer_jax.sched.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+INF = float("inf")
+
+
+def latency_step_seconds(latency: LatencyModel, contexts: Sequence[int],
+                         cap: int) -> StepSeconds:
+    """``step_s(rows, tokens)`` of a decode call over rows of these contexts (tokens
+    before the call), ``tokens - rows`` of the tokens proposals of at most ``cap`` per
+    row, each priced as a decode row attending to the longest context plus ``cap``."""
+    d0, d1, d2 = latency.decode
+    total, longest = sum(contexts), max(contexts, default=0)
+
+    def step_s(num_rows: int, tokens: int) -> float:
+        extra = tokens - num_rows
+        return d0 + d1 * tokens + d2 * (total + num_rows + extra * (longest + 1 + cap))
+
+    return step_s
+
+
+def prefill_seconds(latency: LatencyModel, rows: Sequence[tuple[int, int]]) -> float:
+    """The prefill call over ``(new tokens, context before them)`` rows: one fixed part,
+    each row's tokens and attention."""
+    if not rows:
+        return 0.0
+    p0 = latency.prefill[0]
+    return p0 + sum(latency.prefill_s(n, ctx) - p0 for n, ctx in rows)
+
+
+class SloLength:
+    """Chooses each decode row's speculation length in ``slo`` mode (module docstring)."""
+
+    def __init__(self, num_tokens: int):
+        self.policy = SpeculationPolicy("slo", num_tokens)
+        self.estimates: dict[str, AcceptanceEstimator] = {}
+        self._warned = False
+
+    def observe(self, req_id: str, proposed: int, accepted: int) -> None:
+        """One verification of ``req_id``'s row landed."""
+        if proposed:
+            self.estimates.setdefault(req_id, AcceptanceEstimator()).update(proposed,
+                                                                            accepted)
+
+    def acceptance(self, req_id: str) -> float:
+        est = self.estimates.get(req_id)
+        return est.mean if est is not None else AcceptanceEstimator().mean
+
+    def choose(self, plan: StepPlan, requests: dict[str, Request],
+               candidates: Sequence[Request], proposals: Sequence[np.ndarray],
+               latency: LatencyModel | None, now: float | None = None) -> list[int]:
+        """How many of each candidate's proposed tokens to verify this step."""
+        self._forget(requests)
+        if latency is None:
+            if not self._warned:
+                log.info("speculative.mode slo: no latency profile yet, so no step can be "
+                         "priced; decoding without speculation until one is set")
+                self._warned = True
+            return [0] * len(candidates)
+        now = time.perf_counter() if now is None else now
+        index = {req.req_id: i for i, req in enumerate(candidates)}
+        rows = [requests[r] for r in plan.decode]  # candidates are among them
+        acceptance, limits = [0.0] * len(rows), [0] * len(rows)
+        for j, req in enumerate(rows):
+            i = index.get(req.req_id)
+            if i is not None:
+                acceptance[j] = self.acceptance(req.req_id)
+                limits[j] = int(proposals[i].shape[0])
+        slack = [_slack(req, now) for req in rows]
+        step_s = latency_step_seconds(latency, [r.num_computed_tokens for r in rows],
+                                      self.policy.num_tokens)
+        prefill = [(n, requests[r].num_computed_tokens) for r, n in plan.prefill]
+        other_s = prefill_seconds(latency, prefill)
+        completing = [requests[r] for r, n in plan.prefill
+                      if requests[r].num_computed_tokens + n >= requests[r].num_tokens]
+        plain = step_s(len(rows), len(rows)) if completing else 0.0
+        delayed = [req.slo.tbt_s - plain for req in completing]
+        ks = self.policy.choose(acceptance, slack, limits, step_s, other_s, delayed)
+        chosen = {req.req_id: k for req, k in zip(rows, ks, strict=True)}
+        return [chosen.get(req.req_id, 0) for req in candidates]
+
+    def _forget(self, requests: dict[str, Request]) -> None:
+        """Drop the estimates of requests the engine no longer holds."""
+        if len(self.estimates) > 2 * len(requests) + 16:
+            self.estimates = {r: e for r, e in self.estimates.items() if r in requests}
+
+
+def _slack(req: Request, now: float) -> float:
+    """Seconds from ``now`` to ``req``'s next-token deadline (``inf``: no token yet)."""
+    if not req.token_times:
+        return INF
+    return req.token_times[-1] + req.slo.tbt_s - now
