@@ -5,10 +5,12 @@ state.
 - **Acceptance**: a Beta(1, 1) posterior per request (``AcceptanceEstimator``), updated
   as its verified rows land (``observe``): ``m`` accepted of ``k`` proposed is ``m``
   acceptances and, when ``m < k``, one rejection. A new request starts at 0.5.
-- **Cost**: ``step_s(rows, tokens)`` is the latency model's decode call with every
-  verified token priced as a decode row (``d0 + d1 * tokens``) plus attention over the
-  contexts (``d2`` per context token; a proposal priced at the longest row's context
-  plus ``num_tokens``, never under its true share). ``other_s`` is the step's prefill
+- **Cost**: ``step_s(rows, tokens)`` is the latency model's decode call over the rows
+  (``d0 + d1 * rows + d2 * context``) plus each proposal priced as a token of a
+  multi-token row, which is what a verify row is: the prefill fit's per-token cost
+  ``p1`` plus its attention ``p2`` over the longest row's context plus ``num_tokens``.
+  (The decode fit's per-row cost cannot price a token at batch 1: with one decode
+  bucket it is not separable from the fixed part.) ``other_s`` is the step's prefill
   call (the latency model's prefill cost of the plan's prefill rows).
 - **Slack**: a row's next-token deadline (its last token's time plus its TBT SLO) less
   now; a prompt that completes in this step's prefill call waits for this step and the
@@ -43,14 +45,18 @@ INF = float("inf")
 def latency_step_seconds(latency: LatencyModel, contexts: Sequence[int],
                          cap: int) -> StepSeconds:
     """``step_s(rows, tokens)`` of a decode call over rows of these contexts (tokens
-    before the call), ``tokens - rows`` of the tokens proposals of at most ``cap`` per
-    row, each priced as a decode row attending to the longest context plus ``cap``."""
+    before the call) with ``tokens - rows`` proposals of at most ``cap`` per row: the rows
+    as the decode fit prices them, each proposal as the prefill fit prices a token of a
+    multi-token row (``p1``, measured on whole chunks: never under a token's cost in a
+    short row) attending to the longest context plus ``cap``."""
     d0, d1, d2 = latency.decode
+    _, p1, p2 = latency.prefill
     total, longest = sum(contexts), max(contexts, default=0)
+    per_proposal = p1 + p2 * (longest + 1 + cap)
 
     def step_s(num_rows: int, tokens: int) -> float:
-        extra = tokens - num_rows
-        return d0 + d1 * tokens + d2 * (total + num_rows + extra * (longest + 1 + cap))
+        return d0 + d1 * num_rows + d2 * (total + num_rows) \
+            + per_proposal * (tokens - num_rows)
 
     return step_s
 

@@ -23,9 +23,7 @@ from tests.superinfer_jax.engine_testlib import SMALL, run_alone
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 MEMORY_BOUND = LatencyModel(prefill=[0.001, 1e-5, 0.0], decode=[0.02, 1e-5, 0.0])
-# priced without a prefill call: a step that a long prefill call fills makes a decode
-# row's proposal pay again (its tokens per second count output tokens only)
-COMPUTE_BOUND = LatencyModel(prefill=[0.0, 0.0, 0.0], decode=[0.0, 2e-3, 0.0])
+COMPUTE_BOUND = LatencyModel(prefill=[0.0, 2e-3, 0.0], decode=[0.0, 2e-3, 0.0])
 FAR = SLO(tbt_ms=600_000.0)  # ten minutes: every deadline far ahead
 
 
@@ -112,15 +110,19 @@ def test_batch_one_with_high_acceptance_speculates():
     assert _choose(slo, [req], MEMORY_BOUND, now) == [3]
     # never more than the proposer guessed
     assert _choose(slo, [req], MEMORY_BOUND, now, guessed=2) == [2]
-    # a request rejecting everything is not worth a proposal even at batch 1 ...
+    # a request rejecting everything is not worth a proposal even at batch 1
     for _ in range(40):
         slo.observe("b", 3, 0)
     low = _decoding("b", 40, now, tbt_ms=100.0)
-    assert _choose(slo, [low], LatencyModel(decode=[0.02, 2e-3, 0.0]), now) == [0]
+    priced = LatencyModel(prefill=[0.0, 2e-3, 0.0], decode=[0.02, 2e-3, 0.0])
+    assert _choose(slo, [low], priced, now) == [0]
 
 
 def test_a_deadline_the_plain_step_meets_is_kept_and_no_profile_means_no_speculation():
     step_s = latency_step_seconds(MEMORY_BOUND, [40], 3)
+    # the rows as a decode call; each proposal as a prefill token (p1, no attention term)
+    assert step_s(1, 1) == pytest.approx(MEMORY_BOUND.decode_s(1, 41), rel=1e-12)
+    assert step_s(1, 4) - step_s(1, 1) == pytest.approx(3 * 1e-5, rel=1e-9)
     now = time.perf_counter()
     slo = SloLength(3)
     # the plain call (20.05 ms) meets this deadline with under one proposal's time left
@@ -144,10 +146,12 @@ def test_slo_mode_keeps_greedy_tokens(slo_engine, prompts, reference):
     spec = engine.stats().spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert engine.spec.slo.estimates  # acceptance observed per request
-    # a compute-bound step: nobody speculates, tokens unchanged
+    # a compute-bound step, one request at a time (no prefill call beside the decode
+    # rows, which would make a proposal pay again): nobody speculates, tokens unchanged
     engine.set_latency_model(COMPUTE_BOUND)
     before = _drafts(engine)
-    assert [r.output_token_ids for r in _batched(engine, prompts, SP)] == reference
+    for prompt, want in zip(prompts, reference, strict=True):
+        assert _batched(engine, [prompt], SP)[0].output_token_ids == want
     assert _drafts(engine) == before
 
 
