@@ -111,7 +111,7 @@ class SpecDecoder:
         self.proposer = proposer or make_proposer(config)
         self.stats = SpecStats(accepted_per_pos=[0] * spec.num_tokens)
         # mode slo: the length per row (``spec.slo``); fixed: every row's whole guess
-        self.slo = SloLength(spec.num_tokens) if spec.mode == "slo" else None
+        self.slo = SloLength(spec.num_tokens, config.decode_buckets) if spec.mode == "slo" else None
         self.words = -(-runner.model.vocab_size // 32)  # grammar bitmask words
         self._open_masks: dict[int, jax.Array] = {}  # rows -> committed all-allowed masks
         sharding = None

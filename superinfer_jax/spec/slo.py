@@ -18,6 +18,11 @@ state.
 - **Rows**: every decode row of the plan counts in the call (the rows that may not
   speculate with ``k = 0``: they bound its deadline and its cost); each speculating row
   may propose at most what its proposer guessed.
+- **As the engine runs it**: the policy prices verified tokens; the engine runs the
+  speculating rows in a verify call padded to ``1 + num_tokens`` columns and the others
+  in a decode call of their own. The choice stands only if, priced that way, it still
+  yields more expected tokens per second than no speculation and keeps every deadline
+  the plain call keeps; else no row speculates this step.
 
 Without a latency model (warm-up off and no profile saved yet) a step cannot be priced,
 so no row speculates (``k = 0``: the row decodes as usual) until one is set; the engine
@@ -32,9 +37,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from superinfer_jax.config import bucket
 from superinfer_jax.request import Request
 from superinfer_jax.sched.latency import LatencyModel
-from superinfer_jax.sched.speculation import AcceptanceEstimator, SpeculationPolicy, StepSeconds
+from superinfer_jax.sched.speculation import (
+    AcceptanceEstimator,
+    SpeculationPolicy,
+    StepSeconds,
+    expected_tokens,
+)
 from superinfer_jax.sched.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -73,8 +84,9 @@ def prefill_seconds(latency: LatencyModel, rows: Sequence[tuple[int, int]]) -> f
 class SloLength:
     """Chooses each decode row's speculation length in ``slo`` mode (module docstring)."""
 
-    def __init__(self, num_tokens: int):
+    def __init__(self, num_tokens: int, decode_buckets: tuple[int, ...]):
         self.policy = SpeculationPolicy("slo", num_tokens)
+        self.buckets = decode_buckets  # the verify and decode calls' padded row counts
         self.estimates: dict[str, AcceptanceEstimator] = {}
         self._warned = False
 
@@ -118,8 +130,36 @@ class SloLength:
         plain = step_s(len(rows), len(rows)) if completing else 0.0
         delayed = [req.slo.tbt_s - plain for req in completing]
         ks = self.policy.choose(acceptance, slack, limits, step_s, other_s, delayed)
+        if any(ks) and not self._pays_as_run(rows, acceptance, ks, latency, other_s,
+                                             [*slack, *delayed]):
+            ks = [0] * len(rows)
         chosen = {req.req_id: k for req, k in zip(rows, ks, strict=True)}
         return [chosen.get(req.req_id, 0) for req in candidates]
+
+    def _pays_as_run(self, rows: Sequence[Request], acceptance: Sequence[float],
+                     ks: Sequence[int], latency: LatencyModel, other_s: float,
+                     slack: Sequence[float]) -> bool:
+        """Whether ``ks`` as the engine runs them beats no speculation and keeps every
+        deadline the plain call keeps: the speculating rows in a verify call padded to
+        its row bucket and ``1 + num_tokens`` columns, the others in a decode call of
+        their own (a second pass over the weights), which the policy does not price."""
+        cap = self.policy.num_tokens
+
+        def call_s(subset: Sequence[Request], cols: int) -> float:
+            if not subset:
+                return 0.0
+            num = bucket(len(subset), self.buckets)
+            price = latency_step_seconds(latency, [r.num_computed_tokens for r in subset],
+                                         cap)
+            return price(num, num * cols)
+
+        plain = call_s(rows, 1)
+        run = call_s([r for r, k in zip(rows, ks, strict=True) if not k], 1) \
+            + call_s([r for r, k in zip(rows, ks, strict=True) if k], 1 + cap)
+        if any(plain <= s < run for s in slack):
+            return False
+        gained = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks, strict=True))
+        return gained * (other_s + plain) > len(rows) * (other_s + run)
 
     def _forget(self, requests: dict[str, Request]) -> None:
         """Drop the estimates of requests the engine no longer holds."""

@@ -24,7 +24,8 @@ from tests.superinfer_jax.engine_testlib import SMALL, run_alone
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 MEMORY_BOUND = LatencyModel(prefill=[0.001, 1e-5, 0.0], decode=[0.02, 1e-5, 0.0])
 COMPUTE_BOUND = LatencyModel(prefill=[0.0, 2e-3, 0.0], decode=[0.0, 2e-3, 0.0])
-FAR = SLO(tbt_ms=600_000.0)  # ten minutes: every deadline far ahead
+FAR = SLO(tbt_ms=600_000.0)
+BUCKETS = (1, 2, 4, 8)  # ten minutes: every deadline far ahead
 
 
 def _spec(k: int, mode: str, **changes) -> EngineConfig:
@@ -82,15 +83,16 @@ def _decoding(req_id: str, context: int, last_token_at: float, tbt_ms: float) ->
 
 
 def _choose(slo: SloLength, reqs: list[Request], latency: LatencyModel | None,
-            now: float, guessed: int = 3) -> list[int]:
+            now: float, guessed: int | list[int] = 3) -> list[int]:
     plan = StepPlan(decode=[r.req_id for r in reqs])
-    proposals = [np.arange(guessed, dtype=np.int32) for _ in reqs]
+    counts = guessed if isinstance(guessed, list) else [guessed] * len(reqs)
+    proposals = [np.arange(n, dtype=np.int32) for n in counts]
     return slo.choose(plan, {r.req_id: r for r in reqs}, reqs, proposals, latency, now)
 
 
 def test_far_ahead_under_a_compute_bound_step_gets_no_speculation():
     now = time.perf_counter()
-    slo = SloLength(5)
+    slo = SloLength(5, BUCKETS)
     reqs = [_decoding(f"r{i}", 40, now, tbt_ms=10_000.0) for i in range(8)]
     for r in reqs:  # every guess so far accepted: the estimate is high (21 / 22)
         for _ in range(4):
@@ -103,7 +105,7 @@ def test_far_ahead_under_a_compute_bound_step_gets_no_speculation():
 
 def test_batch_one_with_high_acceptance_speculates():
     now = time.perf_counter()
-    slo = SloLength(3)
+    slo = SloLength(3, BUCKETS)
     req = _decoding("a", 40, now, tbt_ms=100.0)
     for _ in range(5):
         slo.observe("a", 3, 3)
@@ -124,7 +126,7 @@ def test_a_deadline_the_plain_step_meets_is_kept_and_no_profile_means_no_specula
     assert step_s(1, 1) == pytest.approx(MEMORY_BOUND.decode_s(1, 41), rel=1e-12)
     assert step_s(1, 4) - step_s(1, 1) == pytest.approx(3 * 1e-5, rel=1e-9)
     now = time.perf_counter()
-    slo = SloLength(3)
+    slo = SloLength(3, BUCKETS)
     # the plain call (20.05 ms) meets this deadline with under one proposal's time left
     req = _decoding("a", 40, now - 0.1 + step_s(1, 1) + 5e-6, tbt_ms=100.0)
     for _ in range(5):
@@ -133,6 +135,20 @@ def test_a_deadline_the_plain_step_meets_is_kept_and_no_profile_means_no_specula
     fresh = _decoding("c", 40, now, tbt_ms=100.0)
     assert _choose(slo, [fresh], None, now) == [0]  # no latency model: unpriced, k = 0
     assert _choose(slo, [fresh], MEMORY_BOUND, now) == [3]  # the prior: 0.5
+
+
+def test_one_speculating_row_beside_plain_rows_is_priced_as_two_calls():
+    """The policy alone gives the one guessing row k = 3 (a proposal costs 10 us), but the
+    engine would run it in a verify call beside a decode call for the other seven: a
+    second 20 ms pass over the weights for about 2.8 more tokens. No row speculates."""
+    now = time.perf_counter()
+    slo = SloLength(3, BUCKETS)
+    reqs = [_decoding(f"r{i}", 40, now, tbt_ms=10_000.0) for i in range(8)]
+    for _ in range(5):
+        slo.observe("r0", 3, 3)
+    assert _choose(slo, reqs, MEMORY_BOUND, now, guessed=[3] + [0] * 7) == [0] * 8
+    # every row guessing: one verify call, no decode call beside it
+    assert _choose(slo, reqs, MEMORY_BOUND, now, guessed=3) == [3] * 8
 
 
 # -- the engine ---------------------------------------------------------------------------
