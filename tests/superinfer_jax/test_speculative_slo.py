@@ -210,3 +210,13 @@ def test_prompt_logprobs_as_without_speculation(tiny, plain, prompts, mode):
     _same_logprobs(got, want, prompt=True)
     _same_logprobs(got, want)
     assert engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_warm_up_loads_the_latency_profile_in_slo_mode(tiny, tmp_path):
+    """FCFS prices nothing, but mode slo does: warm-up loads the saved profile."""
+    path = tmp_path / "profile.json"
+    MEMORY_BOUND.save(str(path))
+    cfg = _spec(3, "slo", warmup=True)
+    cfg = cfg.replace(rotasched=cfg.rotasched.__class__(latency_profile=str(path)))
+    engine = LLMEngine(tiny, cfg)
+    assert engine.latency is not None and engine.latency.decode == MEMORY_BOUND.decode
