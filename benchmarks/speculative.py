@@ -12,7 +12,8 @@ time from the first token to the last, summed over the workload's requests;
 ``greedy_identical``: every request's tokens equal the baseline's. One JSON row per
 (method, mode, workload, batch, k): ``tok_s``, ``baseline_tok_s``, ``acceptance_rate``
 (accepted / proposed tokens, the engine's ``spec_decode`` counters),
-``greedy_identical``; workload ``grounded`` sums the repeat, edit and quote rows.
+``greedy_identical``; workload ``grounded`` sums the repeat, edit and quote rows. The
+engines take turns on each group of ``batch`` prompts (baseline first).
 Figures on a loaded machine say so in the docs that quote them.
 
 ``--quick``: the n-gram rows at batch 1, 2 prompts per kind, fixed k = 3 and slo up to
@@ -137,6 +138,20 @@ def _row(workload: str, batch: int, mode: str, k: int, sums: dict[str, Any]
             "greedy_identical": sums["identical"]}
 
 
+def _interleaved(base: Any, engines: dict[tuple[str, int], Any], prompts: list[list[int]],
+                 batch: int, max_tokens: int) -> dict[Any, tuple[list[list[int]], int, float]]:
+    """Each group of ``batch`` prompts on the baseline (key None), then on every
+    speculating engine in turn, summed per engine: a load that drifts during the run
+    weighs on both sides of each ratio alike."""
+    out: dict[Any, tuple[list[list[int]], int, float]] = {}
+    for i in range(0, len(prompts), batch):
+        for key, engine in ((None, base), *engines.items()):
+            got, tokens, seconds = _run(engine, prompts[i:i + batch], batch, max_tokens)
+            had, had_tokens, had_s = out.get(key, ([], 0, 0.0))
+            out[key] = (had + got, had_tokens + tokens, had_s + seconds)
+    return out
+
+
 def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     """Every workload's rows at ``batch``, and ``grounded``: its three kinds together."""
     base = _engine(model, args, "none", 0, batch)
@@ -149,19 +164,20 @@ def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str,
     grounded: dict[tuple[str, int], dict[str, Any]] = {}
     for workload, items in _workloads(args).items():
         prompts = _prompts(model.tokenizer, items)
-        want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
-        for (mode, k), engine in engines.items():
-            before = _counters(engine)
-            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+        before = {key: _counters(engine) for key, engine in engines.items()}
+        runs = _interleaved(base, engines, prompts, batch, args.max_tokens)
+        want, base_tokens, base_s = runs.pop(None)
+        for (mode, k), (got, tokens, seconds) in runs.items():
             drafts, proposed, accepted = (b - a for a, b in zip(
-                before, _counters(engine), strict=True))
+                before[mode, k], _counters(engines[mode, k]), strict=True))
             sums = {"requests": len(prompts), "tokens": tokens, "seconds": seconds,
                     "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts,
                     "proposed": proposed, "accepted": accepted, "identical": got == want}
             rows.append(_row(workload, batch, mode, k, sums))
             print(rows[-1], file=sys.stderr, flush=True)
             if workload in spec_workload.KINDS:
-                total = grounded.setdefault((mode, k), dict.fromkeys(sums, 0) | {"identical": True})
+                total = grounded.setdefault((mode, k), dict.fromkeys(sums, 0)
+                                            | {"identical": True})
                 for key, value in sums.items():
                     total[key] = (total[key] and value) if key == "identical" \
                         else total[key] + value

@@ -4,7 +4,10 @@ state.
 
 - **Acceptance**: a Beta(1, 1) posterior per request (``AcceptanceEstimator``), updated
   as its verified rows land (``observe``): ``m`` accepted of ``k`` proposed is ``m``
-  acceptances and, when ``m < k``, one rejection. A new request starts at 0.5.
+  acceptances and, when ``m < k``, one rejection. A new request starts at 0.5. Each
+  step a row's guess is passed over, its evidence beyond the prior shrinks by ``AGE``:
+  a row at ``k = 0`` verifies nothing, so without it an estimate that fell early (a
+  few rejections at the start of a reply) would never be revised.
 - **Cost**: ``step_s(rows, tokens)`` is the latency model's decode call over the rows
   (``d0 + d1 * rows + d2 * context``) plus each proposal priced as a token of a
   multi-token row, which is what a verify row is: the prefill fit's per-token cost
@@ -51,6 +54,11 @@ from superinfer_jax.sched.step_plan import StepPlan
 log = logging.getLogger(__name__)
 
 INF = float("inf")
+# Per guess passed over (k = 0 while the proposer guessed), the share of a request's
+# acceptance evidence kept: acceptance drifts along a reply (chat that turns to
+# quoting), so a request whose estimate fell is tried again after about
+# log(1/3) / log(AGE) = 10 such steps rather than never.
+AGE = 0.9
 
 
 def latency_step_seconds(latency: LatencyModel, contexts: Sequence[int],
@@ -133,6 +141,9 @@ class SloLength:
         if any(ks) and not self._pays_as_run(rows, acceptance, ks, latency, other_s,
                                              [*slack, *delayed]):
             ks = [0] * len(rows)
+        for req, k, limit in zip(rows, ks, limits, strict=True):
+            if limit and not k:
+                self._age(req.req_id)
         chosen = {req.req_id: k for req, k in zip(rows, ks, strict=True)}
         return [chosen.get(req.req_id, 0) for req in candidates]
 
@@ -160,6 +171,13 @@ class SloLength:
             return False
         gained = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks, strict=True))
         return gained * (other_s + plain) > len(rows) * (other_s + run)
+
+    def _age(self, req_id: str) -> None:
+        """A guess passed over: the evidence beyond the prior shrinks by ``AGE``."""
+        est = self.estimates.get(req_id)
+        if est is not None:
+            est.alpha = 1.0 + AGE * (est.alpha - 1.0)
+            est.beta = 1.0 + AGE * (est.beta - 1.0)
 
     def _forget(self, requests: dict[str, Request]) -> None:
         """Drop the estimates of requests the engine no longer holds."""

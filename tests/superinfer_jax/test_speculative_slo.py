@@ -118,6 +118,10 @@ def test_batch_one_with_high_acceptance_speculates():
     low = _decoding("b", 40, now, tbt_ms=100.0)
     priced = LatencyModel(prefill=[0.0, 2e-3, 0.0], decode=[0.02, 2e-3, 0.0])
     assert _choose(slo, [low], priced, now) == [0]
+    # ... until its evidence has aged: each passed-over guess keeps AGE of it
+    waits = next(n for n in range(1, 200) if _choose(slo, [low], priced, now) != [0])
+    assert 10 < waits < 60
+    assert slo.acceptance("b") > 0.2
 
 
 def test_a_deadline_the_plain_step_meets_is_kept_and_no_profile_means_no_speculation():
