@@ -3,18 +3,22 @@ run, on the input-grounded workload (``benchmarks/data/speculative_grounded.json
 repeat, edit and quote a ShareGPT passage) and on plain ShareGPT chat.
 
 Each prompt runs through the chat template on a baseline engine (no speculation) and on
-the speculating engine, greedy, at batch 1 (one request at a time) or ``--batch`` at
-once. Decode tok/s = output tokens after the first / the time from the first token to
-the last, summed over the workload's requests; ``greedy_identical``: every request's
-tokens equal the baseline's. One JSON row per (method, mode, workload, batch, k):
-``tok_s``, ``baseline_tok_s``, ``acceptance_rate`` (accepted / proposed tokens, the
-engine's ``spec_decode`` counters), ``greedy_identical``; workload ``grounded`` sums
-the repeat, edit and quote rows. Figures on a loaded machine say so in the docs that
-quote them.
+the speculating engines, greedy, at batch 1 (one request at a time) and 8 at once
+(``--batch``). The speculating engines: mode ``fixed`` at each k of ``--ks``, and mode
+``slo`` (k per row and step from its acceptance rate, its TBT slack and the engine's
+latency profile, up to ``--slo-k``; the profile is loaded from the compilation cache
+directory, else measured first). Decode tok/s = output tokens after the first / the
+time from the first token to the last, summed over the workload's requests;
+``greedy_identical``: every request's tokens equal the baseline's. One JSON row per
+(method, mode, workload, batch, k): ``tok_s``, ``baseline_tok_s``, ``acceptance_rate``
+(accepted / proposed tokens, the engine's ``spec_decode`` counters),
+``greedy_identical``; workload ``grounded`` sums the repeat, edit and quote rows. The
+engines take turns on each group of ``batch`` prompts (baseline first).
+Figures on a loaded machine say so in the docs that quote them.
 
-``--quick``: the n-gram rows, 2 prompts per kind, k = 3, 48 tokens (under 3 minutes
-on 2 idle cores, compiles included). ``--build-data`` rewrites the committed workload
-(seed 0).
+``--quick``: the n-gram rows at batch 1, 2 prompts per kind, fixed k = 3 and slo up to
+3, 48 tokens (under 3 minutes on 2 idle cores, compiles included). ``--build-data``
+rewrites the committed workload (seed 0).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from benchmarks.lib import spec_workload
 from benchmarks.lib.common import add_common_args, print_table, write_json
 
 
-def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: int):
+def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: int,
+            mode: str = "fixed"):
     from superinfer_jax import EngineConfig, LLMEngine
 
     knobs: dict[str, Any] = dict(
@@ -39,8 +44,30 @@ def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: in
         page_size=16, show_progress=False, warmup=False,
         compilation_cache_dir=os.path.join(tempfile.gettempdir(), "superinfer-spec-bench"))
     if method != "none":
-        knobs.update(speculative_method=method, num_speculative_tokens=k)
-    return LLMEngine(model, EngineConfig.build(**knobs))
+        knobs.update(speculative_method=method, num_speculative_tokens=k,
+                     speculative_mode=mode)
+    engine = LLMEngine(model, EngineConfig.build(**knobs))
+    if mode == "slo":  # it prices steps with the latency model: loaded, else measured
+        _set_latency(engine)
+    return engine
+
+
+def _set_latency(engine: Any) -> None:
+    """The engine's latency profile as warm-up would set it (kept with the compilation
+    cache, so later runs load it)."""
+    from superinfer_jax.runner.profiler import (
+        latency_profile_path,
+        load_latency_model,
+        profile_engine,
+        save_latency_model,
+    )
+
+    path = latency_profile_path(engine.config, engine.intake.model_identity)
+    latency = load_latency_model(path)
+    if latency is None:
+        latency = profile_engine(engine)
+        save_latency_model(latency, path)
+    engine.set_latency_model(latency)
 
 
 def _warm(engine: Any, tokenizer: Any) -> None:
@@ -98,11 +125,12 @@ def _workloads(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def _row(workload: str, batch: int, k: int, sums: dict[str, Any]) -> dict[str, Any]:
+def _row(workload: str, batch: int, mode: str, k: int, sums: dict[str, Any]
+         ) -> dict[str, Any]:
     """One JSON row from a workload's summed counts (see the module docstring)."""
     tok_s = sums["tokens"] / sums["seconds"] if sums["seconds"] else 0.0
     base = sums["base_tokens"] / sums["base_seconds"] if sums["base_seconds"] else 0.0
-    return {"method": "ngram", "mode": "fixed", "workload": workload, "batch": batch, "k": k,
+    return {"method": "ngram", "mode": mode, "workload": workload, "batch": batch, "k": k,
             "requests": sums["requests"], "tok_s": round(tok_s, 2),
             "baseline_tok_s": round(base, 2), "speedup": round(tok_s / max(base, 1e-9), 3),
             "acceptance_rate": round(sums["accepted"] / max(sums["proposed"], 1), 4),
@@ -110,33 +138,50 @@ def _row(workload: str, batch: int, k: int, sums: dict[str, Any]) -> dict[str, A
             "greedy_identical": sums["identical"]}
 
 
+def _interleaved(base: Any, engines: dict[tuple[str, int], Any], prompts: list[list[int]],
+                 batch: int, max_tokens: int) -> dict[Any, tuple[list[list[int]], int, float]]:
+    """Each group of ``batch`` prompts on the baseline (key None), then on every
+    speculating engine in turn, summed per engine: a load that drifts during the run
+    weighs on both sides of each ratio alike."""
+    out: dict[Any, tuple[list[list[int]], int, float]] = {}
+    for i in range(0, len(prompts), batch):
+        for key, engine in ((None, base), *engines.items()):
+            got, tokens, seconds = _run(engine, prompts[i:i + batch], batch, max_tokens)
+            had, had_tokens, had_s = out.get(key, ([], 0, 0.0))
+            out[key] = (had + got, had_tokens + tokens, had_s + seconds)
+    return out
+
+
 def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     """Every workload's rows at ``batch``, and ``grounded``: its three kinds together."""
     base = _engine(model, args, "none", 0, batch)
-    engines = {k: _engine(model, args, "ngram", k, batch) for k in args.ks}
+    engines = {("fixed", k): _engine(model, args, "ngram", k, batch) for k in args.ks}
+    if "slo" in args.modes:
+        engines["slo", args.slo_k] = _engine(model, args, "ngram", args.slo_k, batch, "slo")
     for engine in (base, *engines.values()):
         _warm(engine, model.tokenizer)
     rows = []
-    grounded: dict[int, dict[str, Any]] = {}
+    grounded: dict[tuple[str, int], dict[str, Any]] = {}
     for workload, items in _workloads(args).items():
         prompts = _prompts(model.tokenizer, items)
-        want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
-        for k, engine in engines.items():
-            before = _counters(engine)
-            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+        before = {key: _counters(engine) for key, engine in engines.items()}
+        runs = _interleaved(base, engines, prompts, batch, args.max_tokens)
+        want, base_tokens, base_s = runs.pop(None)
+        for (mode, k), (got, tokens, seconds) in runs.items():
             drafts, proposed, accepted = (b - a for a, b in zip(
-                before, _counters(engine), strict=True))
+                before[mode, k], _counters(engines[mode, k]), strict=True))
             sums = {"requests": len(prompts), "tokens": tokens, "seconds": seconds,
                     "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts,
                     "proposed": proposed, "accepted": accepted, "identical": got == want}
-            rows.append(_row(workload, batch, k, sums))
+            rows.append(_row(workload, batch, mode, k, sums))
             print(rows[-1], file=sys.stderr, flush=True)
             if workload in spec_workload.KINDS:
-                total = grounded.setdefault(k, dict.fromkeys(sums, 0) | {"identical": True})
+                total = grounded.setdefault((mode, k), dict.fromkeys(sums, 0)
+                                            | {"identical": True})
                 for key, value in sums.items():
                     total[key] = (total[key] and value) if key == "identical" \
                         else total[key] + value
-    rows += [_row("grounded", batch, k, sums) for k, sums in grounded.items()]
+    rows += [_row("grounded", batch, mode, k, sums) for (mode, k), sums in grounded.items()]
     return rows
 
 
@@ -146,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser, "speculative")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5],
                         help="speculation lengths (--quick: 3)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--modes", nargs="+", choices=("fixed", "slo"),
+                        default=["fixed", "slo"],
+                        help="fixed: one row per k in --ks; slo: one row at --slo-k")
+    parser.add_argument("--slo-k", type=int, default=5,
+                        help="mode slo: the most tokens a row proposes (--quick: 3)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8],
+                        help="requests at once (--quick: 1)")
     parser.add_argument("--per-kind", type=int, default=8,
                         help="prompts per workload kind (--quick: 2)")
     parser.add_argument("--max-tokens", type=int, default=128, help="(--quick: 48)")
@@ -159,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {spec_workload.DATA}")
         return 0
     if args.quick:
-        args.ks, args.max_tokens = [3], 48
+        args.ks, args.max_tokens, args.slo_k, args.batch = [3], 48, 3, [1]
     from models import load_model
 
     model = load_model("smollm2-135m", dtype="float32")

@@ -159,7 +159,7 @@ class LLMEngine:
         times = self.runner.warmup(background)
         times["verify"] = 0.0 if self.spec is None else self.spec.warmup()
         t0 = time.perf_counter()
-        if self.scheduler.policy.uses_latency:
+        if self.scheduler.policy.uses_latency or self._spec_prices_steps:
             saved = load_latency_model(self._latency_path())
             if saved is not None:
                 self.set_latency_model(saved)
@@ -217,9 +217,16 @@ class LLMEngine:
             log.warning("a background compile still runs after %.0f s; exiting anyway",
                         wait_s)
 
+    @property
+    def _spec_prices_steps(self) -> bool:
+        """Whether speculation chooses its length from the latency model (mode slo)."""
+        return self.spec is not None and self.spec.slo is not None
+
     def _latency_optional(self) -> bool:
-        """Whether the policy plans without a latency model until one is measured."""
-        return self.config.engine.policy == "rotasched" and self.config.rotasched.mode == "vlt"
+        """Whether the engine plans without a latency model until one is measured
+        (RotaSched's vlt mode; speculation's slo mode decodes unspeculated meanwhile)."""
+        return not self.scheduler.policy.uses_latency or (
+            self.config.engine.policy == "rotasched" and self.config.rotasched.mode == "vlt")
 
     def _latency_path(self) -> str | None:
         return latency_profile_path(self.config, self.intake.model_identity)
@@ -305,7 +312,8 @@ class LLMEngine:
         self._issue_rotations(plan, t0)
         stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
                           num_rotated_in=len(plan.rotate_in))
-        verify_rows = [] if self.spec is None else self.spec.take(plan, self.requests)
+        verify_rows = [] if self.spec is None else self.spec.take(plan, self.requests,
+                                                                  self.latency)
         launched = None
         if not plan.is_empty:
             launched = self._launch(plan)

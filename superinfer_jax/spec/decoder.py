@@ -1,6 +1,11 @@
 """The engine's half of speculative decoding: which decode rows speculate, their verify
 call, and landing the accepted tokens.
 
+How many guesses a row verifies: all its proposer guessed (up to ``num_tokens``) in
+mode ``fixed``; in mode ``slo``, the length ``spec.slo`` chooses per row from its
+acceptance rate, the step's price in the latency model and its TBT slack (0: the row
+decodes as usual).
+
 A decode row speculates when its request allows it (``SamplingParams.speculative``), its
 last token is on the host (speculation runs the step synchronously: a proposal needs the
 tokens so far) and the proposer guesses something. Only requests whose next token
@@ -36,8 +41,10 @@ from superinfer_jax.request import Request, TokenLogprobs
 from superinfer_jax.runner.input_batch import CallArrays
 from superinfer_jax.runner.model_runner import ModelRunner
 from superinfer_jax.runner.sampling import SamplingInputs
+from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.step_plan import StepPlan
 from superinfer_jax.spec.proposer import Proposer, make_proposer
+from superinfer_jax.spec.slo import SloLength
 from superinfer_jax.spec.verify import accepted_length, make_verify
 from superinfer_jax.stats import SpecDecodeStats
 
@@ -96,9 +103,6 @@ class SpecDecoder:
         if jax.process_count() > 1:  # the multi-host lockstep replays step calls only
             raise ConfigError("speculative.method", "is not supported across several "
                               "hosts yet (use none)")
-        if spec.mode != "fixed":
-            raise ConfigError("speculative.mode", f"{spec.mode!r} is not wired into this "
-                              "engine yet (use fixed)")
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -106,6 +110,8 @@ class SpecDecoder:
         self.cols = 1 + spec.num_tokens
         self.proposer = proposer or make_proposer(config)
         self.stats = SpecStats(accepted_per_pos=[0] * spec.num_tokens)
+        # mode slo: the length per row (``spec.slo``); fixed: every row's whole guess
+        self.slo = SloLength(spec.num_tokens, config.decode_buckets) if spec.mode == "slo" else None
         self.words = -(-runner.model.vocab_size // 32)  # grammar bitmask words
         self._open_masks: dict[int, jax.Array] = {}  # rows -> committed all-allowed masks
         sharding = None
@@ -140,8 +146,10 @@ class SpecDecoder:
                     np.full(rows, masked, np.bool_), masks)[0])
         return time.perf_counter() - t0
 
-    def take(self, plan: StepPlan, requests: dict[str, Request]) -> list[VerifyRow]:
-        """Move the plan's decode rows that speculate (and got a proposal) out of it."""
+    def take(self, plan: StepPlan, requests: dict[str, Request],
+             latency: LatencyModel | None = None) -> list[VerifyRow]:
+        """Move the plan's decode rows that speculate (and got a proposal) out of it;
+        ``latency``: the engine's latency model (mode slo prices the step with it)."""
         candidates = [requests[r] for r in plan.decode if speculates(requests[r])]
         if not candidates:
             return []
@@ -152,16 +160,16 @@ class SpecDecoder:
             log.exception("speculative proposer %r failed; decoding without proposals",
                           self.config.speculative.method)
             return []
+        guesses = [self._valid(req, np.asarray(p, np.int32).reshape(-1)[:max(0, k)])
+                   for req, k, p in zip(candidates, ks, proposals, strict=True)]
+        if self.slo is not None:
+            ks = self.slo.choose(plan, requests, candidates, guesses, latency)
+            guesses = [g[:k] for g, k in zip(guesses, ks, strict=True)]
         rows: list[VerifyRow] = []
         # the step budget counts verified tokens: proposals spend what the rows left
         spare = plan.budget.tokens - plan.num_tokens if plan.budget is not None else 1 << 30
-        for req, k, proposal in zip(candidates, ks, proposals, strict=True):
-            proposal = np.asarray(proposal, np.int32).reshape(-1)[:max(0, min(k, spare))]
-            if proposal.shape[0] and not 0 <= proposal.min() <= proposal.max() \
-                    < self.runner.model.vocab_size:
-                continue  # out-of-vocabulary guesses: this request decodes as usual
-            if req.grammar is not None and proposal.shape[0]:  # cut where it is rejected
-                proposal = proposal[:req.grammar.validate_tokens(proposal.tolist())]
+        for req, proposal in zip(candidates, guesses, strict=True):
+            proposal = proposal[:max(0, spare)]
             proposal = proposal[:self._pages_for(req, proposal.shape[0])]
             if proposal.shape[0]:
                 rows.append(VerifyRow(req, req.num_computed_tokens, proposal))
@@ -170,6 +178,16 @@ class SpecDecoder:
             taken = {row.req.req_id for row in rows}
             plan.decode = [r for r in plan.decode if r not in taken]
         return rows
+
+    def _valid(self, req: Request, proposal: np.ndarray) -> np.ndarray:
+        """The proposal up to its first guess the grammar rejects; none when a guess is
+        out of the vocabulary (this request decodes as usual)."""
+        if proposal.shape[0] and not 0 <= proposal.min() <= proposal.max() \
+                < self.runner.model.vocab_size:
+            return proposal[:0]
+        if req.grammar is not None and proposal.shape[0]:  # cut where it is rejected
+            proposal = proposal[:req.grammar.validate_tokens(proposal.tolist())]
+        return proposal
 
     def _room(self, req: Request) -> int:
         """The most tokens worth proposing: k, within max_tokens and max_model_len (the
@@ -266,6 +284,8 @@ class SpecDecoder:
             self.stats.count(row.proposal.shape[0], accepted, self.k)
             req.num_spec_proposed += row.proposal.shape[0]
             req.num_spec_accepted += accepted
+            if self.slo is not None:
+                self.slo.observe(req.req_id, row.proposal.shape[0], accepted)
             tokens = [int(t) for t in row.proposal[:accepted]] + [int(target[b, accepted])]
             req.num_computed_tokens = row.start + 1 + accepted
             try:

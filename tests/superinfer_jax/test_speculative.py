@@ -191,8 +191,6 @@ def test_bad_config_names_the_key(knobs, key):
 def test_unloadable_proposer_and_bad_opt_out_are_named(tiny):
     with pytest.raises(ConfigError, match="speculative.draft_model"):
         LLMEngine(tiny, SMALL.replace(speculative_method="draft"))
-    with pytest.raises(ConfigError, match="speculative.mode"):
-        LLMEngine(tiny, _spec(3, speculative_mode="slo"))
     with pytest.raises(ConfigError, match="speculative.method"):
         resolve_proposer("no_such_module_xyz:Proposer")
     with pytest.raises(FieldError, match="speculative"):
