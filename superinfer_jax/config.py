@@ -137,6 +137,13 @@ class RotaSchedConfig:
     # docs/scheduling.md#min_residency_tokens).
     min_residency_tokens: int = knob(
         16, ge=1, help="tokens a request runs before it may rotate out (and near its end)")
+    # Where a decode step is a large share of the TBT SLO (a big pool), a window counted in
+    # tokens holds a runner for seconds: this caps it at this many TBT SLOs of decode steps
+    # (docs/scheduling.md#residency_tbt_slos); none: tokens alone.
+    residency_tbt_slos: float | None = knob(
+        None, gt=0, example=6.0,
+        help="with a latency model, the most TBT SLOs of decode steps a protected window "
+             "covers (min_residency_tokens, fewer where steps are long); none: tokens only")
     # Caps both protected windows, so a reply of at most 2 x min_residency_tokens still has
     # tokens where it may rotate; replies long enough are unaffected
     # (docs/scheduling.md#residency_share).

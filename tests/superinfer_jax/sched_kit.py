@@ -128,7 +128,9 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                        due_order=rng.choice(("lag", "stall")),
                                                        late_order=rng.choice(("shortest", "lag")),
                                                        hopeless_wait_cap=rng.choice(
-                                                           (None, 1.5, 3.0))))
+                                                           (None, 1.5, 3.0)),
+                                                       residency_tbt_slos=rng.choice(
+                                                           (None, 0.5, 4.0))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))
     if rng.random() < 0.5:  # priced: a late first token may be certain to miss
         sched.set_latency_model(LatencyModel(prefill=[0.05, 0.02, 1e-4],

@@ -32,6 +32,7 @@ from superinfer_jax.sched.rotasched.ranking import (
     rank_by_lag,
     reply_due_on_time,
     residency_window,
+    timed_window,
 )
 from superinfer_jax.sched.selection import Ranking
 from superinfer_jax.sched.step_plan import StepBudget
@@ -172,11 +173,12 @@ class RotaSchedPolicy(SwapPolicy):
 
     def _rank_by_slack(self, s: Scheduler, now: float) -> Iterable[Request]:
         k = self.params.min_residency_tokens
+        slos = self.params.residency_tbt_slos
         hopeless_last = self.params.hopeless_last
         cap = self.params.hopeless_wait_cap
         replies = self.params.parked_replies
         lm = s.latency  # a decode step over the runners (``reply_due_on_time``)
-        step_s = None if lm is None or replies == "lag" else lm.decode_s(
+        step_s = None if lm is None else lm.decode_s(
             max(1, len(s.running)), sum(r.num_tokens for r in s.running))
         free_only: set[int] = set()
 
@@ -184,7 +186,9 @@ class RotaSchedPolicy(SwapPolicy):
         def key(r: Request) -> tuple[int, int, float, float]:
             urgency = self.urgency(s, r, now)
             if r.status == RUNNING:
-                if is_protected(r, residency_window(r, k, self.params.residency_share)):
+                kr = k if slos is None or step_s is None else timed_window(
+                    k, slos / step_s * r.slo.tbt_s)
+                if is_protected(r, residency_window(r, kr, self.params.residency_share)):
                     return (0, 0, 0.0, r.arrival_time)  # protected, oldest first
                 return (1, 2, -urgency, r.arrival_time)
             if replies != "lag" and r.token_times and r.status == ROTARY:

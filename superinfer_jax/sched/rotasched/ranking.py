@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
            "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",
-           "shortest_first"]
+           "shortest_first", "timed_window"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -61,6 +61,12 @@ def residency_window(req: Request, k: int, share: float) -> int:
     """Tokens of ``req``'s settling and end windows: ``k``, but at most ``share`` of its
     ``max_tokens`` (at least 1), so a short request may still rotate out between them."""
     return min(k, max(1, int(share * req.max_output_tokens)))
+
+
+def timed_window(k: int, steps: float) -> int:
+    """``residency_tbt_slos``' window: ``k`` tokens, at most the decode ``steps`` that fit
+    in that many TBT SLOs (at least 1)."""
+    return max(1, min(k, int(steps)))
 
 
 def is_protected(req: Request, k: int) -> bool:
@@ -100,11 +106,15 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     # ``is_protected`` and ``virtual_lag`` inlined (every runner, every contended step);
     # ``resident_tokens(r) >= k`` is ``times[-k] >= since``: token times are in order
     running = RUNNING
-    total_tokens = 0  # the runners' tokens, for the latency model's decode step
+    lm = s.latency  # a decode step over the runners (``rotate_in_due``, the windows)
+    total_tokens = sum([r.num_tokens for r in s.running])
+    step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
+    steps_per_tbt = None if p.residency_tbt_slos is None or step_s is None \
+        else p.residency_tbt_slos / step_s
     for r in s.running:
-        total_tokens += r.num_tokens
         since, times = r.running_since, r.token_times
-        k = min(k0, max(1, int(share * r.max_output_tokens)))  # ``residency_window``
+        kr = k0 if steps_per_tbt is None else timed_window(k0, steps_per_tbt * r.slo.tbt_s)
+        k = min(kr, max(1, int(share * r.max_output_tokens)))  # ``residency_window``
         settled = k <= 0 or (since is not None and len(times) >= k and times[-k] >= since)
         if not settled or r.max_tokens_left <= k or r.final_token_inflight:
             protected.append(r)
@@ -116,8 +126,6 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
             values.append(-virtual_lag(r, now, p))
     due: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)
     late: list[tuple[float, float, int, int, Request]] = []  # (-lag, arrival, 0|1, pos, req)
-    lm = s.latency  # a decode step over the runners (``rotate_in_due``)
-    step_s = None if lm is None else lm.decode_s(max(1, len(s.running)), total_tokens)
     replies_wait = p.parked_replies != "lag"
     by_stall = p.due_order == "stall"
     replies: list[tuple[float, float, int, Request]] = []  # (-lag, arrival, j, req)

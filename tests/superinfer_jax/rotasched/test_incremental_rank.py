@@ -32,7 +32,12 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
     gets the ids of the parked replies that may take free pages only."""
 
     def window(r: Request) -> int:  # k tokens, at most a share of its max_tokens (>= 1)
-        return min(p.min_residency_tokens, max(1, int(p.residency_share * r.max_output_tokens)))
+        k = p.min_residency_tokens
+        lm = s.latency
+        if p.residency_tbt_slos is not None and lm is not None:  # and the steps in its SLOs
+            step = lm.decode_s(max(1, len(s.running)), sum(q.num_tokens for q in s.running))
+            k = max(1, min(k, int(p.residency_tbt_slos / step * r.slo.tbt_s)))
+        return min(k, max(1, int(p.residency_share * r.max_output_tokens)))
 
     def resident(r: Request) -> int:
         if r.running_since is None:
