@@ -77,12 +77,18 @@ def test_a_different_draft_keeps_greedy_tokens_batched(tiny, shallow, prompts, r
 
 
 def test_rotation_keeps_greedy_tokens_with_a_draft(tiny, shallow, prompts, reference):
+    """With the draft's bookkeeping cut to 12 of its pool's pages, rotated-out requests
+    lose their draft pages to running ones (re-prefilled when they return) and some
+    proposals find no pages (those rows decode as usual)."""
     engine = LLMEngine(tiny, _draft(3, num_device_pages=12, num_host_pages=64),
                        draft_model=shallow)
+    proposer = engine.spec.proposer
+    proposer.pages = DraftPages(13, proposer.pages.page_size)
     done = run_rotating(engine, prompts, SP, every=3)
     assert [r.output_token_ids for r in done] == reference
     assert sum(r.num_rotations for r in done) >= 2
     assert engine.stats().spec_decode.num_accepted_tokens > 0
+    assert proposer.pages.num_evicted > 0
     # finished requests' draft pages are freed at the next proposal: the last one's remain
     assert len(engine.spec.proposer.pages.entries) <= 1
 
