@@ -9,7 +9,8 @@ trained weights.
 
 Wherever a proposer is named it is a registered name (``ngram``, or a plug-in's
 ``register_proposer``) or a path, ``package.module:Class``, as policies are
-(``sched.rotasched.registry``).
+(``sched.rotasched.registry``). ``draft`` (``spec.draft``) is built from the draft model
+its caller handed to the engine.
 """
 
 from __future__ import annotations
