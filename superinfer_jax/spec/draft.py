@@ -5,10 +5,11 @@ The draft model is loaded by whoever loads the target and handed to the engine
 (``LLMEngine(model, config, draft_model=...)``); the engine never loads a model. It has
 its own paged KV pool and page bookkeeping (``spec.draft_kv``), keyed by request and
 sized for ``max_num_seqs`` requests at full length. One proposal over the speculating
-rows is one jitted call, pool donated: each row catches up on the tokens it gained
-since its last proposal (at most ``TAIL`` of them, as a ragged row), the draft's greedy
-token at its last token is the first guess, and ``k - 1`` decode steps inside the same
-program feed each guess back for the next. A request further behind (a new prompt, or
+rows is one jitted call, pool donated, of one-column steps only (the decode shape, which
+has the cheapest attention): each row catches up on the tokens it gained since its last
+proposal (at most ``TAIL``; steps for as many as the furthest-behind row needs), the
+draft's greedy token after its last token is the first guess, and ``k - 1`` more steps
+feed each guess back for the next. A request further behind (a new prompt, or
 pages dropped for room) is first prefilled alone in chunks of ``max_prefill_chunk``.
 Every shape is compiled at warm-up: one proposal program per decode-row bucket and one
 chunk program.
@@ -115,24 +116,36 @@ class DraftProposer:
         return logits, pool
 
     def _propose(self, leaves, pool, inputs: StepInputs):
-        """Catch-up rows -> (the guesses [B, k], pool): the greedy token after each row's
-        last token, then ``k - 1`` decode steps of the draft on its own guesses."""
-        logits, pool = self._forward(leaves, pool, inputs)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        live = (inputs.query_lens > 0).astype(jnp.int32)
-        last = inputs.context_lens - 1  # the position of each row's last token
+        """Catch-up rows, right-aligned in ``TAIL`` columns -> (the guesses [B, k], pool).
 
-        def step(carry, i):
-            pool, token = carry
-            pos = last + 1 + i
-            dec = StepInputs(token[:, None], pos[:, None], live, (pos + 1) * live,
-                             inputs.page_tables)
+        One loop of one-column steps (the decode shape, the draft's cheapest): first the
+        catch-up tokens (as many steps as the furthest-behind row needs; a row waits
+        while it has none), then ``k - 1`` steps on the draft's own guesses. The greedy
+        token after each row's last token is its first guess."""
+        rows = inputs.tokens.shape[0]
+        gap = inputs.query_lens
+        live = (gap > 0).astype(jnp.int32)
+        last = inputs.context_lens - 1  # the position of each row's last token
+        first = TAIL - jnp.max(gap)  # the first step any row has a token for
+
+        def step(s, carry):
+            pool, prev, guesses = carry
+            catching = s < TAIL
+            col = jnp.minimum(s, TAIL - 1)
+            token = jnp.where(catching, inputs.tokens[:, col], prev)
+            pos = last + s - (TAIL - 1)
+            on = live * jnp.where(catching, (s >= TAIL - gap).astype(jnp.int32), 1)
+            dec = StepInputs(token[:, None], jnp.maximum(pos, 0)[:, None], on,
+                             (pos + 1) * on, inputs.page_tables)
             logits, pool = self._forward(leaves, pool, dec)
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return (pool, nxt), nxt
+            at = jnp.clip(s - (TAIL - 1), 0, self.k - 1)
+            guesses = jnp.where((jnp.arange(self.k) == at)[None, :] & (s >= TAIL - 1),
+                                nxt[:, None], guesses)
+            return pool, nxt, guesses
 
-        (pool, _), rest = jax.lax.scan(step, (pool, token), jnp.arange(self.k - 1))
-        guesses = jnp.concatenate([token[:, None], rest.T], axis=1)
+        init = (pool, jnp.zeros(rows, jnp.int32), jnp.zeros((rows, self.k), jnp.int32))
+        pool, _, guesses = jax.lax.fori_loop(first, TAIL + self.k - 1, step, init)
         return guesses, pool
 
     def _chunk(self, leaves, pool, inputs: StepInputs):
@@ -185,13 +198,15 @@ class DraftProposer:
         num_rows = bucket(len(rows), self.config.decode_buckets)
         inputs = self._inputs(num_rows, TAIL, [
             (tokens[start:], start, self.pages.page_table(req.req_id))
-            for _, req, tokens, start in rows])
+            for _, req, tokens, start in rows], right=True)
         guesses, self.pool = self._propose_fn(self.leaves, self.pool, inputs)
         self.num_calls += 1
         return parallel.host_value(guesses)[:len(rows)]
 
-    def _inputs(self, num_rows: int, cols: int,
-                rows: list[tuple[np.ndarray, int, list[int]]]) -> StepInputs:
+    def _inputs(self, num_rows: int, cols: int, rows: list[tuple[np.ndarray, int, list[int]]],
+                right: bool = False) -> StepInputs:
+        """Rows of (tokens, first position, page table); ``right``: tokens in the last
+        columns (the proposal call's alignment)."""
         tokens = np.zeros((num_rows, cols), np.int32)
         positions = np.zeros((num_rows, cols), np.int32)
         query_lens = np.zeros(num_rows, np.int32)
@@ -199,8 +214,9 @@ class DraftProposer:
         tables = np.zeros((num_rows, self.width), np.int32)
         for b, (toks, start, table) in enumerate(rows):
             n = toks.shape[0]
-            tokens[b, :n] = toks
-            positions[b, :n] = np.arange(start, start + n)
+            at = cols - n if right else 0
+            tokens[b, at:at + n] = toks
+            positions[b, at:at + n] = np.arange(start, start + n)
             query_lens[b], context_lens[b] = n, start + n
             tables[b, :len(table)] = table
         return StepInputs(tokens, positions, query_lens, context_lens, tables)
