@@ -149,3 +149,15 @@ def test_bad_draft_layers_and_source_are_named(tiny):
     with pytest.raises(ConfigError, match="speculative.draft_model"):
         load_draft(spec, "float32")
     assert load_draft(EngineConfig().speculative, "float32") is None
+
+
+def test_the_server_loads_the_draft_only_for_method_draft():
+    from serving.deploy_config import DeploymentConfig
+    from serving.server import load_draft_of
+
+    assert load_draft_of(DeploymentConfig.load(None, {"speculative.method": "ngram"})) is None
+    config = DeploymentConfig.load(None, {"speculative.method": "draft",
+                                          "speculative.draft_model": "/no/such/model",
+                                          "speculative.draft_quantization": "int8"})
+    with pytest.raises(ConfigError, match="speculative.draft_model"):
+        load_draft_of(config)
