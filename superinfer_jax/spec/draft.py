@@ -4,7 +4,8 @@ target's vocabulary guesses each speculating request's next ``k`` tokens greedil
 The draft model is loaded by whoever loads the target and handed to the engine
 (``LLMEngine(model, config, draft_model=...)``); the engine never loads a model. It has
 its own paged KV pool and page bookkeeping (``spec.draft_kv``), keyed by request and
-sized for ``max_num_seqs`` requests at full length. One proposal over the speculating
+holding as many tokens as the target's pool (plus each row's guesses), or
+``max_num_seqs`` requests at full length where that is less. One proposal over the speculating
 rows is one jitted call, pool donated, of one-column steps only (the decode shape, which
 has the cheapest attention): each row catches up on the tokens it gained since its last
 proposal (at most ``TAIL``; steps for as many as the furthest-behind row needs), the
@@ -68,7 +69,9 @@ class DraftProposer:
     needs_hidden = False
 
     def __init__(self, config: EngineConfig, draft: ServableModel, target: ServableModel,
-                 mesh: Any = None, backend: str = "xla"):
+                 mesh: Any = None, backend: str = "xla", target_pages: int | None = None):
+        """``target_pages``: the target pool's pages; the draft pool holds as many
+        tokens (plus each row's guesses), or ``max_num_seqs`` full-length rows if fewer."""
         check_draft(draft, target, config)
         try:
             self.model = parallel.place_model(draft, mesh)
@@ -86,7 +89,11 @@ class DraftProposer:
                                  "bfloat16" if dtype in quant.SCALED else dtype)
         # positions up to max_model_len + k - 2 are written (guesses past the room)
         self.width = -(-(config.model.max_model_len + self.k) // page_size)
-        self.num_pages = 1 + config.engine.max_num_seqs * self.width
+        seqs = config.engine.max_num_seqs
+        self.num_pages = 1 + seqs * self.width
+        if target_pages is not None:
+            extra = seqs * (1 + -(-self.k // page_size))  # part pages and guesses per row
+            self.num_pages = min(self.num_pages, 1 + target_pages + extra)
         self.pages = DraftPages(self.num_pages, page_size)
         self.chunk = config.engine.max_prefill_chunk
         self.leaves, self.treedef = jax.tree.flatten(self.model.params)
@@ -164,7 +171,7 @@ class DraftProposer:
             tokens = np.asarray(req.all_token_ids, np.int32)
             start = self.pages.sync(req, tokens)
             if not self.pages.reserve(req.req_id, tokens.shape[0] + self.k - 1, keep):
-                continue  # cannot happen with the pool sized for max_num_seqs rows
+                continue  # no draft pages (shared prefixes): this row decodes as usual
             rows.append((i, req, tokens, start))
         if not rows:
             return out

@@ -124,7 +124,8 @@ def make_proposer(config: EngineConfig, runner: Any = None,
         if runner is None:
             raise ConfigError("speculative.method", "draft needs the engine's model runner")
         return DraftProposer(config, check_draft(draft_model, runner.model, config),
-                             runner.model, runner.mesh, runner.backend)
+                             runner.model, runner.mesh, runner.backend,
+                             runner.num_device_pages)
     proposer: Proposer = resolve_proposer(method)(config)
     if getattr(proposer, "needs_hidden", False):
         raise ConfigError("speculative.method", f"{method!r} needs the target's hidden "
