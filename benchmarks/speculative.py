@@ -16,9 +16,15 @@ time from the first token to the last, summed over the workload's requests;
 engines take turns on each group of ``batch`` prompts (baseline first).
 Figures on a loaded machine say so in the docs that quote them.
 
-``--quick``: the n-gram rows at batch 1, 2 prompts per kind, fixed k = 3 and slo up to
-3, 48 tokens (under 3 minutes on 2 idle cores, compiles included). ``--build-data``
-rewrites the committed workload (seed 0).
+``--methods draft`` adds the draft-model rows (``method: draft``, mode ``fixed``), on
+the chat workload: the bfloat16 SmolLM2 as the target and the quantized self-draft (the
+same model with int8 weights, ``--draft-quantization``) as the draft, every layer and,
+per ``--draft-layers N``, its first N layers only; their baseline is the bfloat16 target
+alone, in the same run. Each draft row names its ``draft`` (quantization and layers).
+
+``--quick``: 2 prompts per kind, batch 1, fixed k = 3 and slo up to 3, 48 tokens; with
+the default ``--methods ngram`` under 3 minutes on 2 idle cores, compiles included.
+``--build-data`` rewrites the committed workload (seed 0).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from benchmarks.lib.common import add_common_args, print_table, write_json
 
 
 def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: int,
-            mode: str = "fixed"):
+            mode: str = "fixed", draft: tuple[Any, dict[str, Any]] | None = None):
+    """An engine for ``method``; ``draft``: the draft model and its ``speculative`` knobs."""
     from superinfer_jax import EngineConfig, LLMEngine
 
     knobs: dict[str, Any] = dict(
@@ -46,7 +53,10 @@ def _engine(model: Any, args: argparse.Namespace, method: str, k: int, batch: in
     if method != "none":
         knobs.update(speculative_method=method, num_speculative_tokens=k,
                      speculative_mode=mode)
-    engine = LLMEngine(model, EngineConfig.build(**knobs))
+    if draft is not None:
+        knobs.update(draft[1])
+    engine = LLMEngine(model, EngineConfig.build(**knobs),
+                       draft_model=None if draft is None else draft[0])
     if mode == "slo":  # it prices steps with the latency model: loaded, else measured
         _set_latency(engine)
     return engine
@@ -125,12 +135,14 @@ def _workloads(args: argparse.Namespace) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def _row(workload: str, batch: int, mode: str, k: int, sums: dict[str, Any]
-         ) -> dict[str, Any]:
+def _row(workload: str, batch: int, mode: str, k: int, sums: dict[str, Any],
+         method: str = "ngram", draft: str | None = None) -> dict[str, Any]:
     """One JSON row from a workload's summed counts (see the module docstring)."""
     tok_s = sums["tokens"] / sums["seconds"] if sums["seconds"] else 0.0
     base = sums["base_tokens"] / sums["base_seconds"] if sums["base_seconds"] else 0.0
-    return {"method": "ngram", "mode": mode, "workload": workload, "batch": batch, "k": k,
+    extra = {} if draft is None else {"draft": draft}
+    return {"method": method, "mode": mode, "workload": workload, "batch": batch, "k": k,
+            **extra,
             "requests": sums["requests"], "tok_s": round(tok_s, 2),
             "baseline_tok_s": round(base, 2), "speedup": round(tok_s / max(base, 1e-9), 3),
             "acceptance_rate": round(sums["accepted"] / max(sums["proposed"], 1), 4),
@@ -185,10 +197,54 @@ def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str,
     return rows
 
 
+def _measure_draft(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
+    """The quantized self-draft's rows on the chat workload: the bfloat16 target alone
+    (the baseline) and with each draft, same run."""
+    from models import load_model
+    from models.draft import load_draft
+    from superinfer_jax import EngineConfig
+
+    target = load_model("smollm2-135m", dtype="bfloat16")
+    base = _engine(target, args, "none", 0, batch)
+    drafts = {}
+    for layers in args.draft_layers:
+        knobs = {"speculative_draft_model": "smollm2-135m",
+                 "speculative_draft_quantization": args.draft_quantization,
+                 "speculative_draft_layers": layers or None}
+        spec = EngineConfig.build(speculative_method="draft", **knobs).speculative
+        name = f"{args.draft_quantization} {layers or target.config.num_layers} layers"
+        model = load_draft(spec, "bfloat16")
+        drafts[name] = {k: _engine(target, args, "draft", k, batch, draft=(model, knobs))
+                        for k in args.ks}
+    for engine in (base, *(e for per_k in drafts.values() for e in per_k.values())):
+        _warm(engine, target.tokenizer)
+    prompts = _prompts(target.tokenizer, _workloads(args)["chat"])
+    want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
+    rows = []
+    for name, per_k in drafts.items():
+        for k, engine in per_k.items():
+            before = _counters(engine)
+            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+            drafts_n, proposed, accepted = (b - a for a, b in zip(
+                before, _counters(engine), strict=True))
+            rows.append(_row("chat", batch, "fixed", k, {
+                "requests": len(prompts), "tokens": tokens, "seconds": seconds,
+                "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts_n,
+                "proposed": proposed, "accepted": accepted, "identical": got == want},
+                method="draft", draft=name))
+            print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative",
                                      description=__doc__.split("\n\n")[0])
     add_common_args(parser, "speculative")
+    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=("ngram", "draft"),
+                        help="which proposers' rows (draft: the quantized self-draft)")
+    parser.add_argument("--draft-quantization", default="int8", choices=("int8", "fp8"))
+    parser.add_argument("--draft-layers", type=int, nargs="+", default=[0],
+                        help="draft rows: the self-draft's first N layers (0: all)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5],
                         help="speculation lengths (--quick: 3)")
     parser.add_argument("--modes", nargs="+", choices=("fixed", "slo"),
@@ -213,10 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         args.ks, args.max_tokens, args.slo_k, args.batch = [3], 48, 3, [1]
     from models import load_model
 
-    model = load_model("smollm2-135m", dtype="float32")
     rows = []
-    for batch in args.batch:
-        rows += _measure(model, args, batch)
+    if "ngram" in args.methods:
+        model = load_model("smollm2-135m", dtype="float32")
+        for batch in args.batch:
+            rows += _measure(model, args, batch)
+    if "draft" in args.methods:
+        for batch in args.batch:
+            rows += _measure_draft(args, batch)
     print_table(rows, "speculative decoding, SmolLM2 (decode tok/s)")
     write_json(args.out, {"benchmark": "speculative", "quick": args.quick, "rows": rows})
     return 0 if all(r["greedy_identical"] for r in rows) else 1

@@ -125,6 +125,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from serving.server import load_draft_of
     from superinfer_jax import LLMEngine, SamplingParams
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -140,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "engine.max_num_seqs": 1, "engine.max_prefill_rows": 1,
         "engine.max_prefill_chunk": chunk, "engine.max_num_batched_tokens": chunk,
         **FOREGROUND})
-    engine = LLMEngine(model, config.engine_config())
+    engine = LLMEngine(model, config.engine_config(), load_draft_of(config))
     req_id = engine.add_request(token_ids, sampling)
     start = time.perf_counter()
     if not args.chat:
@@ -227,12 +228,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from serving.batch import BatchRunner
+    from serving.server import load_draft_of
     from superinfer_jax.engine import LLMEngine
 
     config = _deployment(args, extra=FOREGROUND)
     engine_config = config.engine_config(show_progress=not args.no_progress)
     model = _load_model(config)
-    engine = LLMEngine(model, engine_config)
+    engine = LLMEngine(model, engine_config, load_draft_of(config))
     runner = BatchRunner(engine, model.tokenizer, engine_config.default_slo,
                          show_progress=not args.no_progress,
                          tool_call_parser=config.server.tool_call_parser,

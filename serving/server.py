@@ -120,6 +120,20 @@ def load_model_of(config: DeploymentConfig) -> Any:
     return model
 
 
+def load_draft_of(config: DeploymentConfig) -> Any:
+    """The deployment's draft model (``speculative.method: draft``; ``models.draft``),
+    in the target's dtype over the same devices; None for any other method."""
+    from models.draft import load_draft
+
+    spec = config.engine.speculative
+    if spec.method != "draft":
+        return None
+    log.info("loading draft model %s (weights quantization %s, layers %s)",
+             spec.draft_model, spec.draft_quantization, spec.draft_layers or "all")
+    return load_draft(spec, config.model.dtype, config.engine.model.tensor_parallel_size,
+                      config.engine.hardware.compilation_cache_dir)
+
+
 def with_chat_template(model: Any, config: DeploymentConfig) -> Any:
     """``model`` with the deployment's chat template (``model.chat_template``), if set."""
     path = config.model.chat_template
@@ -138,7 +152,7 @@ class LocalEngine:
         from superinfer_jax.engine import LLMEngine
 
         model = load_model_of(config)
-        return LLMEngine(model, config.engine_config()), model
+        return LLMEngine(model, config.engine_config(), load_draft_of(config)), model
 
     def close(self) -> None:
         pass

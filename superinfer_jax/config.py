@@ -367,6 +367,7 @@ class PrefixCachingConfig:
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 SPECULATIVE_MODES = ("fixed", "slo")
+DRAFT_QUANTIZATIONS = ("none", "int8", "fp8")  # models.quant.MODES (no model import here)
 MAX_SPECULATIVE_TOKENS = 16  # a verify call's columns: 1 + num_tokens
 
 
@@ -393,6 +394,14 @@ class SpeculativeConfig:
     draft_model: str | None = knob(
         None, example="smollm2-135m",
         help="method draft: the draft model (same tokenizer and vocabulary as the target)")
+    draft_quantization: str = knob(
+        "none", choices=DRAFT_QUANTIZATIONS,
+        help="method draft: the draft's weights quantized at load (int8 with draft_model "
+             "the target's own: the quantized self-draft)")
+    draft_layers: int | None = knob(
+        None, ge=1, example=12,
+        help="method draft: keep only the draft's first N decoder layers (then its final "
+             "norm and head): a cheaper, less accurate self-draft; null: every layer")
     mode: str = knob(
         "fixed", choices=SPECULATIVE_MODES,
         help="fixed: every eligible request proposes num_tokens | slo: the speculation "
@@ -530,7 +539,9 @@ _FLAT_NAMES = {"kv_cache_dtype": "dtype", "enabled": "enable_prefix_caching",
                "host_eviction": "host_cache_eviction", "host_max_pages": "host_cache_max_pages",
                "structured_outputs_disable_any_whitespace": "disable_any_whitespace",
                "method": "speculative_method", "num_tokens": "num_speculative_tokens",
-               "draft_model": "speculative_draft_model", "mode": "speculative_mode"}
+               "draft_model": "speculative_draft_model", "mode": "speculative_mode",
+               "draft_quantization": "speculative_draft_quantization",
+               "draft_layers": "speculative_draft_layers"}
 _FLAT_SECTIONS = ("model", "hardware", "engine", "duplex_kv", "prefix_caching",
                   "speculative")
 FLAT_KNOBS: dict[str, tuple[str, str]] = {

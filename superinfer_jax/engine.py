@@ -87,7 +87,10 @@ STOP_COMPILE_WAIT_S = 120.0  # a stopping server waits this long for a compile u
 class LLMEngine:
     """Continuous-batching engine over a paged KV pool."""
 
-    def __init__(self, model: ServableModel, config: EngineConfig | None = None):
+    def __init__(self, model: ServableModel, config: EngineConfig | None = None,
+                 draft_model: ServableModel | None = None):
+        """``draft_model``: the proposer's model for ``speculative.method: draft``,
+        loaded by the caller as the target is (``spec.draft``)."""
         config = config or EngineConfig()
         max_len = min(config.model.max_model_len, model.max_position_embeddings)
         if max_len != config.model.max_model_len:
@@ -114,7 +117,7 @@ class LLMEngine:
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
         self.total_host_time_s = 0.0  # host work of those steps before the first block
         # speculative decoding (``spec.decoder``): its steps run synchronously
-        self.spec = SpecDecoder(config, self.runner, self.kv) \
+        self.spec = SpecDecoder(config, self.runner, self.kv, draft_model=draft_model) \
             if config.speculative.enabled else None
         if config.engine.warmup:
             self.warmup()

@@ -56,9 +56,11 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: ServableModel, config: EngineConfig | None = None):
+    def __init__(self, model: ServableModel, config: EngineConfig | None = None,
+                 draft_model: ServableModel | None = None):
+        """``draft_model``: the proposer's model for ``speculative.method: draft``."""
         self.model = model
-        self.engine = LLMEngine(model, config)
+        self.engine = LLMEngine(model, config, draft_model)
 
     def generate(
         self,

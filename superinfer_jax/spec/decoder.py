@@ -36,6 +36,7 @@ from superinfer_jax.config import EngineConfig, bucket
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.dist.parallel import host_value
 from superinfer_jax.kv.page_allocator import KVCacheManager
+from superinfer_jax.model_api import ServableModel
 from superinfer_jax.output_processor import RequestOutput
 from superinfer_jax.request import Request, TokenLogprobs
 from superinfer_jax.runner.input_batch import CallArrays
@@ -98,7 +99,7 @@ class SpecDecoder:
     """Takes speculating rows out of a plan, verifies them, lands what is accepted."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, kv: KVCacheManager,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, draft_model: ServableModel | None = None):
         spec = config.speculative
         if jax.process_count() > 1:  # the multi-host lockstep replays step calls only
             raise ConfigError("speculative.method", "is not supported across several "
@@ -108,7 +109,7 @@ class SpecDecoder:
         self.kv = kv
         self.k = spec.num_tokens
         self.cols = 1 + spec.num_tokens
-        self.proposer = proposer or make_proposer(config)
+        self.proposer = proposer or make_proposer(config, runner, draft_model)
         self.stats = SpecStats(accepted_per_pos=[0] * spec.num_tokens)
         # mode slo: the length per row (``spec.slo``); fixed: every row's whole guess
         self.slo = SloLength(spec.num_tokens, config.decode_buckets) if spec.mode == "slo" else None
@@ -133,8 +134,12 @@ class SpecDecoder:
 
     def warmup(self) -> float:
         """Compile and run every verify shape once on padding rows (they write the null
-        page only); returns the seconds it took."""
+        page only), and the proposer's own programs (``warmup()``, when it has one);
+        returns the seconds it took."""
         t0 = time.perf_counter()
+        proposer_warmup = getattr(self.proposer, "warmup", None)
+        if callable(proposer_warmup):
+            proposer_warmup()
         for rows, cols in self.shapes():
             arrays = CallArrays(rows, cols, self.config.max_pages_per_seq)
             proposals = np.full((rows, cols), -1, np.int32)

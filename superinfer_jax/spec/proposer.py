@@ -9,7 +9,8 @@ trained weights.
 
 Wherever a proposer is named it is a registered name (``ngram``, or a plug-in's
 ``register_proposer``) or a path, ``package.module:Class``, as policies are
-(``sched.rotasched.registry``).
+(``sched.rotasched.registry``). ``draft`` (``spec.draft``) is built from the draft model
+its caller handed to the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.model_api import ServableModel
 from superinfer_jax.request import Request
 
 __all__ = ["NgramProposer", "Proposer", "make_proposer", "ngram_propose",
@@ -108,14 +110,22 @@ def resolve_proposer(spec: str) -> type:
     return cls
 
 
-def make_proposer(config: EngineConfig) -> Proposer:
+def make_proposer(config: EngineConfig, runner: Any = None,
+                  draft_model: ServableModel | None = None) -> Proposer:
+    """The configured proposer. ``draft`` builds on the target's ``runner`` (its model,
+    mesh and attention backend) and the ``draft_model`` its caller loaded."""
     method = config.speculative.method
     if method == "draft" and not config.speculative.draft_model:
         raise ConfigError("speculative.draft_model", "must name a model when "
                           "speculative.method is draft")
     if method == "draft":
-        raise ConfigError("speculative.method", "draft is not available in this build "
-                          "(use ngram or a package.module:Class proposer)")
+        from superinfer_jax.spec.draft import DraftProposer, check_draft
+
+        if runner is None:
+            raise ConfigError("speculative.method", "draft needs the engine's model runner")
+        return DraftProposer(config, check_draft(draft_model, runner.model, config),
+                             runner.model, runner.mesh, runner.backend,
+                             runner.num_device_pages)
     proposer: Proposer = resolve_proposer(method)(config)
     if getattr(proposer, "needs_hidden", False):
         raise ConfigError("speculative.method", f"{method!r} needs the target's hidden "

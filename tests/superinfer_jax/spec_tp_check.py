@@ -1,7 +1,8 @@
 """Speculative decoding under tensor parallelism, on 2 virtual CPU devices:
 ``python -m tests.superinfer_jax.spec_tp_check``. The 8-KV-head Llama of ``tp_check`` at
-TP=2 with n-gram speculation (k = 3) must give TP=1's greedy tokens without it; prints a
-JSON object (``identical``, ``accepted``)."""
+TP=2 with n-gram speculation (k = 3), and with a draft model (the target's first layer,
+sharded like it), must give TP=1's greedy tokens without it; prints a JSON object
+(``identical``, ``accepted``, ``draft_identical``, ``draft_accepted``)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,16 @@ def main() -> None:
     engine = LLMEngine(base.shard(make_mesh(2)), config.replace(
         tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=3))
     got = run(engine)
+    from models.draft import first_layers
+
+    drafting = LLMEngine(base.shard(make_mesh(2)), config.replace(
+        tensor_parallel_size=2, speculative_method="draft", speculative_draft_model="x",
+        num_speculative_tokens=3), draft_model=first_layers(base, 1))
+    drafted = run(drafting)
     print(json.dumps({"identical": got == want,
-                      "accepted": engine.stats().spec_decode.num_accepted_tokens}))
+                      "accepted": engine.stats().spec_decode.num_accepted_tokens,
+                      "draft_identical": drafted == want,
+                      "draft_accepted": drafting.stats().spec_decode.num_accepted_tokens}))
 
 
 if __name__ == "__main__":

@@ -296,6 +296,7 @@ def test_tensor_parallel_speculation_keeps_greedy_tokens():
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["identical"] and result["accepted"] > 0
+    assert result["draft_identical"] and result["draft_accepted"] > 0  # spec_draft: TP too
 
 
 def test_structured_outputs_speculate_within_the_grammar(smollm2_tokenizer):
