@@ -88,8 +88,10 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
         raise ValueError(f"quantize: a weight [..., in, out] has >= 2 axes, got {w.shape}")
     w32 = jnp.asarray(w, jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=-2)
-    scale = jnp.where(amax > 0, amax / _QMAX[mode], 1.0).astype(jnp.float32)
-    scaled = w32 / scale[..., None, :]
+    # Products with reciprocals, not divisions (XLA may rewrite a division into one):
+    # one rounding rule that a host-side quantizer (models.loaders.gguf_q8) reproduces.
+    scale = jnp.where(amax > 0, amax * np.float32(1.0 / _QMAX[mode]), 1.0).astype(jnp.float32)
+    scaled = w32 * (1.0 / scale)[..., None, :]
     if mode == "int8":
         q = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
     else:
