@@ -100,6 +100,27 @@ def test_weights_are_moved_by_whole_heads_and_padded_with_zeros():
     assert plan.transform(("layers", 0, "attn_norm", "weight"), norm) is norm
 
 
+@pytest.mark.parametrize("name", ["wq", "wk", "wo", "w_gate", "w_down"])
+def test_quantized_weights_move_like_quantizing_the_moved_weight(name):
+    """A quantized weight converted to a padded layout (``transform`` of ``q``,
+    ``transform_scale`` of its scales) equals the converted float weight quantized:
+    selected columns take their scales along, zero columns get scale 1, and a row
+    selection (wo, w_down) leaves the scales as they are."""
+    from models import quant
+
+    cfg = _config(heads=9, kv_heads=3, ffn=30)  # 3 KV heads -> 4, ffn 30 -> 32 over 4
+    plan = ShardPlan(cfg, AbstractMesh((4,), ("tp",)))
+    shapes = {"wq": (32, 36), "wk": (32, 12), "wo": (36, 32), "w_gate": (32, 30),
+              "w_down": (30, 32)}
+    path = ("layers", 0, "attn" if name[0] == "w" and name[1] != "_" else "mlp", name)
+    w = np.random.default_rng(1).standard_normal(shapes[name]).astype(np.float32)
+    got = quant.quantize(w, "int8")
+    want = quant.quantize(plan.transform(path, w), "int8")
+    np.testing.assert_array_equal(plan.transform(path, np.asarray(got.q)), np.asarray(want.q))
+    np.testing.assert_array_equal(plan.transform_scale(path, np.asarray(got.scale)),
+                                  np.asarray(want.scale))
+
+
 def test_preset_layouts_on_common_sizes():
     smol = PRESETS["smollm2-135m"]
     assert ShardPlan(smol, AbstractMesh((2,), ("tp",))).describe() == (
