@@ -20,7 +20,7 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
         --policies rotasched --speculative none,fixed:1,fixed:3,fixed:5,slo:5 \
         --acceptance beta22,measured                   # speculative decoding policies
     superinfer simulate --preset paper-qwen32b-sharegpt --hardware gh200-96g \
-        --weight-bytes 1 --kv-bytes 1                  # fp8 weights and fp8 KV
+        --weight-bytes 1 --kv-bytes 1 --matmul-speedup 2   # fp8 weights (FP8 GEMMs), fp8 KV
 
 Speculation (``--speculative``, ``sim.speculation``): each request's acceptance rate is
 drawn from Beta(2, 2) or from ``--acceptance-rates`` (``measured``; by default a
@@ -98,6 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the model's (fp8 or int8 weights: 1; bf16: 2)")
     p.add_argument("--kv-bytes", type=int, help="bytes per KV cache element instead of the "
                    "model's (fp8 KV: 1; bf16: 2)")
+    p.add_argument("--matmul-speedup", type=float, help="the weight matmuls' peak over "
+                   "bf16's (fp8 weights as FP8 GEMMs on Hopper: 2; default 1)")
     p.add_argument("--prefix-caching", choices=sorted(CACHING),
                    help="simulate with prefix caching on, off, or both (a row each); "
                    "default: both on a trace with hash ids, else the engine's setting")
@@ -166,6 +168,10 @@ def _preset(args: argparse.Namespace):
         if args.kv_bytes not in (1, 2, 4):
             raise ValueError(f"--kv-bytes must be 1, 2 or 4, got {args.kv_bytes}")
         changes["kv_bytes_per_elem"] = args.kv_bytes
+    if getattr(args, "matmul_speedup", None) is not None:
+        if not args.matmul_speedup > 0:
+            raise ValueError(f"--matmul-speedup must be positive, got {args.matmul_speedup}")
+        changes["matmul_speedup"] = args.matmul_speedup
     if args.engine:
         changes["engine"] = preset.engine.replace(**_engine_overrides(args.engine))
     if args.latency_profile:

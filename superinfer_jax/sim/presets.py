@@ -19,7 +19,8 @@ output lengths). What differs, and why:
 - Quantized serving (``--weight-bytes``, ``--kv-bytes``): a preset's model with fp8
   weights (1 byte a parameter; the per-channel scales add under 0.1%) and fp8 KV (1 byte
   an element; per layer and KV head scales, negligible) at the same FLOPs a token as
-  bf16: the roofline's compute peak is bf16's, so only the bytes change.
+  bf16 unless ``--matmul-speedup`` says the weight matmuls run faster (2: FP8 GEMMs at
+  Hopper's dense fp8 peak, twice bf16's; attention stays at the bf16 rate).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class SimPreset:
     # The model's bytes per weight and per KV element, when not its shape's (fp8: 1 and 1)
     weight_bytes_per_param: float | None = None
     kv_bytes_per_elem: int | None = None
+    matmul_speedup: float | None = None  # weight matmuls' peak over bf16's (FP8 GEMM: 2)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -143,12 +145,17 @@ class SimPreset:
                              f"{self.weight_bytes_per_param}")
         if self.kv_bytes_per_elem is not None and self.kv_bytes_per_elem not in (1, 2, 4):
             raise ValueError(f"kv_bytes_per_elem must be 1, 2 or 4, got {self.kv_bytes_per_elem}")
+        if self.matmul_speedup is not None and not self.matmul_speedup > 0:
+            raise ValueError(f"matmul_speedup must be positive, got {self.matmul_speedup}")
 
     @property
     def model_shape(self) -> ModelShape:
-        """The cost model's shape of ``model``, with this preset's byte sizes: fp8 weights
-        and KV read and move half of bf16's bytes; the FLOPs a token costs stay the same."""
+        """The cost model's shape of ``model``, with this preset's byte sizes (fp8 weights
+        and KV read and move half of bf16's bytes) and weight-matmul speed (FP8 GEMMs:
+        twice bf16's peak; unset, the FLOPs a token costs stay bf16's)."""
         shape = MODELS[self.model]
+        if self.matmul_speedup is not None:
+            shape = dataclasses.replace(shape, matmul_speedup=self.matmul_speedup)
         if self.weight_bytes_per_param is not None:
             shape = dataclasses.replace(shape,
                                         weight_bytes_per_param=self.weight_bytes_per_param)

@@ -59,9 +59,13 @@ def test_fp8_bytes_halve_weights_and_pages_at_the_same_flops():
     pages = [p.simulator("gh200-96g", "fcfs").num_device_pages for p in (bf16, fp8)]
     # (0.9 x 96 GB - weights) / page: 22 GB of bf16 pages against 54 GB of half-size ones
     assert pages[1] > 4 * pages[0]
-    # a prefill of 8192 tokens is compute-bound: the same time in both
-    work = StepWork(8192, 0, 8192 * 4096)
-    assert step_time(b, HARDWARE["gh200-96g"], work) == step_time(a, HARDWARE["gh200-96g"], work)
+    # a prefill of 8192 tokens is compute-bound: the same time in both, unless the
+    # weight matmuls run as FP8 GEMMs (--matmul-speedup 2): then they take half as long
+    hw, work = HARDWARE["gh200-96g"], StepWork(8192, 0, 8192 * 4096)
+    assert step_time(b, hw, work) == step_time(a, hw, work)
+    gemm = dataclasses.replace(fp8, matmul_speedup=2.0).model_shape
+    matmul_s = 2 * a.active_params * 8192 / (hw.compute_flops * hw.compute_efficiency)
+    assert step_time(gemm, hw, work) == pytest.approx(step_time(a, hw, work) - matmul_s / 2)
 
 
 def test_simulate_command_runs_a_small_sweep(tmp_path):
@@ -111,6 +115,8 @@ def test_simulate_this_machine_from_a_latency_profile(tmp_path):
     (["--preset", "paper-qwen32b-sharegpt", "--kv-bytes", "3"], "--kv-bytes must be 1, 2 or 4"),
     (["--preset", "paper-qwen32b-sharegpt", "--weight-bytes", "0"],
      "--weight-bytes must be positive"),
+    (["--preset", "paper-qwen32b-sharegpt", "--matmul-speedup", "-1"],
+     "--matmul-speedup must be positive"),
 ])
 def test_simulate_bad_arguments(argv, message, capsys):
     assert cli_main(["simulate", "--no-progress", *argv]) == 2
