@@ -196,7 +196,8 @@ def test_int8_weights_greedy_tokens_equal_tp1_sharded_like_float(tp_run):
     """llama8 with int8 weights, the quantized model converted to TP=2: TP=1's tokens
     with rotations; ``q`` split like the float weight (wq by columns, wo by rows), the
     scales with the output columns (wq's split, wo's whole); converting a quantized model
-    gives the arrays that quantizing the sharded float model gives, for int8 and fp8."""
+    gives the arrays that quantizing the sharded float model gives, for int8 and fp8, and
+    that a loader placing host-quantized weights (``ParamSink.put_quantized``) gives."""
     runs = tp_run["llama8_int8"]
     assert runs["2"]["tokens"] == runs["1"]["tokens"]
     assert runs["2"]["rotations"] >= 3 and runs["2"]["pages_in"] > 0
@@ -208,6 +209,7 @@ def test_int8_weights_greedy_tokens_equal_tp1_sharded_like_float(tp_run):
     assert runs["1"]["placement"] == placed([128, 256], [256], [256, 128], [128])
     assert runs["2"]["placement"] == placed([128, 128], [128], [128, 128], [128])
     assert runs["2"]["same_as_sharded_then_quantized"] == {"int8": True, "fp8": True}
+    assert runs["2"]["sink_prequantized_same"]  # GGUF Q8_0's path onto the mesh
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])

@@ -338,7 +338,8 @@ def same_leaves(a, b) -> bool:
 def llama8_int8_case(tps, backend: str) -> dict[str, Any]:
     """llama8 with int8 weights: the quantized one-device model converted to the mesh
     (``shard`` of a quantized model) runs the batch with rotations; it holds the same
-    arrays as the float model sharded, then quantized. Reported per TP size: where the
+    arrays as the float model sharded, then quantized, and as a loader's sink given the
+    host-quantized weights (``put_quantized``). Reported per TP size: where the
     ``q`` and the scales of a column-split (wq) and a row-split (wo) weight live."""
     from models.servable import random_servable
     from superinfer_jax.dist.parallel import make_mesh
@@ -366,7 +367,27 @@ def llama8_int8_case(tps, backend: str) -> dict[str, Any]:
                 mode: same_leaves(float_base.quantized(mode).shard(mesh).params,
                                   float_base.shard(mesh).quantized(mode).params)
                 for mode in ("int8", "fp8")}
+            out[str(tp)]["sink_prequantized_same"] = same_leaves(
+                sink_prequantized(float_base, base, mesh).params, model.params)
     return out
+
+
+def sink_prequantized(float_base, quantized, mesh):
+    """A loader's path for weights quantized on the host (GGUF Q8_0): ``ParamSink`` with
+    a mesh, ``put_quantized`` for every projection, ``put`` for the rest."""
+    import numpy as np
+
+    from models import quant
+    from models.loaders import ParamSink
+    from models.sharding import flat_state
+
+    sink = ParamSink(float_base.config, "float32", mesh, "int8")
+    for path, w in flat_state(quantized.params).items():
+        if isinstance(w, quant.QuantizedWeight):
+            sink.put_quantized(path, np.asarray(w.q), np.asarray(w.scale), "host")
+        else:
+            sink.put(path, np.asarray(w), "host")
+    return sink.servable("host", None)
 
 
 def llama8_case(tps, backend: str) -> dict[str, Any]:
