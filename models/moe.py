@@ -17,6 +17,7 @@ Expert parallelism (with a mesh): the experts are split over the tensor-parallel
 replicated (every device routes every token), each device runs its own experts' rows
 (the others sort past its groups and come back as zeros) and the per-device partial sums
 are added with one ``psum``, the same single all-reduce a dense Megatron MLP costs.
+Quantized experts (``models.quant``) split the same way, each expert's scales with it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import models.quant as quant
 from models.config import ModelConfig
-from models.sharding import EXPERT_SPEC
+from models.sharding import EXPERT_SCALE_SPEC, EXPERT_SPEC
 from superinfer_jax.dist.parallel import TP_AXIS
 from superinfer_jax.ops.grouped_matmul import grouped_matmul
 
@@ -126,6 +127,7 @@ def _expert_parallel(x2, weights, experts, ws, mesh: Mesh, acc32: bool) -> jax.A
         return jax.lax.psum(out, TP_AXIS)
 
     rep = P()
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(rep, rep, rep, EXPERT_SPEC, EXPERT_SPEC, EXPERT_SPEC),
+    specs = tuple(quant.QuantizedWeight(EXPERT_SPEC, EXPERT_SCALE_SPEC)  # type: ignore[arg-type]
+                  if isinstance(w, quant.QuantizedWeight) else EXPERT_SPEC for w in ws)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, *specs),
                          out_specs=rep, check_vma=False)(x2, weights, experts, *ws)

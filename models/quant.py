@@ -26,6 +26,7 @@ stay independent of batching within a mode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -87,8 +88,10 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
         raise ValueError(f"quantize: a weight [..., in, out] has >= 2 axes, got {w.shape}")
     w32 = jnp.asarray(w, jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=-2)
-    scale = jnp.where(amax > 0, amax / _QMAX[mode], 1.0).astype(jnp.float32)
-    scaled = w32 / scale[..., None, :]
+    # Products with reciprocals, not divisions (XLA may rewrite a division into one):
+    # one rounding rule that a host-side quantizer (models.loaders.gguf_q8) reproduces.
+    scale = jnp.where(amax > 0, amax * np.float32(1.0 / _QMAX[mode]), 1.0).astype(jnp.float32)
+    scaled = w32 * (1.0 / scale)[..., None, :]
     if mode == "int8":
         q = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
     else:
@@ -102,22 +105,44 @@ def quantized_path(path: tuple[Any, ...], value: Any) -> bool:
     return getattr(value, "ndim", 0) >= 2 and not any(f in name for f in FLOAT_PARAMS)
 
 
-def quantize_params(params: nnx.State, mode: str) -> nnx.State:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def quantize_placed(w: jax.Array, mode: str, shardings: tuple[Any, Any] | None = None
+                    ) -> QuantizedWeight:
+    """``quantize`` as one compiled program; ``shardings`` (``q``'s and the scales', from
+    ``models.sharding.ShardPlan``): where the results go under tensor parallelism, ``q``
+    split like ``w`` and the scales with their columns (a row-split ``w``'s column
+    maxima are taken over every shard's rows)."""
+    out = quantize(w, mode)
+    if shardings is None:
+        return out
+    return QuantizedWeight(jax.lax.with_sharding_constraint(out.q, shardings[0]),
+                           jax.lax.with_sharding_constraint(out.scale, shardings[1]))
+
+
+def plan_shardings(plan: Any, path: tuple[Any, ...], ndim: int) -> tuple[Any, Any] | None:
+    """``quantize_placed``'s shardings for the weight at ``path`` under ``plan`` (a
+    ``models.sharding.ShardPlan``, or None on one device)."""
+    if plan is None:
+        return None
+    return plan.sharding(path), plan.scale_sharding(path, ndim)
+
+
+def quantize_params(params: nnx.State, mode: str, plan: Any = None) -> nnx.State:
     """``params`` (a model's ``nnx.split`` state) with every projection weight
-    quantized, one tensor at a time. Sharded
-    weights stay sharded: ``q`` keeps ``w``'s layout and the scales follow their columns."""
+    quantized, one tensor at a time. With ``plan`` (the model's ``ShardPlan``), the
+    weights are sharded and stay so: ``q`` keeps ``w``'s layout and the scales follow
+    their columns (``models.sharding.scale_spec``)."""
     from models.sharding import fill_state, flat_state
 
     if check_mode(mode) == "none":
         return params
     flat = flat_state(params)
-    fn = jax.jit(quantize, static_argnums=1)
     for path, value in flat.items():
         if isinstance(value, QuantizedWeight):
             raise ValueError(f"{'.'.join(map(str, path))} is already quantized "
                              f"({value.mode}); load the model again")
         if quantized_path(path, value):
-            flat[path] = fn(value, mode)
+            flat[path] = quantize_placed(value, mode, plan_shardings(plan, path, value.ndim))
     fill_state(params, flat)
     return params
 

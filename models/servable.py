@@ -21,7 +21,7 @@ import models.quant as quant
 from models.config import ModelConfig
 from models.expert_counts import ExpertCounts
 from models.llama import NATIVE, Acc32, LlamaModel
-from models.sharding import ShardPlan, fill_state, flat_state
+from models.sharding import ParamPath, ShardPlan, fill_state, flat_state
 from superinfer_jax.dist import parallel
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import KVSpec, StepInputs
@@ -91,7 +91,8 @@ class LlamaServable:
             platform == "cpu"
         if self.acc32 and self.mesh is None and native.bf16_matmul_available():
             self.acc32 = NATIVE
-        if dtype == "bfloat16" and self.compute_dtype == "float32":  # upcast once, here
+        if dtype == "bfloat16" and self.compute_dtype == "float32" and \
+                not quant.is_quantized(self.params):  # upcast once, here (quantized: done)
             self.params = jax.tree.map(lambda w: w.astype(jnp.float32), self.params)
         self.quantization = quant.check_mode(quantization)
         if quant.is_quantized(self.params) and quantization == "none":
@@ -119,7 +120,7 @@ class LlamaServable:
         """Weights to ``self.quantization`` (``models.quant``): bfloat16 activations and
         float32 sums on CPU, through the native kernel on one device where it runs."""
         if not quant.is_quantized(self.params):
-            self.params = quant.quantize_params(self.params, self.quantization)
+            self.params = quant.quantize_params(self.params, self.quantization, self.plan)
         self.acc32 = platform == "cpu"
         if self.acc32 and self.mesh is None and native.bf16_matmul_available():
             self.acc32 = NATIVE
@@ -128,7 +129,7 @@ class LlamaServable:
 
     def quantized(self, quantization: str) -> LlamaServable:
         """This model with its projections quantized (``models.quant``): ``none``, ``int8``
-        or ``fp8``. Quantize after ``shard``, never before."""
+        or ``fp8``; sharded weights stay sharded (``models.sharding.scale_spec``)."""
         if quant.check_mode(quantization) == self.quantization:
             return self
         if self.quantization != "none":
@@ -173,21 +174,14 @@ class LlamaServable:
             if self.mesh == mesh:
                 return self
             raise ValueError(f"model is already sharded over {self.mesh}; load it again")
-        if self.quantization != "none":
-            raise ValueError("shard the model before quantizing it (quantized(...) after "
-                             "shard(...))")
         plan = ShardPlan(self.config, mesh)
         graphdef, state = nnx.split(nnx.eval_shape(
             lambda: LlamaModel(plan.module_config, dtype=jnp.dtype(self.dtype))))
-        if all(d.process_index == jax.process_index() for d in mesh.devices.flat):
-            values = {path: plan.reshard(path, w)
-                      for path, w in flat_state(self.params).items()}
-        else:  # across hosts: each process places its own slices, from the host
-            values = {path: plan.place(path, np.asarray(w), w.dtype)
-                      for path, w in flat_state(self.params).items()}
-        fill_state(state, values)
+        on_device = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        fill_state(state, {path: _resharded(plan, path, w, on_device)
+                           for path, w in flat_state(self.params).items()})
         return LlamaServable(self.config, nnx.merge(graphdef, state), self.tokenizer,
-                             self.dtype, plan, self.compute_dtype)
+                             self.dtype, plan, self.compute_dtype, self.quantization)
 
     def logits(self, token_ids, page_size: int = 16, chunk_size: int | None = None,
                attention_backend: str = "xla") -> np.ndarray:
@@ -232,6 +226,20 @@ class LlamaServable:
 
     def param_bytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+
+def _resharded(plan: ShardPlan, path: ParamPath, w: Any, on_device: bool) -> Any:
+    """One one-device tensor in ``plan``'s layout: converted on device, or, across hosts,
+    each process placing its own slices from the host. A quantized weight's ``q`` moves
+    like the float weight and its scales with their columns."""
+    if isinstance(w, quant.QuantizedWeight):
+        if on_device:
+            return quant.QuantizedWeight(plan.reshard(path, w.q), plan.reshard_scale(path, w.scale))
+        return quant.QuantizedWeight(plan.place(path, np.asarray(w.q), w.q.dtype),
+                                     plan.place_scale(path, np.asarray(w.scale)))
+    if on_device:
+        return plan.reshard(path, w)
+    return plan.place(path, np.asarray(w), w.dtype)
 
 
 def random_servable(config: ModelConfig, dtype: str = "float32", seed: int = 0,

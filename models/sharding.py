@@ -14,6 +14,9 @@ and one after the MLP, and nothing else:
     lm_head      [hidden, vocab]              vocab split; logits [B, vocab] all-gathered
                                               once so sampling sees the whole vocabulary
     norms                                     replicated
+    quantized weights (``models.quant``)      ``q`` split like the float weight, the
+                                              per-output-channel scales like its output
+                                              axis (``scale_spec``)
     we_gate, we_up, we_down [experts, ...]    expert axis split: whole experts per device
                                               (expert parallelism, ``models.moe``); the
                                               router is replicated, the layer's output
@@ -62,6 +65,18 @@ _COLUMNS = P(None, TP_AXIS)  # [in, out]: out split
 _ROWS = P(TP_AXIS, None)  # [in, out]: in split
 _VECTOR = P(TP_AXIS)
 EXPERT_SPEC = P(TP_AXIS, None, None)  # stacked expert weights: whole experts per device
+
+
+def scale_spec(spec: P, ndim: int) -> P:
+    """Where the per-output-channel scales ``[..., out]`` of a quantized weight ``[..., in,
+    out]`` with ``spec`` go (``models.quant``): the weight's spec without its contraction
+    axis, so each shard holds the scales of its own columns (and of its own experts), and
+    a row-split weight's scales are replicated."""
+    axes = tuple(spec) + (None,) * (ndim - len(spec))
+    return P(*axes[:-2], axes[-1])
+
+
+EXPERT_SCALE_SPEC = scale_spec(EXPERT_SPEC, 3)  # [experts, out]: with their experts
 _RULES: dict[str, P] = {
     "wq": _COLUMNS, "wk": _COLUMNS, "wv": _COLUMNS, "bq": _VECTOR, "bk": _VECTOR,
     "bv": _VECTOR, "wo": _ROWS, "w_gate": _COLUMNS, "w_up": _COLUMNS, "w_down": _ROWS,
@@ -121,13 +136,13 @@ def sharded_config(config: ModelConfig, layout: HeadLayout) -> ModelConfig:
                           intermediate_size=layout.intermediate_size)
 
 
-def _take(w: Any, source: np.ndarray, axis: int) -> Any:
-    """``w`` indexed along ``axis`` by ``source``, zeros where ``source`` is -1."""
+def _take(w: Any, source: np.ndarray, axis: int, fill: float = 0) -> Any:
+    """``w`` indexed along ``axis`` by ``source``, ``fill`` where ``source`` is -1."""
     xp = np if isinstance(w, np.ndarray) else jnp
     taken = xp.take(w, np.maximum(source, 0), axis=axis)
     shape = [1] * w.ndim
     shape[axis] = source.size
-    return xp.where((source >= 0).reshape(shape), taken, xp.zeros((), w.dtype))
+    return xp.where((source >= 0).reshape(shape), taken, xp.full((), fill, w.dtype))
 
 
 def _head_index(source: tuple[int, ...], head_dim: int) -> np.ndarray:
@@ -156,7 +171,7 @@ class ShardPlan:
                        "kv": _head_index(self.layout.kv_source, d)}
         ffn = np.arange(self.layout.intermediate_size)
         self._index["ffn"] = np.where(ffn < config.intermediate_size, ffn, -1)
-        self._reshard_fns: dict[tuple[Any, NamedSharding], Any] = {}
+        self._reshard_fns: dict[tuple[Any, ...], Any] = {}
 
     def spec(self, path: ParamPath) -> P:
         name = path[-1]
@@ -170,6 +185,10 @@ class ShardPlan:
 
     def sharding(self, path: ParamPath) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(path))
+
+    def scale_sharding(self, path: ParamPath, ndim: int) -> NamedSharding:
+        """Where the scales of the quantized weight ``[..., in, out]`` at ``path`` go."""
+        return NamedSharding(self.mesh, scale_spec(self.spec(path), ndim))
 
     def _selection(self, path: ParamPath, shape: tuple[int, ...]) -> tuple[np.ndarray, int] | None:
         """(source index, axis) that maps an original tensor into the sharded layout, or
@@ -191,6 +210,32 @@ class ShardPlan:
         """Original-layout tensor -> sharded-model layout (numpy or jax, same kind out)."""
         selection = self._selection(path, tuple(w.shape))
         return w if selection is None else _take(w, *selection)
+
+    def transform_scale(self, path: ParamPath, scale: Any) -> Any:
+        """A quantized weight's scales ``[..., out]`` -> the sharded layout: the columns
+        the weight's ``transform`` selects, scale 1 for a zero column (what ``quantize``
+        gives an all-zero column); a row selection leaves them as they are."""
+        weight_shape = (*scale.shape[:-1], 0, scale.shape[-1])  # [..., in (any), out]
+        selection = self._selection(path, weight_shape)
+        if selection is None or selection[1] != scale.ndim:
+            return scale
+        return _take(scale, selection[0], scale.ndim - 1, fill=1)
+
+    def reshard_scale(self, path: ParamPath, scale: jax.Array) -> jax.Array:
+        """``transform_scale`` on device, into ``scale_sharding`` (one compile per name)."""
+        sharding = self.scale_sharding(path, scale.ndim + 1)
+        key = ("scale", path[-1], sharding)
+        if key not in self._reshard_fns:
+            name_path = (path[-1],)
+            self._reshard_fns[key] = jax.jit(lambda s: self.transform_scale(name_path, s),
+                                             out_shardings=sharding)
+        return self._reshard_fns[key](scale)
+
+    def place_scale(self, path: ParamPath, scale: Any) -> jax.Array:
+        """``place`` for a quantized weight's scales (``transform_scale``)."""
+        host = np.asarray(self.transform_scale(path, np.asarray(scale)))
+        return jax.make_array_from_callback(
+            host.shape, self.scale_sharding(path, host.ndim + 1), lambda index: host[index])
 
     def place(self, path: ParamPath, w: Any, dtype: Any) -> jax.Array:
         """Transform one host tensor and put each shard's slice on its device. Only this

@@ -21,7 +21,9 @@ import gguf
 import numpy as np
 from jax.sharding import Mesh
 
+import models.quant as quant
 from models.config import ModelConfig, MoEConfig
+from models.loaders.gguf_q8 import Q8_0, requantize_q8_0
 from models.loaders.sink import ParamPath, ParamSink, layer_path
 from models.servable import LlamaServable
 from models.tokenizer import Tokenizer
@@ -213,10 +215,10 @@ def _to_model_layout(name: str, w: np.ndarray, config: ModelConfig,
 
 
 # Block formats whose projections quantize to ``model.quantization`` int8 / fp8: each
-# tensor's blocks are decoded and requantized per output channel as the tensor arrives
-# (Q8_0's int8 blocks and Q4_0 / Q4_1's 4-bit blocks all fit one int8 or e4m3 channel
-# scale within the tolerance docs/quantization.md measures). The k-quants and i-quants
-# keep nested super-block scales this loader does not map.
+# tensor is requantized per output channel as it arrives, Q8_0 straight from its int8
+# blocks (``gguf_q8``), the others decoded to float first (Q4_0 / Q4_1's 4-bit blocks fit
+# one int8 or e4m3 channel scale within the tolerance docs/quantization.md measures).
+# The k-quants and i-quants keep nested super-block scales this loader does not map.
 QUANTIZABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 
@@ -237,12 +239,20 @@ def check_quantizable(reader: gguf.GGUFReader, path: Path, quantization: str) ->
                 "); set model.quantization to none or use a Q8_0 / Q4_0 / Q4_1 file")
 
 
+def _from_blocks(tensor: Any, target: ParamPath, quantization: str) -> bool:
+    """Whether a projection is quantized straight from its Q8_0 blocks (``gguf_q8``)
+    rather than dequantized to float and quantized."""
+    return quantization != "none" and tensor.tensor_type == Q8_0 and \
+        quant.quantized_path(target, np.empty((0,) * len(tensor.shape)))
+
+
 def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
               progress: Callable[[str], None] | None = None,
               mesh: Mesh | None = None, quantization: str = "none") -> LlamaServable:
     """Load a GGUF file (any quantization gguf-py can dequantize) into a servable,
     tensor-parallel over ``mesh`` when given, its projections quantized tensor by tensor
-    to ``quantization`` (``check_quantizable``)."""
+    to ``quantization`` (``check_quantizable``): Q8_0 ones straight from their int8 blocks
+    (``gguf_q8``), the others dequantized first."""
     path = Path(path)
     reader = open_gguf(path)
     check_quantizable(reader, path, quantization)
@@ -259,9 +269,18 @@ def load_gguf(path: str | Path, dtype: str = "float32", name: str | None = None,
         target = _target(tensor.name)
         if target is None:
             continue  # e.g. rope_freqs handled above; nothing else is needed
-        w = _to_model_layout(tensor.name, _dequantize(tensor, path), config, permuted)
-        sink.put(target, w, f"{path}: tensor {tensor.name!r}")
-        del w
+        source = f"{path}: tensor {tensor.name!r}"
+        if _from_blocks(tensor, target, quantization):
+            values, scales = requantize_q8_0(tensor, quantization)
+            values = _to_model_layout(tensor.name, values, config, permuted)
+            if scales.ndim == 1:  # [out]: Q and K rows un-permuted like the values'
+                scales = _to_model_layout(tensor.name, scales, config, permuted)
+            sink.put_quantized(target, values, scales, source)
+            del values
+        else:
+            w = _to_model_layout(tensor.name, _dequantize(tensor, path), config, permuted)
+            sink.put(target, w, source)
+            del w
         if progress:
             progress(tensor.name)
     if config.tie_word_embeddings and sink.has(("embed",)):

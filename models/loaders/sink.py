@@ -52,7 +52,8 @@ class ParamSink:
     at once. With a ``mesh``, each tensor is converted to the sharded layout on the host
     (``models.sharding``) and every device receives only its own slice. With a
     ``quantization`` (``models.quant``), each projection is quantized as it arrives, so
-    the float model is never whole in memory.
+    the float model is never whole in memory (sharded: ``q`` like the float weight,
+    the scales with their columns).
     """
 
     def __init__(self, config: ModelConfig, dtype: str, mesh: Mesh | None = None,
@@ -60,7 +61,6 @@ class ParamSink:
         self.config = config
         self.dtype = check_dtype(dtype)
         self.quantization = quant.check_mode(quantization)
-        self._quantize = jax.jit(quant.quantize, static_argnums=1)
         self.plan = ShardPlan(config, mesh) if mesh is not None else None
         built = self.plan.module_config if self.plan else config
         self.graphdef, self.state = abstract_model(built, dtype)
@@ -83,10 +83,31 @@ class ParamSink:
             value = self.plan.place(path, array, target.dtype)
         self._values[path] = self._quantized(path, value)
 
+    def put_quantized(self, path: ParamPath, values: Any, scales: Any, source: str) -> None:
+        """A projection already quantized to ``self.quantization`` on the host: ``values``
+        ``[..., in, out]`` (int8 or e4m3) and their per-output-channel ``scales``
+        ``[..., out]``, placed as ``quantize`` would have placed them."""
+        target = self._targets.get(path)
+        if target is None:
+            raise ValueError(f"{source}: model has no parameter {_dotted(path)}")
+        want = jnp.dtype(quant.QDTYPES.get(self.quantization, jnp.float32))
+        if tuple(values.shape) != tuple(target.shape) or values.dtype != want or \
+                tuple(scales.shape) != tuple(target.shape[:-2]) + tuple(target.shape[-1:]):
+            raise ValueError(
+                f"{source}: {values.dtype} {tuple(values.shape)} with scales "
+                f"{tuple(scales.shape)} do not match {_dotted(path)} {tuple(target.shape)} "
+                f"as model.quantization {self.quantization}")
+        if self.plan is None:
+            self._values[path] = quant.QuantizedWeight(jnp.asarray(values), jnp.asarray(scales))
+        else:
+            self._values[path] = quant.QuantizedWeight(self.plan.place(path, values, values.dtype),
+                                                       self.plan.place_scale(path, scales))
+
     def _quantized(self, path: ParamPath, value: jax.Array) -> Any:
         if self.quantization == "none" or not quant.quantized_path(path, value):
             return value
-        return self._quantize(value, self.quantization)
+        return quant.quantize_placed(value, self.quantization,
+                                     quant.plan_shardings(self.plan, path, value.ndim))
 
     def has(self, path: ParamPath) -> bool:
         return path in self._values

@@ -19,6 +19,8 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
     superinfer simulate --preset paper-qwen32b-sharegpt --hardware gh200-96g \
         --policies rotasched --speculative none,fixed:1,fixed:3,fixed:5,slo:5 \
         --acceptance beta22,measured                   # speculative decoding policies
+    superinfer simulate --preset paper-qwen32b-sharegpt --hardware gh200-96g \
+        --weight-bytes 1 --kv-bytes 1 --matmul-speedup 2   # fp8 weights (FP8 GEMMs), fp8 KV
 
 Speculation (``--speculative``, ``sim.speculation``): each request's acceptance rate is
 drawn from Beta(2, 2) or from ``--acceptance-rates`` (``measured``; by default a
@@ -92,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", action=argparse.BooleanOptionalAction, default=None,
                    help="price prefill at the engine's padded buckets (default: ragged)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-bytes", type=float, help="bytes per weight parameter instead of "
+                   "the model's (fp8 or int8 weights: 1; bf16: 2)")
+    p.add_argument("--kv-bytes", type=int, help="bytes per KV cache element instead of the "
+                   "model's (fp8 KV: 1; bf16: 2)")
+    p.add_argument("--matmul-speedup", type=float, help="the weight matmuls' peak over "
+                   "bf16's (fp8 weights as FP8 GEMMs on Hopper: 2; default 1)")
     p.add_argument("--prefix-caching", choices=sorted(CACHING),
                    help="simulate with prefix caching on, off, or both (a row each); "
                    "default: both on a trace with hash ids, else the engine's setting")
@@ -152,10 +160,22 @@ def _preset(args: argparse.Namespace):
         changes["num_requests"] = args.num_requests
     if args.pad is not None:
         changes["pad"] = args.pad
+    if getattr(args, "weight_bytes", None) is not None:
+        if not args.weight_bytes > 0:
+            raise ValueError(f"--weight-bytes must be positive, got {args.weight_bytes}")
+        changes["weight_bytes_per_param"] = args.weight_bytes
+    if getattr(args, "kv_bytes", None) is not None:
+        if args.kv_bytes not in (1, 2, 4):
+            raise ValueError(f"--kv-bytes must be 1, 2 or 4, got {args.kv_bytes}")
+        changes["kv_bytes_per_elem"] = args.kv_bytes
+    if getattr(args, "matmul_speedup", None) is not None:
+        if not args.matmul_speedup > 0:
+            raise ValueError(f"--matmul-speedup must be positive, got {args.matmul_speedup}")
+        changes["matmul_speedup"] = args.matmul_speedup
     if args.engine:
         changes["engine"] = preset.engine.replace(**_engine_overrides(args.engine))
     if args.latency_profile:
-        changes["calibration"] = _calibration(args, preset)
+        changes["calibration"] = _calibration(args, replace(preset, **changes))
         changes.setdefault("hardware", (THIS_MACHINE,))
     if args.quick:
         rates = changes.get("rates", preset.rates)
@@ -187,13 +207,12 @@ def _engine_overrides(items: list[str]) -> dict[str, Any]:
 
 def _calibration(args: argparse.Namespace, preset):
     from superinfer_jax.sched.latency import LatencyModel
-    from superinfer_jax.sim.cost_model import MODELS
     from superinfer_jax.sim.presets import Calibration
 
     if args.num_device_pages is None:
         raise ValueError("--latency-profile needs --num-device-pages (the profiled pool)")
-    page_bytes = args.page_bytes or MODELS[preset.model].page_bytes(preset.engine.hardware
-        .page_size)
+    page_bytes = args.page_bytes or preset.model_shape.page_bytes(preset.engine.hardware
+                                                                   .page_size)
     return Calibration(LatencyModel.load(args.latency_profile), page_bytes,
                        args.num_device_pages, args.num_host_pages)
 

@@ -35,6 +35,9 @@ class ModelShape:
     vocab_size: int
     weight_bytes_per_param: float = 2.0  # bf16; FP8 = 1
     kv_bytes_per_elem: int = 2
+    # The weight matmuls' peak against bf16's: 2 for fp8 weights computed as FP8 GEMMs
+    # (Hopper's dense fp8 rate); attention stays at the bf16 rate.
+    matmul_speedup: float = 1.0
     num_experts: int = 0  # 0: dense; else every layer's MLP is this many routed experts
     experts_per_token: int = 0  # top-k
     expert_intermediate_size: int = 0  # each expert's SwiGLU width
@@ -204,9 +207,9 @@ def step_time(model: ModelShape, hw: Hardware, work: StepWork) -> float:
     kv_write = work.num_tokens * model.kv_bytes_per_token
     mem_s = (model.weight_bytes_read(work.num_tokens) + kv_read + kv_write) / \
         (hw.hbm_bandwidth * hw.bandwidth_efficiency)
-    flops = 2 * model.active_params * work.num_tokens + \
+    flops = 2 * model.active_params * work.num_tokens / model.matmul_speedup + \
         4 * model.num_heads * model.head_dim * model.num_layers * work.attn_pairs
-    compute_s = flops / (hw.compute_flops * hw.compute_efficiency)
+    compute_s = flops / (hw.compute_flops * hw.compute_efficiency)  # bf16-equivalent
     return max(mem_s, compute_s) + hw.step_overhead_s
 
 

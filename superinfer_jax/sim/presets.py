@@ -16,6 +16,11 @@ output lengths). What differs, and why:
   its fp8-weight copy (47 GB) on the 96 GB GH200 beside the 94 GB H100 NVL.
 - Prefill is priced ragged (``pad=False``), as in vLLM: this engine's padded prefill
   buckets cost more than the policies differ on these models; ``--pad`` prices them.
+- Quantized serving (``--weight-bytes``, ``--kv-bytes``): a preset's model with fp8
+  weights (1 byte a parameter; the per-channel scales add under 0.1%) and fp8 KV (1 byte
+  an element; per layer and KV head scales, negligible) at the same FLOPs a token as
+  bf16 unless ``--matmul-speedup`` says the weight matmuls run faster (2: FP8 GEMMs at
+  Hopper's dense fp8 peak, twice bf16's; attention stays at the bf16 rate).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from superinfer_jax.config import POLICIES, EngineConfig, RotaSchedConfig
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched.registry import resolve_policy
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
-from superinfer_jax.sim.cost_model import HARDWARE, MODELS, num_device_pages_for
+from superinfer_jax.sim.cost_model import HARDWARE, MODELS, ModelShape, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
 from superinfer_jax.sim.speculation import SpeculationSpec
 
@@ -115,6 +120,10 @@ class SimPreset:
     pad: bool = False
     engine: EngineConfig = field(default_factory=paper_engine_config)
     calibration: Calibration | None = None  # makes THIS_MACHINE a hardware choice
+    # The model's bytes per weight and per KV element, when not its shape's (fp8: 1 and 1)
+    weight_bytes_per_param: float | None = None
+    kv_bytes_per_elem: int | None = None
+    matmul_speedup: float | None = None  # weight matmuls' peak over bf16's (FP8 GEMM: 2)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -131,6 +140,28 @@ class SimPreset:
             raise ValueError(f"rates must be positive, got {self.rates}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.weight_bytes_per_param is not None and not self.weight_bytes_per_param > 0:
+            raise ValueError(f"weight_bytes_per_param must be positive, got "
+                             f"{self.weight_bytes_per_param}")
+        if self.kv_bytes_per_elem is not None and self.kv_bytes_per_elem not in (1, 2, 4):
+            raise ValueError(f"kv_bytes_per_elem must be 1, 2 or 4, got {self.kv_bytes_per_elem}")
+        if self.matmul_speedup is not None and not self.matmul_speedup > 0:
+            raise ValueError(f"matmul_speedup must be positive, got {self.matmul_speedup}")
+
+    @property
+    def model_shape(self) -> ModelShape:
+        """The cost model's shape of ``model``, with this preset's byte sizes (fp8 weights
+        and KV read and move half of bf16's bytes) and weight-matmul speed (FP8 GEMMs:
+        twice bf16's peak; unset, the FLOPs a token costs stay bf16's)."""
+        shape = MODELS[self.model]
+        if self.matmul_speedup is not None:
+            shape = dataclasses.replace(shape, matmul_speedup=self.matmul_speedup)
+        if self.weight_bytes_per_param is not None:
+            shape = dataclasses.replace(shape,
+                                        weight_bytes_per_param=self.weight_bytes_per_param)
+        if self.kv_bytes_per_elem is not None:
+            shape = dataclasses.replace(shape, kv_bytes_per_elem=self.kv_bytes_per_elem)
+        return shape
 
     def simulator(self, hardware: str, policy: str, transfer_mode: str = "duplex",
                   pad: bool | None = None, speculation: SpeculationSpec | None = None
@@ -146,7 +177,7 @@ class SimPreset:
                              speculation)
         if hardware not in HARDWARE:
             raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
-        model, hw = MODELS[self.model], HARDWARE[hardware]
+        model, hw = self.model_shape, HARDWARE[hardware]
         cost = RooflineCost(model, hw, config, pad=self.pad if pad is None else pad,
                             transfer_mode=transfer_mode)
         pages = num_device_pages_for(model, hw, config.hardware.page_size, self.memory_fraction)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from superinfer_jax.config import EngineConfig
 from superinfer_jax.request import SLO
 from superinfer_jax.sim import ConstantCost, RequestSpec, Simulator
 from superinfer_jax.sim import stats as sim_stats
+from superinfer_jax.sim.cost_model import HARDWARE
 from superinfer_jax.sim.metrics import Timeline, summarize
 from superinfer_jax.sim.presets import PRESETS, get_preset
 
@@ -42,6 +44,28 @@ def test_presets_build_simulators_with_paper_numbers():
     assert sim.num_host_pages == (400 << 30) // (16 * 262144)
     assert sim.latency is not None  # the slack mode's latency model, from the roofline
     assert set(PRESETS) >= {"paper-qwen32b-sharegpt", "paper-llama8b-sharegpt"}
+
+
+def test_fp8_bytes_halve_weights_and_pages_at_the_same_flops():
+    """``--weight-bytes 1 --kv-bytes 1``: half the weight bytes, half the page bytes, so
+    the 96 GB GH200 holds far more pages; the FLOPs a step costs stay bf16's."""
+    from superinfer_jax.sim.cost_model import StepWork, step_time
+
+    bf16 = get_preset("paper-qwen32b-sharegpt")
+    fp8 = dataclasses.replace(bf16, weight_bytes_per_param=1.0, kv_bytes_per_elem=1)
+    a, b = bf16.model_shape, fp8.model_shape
+    assert b.weight_bytes == a.weight_bytes / 2 and b.page_bytes(16) == a.page_bytes(16) // 2
+    assert (b.num_params, b.active_params) == (a.num_params, a.active_params)
+    pages = [p.simulator("gh200-96g", "fcfs").num_device_pages for p in (bf16, fp8)]
+    # (0.9 x 96 GB - weights) / page: 22 GB of bf16 pages against 54 GB of half-size ones
+    assert pages[1] > 4 * pages[0]
+    # a prefill of 8192 tokens is compute-bound: the same time in both, unless the
+    # weight matmuls run as FP8 GEMMs (--matmul-speedup 2): then they take half as long
+    hw, work = HARDWARE["gh200-96g"], StepWork(8192, 0, 8192 * 4096)
+    assert step_time(b, hw, work) == step_time(a, hw, work)
+    gemm = dataclasses.replace(fp8, matmul_speedup=2.0).model_shape
+    matmul_s = 2 * a.active_params * 8192 / (hw.compute_flops * hw.compute_efficiency)
+    assert step_time(gemm, hw, work) == pytest.approx(step_time(a, hw, work) - matmul_s / 2)
 
 
 def test_simulate_command_runs_a_small_sweep(tmp_path):
@@ -88,6 +112,11 @@ def test_simulate_this_machine_from_a_latency_profile(tmp_path):
     (["--preset", "paper-llama8b-sharegpt", "--policies", "lifo"], "policy must be one of"),
     (["--preset", "paper-llama8b-sharegpt", "--rates", "0"], "--rates must be positive"),
     (["--model", "gpt-9", "--dataset", "random", "--rates", "1"], "model must be one of"),
+    (["--preset", "paper-qwen32b-sharegpt", "--kv-bytes", "3"], "--kv-bytes must be 1, 2 or 4"),
+    (["--preset", "paper-qwen32b-sharegpt", "--weight-bytes", "0"],
+     "--weight-bytes must be positive"),
+    (["--preset", "paper-qwen32b-sharegpt", "--matmul-speedup", "-1"],
+     "--matmul-speedup must be positive"),
 ])
 def test_simulate_bad_arguments(argv, message, capsys):
     assert cli_main(["simulate", "--no-progress", *argv]) == 2

@@ -55,9 +55,11 @@ def _metadata(writer: gguf.GGUFWriter, cfg, tokenizer, chat_template: str) -> No
     writer.add_chat_template(chat_template)
 
 
-def write_gguf(model, tokenizer, path, chat_template: str, skip: tuple[str, ...] = ()) -> None:
+def write_gguf(model, tokenizer, path, chat_template: str, skip: tuple[str, ...] = (),
+               q8_0: bool = False) -> None:
     """``model`` (transformers) as a GGUF at ``path``; tensors named in ``skip`` are left
-    out (a broken file for the error tests)."""
+    out (a broken file for the error tests); ``q8_0``: every matrix but the embedding
+    (projections, experts, router) stored in llama.cpp's Q8_0 blocks."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), _ARCH[cfg.model_type])
     _metadata(writer, cfg, tokenizer, chat_template)
@@ -85,7 +87,13 @@ def write_gguf(model, tokenizer, path, chat_template: str, skip: tuple[str, ...]
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         tensors[f"blk.{layer}.{_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"] = w
     for out, w in tensors.items():
-        if out not in skip:
+        if out in skip:
+            continue
+        if q8_0 and w.ndim >= 2 and out != "token_embd.weight":
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(out, gguf.quants.quantize(np.ascontiguousarray(w), kind),
+                              raw_dtype=kind)
+        else:
             writer.add_tensor(out, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

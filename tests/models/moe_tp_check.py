@@ -8,7 +8,9 @@ greedy tokens, rotations, cached tokens, the shape of one device's slice of the 
 expert weights, the per-expert counts of one prompt's logits, and whether the model
 loaded from an Orbax save straight onto the mesh holds the same tensors, in the same
 placements, as the one converted on device; and the error a 6-expert model gives at
-TP = 4.
+TP = 4. Mixtral runs again with int8 weights at TP = 1 and 2 (``QUANTIZED``): the
+quantized model converted to the mesh, against the checkpoint loaded onto the mesh and
+quantized there.
 """
 
 from __future__ import annotations
@@ -19,31 +21,38 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# Models run with int8 weights too, and the TP sizes they run at: one model, one split.
+QUANTIZED = {"mixtral": (1, 2)}
 
-def same_as_loaded(model, path: Path, tp: int) -> bool:
-    """``model`` (converted with ``shard``) equals ``path`` loaded at ``tp``: bytes and
-    shardings of every tensor."""
+
+def same_as_loaded(model, path: Path, tp: int, quantization: str = "none") -> bool:
+    """``model`` (converted with ``shard``) equals ``path`` loaded at ``tp`` (quantized
+    on load as asked): dtypes, bytes and shardings of every tensor."""
     import jax
     import numpy as np
 
     from models import load_model
 
-    loaded = load_model(str(path), tensor_parallel_size=tp)
+    loaded = load_model(str(path), tensor_parallel_size=tp, quantization=quantization)
     a, b = jax.tree.leaves(model.params), jax.tree.leaves(loaded.params)
     return len(a) == len(b) and all(
-        x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        x.dtype == y.dtype and x.sharding.is_equivalent_to(y.sharding, x.ndim)
         and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True))
 
 
-def run_model(name: str, tps: list[int], tmp: Path) -> dict[str, Any]:
+def run_model(name: str, tps: list[int], tmp: Path, quantization: str = "none"
+              ) -> dict[str, Any]:
+    """With ``quantization``: the quantized one-device model converted to each mesh;
+    also the shard shapes of an expert weight's ``q`` and scales."""
     from models import save_orbax
     from models.servable import random_servable
     from superinfer_jax import LLMEngine
     from superinfer_jax.dist.parallel import make_mesh
     from tests.models.moe_engine_lib import ENGINE, MODELS, prompts, run_forced
 
-    base = random_servable(MODELS[name], seed=3)
-    saved = save_orbax(base, tmp / name)
+    float_base = random_servable(MODELS[name], seed=3)
+    saved = save_orbax(float_base, tmp / name)
+    base = float_base.quantized(quantization)
     out: dict[str, Any] = {}
     for tp in tps:
         model = base if tp == 1 else base.shard(make_mesh(tp))
@@ -54,14 +63,19 @@ def run_model(name: str, tps: list[int], tmp: Path) -> dict[str, Any]:
         engine = LLMEngine(model, ENGINE.replace(tensor_parallel_size=tp))
         done = run_forced(engine, every=3)
         we_gate = model.params["layers"][0]["mlp"]["we_gate"][...]
+        q = we_gate if quantization == "none" else we_gate.q
         out[str(tp)] = {
             "tokens": [r.output_token_ids for r in done],
             "rotations": sum(r.num_rotations for r in done),
             "cached_tokens": sum(r.num_cached_tokens for r in done),
             "counts": counts,
-            "expert_shard_shape": list(we_gate.addressable_shards[0].data.shape),
-            "same_as_loaded": tp == 1 or same_as_loaded(model, saved, tp),
+            "expert_shard_shape": list(q.addressable_shards[0].data.shape),
+            "same_as_loaded": tp == 1 or same_as_loaded(model, saved, tp, quantization),
         }
+        if quantization != "none":
+            out[str(tp)]["expert_dtype"] = str(q.dtype)
+            out[str(tp)]["scale_shard_shape"] = list(
+                we_gate.scale.addressable_shards[0].data.shape)
     return out
 
 
@@ -100,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             result[name] = run_model(name, tps, Path(tmp))
+        for name, sizes in QUANTIZED.items():
+            result[f"{name}_int8"] = run_model(name, [t for t in tps if t in sizes],
+                                               Path(tmp), "int8")
     result["indivisible_error"] = indivisible_error()
     text = json.dumps(result)
     if args.out:

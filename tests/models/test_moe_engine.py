@@ -100,6 +100,22 @@ def test_expert_parallel_greedy_tokens_equal_one_device(tp_run, name, tp):
     assert runs[tp]["same_as_loaded"]  # loading onto the mesh == converting on device
 
 
+def test_int8_experts_shard_and_keep_greedy_tokens(tp_run):
+    """Mixtral with int8 weights, the quantized model converted to TP=2: TP=1's tokens
+    with rotations and prefix hits; each device holds its experts' int8 weights and their
+    per-channel scales [experts / 2, out]; the same arrays as the checkpoint loaded onto
+    the mesh with ``quantization="int8"``."""
+    runs = tp_run["mixtral_int8"]
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["2"]["rotations"] >= 3 and runs["2"]["cached_tokens"] > 0
+    moe = MODELS["mixtral"].moe
+    assert runs["1"]["expert_dtype"] == runs["2"]["expert_dtype"] == "int8"
+    assert runs["2"]["expert_shard_shape"] == [moe.num_experts // 2, 64, moe.intermediate_size]
+    assert runs["2"]["scale_shard_shape"] == [moe.num_experts // 2, moe.intermediate_size]
+    assert runs["2"]["counts"] == runs["1"]["counts"]
+    assert runs["2"]["same_as_loaded"]
+
+
 def test_experts_not_dividing_the_mesh_is_a_clear_error(tp_run):
     assert "num_experts (6) is not a multiple of tensor_parallel_size (4)" in \
         tp_run["indivisible_error"]

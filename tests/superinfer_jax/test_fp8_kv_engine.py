@@ -56,9 +56,11 @@ def test_e4m3_tokens_equal_under_prefix_hits_batching_and_rotation(tiny, prompts
     assert engine.scheduler.page_bytes == engine.layout.page_bytes == half
 
 
-def test_e5m2_tokens_equal_under_recomputation(tiny, prompts):
-    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=10, dtype="fp8_e5m2"))
-    assert engine.duplex is None and engine.runner.kv_scales is None
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_tokens_equal_under_recomputation(tiny, prompts, dtype):
+    engine = LLMEngine(tiny, SMALL.replace(num_device_pages=10, dtype=dtype))
+    assert engine.duplex is None
+    assert (engine.runner.kv_scales is None) == (dtype == "fp8_e5m2")  # e5m2: no scales
     reference = run_alone(engine, prompts[:4], SP)
     done = run_rotating(engine, prompts[:4], SP, every=2)
     assert [r.output_token_ids for r in done] == reference

@@ -26,6 +26,10 @@ def test_tiny_model_rotation_keeps_greedy_tokens(tiny, quantization):
     engine = LLMEngine(tiny.quantized(quantization),
                        SMALL.replace(num_device_pages=12, num_host_pages=64))
     reference = run_alone(engine, prompts, sp)
+    # again: the last prompts' full pages are still cached on the device (prefix hits)
+    hits = engine.stats()["prefix_cache_hits"]
+    assert run_alone(engine, prompts[-2:], sp) == reference[-2:]
+    assert engine.stats()["prefix_cache_hits"] > hits
     done = run_rotating(engine, prompts, sp, every=4)
     assert [r.output_token_ids for r in done] == reference
     assert sum(r.num_rotations for r in done) >= 4

@@ -12,7 +12,9 @@ that layout compared to it tensor by tensor; the replicated-KV model at TP=4 (at
 is a plain split, its QKV bias covered there by the sink case's logits). SmolLM2 and the
 replicated model run one request at a time, a token per step: one compiled step shape
 per engine; llama8 batches four and prefills in chunks. llama8 with fp8_e4m3 KV pages at
-TP=2 gives its TP=1 tokens, the calibrated scales sharded with their KV heads."""
+TP=2 gives its TP=1 tokens, the calibrated scales sharded with their KV heads; llama8 with
+int8 weights at TP=2 gives its TP=1 tokens, the per-channel scales split with their
+columns."""
 
 from __future__ import annotations
 
@@ -98,6 +100,27 @@ def test_weights_are_moved_by_whole_heads_and_padded_with_zeros():
     assert plan.transform(("layers", 0, "attn_norm", "weight"), norm) is norm
 
 
+@pytest.mark.parametrize("name", ["wq", "wk", "wo", "w_gate", "w_down"])
+def test_quantized_weights_move_like_quantizing_the_moved_weight(name):
+    """A quantized weight converted to a padded layout (``transform`` of ``q``,
+    ``transform_scale`` of its scales) equals the converted float weight quantized:
+    selected columns take their scales along, zero columns get scale 1, and a row
+    selection (wo, w_down) leaves the scales as they are."""
+    from models import quant
+
+    cfg = _config(heads=9, kv_heads=3, ffn=30)  # 3 KV heads -> 4, ffn 30 -> 32 over 4
+    plan = ShardPlan(cfg, AbstractMesh((4,), ("tp",)))
+    shapes = {"wq": (32, 36), "wk": (32, 12), "wo": (36, 32), "w_gate": (32, 30),
+              "w_down": (30, 32)}
+    path = ("layers", 0, "attn" if name[0] == "w" and name[1] != "_" else "mlp", name)
+    w = np.random.default_rng(1).standard_normal(shapes[name]).astype(np.float32)
+    got = quant.quantize(w, "int8")
+    want = quant.quantize(plan.transform(path, w), "int8")
+    np.testing.assert_array_equal(plan.transform(path, np.asarray(got.q)), np.asarray(want.q))
+    np.testing.assert_array_equal(plan.transform_scale(path, np.asarray(got.scale)),
+                                  np.asarray(want.scale))
+
+
 def test_preset_layouts_on_common_sizes():
     smol = PRESETS["smollm2-135m"]
     assert ShardPlan(smol, AbstractMesh((2,), ("tp",))).describe() == (
@@ -167,6 +190,26 @@ def test_fp8_kv_greedy_tokens_equal_tp1_with_scales_sharded(tp_run):
     # calibrated through two layers whose all-reduces sum in another order than TP=1
     tol = f32_tolerance(runs["1"]["kv_scales"], 320, depth=2)
     assert_close(runs["2"]["kv_scales"], runs["1"]["kv_scales"], tol, "TP=2 vs TP=1 scales")
+
+
+def test_int8_weights_greedy_tokens_equal_tp1_sharded_like_float(tp_run):
+    """llama8 with int8 weights, the quantized model converted to TP=2: TP=1's tokens
+    with rotations; ``q`` split like the float weight (wq by columns, wo by rows), the
+    scales with the output columns (wq's split, wo's whole); converting a quantized model
+    gives the arrays that quantizing the sharded float model gives, for int8 and fp8, and
+    that a loader placing host-quantized weights (``ParamSink.put_quantized``) gives."""
+    runs = tp_run["llama8_int8"]
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["2"]["rotations"] >= 3 and runs["2"]["pages_in"] > 0
+    # [hidden 128, 16 heads x 16] and its transpose, each scale [out]; 2 shards
+    def placed(wq_q, wq_scale, wo_q, wo_scale):
+        return {"wq": {"q": ["int8", wq_q], "scale": ["float32", wq_scale]},
+                "wo": {"q": ["int8", wo_q], "scale": ["float32", wo_scale]}}
+
+    assert runs["1"]["placement"] == placed([128, 256], [256], [256, 128], [128])
+    assert runs["2"]["placement"] == placed([128, 128], [128], [128, 128], [128])
+    assert runs["2"]["same_as_sharded_then_quantized"] == {"int8": True, "fp8": True}
+    assert runs["2"]["sink_prequantized_same"]  # GGUF Q8_0's path onto the mesh
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])

@@ -38,7 +38,7 @@ from typing import Any
 # The tensor-parallel sizes each case runs (intersected with ``--tp``); see the module
 # docstring for why SmolLM2 and the replicated model skip TP=2.
 CASE_TPS = {"smollm2": (1, 4), "llama8": (1, 2, 4), "replicated": (1, 4), "sink": (2, 4),
-            "llama8_fp8": (1, 2)}
+            "llama8_fp8": (1, 2), "llama8_int8": (1, 2)}
 # The size at which SmolLM2's two loading paths are compared (the size its engine runs).
 SMOLLM2_TP = 4
 
@@ -321,6 +321,75 @@ def llama8_fp8_case(tps, backend: str) -> dict[str, Any]:
                     max_num_seqs=4, backend=backend, kv_dtype="fp8_e4m3")
 
 
+def same_leaves(a, b) -> bool:
+    """Two parameter trees (quantized weights included) hold the same arrays: dtypes,
+    shapes, placements and bytes."""
+    import jax
+    import numpy as np
+
+    xs, ys = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(xs) == len(ys) and all(
+        x.dtype == y.dtype and x.shape == y.shape
+        and x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(xs, ys, strict=True))
+
+
+def llama8_int8_case(tps, backend: str) -> dict[str, Any]:
+    """llama8 with int8 weights: the quantized one-device model converted to the mesh
+    (``shard`` of a quantized model) runs the batch with rotations; it holds the same
+    arrays as the float model sharded, then quantized, and as a loader's sink given the
+    host-quantized weights (``put_quantized``). Reported per TP size: where the
+    ``q`` and the scales of a column-split (wq) and a row-split (wo) weight live."""
+    from models.servable import random_servable
+    from superinfer_jax.dist.parallel import make_mesh
+
+    cfg = _llama8_config()
+    float_base = random_servable(cfg, seed=3)
+    base = float_base.quantized("int8")
+    models: dict[int, Any] = {}
+
+    def load(tp):
+        return models.setdefault(tp, base if tp == 1 else base.shard(make_mesh(tp)))
+
+    out = run_case("llama8_int8", load, _random_prompts(0, cfg.vocab_size, 4), tps,
+                   page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
+                   backend=backend)
+    for tp, model in models.items():
+        attn = model.params["layers"][0]["attn"]
+        out[str(tp)]["placement"] = {
+            name: {part: [str(getattr(attn[name][...], part).dtype),
+                          list(getattr(attn[name][...], part).addressable_shards[0].data.shape)]
+                   for part in ("q", "scale")} for name in ("wq", "wo")}
+        if tp > 1:  # both orders give the same arrays; fp8 too (no engine run)
+            mesh = make_mesh(tp)
+            out[str(tp)]["same_as_sharded_then_quantized"] = {
+                mode: same_leaves(float_base.quantized(mode).shard(mesh).params,
+                                  float_base.shard(mesh).quantized(mode).params)
+                for mode in ("int8", "fp8")}
+            out[str(tp)]["sink_prequantized_same"] = same_leaves(
+                sink_prequantized(float_base, base, mesh).params, model.params)
+    return out
+
+
+def sink_prequantized(float_base, quantized, mesh):
+    """A loader's path for weights quantized on the host (GGUF Q8_0): ``ParamSink`` with
+    a mesh, ``put_quantized`` for every projection, ``put`` for the rest."""
+    import numpy as np
+
+    from models import quant
+    from models.loaders import ParamSink
+    from models.sharding import flat_state
+
+    sink = ParamSink(float_base.config, "float32", mesh, "int8")
+    for path, w in flat_state(quantized.params).items():
+        if isinstance(w, quant.QuantizedWeight):
+            sink.put_quantized(path, np.asarray(w.q), np.asarray(w.scale), "host")
+        else:
+            sink.put(path, np.asarray(w), "host")
+    return sink.servable("host", None)
+
+
 def llama8_case(tps, backend: str) -> dict[str, Any]:
     import numpy as np
 
@@ -432,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--tp", default="1,2,4")
-    ap.add_argument("--cases", default="smollm2,llama8,replicated,sink,llama8_fp8")
+    ap.add_argument("--cases",
+                    default="smollm2,llama8,replicated,sink,llama8_fp8,llama8_int8")
     ap.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
     ap.add_argument("--backend", default="xla", choices=("xla", "pallas", "auto"),
                     help="engine attention backend (the sink case runs both anyway)")
@@ -450,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
         b = args.backend
         cases = {"smollm2": lambda t: smollm2_case(t, b), "llama8": lambda t: llama8_case(t, b),
                  "replicated": lambda t: replicated_case(t, b, Path(tmp)), "sink": sink_case,
-                 "llama8_fp8": lambda t: llama8_fp8_case(t, b)}
+                 "llama8_fp8": lambda t: llama8_fp8_case(t, b),
+                 "llama8_int8": lambda t: llama8_int8_case(t, b)}
         for name in args.cases.split(","):
             t0 = time.perf_counter()
             result[name] = cases[name]([t for t in tps if t in CASE_TPS[name]])
