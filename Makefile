@@ -42,7 +42,9 @@ generate: $(STAMP)
 # another summation order. Bounds were also checked by hand under AVX and SSE4_2
 # (`make test NUMERICS_ISA=AVX`); YNNPACK's matmul kernels choose their ISA themselves.
 NUMERICS_TESTS := tests/models/test_numerics_hf.py tests/models/test_paged_equivalence.py \
-	tests/superinfer_jax/ops/test_attention_pallas.py tests/superinfer_jax/ops/test_attention_xla.py
+	tests/models/test_numerics_arch.py tests/superinfer_jax/ops/test_attention_pallas.py \
+	tests/superinfer_jax/ops/test_attention_xla.py tests/superinfer_jax/ops/test_fp8_kv.py \
+	tests/superinfer_jax/ops/test_grouped_matmul.py
 NUMERICS_ISA ?= AVX2
 # One pytest worker per core (pytest-xdist), whole files per worker so a module's engines
 # and servers are built once; the suite is mostly single-threaded compiles and Python.
