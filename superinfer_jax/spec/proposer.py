@@ -15,7 +15,6 @@ its caller handed to the engine.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -25,6 +24,7 @@ from superinfer_jax.config import EngineConfig
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.model_api import ServableModel
 from superinfer_jax.request import Request
+from superinfer_jax.sched.rotasched.registry import import_class_path
 
 __all__ = ["NgramProposer", "Proposer", "make_proposer", "ngram_propose",
            "register_proposer", "resolve_proposer"]
@@ -93,18 +93,10 @@ def register_proposer(name: str) -> Callable[[P], P]:
 
 def resolve_proposer(spec: str) -> type:
     """The proposer class ``spec`` names; a ConfigError naming ``speculative.method``."""
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
-    if ":" not in spec:
-        raise ConfigError("speculative.method", f"must be one of {sorted(_REGISTRY)} or "
-                          f"package.module:Class, got {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    try:
-        module: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError("speculative.method", f"cannot import {module_name!r}: {e}") from e
-    cls = getattr(module, attr, None)
-    if cls is None or not callable(getattr(cls, "propose", None)):
+    cls, problem = import_class_path(spec, _REGISTRY, "proposer")
+    if problem is not None or cls is None:
+        raise ConfigError("speculative.method", problem or f"{spec!r} names nothing")
+    if not isinstance(cls, type) or not callable(getattr(cls, "propose", None)):
         raise ConfigError("speculative.method", f"{spec!r} is not a proposer class "
                           "(it needs a propose method)")
     return cls
