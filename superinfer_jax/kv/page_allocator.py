@@ -177,18 +177,19 @@ class KVCacheManager:
             raise MemoryError(f"asked for {n} pages, {self.num_free_pages} free")
         k = min(n, self.allocator.num_free)
         pages = self.allocator.allocate(k)
-        cache = self.prefix_cache
-        while len(pages) < n:
+        if k < n:
+            cache = self.prefix_cache
             assert cache is not None
-            pages.append(self._evict(cache))
+            pages.extend(self._evict_many(cache, n - k))
         refcount = self.refcount
         for p in pages:
             refcount[p] = 1
         return pages
 
-    def _evict(self, cache: PrefixCache) -> int:
-        """Reclaim one cached page (a hook: the two-tier manager drops what it keeps)."""
-        return cache.evict()
+    def _evict_many(self, cache: PrefixCache, n: int) -> list[int]:
+        """Reclaim ``n`` cached pages, in ``PrefixCache.evict``'s order (a hook: the
+        two-tier manager drops what it keeps)."""
+        return cache.evict_many(n)[0]
 
     def _release(self, pages: list[int]) -> list[int]:
         """Drop a reference to each of ``pages``, tail first; returns those left with none."""

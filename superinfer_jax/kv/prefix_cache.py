@@ -158,6 +158,38 @@ class PrefixCache:
         """The cached page ``evict`` takes: the LRU one nobody wants, else the LRU one."""
         return next(iter(self.loose if self.loose else self.evictable))
 
+    def evict_many(self, n: int) -> tuple[list[int], list[bytes]]:
+        """Reclaim ``n`` cached pages in one pass, the ones and the order ``n`` calls of
+        ``evict`` give (the loose LRU, then the wanted LRU); returns them and their hashes."""
+        if n > len(self.evictable):
+            raise MemoryError(f"asked to evict {n} pages, {len(self.evictable)} cached")
+        evictable, loose = self.evictable, self.loose
+        m = min(n, len(loose))
+        if m == len(loose):
+            pages = list(loose)
+            loose.clear()
+        else:
+            pop_loose = loose.popitem
+            pages = [pop_loose(False)[0] for _ in range(m)]
+        for p in pages:
+            del evictable[p]
+        if n > m:  # no loose page left: every cached page is wanted
+            pop_evictable = evictable.popitem
+            pages.extend([pop_evictable(False)[0] for _ in range(n - m)])
+        page_hash, pages_of, events = self.page_hash, self.pages_of, self.events
+        hashes: list[bytes] = []
+        for p in pages:
+            h = page_hash.pop(p)
+            hashes.append(h)
+            same = pages_of[h]
+            del same[p]
+            if not same:
+                del pages_of[h]
+                if events is not None:
+                    events.removed(MEDIUM_DEVICE, h)
+        self.evictions += n
+        return pages, hashes
+
     def evict(self) -> int:
         """Reclaim the cached page ``victim`` names; it is forgotten."""
         page = self.victim()

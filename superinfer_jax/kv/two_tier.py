@@ -403,12 +403,28 @@ class TwoTierKVManager(KVCacheManager):
         yield from (d for d in shadowed
                     if owner[d] is not None and d not in keep and d not in arriving)
 
-    def _evict(self, cache: PrefixCache) -> int:
-        """The device reclaims a cached page: its shadow, if any, becomes a cache-only host
-        page under the same hash; without one, the page may spill (``spill_budget``)."""
+    def _evict_many(self, cache: PrefixCache, n: int) -> list[int]:
+        """The device reclaims ``n`` cached pages (``PrefixCache.evict_many``), then each
+        goes to the host tier in that order (``_shelve``). Page by page while KV events
+        are on, so that the two tiers' events interleave as the pages go."""
+        hc = self.host_cache
+        if cache.events is not None or (hc is not None and hc.events is not None):
+            return [self._evict_one(cache) for _ in range(n)]
+        pages, hashes = cache.evict_many(n)
+        for i in range(n):
+            self._shelve(pages[i], hashes[i])
+        return pages
+
+    def _evict_one(self, cache: PrefixCache) -> int:
         page = cache.victim()
         h = cache.page_hash[page]
         cache.evict()
+        self._shelve(page, h)
+        return page
+
+    def _shelve(self, page: int, h: bytes) -> None:
+        """Evicted device ``page`` (hash ``h``): its shadow, if any, becomes a cache-only
+        host page under ``h``; without one, the page may spill (``spill_budget``)."""
         host = self.shadow_table.host[page]
         hc, tier = self.host_cache, self.host_tier
         if not host:
@@ -416,10 +432,9 @@ class TwoTierKVManager(KVCacheManager):
                     and tier.free_cache(1) <= 0:
                 self.spill_budget -= 1
                 self._spills.append((page, tier.free.pop(), h))
-            return page
+            return
         self.shadow_table.host[page] = 0
         tier.cache_page(host, h)
-        return page
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
