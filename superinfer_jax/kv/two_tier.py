@@ -411,30 +411,31 @@ class TwoTierKVManager(KVCacheManager):
         if cache.events is not None or (hc is not None and hc.events is not None):
             return [self._evict_one(cache) for _ in range(n)]
         pages, hashes = cache.evict_many(n)
-        for i in range(n):
-            self._shelve(pages[i], hashes[i])
+        self._shelve(pages, hashes)
         return pages
 
     def _evict_one(self, cache: PrefixCache) -> int:
         page = cache.victim()
         h = cache.page_hash[page]
         cache.evict()
-        self._shelve(page, h)
+        self._shelve([page], [h])
         return page
 
-    def _shelve(self, page: int, h: bytes) -> None:
-        """Evicted device ``page`` (hash ``h``): its shadow, if any, becomes a cache-only
-        host page under ``h``; without one, the page may spill (``spill_budget``)."""
-        host = self.shadow_table.host[page]
-        hc, tier = self.host_cache, self.host_tier
-        if not host:
-            if hc is not None and self.spill_budget > 0 and h not in hc \
+    def _shelve(self, pages: list[int], hashes: list[bytes]) -> None:
+        """Evicted device pages, in order (``hashes[i]``: the hash of ``pages[i]``): a
+        page's shadow, if any, becomes a cache-only host page under its hash; without
+        one, the page may spill (``spill_budget``)."""
+        shadow_host, hc, tier = self.shadow_table.host, self.host_cache, self.host_tier
+        for i in range(len(pages)):
+            page = pages[i]
+            host = shadow_host[page]
+            if host:
+                shadow_host[page] = 0
+                tier.cache_page(host, hashes[i])
+            elif hc is not None and self.spill_budget > 0 and hashes[i] not in hc.page_of \
                     and tier.free_cache(1) <= 0:
                 self.spill_budget -= 1
-                self._spills.append((page, tier.free.pop(), h))
-            return
-        self.shadow_table.host[page] = 0
-        tier.cache_page(host, h)
+                self._spills.append((page, tier.free.pop(), hashes[i]))
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
