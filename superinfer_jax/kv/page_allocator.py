@@ -160,8 +160,7 @@ class KVCacheManager:
         done = self._num_registered.get(req_id, 0)
         upto = min(len(hashes), num_computed // self.page_size, len(table))
         if cache.events is None:
-            for i in range(done, upto):
-                cache.register(table[i], hashes[i])
+            cache.register_many(table[done:upto], hashes[done:upto])
         else:
             for i in range(done, upto):
                 cache.register(table[i], hashes[i], hashes[i - 1] if i else None,
@@ -202,10 +201,11 @@ class KVCacheManager:
             return freed
         unref: list[int] = []
         for p in reversed(pages):
-            refcount[p] -= 1
-            if refcount[p] == 0:
+            left = refcount[p] - 1
+            refcount[p] = left
+            if not left:
                 unref.append(p)
-        self.allocator._free.extend(p for p in unref if not cache.on_released(p))
+        self.allocator._free.extend(cache.release_many(unref))
         return unref
 
     def check_invariants(self) -> None:
