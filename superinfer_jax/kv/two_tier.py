@@ -237,11 +237,10 @@ class TwoTierKVManager(KVCacheManager):
         for d in table:
             shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
-            # the others sharing a shadowed page lose its shadow: one ``_holders`` pass
+            # the others sharing a shadowed page lose its shadow: one pass
             shared = {table[i] for i in range(len(table)) if hosts[i] and refcount[table[i]] > 1}
             if shared:
-                for r in self._holders(shared):
-                    self._num_clean.pop(r, None)
+                self._forget_clean(shared)
         dirty = [i for i in range(len(hosts)) if not hosts[i]]
         if dirty:
             moves_dev = cast(list[int], [pages[i] for i in dirty])
@@ -426,6 +425,7 @@ class TwoTierKVManager(KVCacheManager):
         page's shadow, if any, becomes a cache-only host page under its hash; without
         one, the page may spill (``spill_budget``)."""
         shadow_host, hc, tier = self.shadow_table.host, self.host_cache, self.host_tier
+        free = tier.free
         for i in range(len(pages)):
             page = pages[i]
             host = shadow_host[page]
@@ -433,9 +433,9 @@ class TwoTierKVManager(KVCacheManager):
                 shadow_host[page] = 0
                 tier.cache_page(host, hashes[i])
             elif hc is not None and self.spill_budget > 0 and hashes[i] not in hc.page_of \
-                    and tier.free_cache(1) <= 0:
+                    and (free or tier.free_cache(1) <= 0):  # a free page, or one made free
                 self.spill_budget -= 1
-                self._spills.append((page, tier.free.pop(), hashes[i]))
+                self._spills.append((page, free.pop(), hashes[i]))
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
@@ -452,14 +452,20 @@ class TwoTierKVManager(KVCacheManager):
         if owner is not None:
             self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
-            for r in self._holders({device_page}):
-                self._num_clean.pop(r, None)
+            self._forget_clean({device_page})
         self.shadow_table.host[device_page] = 0
         return host
 
     def _holders(self, device_pages: set[int]) -> list[str]:
         """Requests whose page table holds any of ``device_pages`` (one pass)."""
         return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
+
+    def _forget_clean(self, device_pages: set[int]) -> None:
+        """The holders of any of ``device_pages`` lose their shadowed-prefix bound (their
+        scans restart at 0): a pass over the requests that have one, not every table."""
+        clean, tables = self._num_clean, self.page_tables
+        for r in [r for r in clean if not device_pages.isdisjoint(tables[r])]:
+            del clean[r]
 
     def _expect(self, req_id: str, state: Residency) -> None:
         if self.residency_of(req_id) != state:
