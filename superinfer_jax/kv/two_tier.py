@@ -196,10 +196,17 @@ class TwoTierKVManager(KVCacheManager):
                 dropped.append(host_ids[d])
                 host[d] = 0
         self.host_tier.release(cast(list[int], dropped))  # one batch: the same free order
-        for i in shadowed:
-            d = table[i]
-            if refcount[d] > 1 and owner[d] == req_id:
-                owner[d] = next(r for r in self._holders({d}) if r != req_id)
+        orphans = {d for d in (table[i] for i in shadowed)
+                   if refcount[d] > 1 and owner[d] == req_id}
+        if orphans:  # each goes to the first other table holding it: one pass over them
+            for r, t in self.page_tables.items():
+                taken = orphans.intersection(t) if r != req_id else None
+                if taken:
+                    for d in taken:
+                        owner[d] = r
+                    orphans -= taken
+                    if not orphans:
+                        break
         self._num_clean.pop(req_id, None)
         self.host_tier.release(self.host_tables.pop(req_id, []))
         self._forget_arriving(req_id)
@@ -432,8 +439,13 @@ class TwoTierKVManager(KVCacheManager):
             if host:
                 shadow_host[page] = 0
                 tier.cache_page(host, hashes[i])
-            elif hc is not None and self.spill_budget > 0 and hashes[i] not in hc.page_of \
-                    and (free or tier.free_cache(1) <= 0):  # a free page, or one made free
+            elif hc is not None and self.spill_budget > 0 and hashes[i] not in hc.page_of:
+                if not free:  # ``free_cache(1)`` inlined: one cache-only page made free
+                    if not hc.hash_of:
+                        continue
+                    made = hc.evict()
+                    free.append(made)
+                    tier.freed.append(made)
                 self.spill_budget -= 1
                 self._spills.append((page, free.pop(), hashes[i]))
 
@@ -455,10 +467,6 @@ class TwoTierKVManager(KVCacheManager):
             self._forget_clean({device_page})
         self.shadow_table.host[device_page] = 0
         return host
-
-    def _holders(self, device_pages: set[int]) -> list[str]:
-        """Requests whose page table holds any of ``device_pages`` (one pass)."""
-        return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
 
     def _forget_clean(self, device_pages: set[int]) -> None:
         """The holders of any of ``device_pages`` lose their shadowed-prefix bound (their

@@ -228,3 +228,24 @@ def test_host_cache_order_against_a_list_model(policy):
             first.pop(h, None)
         assert sorted(cache.hash_of.items()) == sorted(model)
     cache.check_invariants()
+
+
+def test_a_freed_owners_shared_shadows_go_to_the_first_other_holder():
+    """Shadows of pages others share pass, each, to the first other table (in table
+    order) that holds the page; pages only the leaver held lose theirs."""
+    kv = TwoTierKVManager(num_pages=20, page_size=PAGE, num_host_pages=20, prefix_caching=True)
+    toks = list(range(1, 13))  # three full pages
+    h: list[bytes] = []
+    extend_block_hashes(h, toks, (), PAGE, KEY)
+    kv.allocate_for("a", 12)
+    kv.register_full_pages("a", h, 12)
+    kv.plan_shadows({"a": 12}, 8)  # a owns the three shadows
+    pa = kv.page_table("a")
+    kv.take_prefix("b", pa[:1])  # b shares page 0, c pages 0 and 1, d page 0 and 1
+    kv.take_prefix("c", pa[:2])
+    kv.take_prefix("d", pa[:2])
+    kv.free("a")
+    owner = kv.shadow_table.owner
+    assert (owner[pa[0]], owner[pa[1]]) == ("b", "c")
+    assert owner[pa[2]] is None and kv.shadow_table.host[pa[2]]  # cached, shadow kept
+    kv.check_invariants()
