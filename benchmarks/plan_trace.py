@@ -9,6 +9,11 @@ a 20 s run is contended) and a CPU-calibrated setup (SmolLM2 on a fixed CPU late
 profile with host overhead per step, row and page, as ``policy_sweep`` runs it: 48
 device pages, 512 host pages), each for fcfs, swap, rotasched (and rotasched in slack
 mode on the CPU setup). Every run must rotate or preempt, else it proves little.
+Two cases run with prefix caching, for the KV manager's cache paths (device eviction,
+host shadows becoming cache-only pages, spills, host-tier hits): ``mooncake`` (the Llama-3-8B
+Mooncake conversation preset on GH200 144G, its first 400 requests at 2.5 req/s) and
+``cpu-prefix`` (the CPU setup on requests sharing a few prompt prefixes, the host cache
+capped at 96 pages so it evicts), each also with the host cache evicting ``fifo``.
 
     python -m benchmarks.plan_trace --out /tmp/sched_before
     python -m benchmarks.plan_trace --out /tmp/sched_after \\
@@ -20,9 +25,9 @@ recorded: run with ``SUPERINFER_COMPILED=0``, or pass ``--outputs-only`` (no ste
 ``--compare`` then checks the outputs hash and step count, which is how a compiled build
 is checked against plain Python).
 
-Shadows are recorded where they are planned (``TwoTierKVManager.plan_shadows``), between
-one ``schedule`` call and the next, so the trace is the same whether the simulator or
-the scheduler plans them.
+Shadows are recorded where they are planned (``TwoTierKVManager.take_spills`` and
+``plan_shadows``), between one ``schedule`` call and the next, so the trace is the same
+whether the simulator or the scheduler plans them.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-CASES = ("paper", "cpu")
+CASES = ("paper", "cpu", "mooncake", "cpu-prefix")
+PREFIX_CASES = ("mooncake", "cpu-prefix")  # prefix caching on; also run ``rotasched-fifo``
 POLICY_RUNS = ("fcfs", "swap", "rotasched")
 
 
@@ -59,11 +65,17 @@ class Recorder:
 
     def attach(self, run) -> None:
         kv, sched = run.kv, run.sched
-        plan_shadows, schedule = kv.plan_shadows, sched.schedule
+        plan_shadows, take_spills, schedule = kv.plan_shadows, kv.take_spills, sched.schedule
 
         def recorded_plan_shadows(num_computed, max_pages):
             out = plan_shadows(num_computed, max_pages)
             self.shadows.extend(out)
+            return out
+
+        def recorded_take_spills():  # a step's spills go before its shadows
+            out = take_spills()
+            if out:
+                self.shadows.append(out)
             return out
 
         def recorded_schedule(now=None):
@@ -77,6 +89,7 @@ class Recorder:
             return plan
 
         kv.plan_shadows = recorded_plan_shadows
+        kv.take_spills = recorded_take_spills
         sched.schedule = recorded_schedule
 
     def flush(self) -> None:
@@ -112,11 +125,42 @@ def _cpu_preset():
                      calibration=calib)
 
 
+def _shared_prefix_specs(n: int = 300, seed: int = 0) -> list:
+    """``n`` requests at 3 req/s whose prompts start with one of 6 shared prefixes (2-8
+    pages) and go on with pages of their own: page-sized hash blocks, so pages are shared
+    exactly where the prefixes are."""
+    import numpy as np
+
+    from superinfer_jax.request import SLO
+    from superinfer_jax.sim import RequestSpec
+
+    rng = np.random.default_rng(seed)
+    prefixes = [tuple(range(100 * k, 100 * k + int(rng.integers(2, 9)))) for k in range(6)]
+    slos = (SLO(1000.0, 150.0, "critical"), SLO(1000.0, 150.0))
+    out, t, fresh = [], 0.0, 10_000
+    for _ in range(n):
+        t += float(rng.exponential(1 / 3.0))
+        ids = prefixes[int(rng.integers(len(prefixes)))]
+        own = int(rng.integers(1, 6))
+        ids += tuple(range(fresh, fresh + own))
+        fresh += own
+        prompt = min(256, 16 * len(ids) - int(rng.integers(0, 16)))
+        out.append(RequestSpec(t, prompt, int(rng.integers(8, 48)),
+                               slos[int(rng.random() < 0.8)], hash_ids=ids, block_tokens=16))
+    return out
+
+
 def _workload(case: str):
     from serving.bench.sharegpt import default_tokenizer
     from superinfer_jax.sim.cli import to_specs
+    from superinfer_jax.sim.mooncake import BlockTrace, load_block_trace
     from superinfer_jax.sim.workloads import SLOClass, WorkloadSpec, build_workload
 
+    if case == "mooncake":
+        return load_block_trace(BlockTrace(rate=2.5, num_requests=400,
+                                           slo_mix=(SLOClass(1.0, 5000.0, 100.0),)))[0]
+    if case == "cpu-prefix":
+        return _shared_prefix_specs()
     if case == "paper":
         spec = WorkloadSpec(dataset="sharegpt", rate=15.0, num_requests=1, duration_s=20.0,
                             max_prompt=4095, max_total=8192,
@@ -137,6 +181,17 @@ def _simulator(case: str, policy: str):
     if case == "paper":
         preset = replace(get_preset("paper-qwen32b-sharegpt"), memory_fraction=0.72)
         return preset.simulator("gh200-96g", policy)
+    if case in PREFIX_CASES:
+        preset = get_preset("paper-llama8b-mooncake-conv") if case == "mooncake" \
+            else _cpu_preset()
+        flat: dict[str, Any] = {"enable_prefix_caching": True}
+        if case == "cpu-prefix":
+            flat["host_cache_max_pages"] = 96
+        if policy == "rotasched-fifo":
+            flat["host_cache_eviction"] = "fifo"
+            policy = "rotasched"
+        preset = replace(preset, engine=preset.engine.replace(**flat))
+        return preset.simulator("gh200-144g" if case == "mooncake" else THIS_MACHINE, policy)
     preset = _cpu_preset()
     if policy == "rotasched-slack":
         preset = replace(preset, engine=preset.engine.replace(
@@ -210,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for case in args.cases.split(","):
         specs = _workload(case)
-        policies = POLICY_RUNS + (("rotasched-slack",) if case == "cpu" else ())
+        policies = POLICY_RUNS + (("rotasched-slack",) if case == "cpu" else
+                                  ("rotasched-fifo",) if case in PREFIX_CASES else ())
         for policy in policies:
             r = run_case(case, policy, specs, trace=not args.outputs_only)
             with open(os.path.join(args.out, f"{case}-{policy}.steps"), "w") as f:

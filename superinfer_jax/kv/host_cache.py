@@ -5,14 +5,17 @@ shadow already holds the page's KV, so the page stays findable without a copy. A
 takes the page out: it becomes the shadow of the device page it is copied into. Pages
 here are owned by nobody and are reclaimed first when the host tier needs room.
 Eviction (``policy``): ``lru`` (the page that entered longest ago; a hit renews it) or
-``fifo`` (the hash stored first; a hit does not renew it). The order is a heap of
-``(seq, host page)`` with lazy deletion. With ``events`` set, inserts and removals are
-reported as KV events (medium ``CPU``).
+``fifo`` (the hash stored first; a hit does not renew it). ``lru`` keeps the pages in
+insertion order (an ordered dict: a page goes in at the end, out from anywhere); ``fifo``
+a heap of ``(seq, host page)`` with lazy deletion, since a hash stored again keeps its
+first seq. With ``events`` set, inserts and removals are reported as KV events (medium
+``CPU``).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from superinfer_jax.kv.events import MEDIUM_HOST, KVEventLog
@@ -28,10 +31,12 @@ class HostCache:
             raise ValueError(f"host_cache_eviction must be one of {HOST_CACHE_EVICTIONS}, "
                              f"got {policy!r}")
         self.policy = policy
+        self._fifo = policy == "fifo"
         self.hash_of: dict[int, bytes] = {}  # host page -> hash
         self.page_of: dict[bytes, int] = {}  # hash -> host page (one copy per hash)
-        self._heap: list[tuple[int, int]] = []  # (seq, host page), lazily deleted
-        self._seq_of: dict[int, int] = {}  # host page -> seq of its live heap entry
+        self._order: OrderedDict[int, None] = OrderedDict()  # lru: the next to go first
+        self._heap: list[tuple[int, int]] = []  # fifo: (seq, host page), lazily deleted
+        self._seq_of: dict[int, int] = {}  # fifo: host page -> seq of its live heap entry
         self._first_seq: dict[bytes, int] = {}  # fifo: when a hash was first stored
         self._clock = 0
         self.hits = 0
@@ -54,12 +59,13 @@ class HostCache:
             return False
         self.hash_of[host_page] = h
         self.page_of[h] = host_page
-        self._clock += 1
-        seq = self._clock
-        if self.policy == "fifo":
-            seq = self._first_seq.setdefault(h, seq)
-        self._seq_of[host_page] = seq
-        heapq.heappush(self._heap, (seq, host_page))
+        if self._fifo:
+            self._clock += 1
+            seq = self._first_seq.setdefault(h, self._clock)
+            self._seq_of[host_page] = seq
+            heapq.heappush(self._heap, (seq, host_page))
+        else:
+            self._order[host_page] = None
         if self.events is not None:
             self.events.stored(MEDIUM_HOST, h)
         return True
@@ -79,13 +85,24 @@ class HostCache:
         """Remove ``host_page`` for a hit; returns its hash."""
         h = self.hash_of.pop(host_page)
         del self.page_of[h]
-        del self._seq_of[host_page]
+        if self._fifo:
+            del self._seq_of[host_page]
+        else:
+            del self._order[host_page]
         if self.events is not None:
             self.events.removed(MEDIUM_HOST, h)
         return h
 
     def evict(self) -> int:
         """Forget the page that goes first (see ``policy``); returns its host page."""
+        if not self._fifo:
+            page = self._order.popitem(False)[0]
+            h = self.hash_of.pop(page)
+            del self.page_of[h]
+            if self.events is not None:
+                self.events.removed(MEDIUM_HOST, h)
+            self.evictions += 1
+            return page
         heap, seq_of = self._heap, self._seq_of
         while True:
             seq, page = heapq.heappop(heap)
@@ -103,7 +120,7 @@ class HostCache:
             self._first_seq.pop(self.take(host_page), None)
 
     def _compact(self) -> None:
-        """Bound the lazy heap and fifo's memory of hashes to a few times the live size."""
+        """fifo: bound the lazy heap and the memory of hashes to a few times the live size."""
         live = len(self._seq_of)
         if len(self._heap) > 2 * live + 64:
             self._heap = [(s, p) for p, s in self._seq_of.items()]
@@ -112,7 +129,9 @@ class HostCache:
             self._first_seq = {h: s for h, s in self._first_seq.items() if h in self.page_of}
 
     def check_invariants(self) -> None:
-        assert len(self.page_of) == len(self.hash_of) == len(self._seq_of)
+        order = self._seq_of if self._fifo else self._order
+        assert len(self.page_of) == len(self.hash_of) == len(order)
+        assert set(order) == set(self.hash_of), "host cache order"
         for page, h in self.hash_of.items():
             assert self.page_of[h] == page, "host cache index"
         live = {(s, p) for p, s in self._seq_of.items()}

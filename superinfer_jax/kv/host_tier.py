@@ -41,19 +41,27 @@ class HostTier:
     def free_cache(self, need: int) -> int:
         """Evict cache-only pages until ``need`` are free; returns how many are missing."""
         cache, free = self.cache, self.free
-        while len(free) < need and cache is not None and len(cache) > 0:
-            self.release([cache.evict()])
+        if cache is not None and len(free) < need:
+            cached, freed = cache.hash_of, self.freed  # ``release`` of one page, inlined
+            while len(free) < need and cached:
+                page = cache.evict()
+                free.append(page)
+                freed.append(page)
         return need - len(free)
 
     def cache_page(self, host: int, h: bytes) -> None:
         """``host`` becomes a cache-only page under ``h`` (freed without a cache, or when
         ``h`` is cached already)."""
-        cache = self.cache
-        if cache is None or h in cache:
-            self.release([host])
+        cache, free, freed = self.cache, self.free, self.freed  # ``release``s inlined
+        if cache is None or h in cache.page_of:
+            free.append(host)
+            freed.append(host)
             return
-        while len(cache) >= self.max_cache_pages:
-            self.release([cache.evict()])
+        cached, cap = cache.hash_of, self.max_cache_pages
+        while len(cached) >= cap:
+            page = cache.evict()
+            free.append(page)
+            freed.append(page)
         cache.insert(host, h)
 
 

@@ -160,8 +160,7 @@ class KVCacheManager:
         done = self._num_registered.get(req_id, 0)
         upto = min(len(hashes), num_computed // self.page_size, len(table))
         if cache.events is None:
-            for i in range(done, upto):
-                cache.register(table[i], hashes[i])
+            cache.register_many(table[done:upto], hashes[done:upto])
         else:
             for i in range(done, upto):
                 cache.register(table[i], hashes[i], hashes[i - 1] if i else None,
@@ -177,18 +176,19 @@ class KVCacheManager:
             raise MemoryError(f"asked for {n} pages, {self.num_free_pages} free")
         k = min(n, self.allocator.num_free)
         pages = self.allocator.allocate(k)
-        cache = self.prefix_cache
-        while len(pages) < n:
+        if k < n:
+            cache = self.prefix_cache
             assert cache is not None
-            pages.append(self._evict(cache))
+            pages.extend(self._evict_many(cache, n - k))
         refcount = self.refcount
         for p in pages:
             refcount[p] = 1
         return pages
 
-    def _evict(self, cache: PrefixCache) -> int:
-        """Reclaim one cached page (a hook: the two-tier manager drops what it keeps)."""
-        return cache.evict()
+    def _evict_many(self, cache: PrefixCache, n: int) -> list[int]:
+        """Reclaim ``n`` cached pages, in ``PrefixCache.evict``'s order (a hook: the
+        two-tier manager drops what it keeps)."""
+        return cache.evict_many(n)[0]
 
     def _release(self, pages: list[int]) -> list[int]:
         """Drop a reference to each of ``pages``, tail first; returns those left with none."""
@@ -201,10 +201,11 @@ class KVCacheManager:
             return freed
         unref: list[int] = []
         for p in reversed(pages):
-            refcount[p] -= 1
-            if refcount[p] == 0:
+            left = refcount[p] - 1
+            refcount[p] = left
+            if not left:
                 unref.append(p)
-        self.allocator._free.extend(p for p in unref if not cache.on_released(p))
+        self.allocator._free.extend(cache.release_many(unref))
         return unref
 
     def check_invariants(self) -> None:

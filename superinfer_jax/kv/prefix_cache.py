@@ -105,6 +105,22 @@ class PrefixCache:
                 self.events.stored(MEDIUM_DEVICE, h, parent, token_ids)
         pages[page] = None
 
+    def register_many(self, pages: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """``register(pages[i], hashes[i])`` for each ``i`` in order, without KV events."""
+        assert self.events is None, "KV events need register's parent and tokens"
+        page_hash, pages_of = self.page_hash, self.pages_of
+        for i in range(len(pages)):
+            page = pages[i]
+            if page in page_hash:
+                continue
+            h = hashes[i]
+            page_hash[page] = h
+            same = pages_of.get(h)
+            if same is None:
+                pages_of[h] = {page: None}
+            else:
+                same[page] = None
+
     def match(self, hashes: Sequence[bytes], max_pages: int) -> list[int]:
         """The longest chain of registered pages for ``hashes`` (at most ``max_pages``)."""
         out: list[int] = []
@@ -120,15 +136,21 @@ class PrefixCache:
         self.evictable.pop(page, None)
         self.loose.pop(page, None)
 
-    def on_released(self, page: int) -> bool:
-        """``page`` lost its last reference: cache it (True) if registered, else False."""
-        h = self.page_hash.get(page)
-        if h is not None:
-            self.evictable[page] = None
-            if h not in self.wanted:
-                self.loose[page] = None
-            return True
-        return False
+    def release_many(self, pages: Sequence[int]) -> list[int]:
+        """``pages`` lost their last reference, in this order: the registered ones are
+        cached (the newest in the LRU); returns the others, in order."""
+        page_hash, evictable, loose, wanted = self.page_hash, self.evictable, self.loose, \
+            self.wanted
+        out: list[int] = []
+        for page in pages:
+            h = page_hash.get(page)
+            if h is None:
+                out.append(page)
+                continue
+            evictable[page] = None
+            if h not in wanted:
+                loose[page] = None
+        return out
 
     def want(self, hashes: Sequence[bytes]) -> None:
         """A waiting request will look these pages up: keep them past the others."""
@@ -157,6 +179,38 @@ class PrefixCache:
     def victim(self) -> int:
         """The cached page ``evict`` takes: the LRU one nobody wants, else the LRU one."""
         return next(iter(self.loose if self.loose else self.evictable))
+
+    def evict_many(self, n: int) -> tuple[list[int], list[bytes]]:
+        """Reclaim ``n`` cached pages in one pass, the ones and the order ``n`` calls of
+        ``evict`` give (the loose LRU, then the wanted LRU); returns them and their hashes."""
+        if n > len(self.evictable):
+            raise MemoryError(f"asked to evict {n} pages, {len(self.evictable)} cached")
+        evictable, loose = self.evictable, self.loose
+        m = min(n, len(loose))
+        if m == len(loose):
+            pages = list(loose)
+            loose.clear()
+        else:
+            pop_loose = loose.popitem
+            pages = [pop_loose(False)[0] for _ in range(m)]
+        for p in pages:
+            del evictable[p]
+        if n > m:  # no loose page left: every cached page is wanted
+            pop_evictable = evictable.popitem
+            pages.extend([pop_evictable(False)[0] for _ in range(n - m)])
+        page_hash, pages_of, events = self.page_hash, self.pages_of, self.events
+        hashes: list[bytes] = []
+        for p in pages:
+            h = page_hash.pop(p)
+            hashes.append(h)
+            same = pages_of[h]
+            del same[p]
+            if not same:
+                del pages_of[h]
+                if events is not None:
+                    events.removed(MEDIUM_DEVICE, h)
+        self.evictions += n
+        return pages, hashes
 
     def evict(self) -> int:
         """Reclaim the cached page ``victim`` names; it is forgotten."""

@@ -196,10 +196,17 @@ class TwoTierKVManager(KVCacheManager):
                 dropped.append(host_ids[d])
                 host[d] = 0
         self.host_tier.release(cast(list[int], dropped))  # one batch: the same free order
-        for i in shadowed:
-            d = table[i]
-            if refcount[d] > 1 and owner[d] == req_id:
-                owner[d] = next(r for r in self._holders({d}) if r != req_id)
+        orphans = {d for d in (table[i] for i in shadowed)
+                   if refcount[d] > 1 and owner[d] == req_id}
+        if orphans:  # each goes to the first other table holding it: one pass over them
+            for r, t in self.page_tables.items():
+                taken = orphans.intersection(t) if r != req_id else None
+                if taken:
+                    for d in taken:
+                        owner[d] = r
+                    orphans -= taken
+                    if not orphans:
+                        break
         self._num_clean.pop(req_id, None)
         self.host_tier.release(self.host_tables.pop(req_id, []))
         self._forget_arriving(req_id)
@@ -237,11 +244,10 @@ class TwoTierKVManager(KVCacheManager):
         for d in table:
             shadow_host[d] = 0
         if self.prefix_cache is not None:  # else every page has one reference
-            # the others sharing a shadowed page lose its shadow: one ``_holders`` pass
+            # the others sharing a shadowed page lose its shadow: one pass
             shared = {table[i] for i in range(len(table)) if hosts[i] and refcount[table[i]] > 1}
             if shared:
-                for r in self._holders(shared):
-                    self._num_clean.pop(r, None)
+                self._forget_clean(shared)
         dirty = [i for i in range(len(hosts)) if not hosts[i]]
         if dirty:
             moves_dev = cast(list[int], [pages[i] for i in dirty])
@@ -403,23 +409,45 @@ class TwoTierKVManager(KVCacheManager):
         yield from (d for d in shadowed
                     if owner[d] is not None and d not in keep and d not in arriving)
 
-    def _evict(self, cache: PrefixCache) -> int:
-        """The device reclaims a cached page: its shadow, if any, becomes a cache-only host
-        page under the same hash; without one, the page may spill (``spill_budget``)."""
+    def _evict_many(self, cache: PrefixCache, n: int) -> list[int]:
+        """The device reclaims ``n`` cached pages (``PrefixCache.evict_many``), then each
+        goes to the host tier in that order (``_shelve``). Page by page while KV events
+        are on, so that the two tiers' events interleave as the pages go."""
+        hc = self.host_cache
+        if cache.events is not None or (hc is not None and hc.events is not None):
+            return [self._evict_one(cache) for _ in range(n)]
+        pages, hashes = cache.evict_many(n)
+        self._shelve(pages, hashes)
+        return pages
+
+    def _evict_one(self, cache: PrefixCache) -> int:
         page = cache.victim()
         h = cache.page_hash[page]
         cache.evict()
-        host = self.shadow_table.host[page]
-        hc, tier = self.host_cache, self.host_tier
-        if not host:
-            if hc is not None and self.spill_budget > 0 and h not in hc \
-                    and tier.free_cache(1) <= 0:
-                self.spill_budget -= 1
-                self._spills.append((page, tier.free.pop(), h))
-            return page
-        self.shadow_table.host[page] = 0
-        tier.cache_page(host, h)
+        self._shelve([page], [h])
         return page
+
+    def _shelve(self, pages: list[int], hashes: list[bytes]) -> None:
+        """Evicted device pages, in order (``hashes[i]``: the hash of ``pages[i]``): a
+        page's shadow, if any, becomes a cache-only host page under its hash; without
+        one, the page may spill (``spill_budget``)."""
+        shadow_host, hc, tier = self.shadow_table.host, self.host_cache, self.host_tier
+        free = tier.free
+        for i in range(len(pages)):
+            page = pages[i]
+            host = shadow_host[page]
+            if host:
+                shadow_host[page] = 0
+                tier.cache_page(host, hashes[i])
+            elif hc is not None and self.spill_budget > 0 and hashes[i] not in hc.page_of:
+                if not free:  # ``free_cache(1)`` inlined: one cache-only page made free
+                    if not hc.hash_of:
+                        continue
+                    made = hc.evict()
+                    free.append(made)
+                    tier.freed.append(made)
+                self.spill_budget -= 1
+                self._spills.append((page, free.pop(), hashes[i]))
 
     def _reclaim(self, table: list[int], short: int) -> list[int]:
         """At most ``short`` pages of ``_reclaimable`` outside ``table``, as a list."""
@@ -436,14 +464,16 @@ class TwoTierKVManager(KVCacheManager):
         if owner is not None:
             self._num_clean.pop(owner, None)
         if self.refcount[device_page] > 1:
-            for r in self._holders({device_page}):
-                self._num_clean.pop(r, None)
+            self._forget_clean({device_page})
         self.shadow_table.host[device_page] = 0
         return host
 
-    def _holders(self, device_pages: set[int]) -> list[str]:
-        """Requests whose page table holds any of ``device_pages`` (one pass)."""
-        return [r for r, t in self.page_tables.items() if not device_pages.isdisjoint(t)]
+    def _forget_clean(self, device_pages: set[int]) -> None:
+        """The holders of any of ``device_pages`` lose their shadowed-prefix bound (their
+        scans restart at 0): a pass over the requests that have one, not every table."""
+        clean, tables = self._num_clean, self.page_tables
+        for r in [r for r in clean if not device_pages.isdisjoint(tables[r])]:
+            del clean[r]
 
     def _expect(self, req_id: str, state: Residency) -> None:
         if self.residency_of(req_id) != state:
