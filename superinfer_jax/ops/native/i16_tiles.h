@@ -26,7 +26,7 @@
 
 #if SUPERINFER_HAVE_BF16_KERNEL
 #define I16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx512vnni")))
 #endif
 
 namespace superinfer {

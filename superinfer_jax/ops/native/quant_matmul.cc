@@ -81,23 +81,22 @@ I16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c,
   }
 }
 
-// out[m, c] = (out[m, c] * row[m]) * (scale[c] * unscale) for columns [0, cols) of M
-// rows; ``row`` null for no row scales.
+// out[m, c] = (out[m, c] * row[m]) * scale[c] for columns [0, cols) of M rows; ``row``
+// null for no row scales.
 BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* row, const float* scale,
-                       int64_t cols, float unscale) {
-  const __m512 u = _mm512_set1_ps(unscale);
+                       int64_t cols) {
   for (int64_t m = 0; m < M; ++m) {
     float* o = out + m * ldo;
     const __m512 r = _mm512_set1_ps(row ? row[m] : 1.0f);
     int64_t j = 0;
     for (; j + 16 <= cols; j += 16) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + j), u);
+      const __m512 s = _mm512_loadu_ps(scale + j);
       const __m512 v = row ? _mm512_mul_ps(_mm512_loadu_ps(o + j), r) : _mm512_loadu_ps(o + j);
       _mm512_storeu_ps(o + j, _mm512_mul_ps(v, s));
     }
     if (j < cols) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scale + j), u);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + j);
       __m512 v = _mm512_maskz_loadu_ps(mask, o + j);
       if (row) v = _mm512_mul_ps(v, r);
       _mm512_mask_storeu_ps(o + j, mask, _mm512_mul_ps(v, s));
@@ -131,7 +130,7 @@ struct QuantJob {
     const auto* wi = static_cast<const int8_t*>(w[i]);
     if (M <= kDirectRows) {
       it::PanelForRows<it::Int8AsI16>(xq.data(), ldxq, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], xscale.data(), scale[i] + n0, n1 - n0, 1.0f);
+      Scale(out[i] + n0, M, N[i], xscale.data(), scale[i] + n0, n1 - n0);
       return;
     }
     auto* panel_i16 = reinterpret_cast<int16_t*>(scratch);
@@ -140,7 +139,7 @@ struct QuantJob {
       Convert<it::Int8AsI16>(wi, K, N[i], c, cols, scratch, panel);
       it::PanelForRows<it::I16>(xq.data(), ldxq, M, K, panel_i16, panel, out[i] + c, N[i], 0,
                                 cols);
-      Scale(out[i] + c, M, N[i], xscale.data(), scale[i] + c, cols, 1.0f);
+      Scale(out[i] + c, M, N[i], xscale.data(), scale[i] + c, cols);
     }
   }
 
@@ -149,7 +148,7 @@ struct QuantJob {
     const auto* wi = static_cast<const W::T*>(w[i]);
     if (M <= kDirectRows) {
       tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], nullptr, scale[i] + n0, n1 - n0, W::kUnscale);
+      Scale(out[i] + n0, M, N[i], nullptr, scale[i] + n0, n1 - n0);
       return;
     }
     for (int64_t c = n0; c < n1; c += panel) {
@@ -157,7 +156,7 @@ struct QuantJob {
       Convert<W>(wi, K, N[i], c, cols, scratch, panel);
       tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
                                               cols);
-      Scale(out[i] + c, M, N[i], nullptr, scale[i] + c, cols, W::kUnscale);
+      Scale(out[i] + c, M, N[i], nullptr, scale[i] + c, cols);
     }
   }
 
