@@ -5,7 +5,8 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
-weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode
+weights at one byte each (``quant_matmul.cc``, AVX512-VNNI int16 tiles for int8, the
+bfloat16 tiles for fp8, the same guarantees); decode
 attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
 mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
 (``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
@@ -162,7 +163,8 @@ def available() -> bool:
 
 
 def bf16_matmul_available() -> bool:
-    """Whether ``bf16_matmul`` may be used (registered, AVX512-BF16); fixed per process."""
+    """Whether ``bf16_matmul`` may be used (registered, AVX512-BF16 and AVX512-VBMI); fixed
+    per process."""
     return _register() is not None and _bf16_supported
 
 
