@@ -11,14 +11,10 @@ after sharding, so every checkpoint format and every architecture gets it the sa
 
 How a quantized projection computes (``matmuls``), by platform:
 
-- CPU, int8: each row of activations rounded to int16 with its own scale (max|x| / 32767,
-  finer than bfloat16 for every value above 1/128 of the row's largest), times ``q``, then
-  both scales (W8A16 in integers: the kernel widens a weight to int16 in one instruction
-  and sums exactly in int32). Through the native kernel
-  (``superinfer_jax.ops.native.quant_matmuls``) where the CPU has AVX512-BF16 and VNNI and
-  the model is on one device, else the same rounding and XLA's float32 dot.
-- CPU, fp8: bfloat16 activations times the weight, float32 accumulation, then the scales;
-  native kernel as above, else XLA's dot of ``q`` converted to bfloat16.
+- CPU: bfloat16 activations times the weight, float32 accumulation, then the scales (W8A16
+  for int8; fp8 weights compute the same way). Through the native kernel
+  (``superinfer_jax.ops.native.quant_matmuls``) where the CPU has AVX512-BF16 and the
+  model is on one device, else XLA's dot of ``q`` converted to bfloat16.
 - CUDA, fp8: activations scaled per token into e4m3 and one ``f8E4M3FN x f8E4M3FN`` dot
   with float32 accumulation, then both scales: the form XLA's GPU compiler turns into an
   FP8 GEMM. CUDA, int8 (and any other platform): the bfloat16 form above.
@@ -145,23 +141,6 @@ def _bf16_dot(x2: jax.Array, w: QuantizedWeight) -> jax.Array:
     return out * w.scale
 
 
-def int16_rows(x2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row of x rounded to int16 steps of its own max|x| / 32767 (to nearest even),
-    as float32 values, and the rows' steps [rows, 1]: the native int8 kernel's rounding."""
-    x32 = x2.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    inv = jnp.where(amax > 0, jnp.float32(32767) / amax, 0.0)
-    return jnp.round(x32 * inv), amax / jnp.float32(32767)
-
-
-def _int16_dot(x2: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """The native int8 kernel's math through XLA: int16-rounded rows times ``q`` in
-    float32, times the row steps, then the column scales."""
-    xq, step = int16_rows(x2)
-    out = jnp.dot(xq, w.q.astype(jnp.float32), preferred_element_type=jnp.float32)
-    return out * step * w.scale
-
-
 def fp8_gemm(x2: jax.Array, w: QuantizedWeight) -> jax.Array:
     """The CUDA form: x scaled per row into e4m3, one f8 x f8 dot with float32
     accumulation, then the row and column scales (XLA rewrites it to an FP8 GEMM)."""
@@ -178,10 +157,6 @@ def _xla(x2: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
     return [_bf16_dot(x2, w) for w in ws]
 
 
-def _cpu_xla(x2: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
-    return [_int16_dot(x2, w) if w.mode == "int8" else _bf16_dot(x2, w) for w in ws]
-
-
 def _gpu(x2: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
     return [fp8_gemm(x2, w) if w.mode == "fp8" else _bf16_dot(x2, w) for w in ws]
 
@@ -189,8 +164,7 @@ def _gpu(x2: jax.Array, ws: Sequence[QuantizedWeight]) -> list[jax.Array]:
 def matmuls(x: jax.Array, ws: Sequence[QuantizedWeight], native_cpu: bool) -> list[jax.Array]:
     """``[x @ w.dequantize() for w in ws]`` for x [..., in], float32 results (forms: the
     module docstring). ``native_cpu``: the CPU program calls the native kernel (every
-    shape, so a row's bits never depend on its batch); else XLA's dot on CPU (int8: of the
-    same int16-rounded rows)."""
+    shape, so a row's bits never depend on its batch); else XLA's dot on CPU."""
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1])
     modes = {w.mode for w in ws}
@@ -198,8 +172,7 @@ def matmuls(x: jax.Array, ws: Sequence[QuantizedWeight], native_cpu: bool) -> li
         def cpu(x2, ws):
             return native.quant_matmuls(x2.astype(jnp.bfloat16), [(w.q, w.scale) for w in ws])
     else:
-        def cpu(x2, ws):
-            return _cpu_xla(x2.astype(jnp.bfloat16), ws)
+        cpu = _xla
     outs = jax.lax.platform_dependent(x2, list(ws), cpu=cpu, cuda=_gpu, default=_xla)
     return [out.reshape(*lead, w.shape[-1]) for out, w in zip(outs, ws, strict=True)]
 

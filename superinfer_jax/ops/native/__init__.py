@@ -5,8 +5,7 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
-weights at one byte each (``quant_matmul.cc``, AVX512-VNNI int16 tiles for int8, the
-bfloat16 tiles for fp8, the same guarantees); decode
+weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode
 attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
 mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
 (``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
@@ -48,7 +47,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
-                for name in ("parallel_chunks.h", "bf16_tiles.h", "i16_tiles.h"))
+                for name in ("parallel_chunks.h", "bf16_tiles.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
@@ -169,7 +168,7 @@ def bf16_matmul_available() -> bool:
 
 
 def quant_matmul_available() -> bool:
-    """Whether ``quant_matmuls`` may be used (registered, AVX512-BF16 and AVX512-VNNI)."""
+    """Whether ``quant_matmuls`` may be used (registered, AVX512-BF16 and AVX512-VBMI)."""
     return _register() is not None and _quant_supported
 
 
@@ -250,9 +249,8 @@ def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
                   ) -> list[jax.Array]:
     """``[(x @ q) * s for q, s in weights]`` for bfloat16 x [M, K], 1-4 one-byte q
     [K, N_i] (all int8 or all float8_e4m3fn) and float32 per-column scales s [N_i];
-    float32 out, in one call (the kernel: ``quant_matmul.cc``; int8 rounds each row of x
-    to int16 with its own scale). A row's bits never depend on its batch; needs
-    ``quant_matmul_available()``."""
+    float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never depend
+    on its batch; needs ``quant_matmul_available()``."""
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"quant_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
     if x.ndim != 2 or x.dtype != jnp.bfloat16:

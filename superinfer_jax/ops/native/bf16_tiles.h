@@ -1,6 +1,6 @@
 // The register tiles of the AVX512-BF16 matmul, shared by ``bf16_matmul.cc`` (bfloat16
-// weights), ``quant_matmul.cc`` (fp8 e4m3 weights, converted to bfloat16 exactly as
-// they are loaded, or first into a bfloat16 panel) and ``grouped_matmul.cc``
+// weights), ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16
+// exactly as they are loaded, or first into a bfloat16 panel) and ``grouped_matmul.cc``
 // (each expert's rows against its bfloat16 weight).
 //
 // Every output element out[m, n] is one float32 accumulator, zeroed, then updated by one
@@ -50,6 +50,24 @@ struct Bf16Weights {
   BF16_TARGET static inline __m512i Load(const T* p) { return _mm512_loadu_si512(p); }
   BF16_TARGET static inline __m512i LoadMasked(const T* p, __mmask32 tail) {
     return _mm512_maskz_loadu_epi16(tail, p);
+  }
+};
+
+// int8 -> float32 -> bfloat16: exact (|v| <= 128 needs 8 significant bits).
+struct Int8Weights {
+  using T = int8_t;
+  BF16_TARGET static inline __m512i Widen(__m128i lo, __m128i hi) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  }
+  BF16_TARGET static inline __m512i Load(const T* p) {
+    return Widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  BF16_TARGET static inline __m512i LoadMasked(const T* p, __mmask32 tail) {
+    const __m256i v = _mm256_maskz_loadu_epi8(tail, p);
+    return Widen(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   }
 };
 

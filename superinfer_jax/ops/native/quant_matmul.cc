@@ -1,32 +1,27 @@
 // bfloat16 x (int8 | fp8 e4m3) -> float32 matmul with per-output-channel scales, for
-// XLA:CPU, as a typed XLA FFI custom call (one-byte weights, 16-bit activations).
+// XLA:CPU, as a typed XLA FFI custom call (weight-only quantization, W8A16).
 //
 // Why this exists: a decode step on CPU streams every weight once, so its floor is the
 // weights' bytes over memory bandwidth; one-byte weights halve the bfloat16 step's bytes.
 // XLA's dot would first convert the whole weight to a wider type on every step.
 //
-// How: each thread takes a contiguous range of output columns.
-// - int8 weights (``i16_tiles.h``): each row of x is first rounded to int16 with its own
-//   scale (max|x| / 32767); the tiles widen the weights to int16 as they load them (one
-//   instruction per 32 weights) and sum exactly in int32 (``vpdpwssd``), in chunks of k
-//   added in float32.
-// - fp8 e4m3 weights (``bf16_tiles.h``): the tiles convert the weights to bfloat16 as
-//   they load them (exact: every e4m3 value is a bfloat16) and sum in float32
-//   (``vdpbf16ps``).
-// Above a few rows, a panel of a few dozen to a few hundred columns is widened once into
-// a per-thread scratch that every row block then reads from cache. Last, the outputs are
-// multiplied by their rows' scales (int8) and their columns' scales.
+// How: each thread takes a contiguous range of output columns. The bfloat16 kernel's
+// register tiles (``bf16_tiles.h``) read the one-byte weights and convert them to
+// bfloat16 as they load them (exact: every int8 and every e4m3 value is a bfloat16);
+// above a few rows, a panel of a few dozen to a few hundred columns is converted once
+// into a per-thread scratch that every row block then reads from cache. Last, the
+// outputs are multiplied by their columns' scales.
 //
-// Batch invariance, by construction: out[m, n] is one sum in an order fixed by k alone
-// (see the tile headers), times row m's and column n's scales. Neither the panel width,
-// the thread, nor M changes that, so a row's bits do not depend on the rows beside it.
+// Batch invariance, by construction: out[m, n] = (one float32 accumulator, updated by one
+// ``vdpbf16ps`` per pair of k in increasing k) * scale[n]. Neither the panel width, the
+// thread, nor M changes that, so a row's bits do not depend on the rows beside it.
 //
 //   x     [M, K] bf16
 //   w_i   [K, N_i] int8 or f8E4M3FN (row-major [in, out]), 1 to 4 of them
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
 //
-// Only CPUs with AVX512-BF16 and AVX512-VNNI run it (``SuperinferQuantMatmulSupported``);
+// Only CPUs with AVX512-BF16 and AVX512-VBMI run it (``SuperinferQuantMatmulSupported``);
 // callers fall back to XLA's dot of the dequantized weight elsewhere.
 
 #include <algorithm>
@@ -36,7 +31,6 @@
 #include <vector>
 
 #include "bf16_tiles.h"
-#include "i16_tiles.h"
 #include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -59,10 +53,10 @@ enum class Kind { kInt8, kFp8 };
 
 namespace tiles = superinfer::tiles;
 
-// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] of 16-bit values (W's
-// exact widening: bfloat16 for fp8, int16 for int8).
+// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] bfloat16, through the
+// format's own exact conversion (``bf16_tiles.h``).
 template <class W>
-I16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
+BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
                         uint16_t* scratch, int64_t ldp) {
   for (int64_t k = 0; k < K; ++k) {
     const typename W::T* src = w + k * N + c;
@@ -81,25 +75,17 @@ I16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c,
   }
 }
 
-// out[m, c] = (out[m, c] * row[m]) * scale[c] for columns [0, cols) of M rows; ``row``
-// null for no row scales.
-BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* row, const float* scale,
-                       int64_t cols) {
+// out[m, c] *= scale[c] for columns [0, cols) of M rows.
+BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols) {
   for (int64_t m = 0; m < M; ++m) {
     float* o = out + m * ldo;
-    const __m512 r = _mm512_set1_ps(row ? row[m] : 1.0f);
     int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      const __m512 s = _mm512_loadu_ps(scale + j);
-      const __m512 v = row ? _mm512_mul_ps(_mm512_loadu_ps(o + j), r) : _mm512_loadu_ps(o + j);
-      _mm512_storeu_ps(o + j, _mm512_mul_ps(v, s));
-    }
+    for (; j + 16 <= cols; j += 16)
+      _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), _mm512_loadu_ps(scale + j)));
     if (j < cols) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + j);
-      __m512 v = _mm512_maskz_loadu_ps(mask, o + j);
-      if (row) v = _mm512_mul_ps(v, r);
-      _mm512_mask_storeu_ps(o + j, mask, _mm512_mul_ps(v, s));
+      _mm512_mask_storeu_ps(o + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o + j),
+                                                       _mm512_maskz_loadu_ps(mask, scale + j)));
     }
   }
 }
@@ -116,39 +102,17 @@ struct QuantJob {
   int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
   int64_t num_units;
   int64_t panel;  // columns per converted panel, a multiple of 32
-  // int8: x rounded to int16, rows ldxq apart (K rounded up to even), and each row's scale.
-  std::vector<int16_t> xq;
-  int64_t ldxq = 0;
-  std::vector<float> xscale;
 
-  // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles widen the weights as
-  // they load them; more rows widen a panel into scratch once and every row block reads
-  // it from cache. The tiles see the same 16-bit values either way, so the bits are the
-  // same.
-  I16_TARGET void Int8Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
-    namespace it = superinfer::i16tiles;
-    const auto* wi = static_cast<const int8_t*>(w[i]);
-    if (M <= kDirectRows) {
-      it::PanelForRows<it::Int8AsI16>(xq.data(), ldxq, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], xscale.data(), scale[i] + n0, n1 - n0);
-      return;
-    }
-    auto* panel_i16 = reinterpret_cast<int16_t*>(scratch);
-    for (int64_t c = n0; c < n1; c += panel) {
-      const int64_t cols = std::min(panel, n1 - c);
-      Convert<it::Int8AsI16>(wi, K, N[i], c, cols, scratch, panel);
-      it::PanelForRows<it::I16>(xq.data(), ldxq, M, K, panel_i16, panel, out[i] + c, N[i], 0,
-                                cols);
-      Scale(out[i] + c, M, N[i], xscale.data(), scale[i] + c, cols);
-    }
-  }
-
-  BF16_TARGET void Fp8Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
-    using W = tiles::Fp8Weights;
-    const auto* wi = static_cast<const W::T*>(w[i]);
+  // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
+  // as they load them; more rows convert a panel into scratch once and every row block
+  // reads it from cache. The tiles see the same bfloat16 values either way, so the bits
+  // are the same.
+  template <class W>
+  BF16_TARGET void Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
+    const auto* wi = static_cast<const typename W::T*>(w[i]);
     if (M <= kDirectRows) {
       tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], nullptr, scale[i] + n0, n1 - n0);
+      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0);
       return;
     }
     for (int64_t c = n0; c < n1; c += panel) {
@@ -156,11 +120,11 @@ struct QuantJob {
       Convert<W>(wi, K, N[i], c, cols, scratch, panel);
       tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
                                               cols);
-      Scale(out[i] + c, M, N[i], nullptr, scale[i] + c, cols);
+      Scale(out[i] + c, M, N[i], scale[i] + c, cols);
     }
   }
 
-  I16_TARGET void Unit(int64_t u) const {
+  BF16_TARGET void Unit(int64_t u) const {
     thread_local std::vector<uint16_t> scratch;
     if (M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
       scratch.resize(K * panel);
@@ -171,20 +135,11 @@ struct QuantJob {
       if (lo >= hi) continue;
       const int64_t n0 = 32 * (lo - first_group[i]), n1 = std::min(N[i], 32 * (hi - first_group[i]));
       if (kind == Kind::kInt8) {
-        Int8Columns(i, n0, n1, scratch.data());
+        Columns<tiles::Int8Weights>(i, n0, n1, scratch.data());
       } else {
-        Fp8Columns(i, n0, n1, scratch.data());
+        Columns<tiles::Fp8Weights>(i, n0, n1, scratch.data());
       }
     }
-  }
-
-  // int8: every row of x to int16 and its scale, before any column is computed.
-  I16_TARGET void QuantizeRows() {
-    ldxq = K + (K & 1);
-    xq.assign(M * ldxq, 0);
-    xscale.resize(M);
-    for (int64_t m = 0; m < M; ++m)
-      xscale[m] = superinfer::i16tiles::QuantizeRow(x + m * K, K, xq.data() + m * ldxq, ldxq);
   }
 };
 
@@ -200,8 +155,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
     return ffi::Error::InvalidArgument("quant_matmul: 1-4 (weight, scale) pairs, one output each");
   }
 #if SUPERINFER_HAVE_BF16_KERNEL
-  static const bool supported = superinfer::I16CpuSupported();
-  if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16/VNNI");
+  static const bool supported = superinfer::Bf16CpuSupported();
+  if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16/VBMI");
   auto job = std::make_shared<QuantJob>();
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->M = xd[0];
@@ -244,7 +199,6 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
       std::memset(job->out[i], 0, sizeof(float) * job->M * job->N[i]);
     return ffi::Error::Success();
   }
-  if (job->kind == Kind::kInt8) job->QuantizeRows();
   job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
   const int64_t workers = superinfer::Workers(thread_pool);
   job->num_units = std::min(total, workers);
@@ -258,7 +212,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
 }  // namespace
 
 // 1 where this CPU can run the kernel, else 0 (ctypes, before any program is traced).
-extern "C" int SuperinferQuantMatmulSupported() { return superinfer::I16CpuSupported() ? 1 : 0; }
+extern "C" int SuperinferQuantMatmulSupported() { return superinfer::Bf16CpuSupported() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferQuantMatmul, QuantMatmulImpl,
                               ffi::Ffi::Bind()
