@@ -122,7 +122,7 @@ class LlamaServable:
         if not quant.is_quantized(self.params):
             self.params = quant.quantize_params(self.params, self.quantization, self.plan)
         self.acc32 = platform == "cpu"
-        if self.acc32 and self.mesh is None and native.bf16_matmul_available():
+        if self.acc32 and self.mesh is None and native.quant_matmul_available():
             self.acc32 = NATIVE
         log.info("%s: %s weights, one scale per output channel%s", self.config.name,
                  self.quantization, " (native kernel)" if self.acc32 == NATIVE else "")

@@ -122,6 +122,7 @@ def build() -> Path:
 
 
 _bf16_supported = False
+_quant_supported = False
 _attention_supported = False
 _grouped_supported: frozenset[str] = frozenset()  # the dtypes grouped_matmul runs here
 
@@ -142,8 +143,9 @@ def _register() -> str | None:
         return None
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    global _bf16_supported, _attention_supported, _grouped_supported
+    global _bf16_supported, _quant_supported, _attention_supported, _grouped_supported
     _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
+    _quant_supported = bool(library.SuperinferQuantMatmulSupported())
     _attention_supported = bool(library.SuperinferDecodeAttentionSupported())
     _grouped_supported = frozenset(
         name for code, name in enumerate(GROUPED_MATMUL_DTYPES)
@@ -160,8 +162,14 @@ def available() -> bool:
 
 
 def bf16_matmul_available() -> bool:
-    """Whether ``bf16_matmul`` may be used (registered, AVX512-BF16); fixed per process."""
+    """Whether ``bf16_matmul`` may be used (registered, AVX512-BF16 and AVX512-VBMI); fixed
+    per process."""
     return _register() is not None and _bf16_supported
+
+
+def quant_matmul_available() -> bool:
+    """Whether ``quant_matmuls`` may be used (registered, AVX512-BF16 and AVX512-VBMI)."""
+    return _register() is not None and _quant_supported
 
 
 def decode_attention_available() -> bool:
@@ -241,8 +249,8 @@ def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
                   ) -> list[jax.Array]:
     """``[(x @ q) * s for q, s in weights]`` for bfloat16 x [M, K], 1-4 one-byte q
     [K, N_i] (all int8 or all float8_e4m3fn) and float32 per-column scales s [N_i];
-    float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never
-    depend on its batch; needs ``bf16_matmul_available()``."""
+    float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never depend
+    on its batch; needs ``quant_matmul_available()``."""
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"quant_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
     if x.ndim != 2 or x.dtype != jnp.bfloat16:

@@ -21,8 +21,8 @@
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
 //
-// Only CPUs with AVX512-BF16 run it (``SuperinferQuantMatmulSupported``); callers fall
-// back to XLA's dot of the dequantized weight elsewhere.
+// Only CPUs with AVX512-BF16 and AVX512-VBMI run it (``SuperinferQuantMatmulSupported``);
+// callers fall back to XLA's dot of the dequantized weight elsewhere.
 
 #include <algorithm>
 #include <cstdint>
@@ -57,7 +57,7 @@ namespace tiles = superinfer::tiles;
 // format's own exact conversion (``bf16_tiles.h``).
 template <class W>
 BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
-                         uint16_t* scratch, int64_t ldp) {
+                        uint16_t* scratch, int64_t ldp) {
   for (int64_t k = 0; k < K; ++k) {
     const typename W::T* src = w + k * N + c;
     if (k + tiles::kPrefetchRows < K) {
@@ -75,21 +75,17 @@ BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c
   }
 }
 
-// out[m, c] *= scale[c] * unscale for columns [0, cols) of M rows.
-BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols,
-                       float unscale) {
-  const __m512 u = _mm512_set1_ps(unscale);
+// out[m, c] *= scale[c] for columns [0, cols) of M rows.
+BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, int64_t cols) {
   for (int64_t m = 0; m < M; ++m) {
-    float* row = out + m * ldo;
+    float* o = out + m * ldo;
     int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + j), u);
-      _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), s));
-    }
+    for (; j + 16 <= cols; j += 16)
+      _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), _mm512_loadu_ps(scale + j)));
     if (j < cols) {
       const __mmask16 mask = static_cast<__mmask16>((1u << (cols - j)) - 1);
-      const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scale + j), u);
-      _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), s));
+      _mm512_mask_storeu_ps(o + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o + j),
+                                                       _mm512_maskz_loadu_ps(mask, scale + j)));
     }
   }
 }
@@ -108,16 +104,15 @@ struct QuantJob {
   int64_t panel;  // columns per converted panel, a multiple of 32
 
   // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
-  // as they load them (each weight converted once or twice); more rows convert a panel
-  // into scratch once and every row block reads it from cache. The tiles see the same
-  // bfloat16 values either way, so the bits are the same.
+  // as they load them; more rows convert a panel into scratch once and every row block
+  // reads it from cache. The tiles see the same bfloat16 values either way, so the bits
+  // are the same.
   template <class W>
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
     const auto* wi = static_cast<const typename W::T*>(w[i]);
-    const float unscale = kind == Kind::kFp8 ? tiles::Fp8Weights::kUnscale : 1.0f;
     if (M <= kDirectRows) {
       tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0, unscale);
+      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0);
       return;
     }
     for (int64_t c = n0; c < n1; c += panel) {
@@ -125,7 +120,7 @@ struct QuantJob {
       Convert<W>(wi, K, N[i], c, cols, scratch, panel);
       tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
                                               cols);
-      Scale(out[i] + c, M, N[i], scale[i] + c, cols, unscale);
+      Scale(out[i] + c, M, N[i], scale[i] + c, cols);
     }
   }
 
@@ -161,7 +156,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
   }
 #if SUPERINFER_HAVE_BF16_KERNEL
   static const bool supported = superinfer::Bf16CpuSupported();
-  if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16");
+  if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16/VBMI");
   auto job = std::make_shared<QuantJob>();
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->M = xd[0];
