@@ -104,12 +104,24 @@ class OpenAIFront:
         if isinstance(prompt, str):
             return [(encode_prompt(tok, text=prompt), prompt)]
         if not prompt or not isinstance(prompt[0], str | list):  # one token-id list
-            return [(encode_prompt(tok, token_ids=prompt), None)]
+            return [(self._token_ids(prompt), None)]
         if len(prompt) > MAX_PROMPTS:
             raise FieldError("prompt", f"prompt holds {len(prompt)} prompts; at most "
                                        f"{MAX_PROMPTS} per request")
         return [(encode_prompt(tok, text=p), p) if isinstance(p, str)
-                else (encode_prompt(tok, token_ids=p), None) for p in prompt]
+                else (self._token_ids(p), None) for p in prompt]
+
+    def _token_ids(self, prompt: Any) -> list[int]:
+        """A token-id prompt, checked against the vocabulary before anything (an echo's
+        detokenization included) reads it."""
+        ids = encode_prompt(self.runtime.tokenizer, token_ids=prompt)
+        info = self.runtime.model_info
+        vocab = info.vocab_size if info is not None else None
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise FieldError("prompt", f"prompt token ids must be in {bound}, got {bad[0]}")
+        return ids
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                   max_model_len: int, plan: OutputPlan | None = None
