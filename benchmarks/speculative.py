@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests at once (--quick: 1)")
     parser.add_argument("--per-kind", type=int, default=8,
                         help="prompts per workload kind (--quick: 2)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the n-gram rows' SmolLM2 weights (bfloat16: the native "
+                        "kernels' path, where exactness rests on batch-invariant decode rows)")
     parser.add_argument("--max-tokens", type=int, default=128, help="(--quick: 48)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--build-data", action="store_true",
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     if "ngram" in args.methods:
-        model = load_model("smollm2-135m", dtype="float32")
+        model = load_model("smollm2-135m", dtype=args.dtype)
         for batch in args.batch:
             rows += _measure(model, args, batch)
     if "draft" in args.methods:

@@ -102,6 +102,30 @@ def _gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
 
 
+ROW_SUM_LANES = 16
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """``x.sum(-1, keepdims=True)`` in one fixed order whatever the leading shape: 16
+    lane sums over the last axis in chunk order, then a fixed tree over the lanes, all
+    elementwise adds. Why: XLA:CPU reduces a row in another order once a reduction has 8
+    or more rows, so a row's bits (and near-tie argmaxes) would depend on its batch; the
+    decode step must give a row the same bits in any batch (the speculative verify call
+    scores its positions as decode rows of another count)."""
+    n = x.shape[-1]
+    pad = -n % ROW_SUM_LANES
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    chunks = x.reshape(*x.shape[:-1], -1, ROW_SUM_LANES)
+    lanes = chunks[..., 0, :]
+    for c in range(1, chunks.shape[-2]):
+        lanes = lanes + chunks[..., c, :]
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -109,7 +133,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        mean_sq = row_sum(x32 * x32) * (1.0 / x32.shape[-1])
+        x32 = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 

@@ -1,9 +1,12 @@
 """The verify call: rows of 1 + k tokens scored in one forward pass over the paged KV.
 
 Row ``b`` holds a request's last token and the tokens proposed after it, at their
-positions; the pass writes their KV (the rejected ones' is overwritten later: the
-request's ``num_computed_tokens`` only counts what was accepted) and returns the target's
-greedy token at every column. Greedy rows (temperature 0) accept by the argmax rule:
+positions; the pass scores each of the 1 + k positions as its own decode row
+(``as_decode_rows``), so its logits are bit for bit those of decoding one token at a
+time, in bfloat16 too (a multi-column prefill row sums in another order, and a near-tie
+would flip the argmax). The pass writes their KV (the rejected ones' is overwritten
+later: the request's ``num_computed_tokens`` only counts what was accepted) and returns
+the target's greedy token at every column. Greedy rows (temperature 0) accept by the argmax rule:
 the longest prefix of the proposal the target agrees with, plus the target's next token,
 so the output is exactly what decoding one token at a time gives. Sampled rows use the
 rejection rule of speculative sampling (``_sampled``), so each emitted token is
@@ -43,12 +46,14 @@ def make_verify(model: ServableModel, treedef: Any, backend: str,
     def verify(param_leaves, kv_pool, inputs: StepInputs, want_logprobs,
                sampling: SamplingInputs, proposals, masked, masks):
         params = jax.tree.unflatten(treedef, param_leaves)
-        raw, kv_pool = model.forward(params, kv_pool, inputs, attention_backend=backend,
-                                     all_logits=True)
+        rows, cols = inputs.tokens.shape
+        # each column a decode row: the exact computation plain decoding does
+        raw, kv_pool, _ = model.forward(params, kv_pool, as_decode_rows(inputs),
+                                        attention_backend=backend, return_hidden=True)
+        raw = raw.reshape(rows, cols, raw.shape[-1])
         logits = jax.lax.cond(jnp.any(masked), lambda: _grammar(raw, masked, masks),
                               lambda: raw)
         greedy = greedy_tokens(logits)  # the sampler's greedy rule, every column
-        rows, cols = greedy.shape
         tokens, accepted = jax.lax.cond(
             jnp.any(sampling.temperature > 0),
             lambda: _sampled(logits, greedy, sampling, proposals, rule),
@@ -64,6 +69,24 @@ def make_verify(model: ServableModel, treedef: Any, backend: str,
     if out_shardings is None:
         return jax.jit(verify, donate_argnums=(1,))
     return jax.jit(verify, donate_argnums=(1,), out_shardings=out_shardings)
+
+
+def as_decode_rows(inputs: StepInputs) -> StepInputs:
+    """Verify rows [B, C] as B * C one-column decode rows (row-major): column ``j`` of
+    row ``b`` becomes a decode row of the same request (its page table) whose context
+    ends at its own position, so its logits come from the kernels and shapes plain
+    decoding uses (the decode path is batch-invariant: a row's bits do not depend on the
+    other rows). Every layer writes all rows' K/V before it attends, so column ``j`` sees
+    the K/V of the columns before it. A padding column (``j >= query_lens[b]``) is a
+    padding decode row: it writes the null page and sees no context."""
+    rows, cols = inputs.tokens.shape
+    valid = jnp.arange(cols)[None, :] < inputs.query_lens[:, None]  # [B, C]
+    return StepInputs(
+        tokens=inputs.tokens.reshape(rows * cols, 1),
+        positions=inputs.positions.reshape(rows * cols, 1),
+        query_lens=valid.reshape(-1).astype(jnp.int32),
+        context_lens=jnp.where(valid, inputs.positions + 1, 0).reshape(-1).astype(jnp.int32),
+        page_tables=jnp.repeat(inputs.page_tables, cols, axis=0))
 
 
 def _grammar(logits: jax.Array, masked: jax.Array, masks: jax.Array) -> jax.Array:
