@@ -64,6 +64,16 @@ def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
     return random_servable(config, seed=seed, tokenizer=tokenizer)
 
 
+def run_batched(engine, prompts, sp):
+    """Every prompt at once, the pool's invariants checked after each step; the finished
+    requests in prompt order."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.kv.check_invariants()
+    return [engine.release(r) for r in ids]
+
+
 def run_alone(engine, prompts, sp) -> list[list[int]]:
     """Each prompt's tokens with the engine to itself, one after another: the reference
     of the invariance tests (no batch, and no pressure: one request always fits their

@@ -20,7 +20,7 @@ from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.spec.draft_kv import DraftPages
-from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone, run_rotating
+from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone, run_batched, run_rotating
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -49,18 +49,10 @@ def shallow(tiny):
     return first_layers(tiny, 1)
 
 
-def _batched(engine, prompts, sp):
-    ids = [engine.add_request(p, sp) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.kv.check_invariants()
-    return [engine.release(r) for r in ids]
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, prompts, reference, k):
     engine = LLMEngine(tiny, _draft(k), draft_model=tiny)
-    done = _batched(engine, prompts, SP)
+    done = run_batched(engine, prompts, SP)
     assert [r.output_token_ids for r in done] == reference
     spec = engine.stats().spec_decode
     assert spec.num_draft_tokens > 0
@@ -71,7 +63,7 @@ def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, prompts, referenc
 
 def test_a_different_draft_keeps_greedy_tokens_batched(tiny, shallow, prompts, reference):
     engine = LLMEngine(tiny, _draft(3), draft_model=shallow)
-    assert [r.output_token_ids for r in _batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
     spec = engine.stats().spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 

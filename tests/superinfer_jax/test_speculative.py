@@ -30,7 +30,7 @@ from superinfer_jax.model_api import StepInputs
 from superinfer_jax.request import FieldError, RequestStatus
 from superinfer_jax.spec.proposer import ngram_propose, resolve_proposer
 from superinfer_jax.spec.verify import accepted_length, make_verify
-from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_rotating
+from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_batched, run_rotating
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -83,19 +83,11 @@ def reference(tiny, prompts):
     return run_alone(LLMEngine(tiny, SMALL), prompts, SP)
 
 
-def _batched(engine, prompts, sp):
-    ids = [engine.add_request(p, sp) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.kv.check_invariants()
-    return [engine.release(r) for r in ids]
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k):
     engine = LLMEngine(tiny, _spec(k))
     assert run_alone(engine, prompts, SP) == reference
-    done = _batched(engine, prompts, SP)  # batched, and the second time prefix hits
+    done = run_batched(engine, prompts, SP)  # batched, and the second time prefix hits
     assert [r.output_token_ids for r in done] == reference
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in done)
     stats = engine.stats()
@@ -132,7 +124,7 @@ def test_logprobs_stops_and_lengths_as_without_speculation(tiny, prompts):
             SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)),
             SamplingParams(max_tokens=7, ignore_eos=True)]
     for sp in jobs:
-        want, got = _batched(plain, prompts[:3], sp), _batched(spec, prompts[:3], sp)
+        want, got = run_batched(plain, prompts[:3], sp), run_batched(spec, prompts[:3], sp)
         assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
         assert [r.status for r in got] == [r.status for r in want]
         if sp.logprobs:
@@ -155,7 +147,7 @@ def test_forks_and_opt_out(tiny, prompts, reference):
     assert engine.release(first).output_token_ids == reference[0]
     assert engine.release(fork).output_token_ids == reference[0]
     before = engine.stats().spec_decode.num_drafts
-    out = _batched(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True,
+    out = run_batched(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True,
                                                    speculative=False))
     assert [r.output_token_ids for r in out] == reference
     assert engine.stats().spec_decode.num_drafts == before  # nobody speculated
@@ -351,7 +343,7 @@ def test_a_plugin_proposer_never_changes_the_output(tiny, prompts, reference):
     engine = LLMEngine(tiny, SMALL.replace(
         speculative_method="tests.superinfer_jax.test_speculative:NoisyProposer",
         num_speculative_tokens=2))
-    assert [r.output_token_ids for r in _batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
     assert engine.stats().spec_decode.num_drafts > 0
 
 
