@@ -25,6 +25,7 @@ from superinfer_jax.request import ROTARY, RUNNING, Request
 from superinfer_jax.sched.rotasched.lag import virtual_lag
 from superinfer_jax.sched.rotasched.policy import HOST, Policy
 from superinfer_jax.sched.rotasched.ranking import (
+    deferred_hopeless,
     first_token_slack,
     is_protected,
     late_window,
@@ -177,8 +178,8 @@ class RotaSchedPolicy(SwapPolicy):
         hopeless_last = self.params.hopeless_last
         cap = self.params.hopeless_wait_cap
         replies = self.params.parked_replies
-        lm = s.latency  # a decode step over the runners (``reply_due_on_time``)
-        step_s = None if lm is None else lm.decode_s(
+        lm = s.latency  # a decode step (``reply_due_on_time``, ``residency_tbt_slos``)
+        step_s = None if lm is None or (replies == "lag" and slos is None) else lm.decode_s(
             max(1, len(s.running)), sum(r.num_tokens for r in s.running))
         free_only: set[int] = set()
 
@@ -202,8 +203,7 @@ class RotaSchedPolicy(SwapPolicy):
             missed = missed_ttft(r, now)
             if urgency > 0 and not missed:
                 return (1, 2, -urgency, r.arrival_time)  # late: may displace runners
-            if missed and hopeless_last and (
-                    cap is None or now - r.arrival_time <= cap * r.slo.ttft_s):
+            if missed and hopeless_last and deferred_hopeless(r, now, cap):
                 return (3, 0, 0.0, r.arrival_time)  # hopeless, behind those who can make it
             return (2, 0, 0.0, r.arrival_time)  # not late, or hopeless: FCFS behind runners
 

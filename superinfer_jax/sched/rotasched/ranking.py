@@ -40,9 +40,9 @@ from superinfer_jax.sched.waiting_queue import WaitingQueue
 if TYPE_CHECKING:
     from superinfer_jax.sched.scheduler import Scheduler
 
-__all__ = ["first_token_slack", "is_protected", "late_window", "missed_ttft", "rank_by_lag",
-           "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",
-           "shortest_first", "timed_window"]
+__all__ = ["deferred_hopeless", "first_token_slack", "is_protected", "late_window",
+           "missed_ttft", "rank_by_lag", "reply_due_on_time", "residency_window",
+           "resident_tokens", "rotate_in_due", "shortest_first", "timed_window"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -210,18 +210,23 @@ def first_token_slack(s: Scheduler, req: Request, now: float) -> float:
     return req.arrival_time + req.slo.ttft_s - now - work
 
 
-class _Hopeless:
+def deferred_hopeless(req: Request, now: float, cap: float | None) -> bool:
     """``hopeless_last``'s test: no first token and past its TTFT deadline, and, with
-    ``hopeless_wait_cap``, not waiting past ``cap`` TTFT SLOs since arrival."""
+    ``hopeless_wait_cap`` (``cap``), not waiting past ``cap`` TTFT SLOs since arrival."""
+    if cap is not None and now - req.arrival_time > cap * req.slo.ttft_s:
+        return False
+    return missed_ttft(req, now)
+
+
+class _Hopeless:
+    """``deferred_hopeless`` at one time, as the ``Ranking``'s ``defer`` test."""
 
     def __init__(self, now: float, cap: float | None = None) -> None:
         self.now = now
         self.cap = cap
 
     def __call__(self, req: Request) -> bool:
-        if self.cap is not None and self.now - req.arrival_time > self.cap * req.slo.ttft_s:
-            return False
-        return missed_ttft(req, self.now)
+        return deferred_hopeless(req, self.now, self.cap)
 
 
 def _arrival(r: Request) -> float:
