@@ -8,6 +8,8 @@ to the compiled step shapes reaches both (and the persistent XLA cache serves bo
 
 from __future__ import annotations
 
+import numpy as np
+
 from models.config import ModelConfig
 from models.servable import random_servable
 from superinfer_jax import EngineConfig
@@ -62,6 +64,15 @@ def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
         "tie_word_embeddings": True, "eos_token_ids": tuple(tokenizer.eos_token_ids),
         **fields})
     return random_servable(config, seed=seed, tokenizer=tokenizer)
+
+
+def repeating_prompts() -> list[list[int]]:
+    """Prompts with repeats (proposals a target takes and rejects), one without, and two
+    longer than a 16-token prefill chunk (chunked prefill): the speculation tests'."""
+    rng = np.random.default_rng(3)
+    out = [(rng.integers(0, 250, 5).tolist() * 3)[:int(n)] for n in (9, 13, 15)]
+    out += [rng.integers(0, 250, 7).tolist(), (rng.integers(0, 250, 6).tolist() * 6)[:34]]
+    return out
 
 
 def run_batched(engine, prompts, sp):

@@ -20,7 +20,14 @@ from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.spec.draft_kv import DraftPages
-from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone, run_batched, run_rotating
+from tests.superinfer_jax.engine_testlib import (
+    SMALL,
+    TINY,
+    repeating_prompts,
+    run_alone,
+    run_batched,
+    run_rotating,
+)
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -32,10 +39,7 @@ def _draft(k: int, **changes) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(3)
-    out = [(rng.integers(0, 250, 5).tolist() * 3)[:int(n)] for n in (9, 13, 15)]
-    out += [rng.integers(0, 250, 7).tolist(), (rng.integers(0, 250, 6).tolist() * 6)[:34]]
-    return out
+    return repeating_prompts()
 
 
 @pytest.fixture(scope="module")

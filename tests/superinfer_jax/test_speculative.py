@@ -30,7 +30,13 @@ from superinfer_jax.model_api import StepInputs
 from superinfer_jax.request import FieldError, RequestStatus
 from superinfer_jax.spec.proposer import ngram_propose, resolve_proposer
 from superinfer_jax.spec.verify import accepted_length, make_verify
-from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_batched, run_rotating
+from tests.superinfer_jax.engine_testlib import (
+    SMALL,
+    repeating_prompts,
+    run_alone,
+    run_batched,
+    run_rotating,
+)
 
 SP = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -70,12 +76,7 @@ def _spec(k: int, **changes) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def prompts():
-    """Prompts with repeats (proposals that the target takes and rejects), one without,
-    and two longer than a 16-token prefill chunk (chunked prefill)."""
-    rng = np.random.default_rng(3)
-    out = [(rng.integers(0, 250, 5).tolist() * 3)[:int(n)] for n in (9, 13, 15)]
-    out += [rng.integers(0, 250, 7).tolist(), (rng.integers(0, 250, 6).tolist() * 6)[:34]]
-    return out
+    return repeating_prompts()
 
 
 @pytest.fixture(scope="module")
