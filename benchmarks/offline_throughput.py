@@ -3,8 +3,10 @@ and against llama.cpp on the same GGUF.
 
 For each weight mode and batch size: B prompts of ``prompt_len`` random tokens,
 ``new_tokens`` greedy tokens each (EOS ignored), output tokens/s end to end (prefill
-included), and the engine's mean decode step time against the memory-bandwidth roofline
-(weight bytes over the copy bandwidth measured in the same run). Modes: each of
+included) and decode tokens/s (the tokens after each sequence's first, over the time
+after the last first token: prefill out), and the engine's mean decode step time against
+the memory-bandwidth roofline (weight bytes over the copy bandwidth measured in the same
+run). Modes: each of
 ``--dtypes`` with float weights, then each of ``--weights`` (``int8``, ``fp8``:
 ``models.quant``) over bfloat16 compute; ``--kv-cache-dtype`` passes through to the engine.
 
@@ -13,7 +15,9 @@ Each row carries ``dtype`` (compute), ``weights`` (none | int8 | fp8), ``kv_cach
 batch) and ``baselines``: tok/s of ``transformers`` (the same float weights; bfloat16 for
 the quantized rows), ``llama.cpp q8_0`` and ``llama.cpp q4_1`` (``benchmarks.lib.llamacpp``:
 the shipped Q4_1 GGUF and a Q8_0 llama.cpp makes from it), all measured in this run; a
-baseline that could not run is null, with the reason in ``baselines_missing``.
+baseline that could not run is null, with the reason in ``baselines_missing``. The
+decode figures: ``engine_decode_tok_s``, ``vs_bfloat16_decode`` and ``decode_baselines``
+(the same names; transformers' decode time is a full run's less a one-token run's).
 
     python -m benchmarks.offline_throughput [--quick] [--out results/offline_throughput.json]
 """
@@ -62,37 +66,51 @@ def matmul_flops(n: int = 1536, repeats: int = 5) -> float:
 
 
 def run_engine(model, batch: int, prompts: list[list[int]], new_tokens: int, engine) -> dict:
+    """``tok_s``: output tokens over the whole run; ``decode_tok_s``: the tokens after each
+    request's first over the time from the last first token to the end (prefill out)."""
     from superinfer_jax import SamplingParams
 
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    for p in prompts[:batch]:
-        engine.add_request(p, sp)
+    ids = [engine.add_request(p, sp) for p in prompts[:batch]]
     decode_times = []
+    first: float | None = None
     while engine.has_unfinished_requests():
         outs = engine.step()
         s = engine.last_stats
         if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch and outs:
             decode_times.append(s.step_time_s)
-    elapsed = time.perf_counter() - start
+        if first is None and all(engine.requests[r].output_token_ids for r in ids):
+            first = time.perf_counter()
+    end = time.perf_counter()
     for req_id in list(engine.requests):
         engine.release(req_id)
-    return {"tok_s": batch * new_tokens / elapsed,
+    return {"tok_s": batch * new_tokens / (end - start),
+            "decode_tok_s": (batch * (new_tokens - 1) / (end - first)
+                             if first is not None and end > first else None),
             "decode_step_ms": 1000 * float(np.median(decode_times)) if decode_times else None}
 
 
-def run_transformers(hf_model, batch: int, prompts: list[list[int]], new_tokens: int) -> float:
+def run_transformers(hf_model, batch: int, prompts: list[list[int]], new_tokens: int
+                     ) -> tuple[float, float]:
+    """(tok/s end to end, decode tok/s): decode is the ``new_tokens - 1`` tokens after the
+    first over the run's time less a one-token run's (the prefill)."""
     import torch
 
     ids = torch.tensor(prompts[:batch], dtype=torch.long)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                pad_token_id=0)
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] == ids.shape[1] + new_tokens
-    return batch * new_tokens / elapsed
+
+    def timed(n: int) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            elapsed = time.perf_counter() - start
+        assert out.shape[1] == ids.shape[1] + n
+        return elapsed
+
+    first, whole = timed(1), timed(new_tokens)
+    decode = batch * (new_tokens - 1) / (whole - first) if whole > first else float("nan")
+    return batch * new_tokens / whole, decode
 
 
 def baseline_setup(hf_model) -> str:
@@ -129,15 +147,19 @@ def _llamacpp(args: argparse.Namespace, batches: list[int], prompt: list[int]) -
     return llamacpp.baselines(source, batches, prompt, args.new_tokens)
 
 
-def _baselines(hf: dict[int, float], cpp: dict, batch: int) -> tuple[dict, dict]:
-    values: dict[str, float | None] = {"transformers": hf[batch]}
+def _baselines(hf: dict[int, tuple[float, float]], cpp: dict, batch: int
+               ) -> tuple[dict, dict, dict]:
+    """(end-to-end tok/s by baseline, decode tok/s by baseline, why one is missing)."""
+    values: dict[str, float | None] = {"transformers": hf[batch][0]}
+    decode: dict[str, float | None] = {"transformers": hf[batch][1]}
     missing: dict[str, str] = {}
     for name, per_batch in cpp.items():
         got = per_batch[batch]
-        values[name] = got if isinstance(got, float) else None
-        if not isinstance(got, float):
+        ok = isinstance(got, tuple)
+        values[name], decode[name] = got if ok else (None, None)
+        if not ok:
             missing[name] = str(got)
-    return values, missing
+    return values, decode, missing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     rows: list[dict] = []
     setup = ""
-    hf_tok_s: dict[str, dict[int, float]] = {}
+    hf_tok_s: dict[str, dict[int, tuple[float, float]]] = {}
     prompts: list[list[int]] = []
     cpp: dict = {}
     for dtype, weights in _modes(args):
@@ -208,15 +230,20 @@ def main(argv: list[str] | None = None) -> None:
             # both rooflines: weights streamed once per step, and 2 FLOPs per param per row
             compute_ms = 1000 * 2 * _param_count(model) * batch / flops
             bound_ms = max(roofline_ms, compute_ms)
-            values, missing = _baselines(hf_tok_s[dtype], cpp, batch)
-            bf16 = ours["tok_s"] if (dtype, weights) == ("bfloat16", "none") else next(
-                (r["engine_tok_s"] for r in rows if r["batch"] == batch
+            values, decode, missing = _baselines(hf_tok_s[dtype], cpp, batch)
+            bf16 = ours if (dtype, weights) == ("bfloat16", "none") else next(
+                ({"tok_s": r["engine_tok_s"], "decode_tok_s": r["engine_decode_tok_s"]}
+                 for r in rows if r["batch"] == batch
                  and r["dtype"] == "bfloat16" and r["weights"] == "none"), None)
             rows.append({
                 "dtype": dtype, "weights": weights, "kv_cache_dtype": kv, "batch": batch,
                 "engine_tok_s": ours["tok_s"], "baselines": values,
                 "baselines_missing": missing,
-                "vs_bfloat16": ours["tok_s"] / bf16 if bf16 else None,
+                "engine_decode_tok_s": ours["decode_tok_s"], "decode_baselines": decode,
+                "vs_bfloat16": ours["tok_s"] / bf16["tok_s"] if bf16 else None,
+                "vs_bfloat16_decode": (ours["decode_tok_s"] / bf16["decode_tok_s"]
+                                       if bf16 and ours["decode_tok_s"]
+                                       and bf16["decode_tok_s"] else None),
                 "vs_transformers": ours["tok_s"] / values["transformers"],
                 "decode_step_ms": step, "bw_roofline_ms": roofline_ms,
                 "flop_roofline_ms": compute_ms,
@@ -235,8 +262,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _flat(row: dict) -> dict:
     """A row for the printed table: baselines as columns, reasons left to the JSON."""
-    out = {k: v for k, v in row.items() if k not in ("baselines", "baselines_missing")}
-    return out | {f"{name} tok_s": v for name, v in row["baselines"].items()}
+    skip = ("baselines", "baselines_missing", "decode_baselines")
+    out = {k: v for k, v in row.items() if k not in skip}
+    return (out | {f"{name} tok_s": v for name, v in row["baselines"].items()}
+            | {f"{name} decode": v for name, v in row["decode_baselines"].items()})
 
 
 if __name__ == "__main__":

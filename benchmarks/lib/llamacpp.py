@@ -41,8 +41,10 @@ def requantize_q8_0(source: Path, target: Path, threads: int) -> Path:
     return target
 
 
-def greedy_tok_s(model_path: Path, prompt: list[int], new_tokens: int, threads: int) -> float:
-    """Output tokens/s end to end (prompt evaluation included) of one greedy sequence."""
+def greedy_tok_s(model_path: Path, prompt: list[int], new_tokens: int, threads: int
+                 ) -> tuple[float, float]:
+    """(output tokens/s end to end, prompt evaluation included; decode tokens/s, the
+    tokens after the first over the time after it) of one greedy sequence."""
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(model_path), n_threads=threads,
@@ -51,25 +53,28 @@ def greedy_tok_s(model_path: Path, prompt: list[int], new_tokens: int, threads: 
     for _ in llm.generate(prompt[:8], top_k=1, temp=0.0, reset=True):  # warm-up
         break
     start = time.perf_counter()
-    made = 0
+    made, first = 0, start
     for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
         made += 1
+        if made == 1:
+            first = time.perf_counter()
         if made == new_tokens:
             break
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
     del llm
-    return new_tokens / elapsed
+    return new_tokens / (end - start), (new_tokens - 1) / (end - first)
 
 
 def baselines(gguf: Path, batches: list[int], prompt: list[int], new_tokens: int
-              ) -> dict[str, dict[int, float | str]]:
-    """``{"llama.cpp q8_0": {batch: tok/s or why not}, "llama.cpp q4_1": ...}``."""
+              ) -> dict[str, dict[int, tuple[float, float] | str]]:
+    """``{"llama.cpp q8_0": {batch: (tok/s, decode tok/s) or why not}, "llama.cpp q4_1":
+    ...}`` (``greedy_tok_s``)."""
     names = ("llama.cpp q8_0", "llama.cpp q4_1")
     why = unavailable_reason()
     if why is not None:
         return {name: {b: why for b in batches} for name in names}
     threads = os.cpu_count() or 1
-    out: dict[str, dict[int, float | str]] = {}
+    out: dict[str, dict[int, tuple[float, float] | str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         q8 = requantize_q8_0(gguf, Path(tmp) / "q8_0.gguf", threads)
         for name, path in zip(names, (q8, gguf), strict=True):
