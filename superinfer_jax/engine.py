@@ -116,7 +116,7 @@ class LLMEngine:
         self._kv_events: KVEventLog | None = None  # KV events: ``set_kv_event_sink``
         self._kv_event_sink: Callable[[float, list[KVEvent]], None] | None = None
         self.total_host_time_s = 0.0  # host work of those steps before the first block
-        # speculative decoding (``spec.decoder``): its steps run synchronously
+        # speculative decoding (``spec.decoder``): its verifying steps run synchronously
         self.spec = SpecDecoder(config, self.runner, self.kv, draft_model=draft_model) \
             if config.speculative.enabled else None
         if config.engine.warmup:
@@ -310,13 +310,14 @@ class LLMEngine:
         self._failed = []
         self.runner.check_compiler()
         self.runner.set_busy(True)
+        landed = self._land_for_proposals()
         self._observe_rotations(t0)
         plan = self.scheduler.schedule(t0, self.runner.limits)
         self._issue_rotations(plan, t0)
         stats = StepStats(num_preempted=len(plan.preempted), num_rotated_out=len(plan.rotate_out),
                           num_rotated_in=len(plan.rotate_in))
-        verify_rows = [] if self.spec is None else self.spec.take(plan, self.requests,
-                                                                  self.latency)
+        verify_rows = [] if self.spec is None else self.spec.take(
+            plan, self.requests, self.latency, landed=not self.runner.has_step_in_flight)
         launched = None
         if not plan.is_empty:
             launched = self._launch(plan)
@@ -328,8 +329,8 @@ class LLMEngine:
         self._apply_rotation_events(self.runner.flush_rotations(), t0)  # in_step mode
         verify = self._verify(verify_rows, stats, counted=launched is not None)
         done = self.runner.put_in_flight(launched) \
-            if self.config.engine.async_scheduling and self.spec is None else launched
-        outputs = self._collect(done) if done is not None else []
+            if self.config.engine.async_scheduling and verify is None else launched
+        outputs = landed + (self._collect(done) if done is not None else [])
         if verify is not None:
             assert self.spec is not None
             outputs += self.spec.land(verify, self._advance, self._fail_request)
@@ -343,6 +344,15 @@ class LLMEngine:
         if not self.has_unfinished_requests():
             self.runner.set_busy(False)
         return outputs
+
+    def _land_for_proposals(self) -> list[RequestOutput]:
+        """With speculation, the step in flight's tokens, landed before this step is
+        planned when the speculation wants every row's tokens on the host (a proposal
+        continues them); else nothing (the step stays in flight, its rows decode)."""
+        if self.spec is None or not self.spec.wants_landed_tokens():
+            return []
+        done = self.runner.put_in_flight(None)
+        return self._collect(done) if done is not None else []
 
     def _launch(self, plan: StepPlan) -> InflightStep:
         """Dispatch the plan's prefill and decode calls and account their tokens as

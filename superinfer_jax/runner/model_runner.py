@@ -352,6 +352,11 @@ class ModelRunner:
         extra.set_row(b, req, start, n, mask=req.grammar is not None and sampled_here)
         return defer
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a dispatched step's tokens have not been handed to the host yet."""
+        return self._inflight is not None
+
     def put_in_flight(self, step: InflightStep | None) -> InflightStep | None:
         """Make ``step`` the step in flight, whose sampled tokens the next dispatch reads
         on the device; returns the step it replaces (its tokens are for the host now)."""

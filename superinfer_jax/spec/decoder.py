@@ -95,6 +95,11 @@ def speculates(req: Request) -> bool:
             and req.num_inflight_tokens == 0 and not req.final_token_inflight)
 
 
+# Mode slo, while no row speculates: one step in this many lands its tokens before it is
+# planned, so the choice is made again with every row's acceptance and slack.
+SLO_PROBE_STEPS = 8
+
+
 class SpecDecoder:
     """Takes speculating rows out of a plan, verifies them, lands what is accepted."""
 
@@ -122,6 +127,14 @@ class SpecDecoder:
             sharding = (rep, rep, rep, parallel.pool_sharding(runner.mesh))
         self._verify = make_verify(runner.model, runner._params_treedef, runner.backend,
                                    sharding)
+        self._quiet_steps = 0  # mode slo: steps since one last verified a proposal
+
+    def wants_landed_tokens(self) -> bool:
+        """Whether this step should land the step in flight first, so that its rows can
+        be proposed for: always in mode fixed; in mode slo while its choices speculate,
+        else once every ``SLO_PROBE_STEPS`` steps (the rest run asynchronously, as
+        without speculation, while no row pays for it)."""
+        return self.slo is None or self._quiet_steps % SLO_PROBE_STEPS == 0
 
     def snapshot(self) -> SpecDecodeStats:
         s = self.stats
@@ -152,9 +165,17 @@ class SpecDecoder:
         return time.perf_counter() - t0
 
     def take(self, plan: StepPlan, requests: dict[str, Request],
-             latency: LatencyModel | None = None) -> list[VerifyRow]:
+             latency: LatencyModel | None = None, landed: bool = True) -> list[VerifyRow]:
         """Move the plan's decode rows that speculate (and got a proposal) out of it;
-        ``latency``: the engine's latency model (mode slo prices the step with it)."""
+        ``latency``: the engine's latency model (mode slo prices the step with it);
+        ``landed``: no step is in flight (else none is taken: the step stays
+        asynchronous)."""
+        rows = self._take(plan, requests, latency) if landed else []
+        self._quiet_steps = 0 if rows else self._quiet_steps + 1
+        return rows
+
+    def _take(self, plan: StepPlan, requests: dict[str, Request],
+              latency: LatencyModel | None) -> list[VerifyRow]:
         candidates = [requests[r] for r in plan.decode if speculates(requests[r])]
         if not candidates:
             return []

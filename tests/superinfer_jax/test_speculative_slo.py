@@ -58,11 +58,15 @@ def slo_engine(tiny):
     return LLMEngine(tiny, _spec(3, "slo"))
 
 
-def _batched(engine, prompts, sp, slo=FAR):
+def _batched(engine, prompts, sp, slo=FAR, in_flight: list[bool] | None = None):
+    """Every prompt at once to the end; ``in_flight`` collects, per step, whether the
+    step was left in flight (asynchronous)."""
     ids = [engine.add_request(p, sp, slo=slo) for p in prompts]
     while engine.has_unfinished_requests():
         engine.step()
         engine.kv.check_invariants()
+        if in_flight is not None:
+            in_flight.append(engine.runner.has_step_in_flight)
     return [engine.release(r) for r in ids]
 
 
@@ -167,12 +171,15 @@ def test_slo_mode_keeps_greedy_tokens(slo_engine, prompts, reference):
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert engine.spec.slo.estimates  # acceptance observed per request
     # a compute-bound step, one request at a time (no prefill call beside the decode
-    # rows, which would make a proposal pay again): nobody speculates, tokens unchanged
+    # rows, which would make a proposal pay again): nobody speculates, tokens unchanged,
+    # and the steps run asynchronously but for one probe in SLO_PROBE_STEPS
     engine.set_latency_model(COMPUTE_BOUND)
     before = _drafts(engine)
+    in_flight: list[bool] = []
     for prompt, want in zip(prompts, reference, strict=True):
-        assert _batched(engine, [prompt], SP)[0].output_token_ids == want
+        assert _batched(engine, [prompt], SP, in_flight=in_flight)[0].output_token_ids == want
     assert _drafts(engine) == before
+    assert sum(in_flight) > len(in_flight) // 2
 
 
 def test_slo_mode_forks_and_logprobs(slo_engine, plain, prompts, reference):
