@@ -66,10 +66,12 @@ def fit_sampling(sampling: SamplingParams, vocab_size: int,
 
 
 def model_identity(model: ServableModel, config: EngineConfig) -> str:
-    """What KV pages are a function of, besides the tokens (prefix caching's key)."""
+    """What KV pages are a function of, besides the tokens (prefix caching's key; also
+    the latency profile's, so a profile measured with float weights never prices a
+    quantized model's steps). A model without ``quantization`` has float weights."""
     return (f"{type(model).__module__}.{type(model).__qualname__}:{model.vocab_size}:"
             f"{model.kv_spec}:{model.dtype}:{config.model.kv_cache_dtype}:"
-            f"{config.hardware.page_size}")
+            f"{config.hardware.page_size}:{getattr(model, 'quantization', 'none')}")
 
 
 class RequestIntake:

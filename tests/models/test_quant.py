@@ -235,6 +235,18 @@ def test_servable_takes_the_kernel_where_there_is_one(tiny_int8) -> None:
         tiny_int8.quantized("fp8")
 
 
+def test_quantization_is_part_of_the_model_identity(tiny_int8) -> None:
+    """Prefix-cache keys and the latency profile's path follow the weights' mode: a
+    float model's pages or step prices never stand for an int8 model's."""
+    from superinfer_jax import EngineConfig
+    from superinfer_jax.intake import model_identity
+
+    config = EngineConfig.build()
+    plain = random_servable(TINY, seed=1, dtype=tiny_int8.dtype)
+    assert model_identity(tiny_int8, config) != model_identity(plain, config)
+    assert model_identity(tiny_int8, config).endswith(":int8")
+
+
 def test_native_logits_equal_xla_logits_to_rounding(tiny_int8) -> None:
     """The same quantized model through the kernel and through XLA's dot: float32 sums
     in two orders, so within the model-sized float32 bound."""
