@@ -212,6 +212,17 @@ def test_int8_weights_greedy_tokens_equal_tp1_sharded_like_float(tp_run):
     assert runs["2"]["sink_prequantized_same"]  # GGUF Q8_0's path onto the mesh
 
 
+def test_fp8_weights_greedy_tokens_equal_tp1(tp_run):
+    """llama8 with fp8 e4m3 weights converted to TP=2: TP=1's tokens with rotations, the
+    e4m3 ``q`` and the scales split as int8's are."""
+    runs = tp_run["llama8_fp8_weights"]
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["2"]["rotations"] >= 3 and runs["2"]["pages_in"] > 0
+    assert runs["2"]["placement"]["wq"] == {"q": ["float8_e4m3fn", [128, 128]],
+                                            "scale": ["float32", [128]]}
+    assert runs["2"]["placement"]["wo"]["q"] == ["float8_e4m3fn", [128, 128]]
+
+
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_prefix_cache_hits_keep_greedy_tokens(tp_run, tp):
     """llama8 repeats and extends prompts: hits on every TP degree, and the tokens equal

@@ -38,7 +38,7 @@ from typing import Any
 # The tensor-parallel sizes each case runs (intersected with ``--tp``); see the module
 # docstring for why SmolLM2 and the replicated model skip TP=2.
 CASE_TPS = {"smollm2": (1, 4), "llama8": (1, 2, 4), "replicated": (1, 4), "sink": (2, 4),
-            "llama8_fp8": (1, 2), "llama8_int8": (1, 2)}
+            "llama8_fp8": (1, 2), "llama8_int8": (1, 2), "llama8_fp8_weights": (1, 2)}
 # The size at which SmolLM2's two loading paths are compared (the size its engine runs).
 SMOLLM2_TP = 4
 
@@ -335,24 +335,26 @@ def same_leaves(a, b) -> bool:
         for x, y in zip(xs, ys, strict=True))
 
 
-def llama8_int8_case(tps, backend: str) -> dict[str, Any]:
-    """llama8 with int8 weights: the quantized one-device model converted to the mesh
-    (``shard`` of a quantized model) runs the batch with rotations; it holds the same
-    arrays as the float model sharded, then quantized, and as a loader's sink given the
-    host-quantized weights (``put_quantized``). Reported per TP size: where the
-    ``q`` and the scales of a column-split (wq) and a row-split (wo) weight live."""
+def llama8_int8_case(tps, backend: str, mode: str = "int8") -> dict[str, Any]:
+    """llama8 with int8 (or ``mode``) weights: the quantized one-device model converted
+    to the mesh (``shard`` of a quantized model) runs the batch with rotations. For
+    int8 also: it holds the same arrays as the float model sharded, then quantized, and
+    as a loader's sink given the host-quantized weights (``put_quantized``). Reported per
+    TP size: where the ``q`` and the scales of a column-split (wq) and a row-split (wo)
+    weight live."""
     from models.servable import random_servable
     from superinfer_jax.dist.parallel import make_mesh
 
     cfg = _llama8_config()
     float_base = random_servable(cfg, seed=3)
-    base = float_base.quantized("int8")
+    base = float_base.quantized(mode)
     models: dict[int, Any] = {}
 
     def load(tp):
         return models.setdefault(tp, base if tp == 1 else base.shard(make_mesh(tp)))
 
-    out = run_case("llama8_int8", load, _random_prompts(0, cfg.vocab_size, 4), tps,
+    name = "llama8_int8" if mode == "int8" else f"llama8_{mode}_weights"
+    out = run_case(name, load, _random_prompts(0, cfg.vocab_size, 4), tps,
                    page_size=8, device_pages=10, max_tokens=12, every=3, max_num_seqs=4,
                    backend=backend)
     for tp, model in models.items():
@@ -361,7 +363,7 @@ def llama8_int8_case(tps, backend: str) -> dict[str, Any]:
             name: {part: [str(getattr(attn[name][...], part).dtype),
                           list(getattr(attn[name][...], part).addressable_shards[0].data.shape)]
                    for part in ("q", "scale")} for name in ("wq", "wo")}
-        if tp > 1:  # both orders give the same arrays; fp8 too (no engine run)
+        if tp > 1 and mode == "int8":  # both orders give the same arrays, fp8's too
             mesh = make_mesh(tp)
             out[str(tp)]["same_as_sharded_then_quantized"] = {
                 mode: same_leaves(float_base.quantized(mode).shard(mesh).params,
@@ -502,7 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--tp", default="1,2,4")
     ap.add_argument("--cases",
-                    default="smollm2,llama8,replicated,sink,llama8_fp8,llama8_int8")
+                    default="smollm2,llama8,replicated,sink,llama8_fp8,llama8_int8,"
+                    "llama8_fp8_weights")
     ap.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
     ap.add_argument("--backend", default="xla", choices=("xla", "pallas", "auto"),
                     help="engine attention backend (the sink case runs both anyway)")
@@ -521,7 +524,8 @@ def main(argv: list[str] | None = None) -> None:
         cases = {"smollm2": lambda t: smollm2_case(t, b), "llama8": lambda t: llama8_case(t, b),
                  "replicated": lambda t: replicated_case(t, b, Path(tmp)), "sink": sink_case,
                  "llama8_fp8": lambda t: llama8_fp8_case(t, b),
-                 "llama8_int8": lambda t: llama8_int8_case(t, b)}
+                 "llama8_int8": lambda t: llama8_int8_case(t, b),
+                 "llama8_fp8_weights": lambda t: llama8_int8_case(t, b, "fp8")}
         for name in args.cases.split(","):
             t0 = time.perf_counter()
             result[name] = cases[name]([t for t in tps if t in CASE_TPS[name]])
