@@ -47,7 +47,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
-                for name in ("parallel_chunks.h", "bf16_tiles.h"))
+                for name in ("parallel_chunks.h", "bf16_tiles.h", "column_split.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
@@ -219,7 +219,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array
     return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, out)()
 
 
-MAX_MATMUL_WEIGHTS = 4  # kMaxWeights in bf16_matmul.cc
+MAX_MATMUL_WEIGHTS = 4  # kMaxSplitWeights in column_split.h
 
 
 def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:

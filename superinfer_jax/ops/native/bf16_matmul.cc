@@ -29,44 +29,29 @@
 #include <memory>
 
 #include "bf16_tiles.h"
-#include "parallel_chunks.h"
+#include "column_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Up to this many weights share one call (a layer's q, k and v; gate and up).
-constexpr int kMaxWeights = 4;
+constexpr int kMaxWeights = superinfer::kMaxSplitWeights;
 
 #if SUPERINFER_HAVE_BF16_KERNEL
 
-struct MatmulJob {
+struct MatmulJob : superinfer::ColumnSplit {
   const uint16_t* x;
-  int64_t M, K;
-  int num_weights;
   const uint16_t* w[kMaxWeights];
-  float* out[kMaxWeights];
-  int64_t N[kMaxWeights];
-  int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
-  int64_t num_units;                     // contiguous, balanced ranges of those groups
 
-  // Columns [n0, n1) of weight i (tile shapes: ``tiles::PanelForRows``).
+  // Unit u's columns (tile shapes: ``tiles::PanelForRows``).
+  BF16_TARGET void Unit(int64_t u) const {
+    ForUnit(u, [this](int i, int64_t n0, int64_t n1) { Columns(i, n0, n1); });
+  }
+
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1) const {
     superinfer::tiles::PanelForRows<superinfer::tiles::Bf16Weights>(x, M, K, w[i], N[i], out[i],
                                                                    N[i], n0, n1);
-  }
-
-  // Unit u: groups [g0, g1) of all weights' groups end to end, weight by weight.
-  BF16_TARGET void Unit(int64_t u) const {
-    const int64_t total = first_group[num_weights];
-    const int64_t g0 = u * total / num_units, g1 = (u + 1) * total / num_units;
-    for (int i = 0; i < num_weights; ++i) {
-      const int64_t lo = std::max(g0, first_group[i]), hi = std::min(g1, first_group[i + 1]);
-      if (lo < hi) {
-        Columns(i, 32 * (lo - first_group[i]), std::min(N[i], 32 * (hi - first_group[i])));
-      }
-    }
   }
 };
 
@@ -91,9 +76,7 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->M = xd[0];
   job->K = xd[1];
-  job->num_weights = static_cast<int>(weights.size());
-  job->first_group[0] = 0;
-  for (int i = 0; i < job->num_weights; ++i) {
+  for (int i = 0; i < static_cast<int>(weights.size()); ++i) {
     auto w = weights.get<ffi::Buffer<ffi::BF16>>(i);
     auto o = outs.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !o.has_value()) {
@@ -106,21 +89,9 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
       return ffi::Error::InvalidArgument("bf16_matmul: w must be [K, N] and out [M, N]");
     }
     job->w[i] = reinterpret_cast<const uint16_t*>(w->typed_data());
-    job->out[i] = (*o)->typed_data();
-    job->N[i] = wd[1];
-    job->first_group[i + 1] = job->first_group[i] + (wd[1] + 31) / 32;
+    job->Add(wd[1], (*o)->typed_data());
   }
-  const int64_t total = job->first_group[job->num_weights];
-  if (job->M == 0 || total == 0) return ffi::Error::Success();
-  if (job->K == 0) {
-    for (int i = 0; i < job->num_weights; ++i)
-      std::memset(job->out[i], 0, sizeof(float) * job->M * job->N[i]);
-    return ffi::Error::Success();
-  }
-  // One unit per worker (the caller plus XLA's intra-op threads): equal column ranges.
-  const int64_t workers = superinfer::Workers(thread_pool);
-  job->num_units = std::min(total, workers);
-  superinfer::RunChunks(thread_pool, job->num_units, workers, [job](int64_t u) { job->Unit(u); });
+  superinfer::RunColumnSplit(thread_pool, job);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("bf16_matmul: built without the AVX512-BF16 kernel");

@@ -31,14 +31,14 @@
 #include <vector>
 
 #include "bf16_tiles.h"
-#include "parallel_chunks.h"
+#include "column_split.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxWeights = 4;
+constexpr int kMaxWeights = superinfer::kMaxSplitWeights;
 
 // A panel's bfloat16 scratch stays within this many bytes (it is reread by every row
 // block, so it should stay in the core's L2).
@@ -90,17 +90,11 @@ BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, i
   }
 }
 
-struct QuantJob {
+struct QuantJob : superinfer::ColumnSplit {
   Kind kind;
   const uint16_t* x;
-  int64_t M, K;
-  int num_weights;
   const void* w[kMaxWeights];
   const float* scale[kMaxWeights];
-  float* out[kMaxWeights];
-  int64_t N[kMaxWeights];
-  int64_t first_group[kMaxWeights + 1];  // the weights' 32-column groups, end to end
-  int64_t num_units;
   int64_t panel;  // columns per converted panel, a multiple of 32
 
   // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
@@ -128,18 +122,13 @@ struct QuantJob {
     thread_local std::vector<uint16_t> scratch;
     if (M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
       scratch.resize(K * panel);
-    const int64_t total = first_group[num_weights];
-    const int64_t g0 = u * total / num_units, g1 = (u + 1) * total / num_units;
-    for (int i = 0; i < num_weights; ++i) {
-      const int64_t lo = std::max(g0, first_group[i]), hi = std::min(g1, first_group[i + 1]);
-      if (lo >= hi) continue;
-      const int64_t n0 = 32 * (lo - first_group[i]), n1 = std::min(N[i], 32 * (hi - first_group[i]));
+    ForUnit(u, [&](int i, int64_t n0, int64_t n1) {
       if (kind == Kind::kInt8) {
         Columns<tiles::Int8Weights>(i, n0, n1, scratch.data());
       } else {
         Columns<tiles::Fp8Weights>(i, n0, n1, scratch.data());
       }
-    }
+    });
   }
 };
 
@@ -161,9 +150,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
   job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
   job->M = xd[0];
   job->K = xd[1];
-  job->num_weights = static_cast<int>(outs.size());
-  job->first_group[0] = 0;
-  for (int i = 0; i < job->num_weights; ++i) {
+  for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
     auto w = args.get<ffi::AnyBuffer>(2 * i);
     auto s = args.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
     auto o = outs.get<ffi::Buffer<ffi::F32>>(i);
@@ -188,21 +175,11 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
     }
     job->w[i] = w->untyped_data();
     job->scale[i] = s->typed_data();
-    job->out[i] = (*o)->typed_data();
-    job->N[i] = wd[1];
-    job->first_group[i + 1] = job->first_group[i] + (wd[1] + 31) / 32;
+    job->Add(wd[1], (*o)->typed_data());
   }
-  const int64_t total = job->first_group[job->num_weights];
-  if (job->M == 0 || total == 0) return ffi::Error::Success();
-  if (job->K == 0) {
-    for (int i = 0; i < job->num_weights; ++i)
-      std::memset(job->out[i], 0, sizeof(float) * job->M * job->N[i]);
-    return ffi::Error::Success();
-  }
-  job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
-  const int64_t workers = superinfer::Workers(thread_pool);
-  job->num_units = std::min(total, workers);
-  superinfer::RunChunks(thread_pool, job->num_units, workers, [job](int64_t u) { job->Unit(u); });
+  if (job->K > 0)
+    job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
+  superinfer::RunColumnSplit(thread_pool, job);
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("quant_matmul: built without the AVX512-BF16 kernel");
