@@ -12,7 +12,10 @@ time from the first token to the last, summed over the workload's requests;
 ``greedy_identical``: every request's tokens equal the baseline's. One JSON row per
 (method, mode, workload, batch, k): ``tok_s``, ``baseline_tok_s``, ``acceptance_rate``
 (accepted / proposed tokens, the engine's ``spec_decode`` counters),
-``greedy_identical``; workload ``grounded`` sums the repeat, edit and quote rows. The
+``greedy_identical``, and ``per_request``: each request's guesses proposed, accepted
+and its rejections (``benchmarks.lib.spec_acceptance``); workload ``grounded`` sums the
+repeat, edit and quote rows. ``--acceptance-data PATH`` also writes the simulator's
+``measured`` acceptance data from the fixed rows at ``--acceptance-k``. The
 engines take turns on each group of ``batch`` prompts (baseline first).
 Figures on a loaded machine say so in the docs that quote them.
 
