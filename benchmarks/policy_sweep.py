@@ -167,19 +167,47 @@ def main(argv: list[str] | None = None) -> None:
         return sweep_multiturn(args, model, seeds)
     traces = trace_samples(args, seeds)
     median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
-    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
-    rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        runs: dict[str, list] = {p: [] for p in engines}
-        for turn, seed in enumerate(seeds):
-            arrivals = trace_arrivals(args, rate, seed)
-            requests = build_requests(traces[seed], arrivals, model.vocab_size, ttft_ms,
-                                      tbt_ms, seed + 2)
-            for policy in run_order(list(engines), turn):
-                runs[policy].append(run_once(engines[policy], requests,
-                                             f"{policy} @ {rate}/s #{seed}"))
-        rows += sweep_rows(args, rate, runs, seeds)
-    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+
+    def replay_seed(rate: float, seed: int, ttft_ms: float, tbt_ms: float):
+        requests = build_requests(traces[seed], trace_arrivals(args, rate, seed),
+                                  model.vocab_size, ttft_ms, tbt_ms, seed + 2)
+        return lambda engine, desc: run_once(engine, requests, desc)
+
+    rows, slo = sweep(args, model, median_prompt, seeds, replay_seed)
+    report(args, rows, *slo)
+
+
+def sweep(args: argparse.Namespace, model, median_prompt: int, seeds: list[int],
+          replay_seed) -> tuple[list[dict], tuple[float, float, float, float]]:
+    """Every rate, seed and engine variant; the pooled rows and the SLOs. Engines are
+    built one ``max_num_seqs`` group at a time (the SLOs measured on the first group's,
+    ``engines_and_slos``) and dropped before the next, so memory holds one group.
+    ``replay_seed(rate, seed, ttft_ms, tbt_ms)``: the seed's workload, as a function
+    ``(engine, desc) -> run result`` that every engine of the group replays in turn."""
+    import gc
+
+    import jax
+
+    rows: list[dict] = []
+    slo: tuple[float, float, float, float] | None = None
+    variants = args.variants
+    for group in dict.fromkeys(v.max_num_seqs for v in variants):
+        args.variants = [v for v in variants if v.max_num_seqs == group]
+        engines, measured = engines_and_slos(args, model, median_prompt, slo)
+        slo = slo or measured
+        for rate in [float(r) for r in args.rates.split(",")]:
+            runs: dict[str, list] = {p: [] for p in engines}
+            for turn, seed in enumerate(seeds):
+                replay = replay_seed(rate, seed, slo[0], slo[1])
+                for label in run_order(list(engines), turn):
+                    runs[label].append(replay(engines[label], f"{label} @ {rate}/s #{seed}"))
+            rows += sweep_rows(args, rate, runs, seeds)
+        del engines, runs
+        gc.collect()
+        jax.clear_caches()  # the next group's programs load from the compilation cache
+    args.variants = variants
+    assert slo is not None
+    return rows, slo
 
 
 def trace_samples(args: argparse.Namespace, seeds: list[int]) -> dict[int, list]:
@@ -222,17 +250,20 @@ def engine_config(args: argparse.Namespace, max_num_seqs: int = 16, **knobs):
     )
 
 
-def engines_and_slos(args: argparse.Namespace, model, median_prompt: int
+def engines_and_slos(args: argparse.Namespace, model, median_prompt: int,
+                     known: tuple[float, float, float, float] | None = None
                      ) -> tuple[dict, tuple[float, float, float, float]]:
     """One engine per variant (``args.variants``: policy, speculation, ``max_num_seqs``)
-    on ``engine_config``, and the SLOs measured on the first without speculation, else
-    the first (``slos``)."""
+    on ``engine_config``, and the SLOs: ``known``, else measured on the first without
+    speculation, else the first (``slos``)."""
     from superinfer_jax import LLMEngine
     from superinfer_jax.sim.presets import with_policy
 
     engines = {v.label: LLMEngine(model, with_policy(
         engine_config(args, v.max_num_seqs, **v.setting.knobs()), v.policy))
         for v in args.variants}
+    if known is not None:
+        return engines, known
     first = next((v.label for v in args.variants if v.setting.mode == "none"),
                  args.variants[0].label)
     return engines, slos(args, engines[first], median_prompt, model.vocab_size)
@@ -339,20 +370,16 @@ def sweep_multiturn(args: argparse.Namespace, model, seeds: list[int]) -> None:
     first = build_conversations(records, model.tokenizer, multiturn_spec(args, 1.0, seeds[0]))
     median_prompt = int(np.median([c.prompt_len(k) for c in first
                                    for k in range(c.num_turns)]))
-    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
-    rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        runs: dict[str, list] = {p: [] for p in engines}
-        for turn, seed in enumerate(seeds):
-            spec = multiturn_spec(args, rate, seed, ttft_ms, tbt_ms)
-            convs = build_conversations(records, model.tokenizer, spec, notes)
-            for policy in run_order(list(engines), turn):
-                runs[policy].append(run_once_multiturn(
-                    engines[policy], convs, args.history, f"{policy} @ {rate}/s #{seed}"))
-        rows += sweep_rows(args, rate, runs, seeds)
+
+    def replay_seed(rate: float, seed: int, ttft_ms: float, tbt_ms: float):
+        spec = multiturn_spec(args, rate, seed, ttft_ms, tbt_ms)
+        convs = build_conversations(records, model.tokenizer, spec, notes)
+        return lambda engine, desc: run_once_multiturn(engine, convs, args.history, desc)
+
+    rows, slo = sweep(args, model, median_prompt, seeds, replay_seed)
     for note in dict.fromkeys(notes):
         print(note)
-    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+    report(args, rows, *slo)
 
 
 def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
