@@ -46,7 +46,8 @@ speculation setting (n-gram proposals; ``benchmarks.lib.spec_sweep``), and
 ``--max-num-seqs 8,32`` once per batch cap: every engine replays the same requests, and
 the verdict becomes the per-setting summary (attainment against no speculation, output
 throughput against the best fixed k, seed by seed too). Rows add ``speculative``,
-``max_num_seqs`` and ``acceptance`` (accepted / proposed tokens).
+``max_num_seqs`` and ``acceptance`` (accepted / proposed tokens). The engines of one
+``max_num_seqs`` are built at a time and dropped before the next (memory holds one group).
 
     python -m benchmarks.policy_sweep --workload multiturn --policies rotasched \
         --speculative none,fixed:1,fixed:3,fixed:5,slo:5 --max-num-seqs 8,32
