@@ -40,6 +40,17 @@ from the cache (``cached_tok``, ``hit_rate``).
     python -m benchmarks.policy_sweep --quick --policies fcfs,examples.edf_policy:EDFPolicy
     python -m benchmarks.policy_sweep --workload multiturn --rates 0.5,1,2 \
         --num-conversations 16 --think-time-s 1 --out results/policy_sweep_multiturn.json
+
+``--speculative none,fixed:1,fixed:3,fixed:5,slo:5`` runs every policy once per
+speculation setting (n-gram proposals; ``benchmarks.lib.spec_sweep``), and
+``--max-num-seqs 8,32`` once per batch cap: every engine replays the same requests, and
+the verdict becomes the per-setting summary (attainment against no speculation, output
+throughput against the best fixed k, seed by seed too). Rows add ``speculative``,
+``max_num_seqs`` and ``acceptance`` (accepted / proposed tokens). The engines of one
+``max_num_seqs`` are built at a time and dropped before the next (memory holds one group).
+
+    python -m benchmarks.policy_sweep --workload multiturn --policies rotasched \
+        --speculative none,fixed:1,fixed:3,fixed:5,slo:5 --max-num-seqs 8,32
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from benchmarks.lib import spec_sweep
 from benchmarks.lib.common import add_common_args, print_table, write_json
 from serving.bench.replay import build_requests, replay
 from superinfer_jax.sim.conversations import HISTORIES, THINK_DISTS, MultiTurnSpec
@@ -109,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--tbt-mult x the unloaded decode step")
     parser.add_argument("--seeds", default="0,1,2", help="workload seeds, pooled per row")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
+    parser.add_argument("--speculative", help="comma-separated speculation settings, an "
+                        "engine each: none, fixed:K, slo:K (n-gram proposals)")
+    parser.add_argument("--max-num-seqs", default="16",
+                        help="comma-separated batch caps, an engine each")
     add_multiturn_args(parser)
     return parser
 
@@ -136,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
             resolve_policy(split_policy(policy)[0])
         except ValueError as e:
             parser.error(str(e))
+    try:
+        args.variants = spec_sweep.variants(
+            args.policies.split(","),
+            spec_sweep.parse_settings(args.speculative) if args.speculative else None,
+            spec_sweep.parse_max_num_seqs(args.max_num_seqs))
+    except ValueError as e:
+        parser.error(str(e))
 
     from models import load_model
 
@@ -145,21 +168,47 @@ def main(argv: list[str] | None = None) -> None:
         return sweep_multiturn(args, model, seeds)
     traces = trace_samples(args, seeds)
     median_prompt = int(np.median([r.prompt_len for r in traces[seeds[0]]]))
-    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
-    rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        runs: dict[str, list] = {p: [] for p in engines}
-        for turn, seed in enumerate(seeds):
-            arrivals = trace_arrivals(args, rate, seed)
-            requests = build_requests(traces[seed], arrivals, model.vocab_size, ttft_ms,
-                                      tbt_ms, seed + 2)
-            for policy in run_order(list(engines), turn):
-                runs[policy].append(run_once(engines[policy], requests,
-                                             f"{policy} @ {rate}/s #{seed}"))
-        for policy, results in runs.items():
-            rows.append(pooled_row(policy, rate, results))
-            print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
-    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+
+    def replay_seed(rate: float, seed: int, ttft_ms: float, tbt_ms: float):
+        requests = build_requests(traces[seed], trace_arrivals(args, rate, seed),
+                                  model.vocab_size, ttft_ms, tbt_ms, seed + 2)
+        return lambda engine, desc: run_once(engine, requests, desc)
+
+    rows, slo = sweep(args, model, median_prompt, seeds, replay_seed)
+    report(args, rows, *slo)
+
+
+def sweep(args: argparse.Namespace, model, median_prompt: int, seeds: list[int],
+          replay_seed) -> tuple[list[dict], tuple[float, float, float, float]]:
+    """Every rate, seed and engine variant; the pooled rows and the SLOs. Engines are
+    built one ``max_num_seqs`` group at a time (the SLOs measured on the first group's,
+    ``engines_and_slos``) and dropped before the next, so memory holds one group.
+    ``replay_seed(rate, seed, ttft_ms, tbt_ms)``: the seed's workload, as a function
+    ``(engine, desc) -> run result`` that every engine of the group replays in turn."""
+    import gc
+
+    import jax
+
+    rows: list[dict] = []
+    slo: tuple[float, float, float, float] | None = None
+    variants = args.variants
+    for group in dict.fromkeys(v.max_num_seqs for v in variants):
+        args.variants = [v for v in variants if v.max_num_seqs == group]
+        engines, measured = engines_and_slos(args, model, median_prompt, slo)
+        slo = slo or measured
+        for rate in [float(r) for r in args.rates.split(",")]:
+            runs: dict[str, list] = {p: [] for p in engines}
+            for turn, seed in enumerate(seeds):
+                replay = replay_seed(rate, seed, slo[0], slo[1])
+                for label in run_order(list(engines), turn):
+                    runs[label].append(replay(engines[label], f"{label} @ {rate}/s #{seed}"))
+            rows += sweep_rows(args, rate, runs, seeds)
+        del engines, runs
+        gc.collect()
+        jax.clear_caches()  # the next group's programs load from the compilation cache
+    args.variants = variants
+    assert slo is not None
+    return rows, slo
 
 
 def trace_samples(args: argparse.Namespace, seeds: list[int]) -> dict[int, list]:
@@ -189,28 +238,56 @@ def run_order(policies: list[str], turn: int) -> list[str]:
     return policies[k:] + policies[:k]
 
 
-def engine_config(args: argparse.Namespace):
-    """The engine every policy runs on (only the policy differs)."""
+def engine_config(args: argparse.Namespace, max_num_seqs: int = 16, **knobs):
+    """The engine every policy runs on (only the policy differs; ``--speculative`` and
+    ``--max-num-seqs`` add ``max_num_seqs`` and the speculation ``knobs``)."""
     from superinfer_jax import EngineConfig
 
     return EngineConfig.build(
-        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=16,
+        max_model_len=args.max_prompt + args.max_output + 16, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=256, max_prefill_chunk=256, num_device_pages=args.device_pages,
         num_host_pages=args.host_pages, compilation_cache_dir=args.compilation_cache or None,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True, **knobs,
     )
 
 
-def engines_and_slos(args: argparse.Namespace, model, median_prompt: int
+def engines_and_slos(args: argparse.Namespace, model, median_prompt: int,
+                     known: tuple[float, float, float, float] | None = None
                      ) -> tuple[dict, tuple[float, float, float, float]]:
-    """One engine per policy on ``engine_config`` (only the policy differs), and the SLOs
-    measured on the first of them (``slos``)."""
+    """One engine per variant (``args.variants``: policy, speculation, ``max_num_seqs``)
+    on ``engine_config``, and the SLOs: ``known``, else measured on the first without
+    speculation, else the first (``slos``)."""
     from superinfer_jax import LLMEngine
     from superinfer_jax.sim.presets import with_policy
 
-    base = engine_config(args)
-    engines = {p: LLMEngine(model, with_policy(base, p)) for p in args.policies.split(",")}
-    return engines, slos(args, next(iter(engines.values())), median_prompt, model.vocab_size)
+    engines = {v.label: LLMEngine(model, with_policy(
+        engine_config(args, v.max_num_seqs, **v.setting.knobs()), v.policy))
+        for v in args.variants}
+    if known is not None:
+        return engines, known
+    first = next((v.label for v in args.variants if v.setting.mode == "none"),
+                 args.variants[0].label)
+    return engines, slos(args, engines[first], median_prompt, model.vocab_size)
+
+
+def sweep_rows(args: argparse.Namespace, rate: float, runs: dict[str, list],
+               seeds: list[int]) -> list[dict]:
+    """One pooled row per engine variant at ``rate``, printed; with speculation settings
+    or several ``max_num_seqs``, with ``spec_sweep.columns``."""
+    rows = []
+    by_label = {v.label: v for v in args.variants}
+    for label, results in runs.items():
+        row = pooled_row(label, rate, results)
+        if _spec_sweep(args):
+            row |= spec_sweep.columns(by_label[label], results, seeds, summarize)
+        rows.append(row)
+        print_table([{k: v for k, v in row.items() if k not in ("summary", "per_seed")}])
+    return rows
+
+
+def _spec_sweep(args: argparse.Namespace) -> bool:
+    """Whether the engines differ in more than their policy."""
+    return bool(args.speculative) or len(spec_sweep.parse_max_num_seqs(args.max_num_seqs)) > 1
 
 
 def slos(args: argparse.Namespace, engine, median_prompt: int, vocab: int
@@ -232,12 +309,18 @@ def report(args: argparse.Namespace, rows: list[dict], ttft_ms: float, tbt_ms: f
            ttft0: float, step0: float) -> None:
     """The pooled table, the knee verdict, the JSON and the plot."""
     seeds = args.seeds.split(",")
-    table = [{k: v for k, v in r.items() if k != "summary"} for r in rows]
+    table = [{k: v for k, v in r.items() if k not in ("summary", "per_seed")} for r in rows]
     print_table(table, title=f"policy sweep, {args.workload} workload ({len(seeds)} seed(s) "
                              f"pooled per row)")
-    verdict = knee_verdict(rows)
+    if _spec_sweep(args):
+        verdict = spec_sweep.summary(rows)
+        print_table([{k: v for k, v in r.items() if not k.startswith("seed_")}
+                     for r in verdict["rows"]], title="speculation settings, paired runs")
+    else:
+        verdict = knee_verdict(rows)
     print(verdict["text"])
-    write_json(args.out, {"args": vars(args), "ttft_slo_ms": ttft_ms, "tbt_slo_ms": tbt_ms,
+    settings = {k: v for k, v in vars(args).items() if k != "variants"}
+    write_json(args.out, {"args": settings, "ttft_slo_ms": ttft_ms, "tbt_slo_ms": tbt_ms,
                           "unloaded_ttft_s": ttft0, "unloaded_step_s": step0, "rows": rows,
                           "verdict": verdict})
     plot(rows, os.path.splitext(args.out)[0] + ".png")
@@ -288,22 +371,16 @@ def sweep_multiturn(args: argparse.Namespace, model, seeds: list[int]) -> None:
     first = build_conversations(records, model.tokenizer, multiturn_spec(args, 1.0, seeds[0]))
     median_prompt = int(np.median([c.prompt_len(k) for c in first
                                    for k in range(c.num_turns)]))
-    engines, (ttft_ms, tbt_ms, ttft0, step0) = engines_and_slos(args, model, median_prompt)
-    rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        runs: dict[str, list] = {p: [] for p in engines}
-        for turn, seed in enumerate(seeds):
-            spec = multiturn_spec(args, rate, seed, ttft_ms, tbt_ms)
-            convs = build_conversations(records, model.tokenizer, spec, notes)
-            for policy in run_order(list(engines), turn):
-                runs[policy].append(run_once_multiturn(
-                    engines[policy], convs, args.history, f"{policy} @ {rate}/s #{seed}"))
-        for policy, results in runs.items():
-            rows.append(pooled_row(policy, rate, results))
-            print_table([{k: v for k, v in rows[-1].items() if k != "summary"}])
+
+    def replay_seed(rate: float, seed: int, ttft_ms: float, tbt_ms: float):
+        spec = multiturn_spec(args, rate, seed, ttft_ms, tbt_ms)
+        convs = build_conversations(records, model.tokenizer, spec, notes)
+        return lambda engine, desc: run_once_multiturn(engine, convs, args.history, desc)
+
+    rows, slo = sweep(args, model, median_prompt, seeds, replay_seed)
     for note in dict.fromkeys(notes):
         print(note)
-    report(args, rows, ttft_ms, tbt_ms, ttft0, step0)
+    report(args, rows, *slo)
 
 
 def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
@@ -314,7 +391,7 @@ def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
 
     steps0, host0 = engine.num_model_steps, engine.total_host_time_s
     salt = f"sweep-{desc}-{time.time_ns()}"
-    cache0 = _cache_counters(engine)
+    cache0, spec0 = _cache_counters(engine), spec_sweep.spec_counters(engine)
     with tqdm(total=sum(c.num_turns for c in convs), desc=desc, leave=False) as bar:
         t0 = time.perf_counter()
         runs, duration = replay_conversations(engine, convs, history, salt, bar.update)
@@ -323,7 +400,8 @@ def run_once_multiturn(engine, convs: list, history: str, desc: str) -> dict:
             "steps": engine.num_model_steps - steps0,
             "host_s": engine.total_host_time_s - host0,
             "cache": _cache_delta(engine, cache0),
-            "cached": [r.cached_tokens for r in runs], "conversations": len(convs)}
+            "cached": [r.cached_tokens for r in runs], "conversations": len(convs),
+            "spec": _spec_delta(engine, spec0)}
 
 
 def run_once(engine, requests, desc: str) -> dict:
@@ -333,7 +411,7 @@ def run_once(engine, requests, desc: str) -> dict:
     steps0, host0 = engine.num_model_steps, engine.total_host_time_s
     salt = f"sweep-{desc}-{time.time_ns()}"
     requests = [dataclasses.replace(r, cache_salt=salt) for r in requests]
-    cache0 = _cache_counters(engine)
+    cache0, spec0 = _cache_counters(engine), spec_sweep.spec_counters(engine)
     with tqdm(total=len(requests), desc=desc, leave=False) as bar:
         t0 = time.perf_counter()
         timelines, duration = replay(engine, requests, bar)
@@ -341,7 +419,12 @@ def run_once(engine, requests, desc: str) -> dict:
             "wall_s": time.perf_counter() - t0,
             "steps": engine.num_model_steps - steps0,
             "host_s": engine.total_host_time_s - host0,
-            "cache": _cache_delta(engine, cache0)}
+            "cache": _cache_delta(engine, cache0), "spec": _spec_delta(engine, spec0)}
+
+
+def _spec_delta(engine, before: tuple[int, int, int]) -> tuple[int, ...]:
+    """Speculative drafts, proposed and accepted tokens during one run."""
+    return tuple(b - a for a, b in zip(before, spec_sweep.spec_counters(engine), strict=True))
 
 
 _CACHE_KEYS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits")

@@ -12,7 +12,10 @@ time from the first token to the last, summed over the workload's requests;
 ``greedy_identical``: every request's tokens equal the baseline's. One JSON row per
 (method, mode, workload, batch, k): ``tok_s``, ``baseline_tok_s``, ``acceptance_rate``
 (accepted / proposed tokens, the engine's ``spec_decode`` counters),
-``greedy_identical``; workload ``grounded`` sums the repeat, edit and quote rows. The
+``greedy_identical``, and ``per_request``: each request's guesses proposed, accepted
+and its rejections (``benchmarks.lib.spec_acceptance``); workload ``grounded`` sums the
+repeat, edit and quote rows. ``--acceptance-data PATH`` also writes the simulator's
+``measured`` acceptance data from the fixed rows at ``--acceptance-k``. The
 engines take turns on each group of ``batch`` prompts (baseline first).
 Figures on a loaded machine say so in the docs that quote them.
 
@@ -36,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.lib import spec_workload
+from benchmarks.lib import spec_acceptance, spec_workload
 from benchmarks.lib.common import add_common_args, print_table, write_json
 
 
@@ -98,13 +101,17 @@ def _counters(engine: Any) -> tuple[int, int, int]:
     return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
 
 
-def _run(engine: Any, prompts: list[list[int]], batch: int, max_tokens: int
-         ) -> tuple[list[list[int]], int, float]:
-    """Every prompt, ``batch`` at a time; (tokens per prompt, decode tokens, seconds)."""
+Run = tuple[list[list[int]], int, float, list[dict[str, int]]]
+
+
+def _run(engine: Any, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
+    """Every prompt, ``batch`` at a time; (tokens per prompt, decode tokens, seconds,
+    each request's speculation counters: ``spec_acceptance.request_counts``)."""
     from superinfer_jax import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens)
     outputs: list[list[int]] = []
+    counts: list[dict[str, int]] = []
     tokens, seconds = 0, 0.0
     for i in range(0, len(prompts), batch):
         ids = [engine.add_request(p, sp) for p in prompts[i:i + batch]]
@@ -116,9 +123,10 @@ def _run(engine: Any, prompts: list[list[int]], batch: int, max_tokens: int
         end = time.perf_counter()
         done = [engine.release(r) for r in ids]
         outputs += [r.output_token_ids for r in done]
+        counts += [spec_acceptance.request_counts(r) for r in done]
         tokens += sum(len(r.output_token_ids) for r in done) - len(done)
         seconds += end - (first or end)
-    return outputs, tokens, seconds
+    return outputs, tokens, seconds, counts
 
 
 def _prompts(tokenizer: Any, rows: list[dict[str, str]]) -> list[list[int]]:
@@ -147,20 +155,22 @@ def _row(workload: str, batch: int, mode: str, k: int, sums: dict[str, Any],
             "baseline_tok_s": round(base, 2), "speedup": round(tok_s / max(base, 1e-9), 3),
             "acceptance_rate": round(sums["accepted"] / max(sums["proposed"], 1), 4),
             "mean_accepted_per_draft": round(sums["accepted"] / max(sums["drafts"], 1), 3),
-            "greedy_identical": sums["identical"]}
+            "greedy_identical": sums["identical"],
+            "per_request": sums.get("per_request", [])}
 
 
 def _interleaved(base: Any, engines: dict[tuple[str, int], Any], prompts: list[list[int]],
-                 batch: int, max_tokens: int) -> dict[Any, tuple[list[list[int]], int, float]]:
+                 batch: int, max_tokens: int) -> dict[Any, Run]:
     """Each group of ``batch`` prompts on the baseline (key None), then on every
     speculating engine in turn, summed per engine: a load that drifts during the run
     weighs on both sides of each ratio alike."""
-    out: dict[Any, tuple[list[list[int]], int, float]] = {}
+    out: dict[Any, Run] = {}
     for i in range(0, len(prompts), batch):
         for key, engine in ((None, base), *engines.items()):
-            got, tokens, seconds = _run(engine, prompts[i:i + batch], batch, max_tokens)
-            had, had_tokens, had_s = out.get(key, ([], 0, 0.0))
-            out[key] = (had + got, had_tokens + tokens, had_s + seconds)
+            got, tokens, seconds, counts = _run(engine, prompts[i:i + batch], batch,
+                                                max_tokens)
+            had, had_tokens, had_s, had_counts = out.get(key, ([], 0, 0.0, []))
+            out[key] = (had + got, had_tokens + tokens, had_s + seconds, had_counts + counts)
     return out
 
 
@@ -178,18 +188,20 @@ def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str,
         prompts = _prompts(model.tokenizer, items)
         before = {key: _counters(engine) for key, engine in engines.items()}
         runs = _interleaved(base, engines, prompts, batch, args.max_tokens)
-        want, base_tokens, base_s = runs.pop(None)
-        for (mode, k), (got, tokens, seconds) in runs.items():
+        want, base_tokens, base_s, _ = runs.pop(None)
+        for (mode, k), (got, tokens, seconds, counts) in runs.items():
             drafts, proposed, accepted = (b - a for a, b in zip(
                 before[mode, k], _counters(engines[mode, k]), strict=True))
             sums = {"requests": len(prompts), "tokens": tokens, "seconds": seconds,
                     "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts,
-                    "proposed": proposed, "accepted": accepted, "identical": got == want}
+                    "proposed": proposed, "accepted": accepted, "identical": got == want,
+                    "per_request": [c | {"workload": workload} for c in counts]}
             rows.append(_row(workload, batch, mode, k, sums))
-            print(rows[-1], file=sys.stderr, flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "per_request"}, file=sys.stderr,
+                  flush=True)
             if workload in spec_workload.KINDS:
                 total = grounded.setdefault((mode, k), dict.fromkeys(sums, 0)
-                                            | {"identical": True})
+                                            | {"identical": True, "per_request": []})
                 for key, value in sums.items():
                     total[key] = (total[key] and value) if key == "identical" \
                         else total[key] + value
@@ -219,20 +231,22 @@ def _measure_draft(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]
     for engine in (base, *(e for per_k in drafts.values() for e in per_k.values())):
         _warm(engine, target.tokenizer)
     prompts = _prompts(target.tokenizer, _workloads(args)["chat"])
-    want, base_tokens, base_s = _run(base, prompts, batch, args.max_tokens)
+    want, base_tokens, base_s, _ = _run(base, prompts, batch, args.max_tokens)
     rows = []
     for name, per_k in drafts.items():
         for k, engine in per_k.items():
             before = _counters(engine)
-            got, tokens, seconds = _run(engine, prompts, batch, args.max_tokens)
+            got, tokens, seconds, counts = _run(engine, prompts, batch, args.max_tokens)
             drafts_n, proposed, accepted = (b - a for a, b in zip(
                 before, _counters(engine), strict=True))
             rows.append(_row("chat", batch, "fixed", k, {
                 "requests": len(prompts), "tokens": tokens, "seconds": seconds,
                 "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts_n,
-                "proposed": proposed, "accepted": accepted, "identical": got == want},
+                "proposed": proposed, "accepted": accepted, "identical": got == want,
+                "per_request": [c | {"workload": "chat"} for c in counts]},
                 method="draft", draft=name))
-            print(rows[-1], file=sys.stderr, flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "per_request"}, file=sys.stderr,
+                  flush=True)
     return rows
 
 
@@ -261,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels' path, where exactness rests on batch-invariant decode rows)")
     parser.add_argument("--max-tokens", type=int, default=128, help="(--quick: 48)")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--acceptance-data", metavar="PATH",
+                        help="also write the simulator's measured acceptance data (each "
+                        "request's per-token rate, benchmarks.lib.spec_acceptance) from the "
+                        "n-gram fixed rows at --acceptance-k, e.g. "
+                        "superinfer_jax/sim/data/ngram_acceptance.json")
+    parser.add_argument("--acceptance-k", type=int, default=3,
+                        help="which fixed k's rows feed --acceptance-data")
     parser.add_argument("--build-data", action="store_true",
                         help="rewrite the committed workload (seed 0) and exit")
     args = parser.parse_args(argv)
@@ -270,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.ks, args.max_tokens, args.slo_k, args.batch = [3], 48, 3, [1]
+    if args.acceptance_data and ("ngram" not in args.methods or "fixed" not in args.modes
+                                 or args.acceptance_k not in args.ks):
+        parser.error(f"--acceptance-data needs the n-gram fixed rows at --acceptance-k "
+                     f"{args.acceptance_k}: --methods ngram, --modes fixed and --ks with it")
+    load_start = os.getloadavg()[0]
     from models import load_model
 
     rows = []
@@ -280,8 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     if "draft" in args.methods:
         for batch in args.batch:
             rows += _measure_draft(args, batch)
-    print_table(rows, "speculative decoding, SmolLM2 (decode tok/s)")
-    write_json(args.out, {"benchmark": "speculative", "quick": args.quick, "rows": rows})
+    print_table([{k: v for k, v in r.items() if k != "per_request"} for r in rows],
+                "speculative decoding, SmolLM2 (decode tok/s)")
+    result = {"benchmark": "speculative", "quick": args.quick, "dtype": args.dtype,
+              "max_tokens": args.max_tokens, "rows": rows}
+    write_json(args.out, result)
+    if args.acceptance_data:
+        spec_acceptance.write(args.acceptance_data, result, args.acceptance_k,
+                              (load_start, os.getloadavg()[0]))
     return 0 if all(r["greedy_identical"] for r in rows) else 1
 
 

@@ -322,10 +322,12 @@ class Request:
     # takes those pages from the prefix cache (prefill once, fork).
     fork_of: Request | None = None
     grammar: Any = None  # the structured-output matcher, when the sampling has one
-    # Speculative decoding: guesses verified for this request and kept, so far (its
-    # online acceptance rate, for a speculation-length policy).
+    # Speculative decoding: guesses verified for this request and kept, so far, and the
+    # verifications that rejected a guess (its online acceptance rate, for a
+    # speculation-length policy; accepted / (accepted + rejections) per guessed token).
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    num_spec_rejections: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

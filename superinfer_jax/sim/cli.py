@@ -23,8 +23,9 @@ run the discrete-event simulator (``superinfer_jax.sim``) and print one attainme
         --weight-bytes 1 --kv-bytes 1 --matmul-speedup 2   # fp8 weights (FP8 GEMMs), fp8 KV
 
 Speculation (``--speculative``, ``sim.speculation``): each request's acceptance rate is
-drawn from Beta(2, 2) or from ``--acceptance-rates`` (``measured``; by default a
-PLACEHOLDER spread, not a measurement); a row per policy and acceptance model, with the
+drawn from Beta(2, 2) or from ``--acceptance-rates`` (``measured``; by default the
+per-request rates of the CPU n-gram runs, ``sim/data/ngram_acceptance.json``); a row per
+policy and acceptance model, with the
 goodput (requests meeting both SLOs per second) and the acceptance achieved. Without
 the option nothing changes.
 
@@ -49,7 +50,12 @@ from typing import Any
 
 from superinfer_jax.sim.mooncake import BlockTrace, is_block_trace, load_block_trace
 from superinfer_jax.sim.report import print_table, write_json
-from superinfer_jax.sim.speculation import PLACEHOLDER_MEASURED_RATES, SpeculationSpec
+from superinfer_jax.sim.speculation import (
+    MEASURED_DATA,
+    MEASURED_RATES,
+    SpeculationSpec,
+    load_measured_rates,
+)
 from superinfer_jax.sim.workloads import (
     SLOClass,
     TokenizerLoader,
@@ -119,10 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--acceptance", default="beta22", help="comma-separated acceptance "
                    "models: beta22 (rates drawn from Beta(2, 2)), measured (drawn from "
                    "--acceptance-rates); a row each")
-    s.add_argument("--acceptance-rates", help="comma-separated per-token acceptance rates "
-                   "for 'measured' (default: a PLACEHOLDER spread "
-                   f"{','.join(map(str, PLACEHOLDER_MEASURED_RATES))} until the CPU n-gram "
-                   "runs measure them)")
+    s.add_argument("--acceptance-rates", help="per-token acceptance rates for 'measured': "
+                   "comma-separated, or a .json acceptance data file (default: the CPU "
+                   f"n-gram runs' {len(MEASURED_RATES)} per-request rates, "
+                   f"superinfer_jax/sim/data/{MEASURED_DATA})")
     p.add_argument("--quick", action="store_true", help="3 rates, 30 s of arrivals")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", help="JSON path (default results/simulate-<preset>.json)")
@@ -238,8 +244,10 @@ def speculations(args: argparse.Namespace) -> list[SpeculationSpec | None]:
     """The ``--speculative`` x ``--acceptance`` runs ([None] without the option)."""
     if not getattr(args, "speculative", None):
         return [None]
-    rates: tuple[float, ...] = PLACEHOLDER_MEASURED_RATES
-    if args.acceptance_rates:
+    rates: tuple[float, ...] = MEASURED_RATES
+    if args.acceptance_rates and args.acceptance_rates.endswith(".json"):
+        rates = load_measured_rates(args.acceptance_rates)
+    elif args.acceptance_rates:
         try:
             rates = tuple(float(x) for x in _names(args.acceptance_rates))
         except ValueError as e:

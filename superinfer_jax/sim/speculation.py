@@ -3,7 +3,9 @@ the decode call.
 
 Each request gets a true per-token acceptance rate when it arrives, drawn with the run's
 seeded RNG from ``Beta(2, 2)`` (``beta22``) or uniformly from a list of measured rates
-(``measured``). Each step, ``SpeculationPolicy`` (``sched.speculation``) chooses ``k``
+(``measured``): by default the per-request rates of the CPU n-gram runs, committed in
+``data/ngram_acceptance.json`` with how they were made (``benchmarks.speculative
+--acceptance-data``). Each step, ``SpeculationPolicy`` (``sched.speculation``) chooses ``k``
 per decode row from the request's estimated rate (``AcceptanceEstimator``, updated after
 every verification), the decode call's cost at this step's contexts and the row's TBT
 slack; the call is priced with the ``k`` proposals as extra query tokens (``CallShape``:
@@ -16,9 +18,11 @@ scheduler's token budget still counts one token per decode row.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from superinfer_jax.sched.speculation import (
@@ -32,9 +36,26 @@ if TYPE_CHECKING:
     from superinfer_jax.sim.simulator import SimRequest
 
 ACCEPTANCE_MODELS = ("beta22", "measured")
-# A PLACEHOLDER until the CPU n-gram runs report measured acceptance rates: a spread
-# from chat-like text (low) to input-grounded text (high), not a measurement.
-PLACEHOLDER_MEASURED_RATES: tuple[float, ...] = (0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)
+MEASURED_DATA = "ngram_acceptance.json"  # in this package's data/
+
+
+def load_measured_rates(path: str | None = None) -> tuple[float, ...]:
+    """The ``rates`` list of an acceptance data file (``benchmarks.speculative
+    --acceptance-data``); ``path`` None: the committed n-gram runs' file."""
+    try:
+        if path is None:
+            text = resources.files(__package__).joinpath("data", MEASURED_DATA).read_text()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        rates = json.loads(text)["rates"]
+        return tuple(float(a) for a in rates)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"acceptance rates: cannot read a 'rates' list from "
+                         f"{path or MEASURED_DATA}: {e}") from e
+
+
+MEASURED_RATES: tuple[float, ...] = load_measured_rates()
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,7 @@ class SpeculationSpec:
 
     policy: SpeculationPolicy
     acceptance: str = "beta22"
-    measured_rates: tuple[float, ...] = PLACEHOLDER_MEASURED_RATES
+    measured_rates: tuple[float, ...] = MEASURED_RATES
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -60,7 +81,7 @@ class SpeculationSpec:
 
     @staticmethod
     def parse(text: str, acceptance: str = "beta22",
-              measured_rates: Sequence[float] = PLACEHOLDER_MEASURED_RATES,
+              measured_rates: Sequence[float] = MEASURED_RATES,
               seed: int = 0) -> SpeculationSpec:
         """``fixed:K`` or ``slo:K`` (``K``: the fixed length, or the most ``slo`` picks)."""
         mode, sep, k = text.partition(":")

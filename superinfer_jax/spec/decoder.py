@@ -310,6 +310,7 @@ class SpecDecoder:
             self.stats.count(row.proposal.shape[0], accepted, self.k)
             req.num_spec_proposed += row.proposal.shape[0]
             req.num_spec_accepted += accepted
+            req.num_spec_rejections += accepted < row.proposal.shape[0]
             if self.slo is not None:
                 self.slo.observe(req.req_id, row.proposal.shape[0], accepted)
             tokens = [int(t) for t in row.proposal[:accepted]] + [int(target[b, accepted])]

@@ -97,6 +97,9 @@ def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k)
     assert stats["prefix_cache_hits"] > 0
     assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
     assert sum(r.num_spec_accepted for r in done) <= spec.num_accepted_tokens
+    for r in done:  # a rejection: a verification that refused a guess (and those after it)
+        assert r.num_spec_accepted + r.num_spec_rejections <= r.num_spec_proposed
+        assert (r.num_spec_rejections > 0) == (r.num_spec_accepted < r.num_spec_proposed)
     assert len(spec.accepted_per_pos) == k
     # fewer model steps than tokens: accepted tokens came for free
     assert engine.num_model_steps < 2 * sum(len(t) for t in reference)

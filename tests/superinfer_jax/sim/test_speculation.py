@@ -143,6 +143,8 @@ def test_simulate_with_speculation_off_equals_without_the_option(tmp_path):
     (["--speculative", "slo:3", "--acceptance", "gauss"], "acceptance must be one of"),
     (["--speculative", "slo:3", "--acceptance", "measured", "--acceptance-rates", "1.5"],
      "acceptance rates must be in"),
+    (["--speculative", "slo:3", "--acceptance", "measured", "--acceptance-rates",
+      "/nonexistent/rates.json"], "cannot read a 'rates' list from /nonexistent/rates.json"),
 ])
 def test_simulate_bad_speculation(argv, message, capsys):
     assert cli_main(["simulate", "--no-progress", "--preset", "paper-llama8b-sharegpt",
@@ -170,3 +172,30 @@ def test_the_policy_never_prices_a_call_under_its_true_price():
             [(1 + k, c) for k, c in zip(ks, contexts, strict=True)]))
         assert step_s(n, n) == pytest.approx(plain, rel=1e-12)
         assert step_s(n, n + sum(ks)) >= true * (1 - 1e-12)
+
+
+def test_measured_rates_are_the_committed_n_gram_runs(tmp_path):
+    """The default ``measured`` rates: the data file's per-request rates, each in [0, 1],
+    with how they were made; ``--acceptance-rates FILE.json`` reads another such file."""
+    import argparse
+    from importlib import resources
+
+    from superinfer_jax.sim.cli import add_arguments, speculations
+    from superinfer_jax.sim.speculation import MEASURED_RATES, load_measured_rates
+
+    data = json.loads(resources.files("superinfer_jax.sim").joinpath(
+        "data", "ngram_acceptance.json").read_text())
+    assert MEASURED_RATES == tuple(data["rates"]) and len(MEASURED_RATES) >= 8
+    assert all(0.0 <= a <= 1.0 for a in MEASURED_RATES)
+    assert {"command", "commit", "k"} <= set(data["source"])
+    assert sum(len(kind["rates"]) for kind in data["per_kind"].values()) == len(data["rates"])
+    assert SpeculationSpec.parse("slo:3", "measured").measured_rates == MEASURED_RATES
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"rates": [0.25, 0.75]}))
+    assert load_measured_rates(str(path)) == (0.25, 0.75)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative", "fixed:3", "--acceptance", "measured",
+                              "--acceptance-rates", str(path)])
+    (spec,) = speculations(args)
+    assert spec is not None and spec.measured_rates == (0.25, 0.75)
