@@ -346,12 +346,10 @@ class LLMEngine:
         return outputs
 
     def _land_for_proposals(self) -> list[RequestOutput]:
-        """With speculation, the step in flight's tokens, landed before this step is
-        planned when the speculation wants every row's tokens on the host (a proposal
-        continues them); else nothing (the step stays in flight, its rows decode)."""
-        if self.spec is None or not self.spec.wants_landed_tokens():
-            return []
-        done = self.runner.put_in_flight(None)
+        """The step in flight's outputs, landed before this step is planned where the
+        speculation wants every row's tokens on the host (a proposal continues them)."""
+        wanted = self.spec is not None and self.spec.wants_landed_tokens()
+        done = self.runner.put_in_flight(None) if wanted else None
         return self._collect(done) if done is not None else []
 
     def _launch(self, plan: StepPlan) -> InflightStep:
