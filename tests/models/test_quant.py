@@ -130,6 +130,17 @@ def test_a_rows_bits_do_not_depend_on_its_batch(mode: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_rows_equal_rows_cast_to_bfloat16(mode: str) -> None:
+    """float32 x is rounded to bfloat16 in the call, as XLA's cast rounds it."""
+    w = quant.quantize(jnp.asarray(_weight(96, 70, seed=6)), mode)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((9, 96), np.float32))
+    call = jax.jit(native.quant_matmuls)
+    np.testing.assert_array_equal(np.asarray(call(x, [(w.q, w.scale)])[0]),
+                                  np.asarray(call(x.astype(jnp.bfloat16), [(w.q, w.scale)])[0]))
+
+
+@needs_kernel
 def test_one_call_for_several_weights_equals_one_call_each() -> None:
     x = _x(3, 96)
     ws = [quant.quantize(jnp.asarray(_weight(96, n, seed=n)), "int8") for n in (96, 33, 200)]
@@ -141,8 +152,8 @@ def test_one_call_for_several_weights_equals_one_call_each() -> None:
 
 def test_bad_kernel_operands_name_the_problem() -> None:
     w = quant.quantize(jnp.ones((4, 3)), "int8")
-    with pytest.raises(ValueError, match="must be bfloat16"):
-        native.quant_matmuls(jnp.ones((2, 4), jnp.float32), [(w.q, w.scale)])
+    with pytest.raises(ValueError, match="must be bfloat16 or float32"):
+        native.quant_matmuls(jnp.ones((2, 4), jnp.float16), [(w.q, w.scale)])
     with pytest.raises(ValueError, match="do not chain"):
         native.quant_matmuls(jnp.ones((2, 5), jnp.bfloat16), [(w.q, w.scale)])
     f = quant.quantize(jnp.ones((4, 3)), "fp8")

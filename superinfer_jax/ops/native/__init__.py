@@ -220,19 +220,22 @@ def lazy_zeros(shape: tuple[int, ...], dtype: jax.typing.DTypeLike) -> jax.Array
 
 
 MAX_MATMUL_WEIGHTS = 4  # kMaxSplitWeights in column_split.h
+ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the matmuls' x (float32: rounded in the call)
 
 
 def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
-    """``[x @ w for w in weights]`` for bfloat16 x [M, K] and 1-4 w [K, N_i], float32
-    out, in one call; a row's bits never depend on its batch.
-    """
+    """``[x @ w for w in weights]`` for x [M, K] and 1-4 bfloat16 w [K, N_i], float32
+    out, in one call; a row's bits never depend on its batch. x is bfloat16, or float32
+    that the call rounds to bfloat16 (to nearest even, as ``x.astype(bfloat16)`` would:
+    the same results, without an XLA op before the call)."""
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"bf16_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
     for w in weights:
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
             raise ValueError(f"bf16_matmul: x {x.shape} and w {w.shape} do not chain")
-        if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-            raise ValueError(f"bf16_matmul: x and w must be bfloat16, got {x.dtype}, {w.dtype}")
+        if x.dtype not in ROW_DTYPES or w.dtype != jnp.bfloat16:
+            raise ValueError(f"bf16_matmul: x must be bfloat16 or float32 and w bfloat16, "
+                             f"got {x.dtype}, {w.dtype}")
     outs = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), np.float32) for w in weights]
     return list(jax.ffi.ffi_call(BF16_MATMUL_TARGET, outs)(x, *weights))
 
@@ -247,14 +250,16 @@ QUANT_WEIGHT_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
 def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
                   ) -> list[jax.Array]:
-    """``[(x @ q) * s for q, s in weights]`` for bfloat16 x [M, K], 1-4 one-byte q
+    """``[(x @ q) * s for q, s in weights]`` for x [M, K] (bfloat16, or float32 rounded
+    to it in the call, as ``bf16_matmuls`` does), 1-4 one-byte q
     [K, N_i] (all int8 or all float8_e4m3fn) and float32 per-column scales s [N_i];
     float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never depend
     on its batch; needs ``quant_matmul_available()``."""
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"quant_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
-    if x.ndim != 2 or x.dtype != jnp.bfloat16:
-        raise ValueError(f"quant_matmul: x must be bfloat16 [M, K], got {x.dtype} {x.shape}")
+    if x.ndim != 2 or x.dtype not in ROW_DTYPES:
+        raise ValueError(f"quant_matmul: x must be bfloat16 or float32 [M, K], got {x.dtype} "
+                         f"{x.shape}")
     if len({q.dtype for q, _ in weights}) != 1:
         raise ValueError("quant_matmul: the weights of one call share a dtype")
     for q, s in weights:

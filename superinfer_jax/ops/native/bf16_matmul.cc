@@ -14,7 +14,8 @@
 // batch size, prefill chunk, padding) and whatever the thread count. Mixing this kernel
 // with XLA's dot for some M would break that, so where it is used it is used for every M.
 //
-//   x   [M, K] bf16     w_i [K, N_i] bf16 (row-major, as the checkpoint stores [in, out]),
+//   x   [M, K] bf16 (or f32, rounded to bf16 in the call, as XLA's convert rounds)
+//                       w_i [K, N_i] bf16 (row-major, as the checkpoint stores [in, out]),
 //                       1 to 4 of them (a layer's q, k, v in one call)
 //   out_i [M, N_i] f32
 //
@@ -41,7 +42,6 @@ constexpr int kMaxWeights = superinfer::kMaxSplitWeights;
 #if SUPERINFER_HAVE_BF16_KERNEL
 
 struct MatmulJob : superinfer::ColumnSplit {
-  const uint16_t* x;
   const uint16_t* w[kMaxWeights];
 
   // Unit u's columns (tile shapes: ``tiles::PanelForRows``).
@@ -62,7 +62,7 @@ bool CpuSupported() { return superinfer::Bf16CpuSupported(); }
 // x [M, K] times each of the weights w_i [K, N_i], into out_i [M, N_i]: one call for the
 // weights that read the same x, so the threads split all their columns at once (one wait
 // instead of one per weight, and small weights no longer run on half the threads).
-ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
                           ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("bf16_matmul: x must be [M, K]");
@@ -73,9 +73,9 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
   static const bool supported = CpuSupported();
   if (!supported) return ffi::Error::Internal("bf16_matmul: this CPU lacks AVX512-BF16");
   auto job = std::make_shared<MatmulJob>();
-  job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  job->M = xd[0];
-  job->K = xd[1];
+  if (!job->SetRows(x)) {
+    return ffi::Error::InvalidArgument("bf16_matmul: x must be bfloat16 or float32 [M, K]");
+  }
   for (int i = 0; i < static_cast<int>(weights.size()); ++i) {
     auto w = weights.get<ffi::Buffer<ffi::BF16>>(i);
     auto o = outs.get<ffi::Buffer<ffi::F32>>(i);
@@ -106,6 +106,6 @@ extern "C" int SuperinferBf16MatmulSupported() { return CpuSupported() ? 1 : 0; 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets());

@@ -39,6 +39,22 @@ inline bool Bf16CpuSupported() {
          __builtin_cpu_supports("avx512vbmi");
 }
 
+// float32 activations -> bfloat16, rounded to nearest even as XLA's convert rounds (a
+// subnormal goes to zero here, and ``vdpbf16ps`` reads a bfloat16 subnormal as zero, so the
+// products are the same either way): the kernels take float32 rows themselves, one
+// conversion in the call instead of an XLA op before it.
+BF16_TARGET inline void ToBf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, tail,
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, src + i)));
+  }
+}
+
 namespace tiles {
 
 // Weight formats a tile reads: 32 consecutive weights of one row as 32 bfloat16 values

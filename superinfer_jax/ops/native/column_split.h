@@ -1,5 +1,6 @@
 // The column split and the dispatch that ``bf16_matmul.cc`` and ``quant_matmul.cc``
-// share: 1-4 weights that read the same x [M, K], each into its own out_i [M, N_i].
+// share: 1-4 weights that read the same x [M, K] (bfloat16, or float32 rounded to it in
+// the call), each into its own out_i [M, N_i].
 //
 // Their output columns are cut into 32-column groups, end to end over the weights, and
 // the groups into one contiguous, balanced range per worker (the caller plus XLA's
@@ -14,7 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
+#include "bf16_tiles.h"
 #include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,12 +27,34 @@ namespace superinfer {
 constexpr int kMaxSplitWeights = 4;
 
 struct ColumnSplit {
+  const uint16_t* x = nullptr;  // [M, K] bfloat16: the operand's, or ``x_bf16``'s
+  std::vector<uint16_t> x_bf16;  // a float32 operand rounded to bfloat16 (``SetRows``)
   int64_t M = 0, K = 0;
   int num_weights = 0;
   float* out[kMaxSplitWeights] = {};
   int64_t N[kMaxSplitWeights] = {};
   int64_t first_group[kMaxSplitWeights + 1] = {};  // the weights' groups, end to end
   int64_t num_units = 0;
+
+#if SUPERINFER_HAVE_BF16_KERNEL
+  // x [M, K], bfloat16 or float32 (rounded here, once for every weight); false for any
+  // other operand.
+  BF16_TARGET bool SetRows(const xla::ffi::AnyBuffer& operand) {
+    auto d = operand.dimensions();
+    if (d.size() != 2) return false;
+    M = d[0];
+    K = d[1];
+    if (operand.element_type() == xla::ffi::DataType::BF16) {
+      x = static_cast<const uint16_t*>(operand.untyped_data());
+      return true;
+    }
+    if (operand.element_type() != xla::ffi::DataType::F32) return false;
+    x_bf16.resize(M * K);
+    ToBf16(static_cast<const float*>(operand.untyped_data()), M * K, x_bf16.data());
+    x = x_bf16.data();
+    return true;
+  }
+#endif
 
   // Weight i (the next one) has N columns, written to ``o``.
   void Add(int64_t n, float* o) {

@@ -16,7 +16,7 @@
 // ``vdpbf16ps`` per pair of k in increasing k) * scale[n]. Neither the panel width, the
 // thread, nor M changes that, so a row's bits do not depend on the rows beside it.
 //
-//   x     [M, K] bf16
+//   x     [M, K] bf16 (or f32, rounded to bf16 in the call, as XLA's convert rounds)
 //   w_i   [K, N_i] int8 or f8E4M3FN (row-major [in, out]), 1 to 4 of them
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
@@ -92,7 +92,6 @@ BF16_TARGET void Scale(float* out, int64_t M, int64_t ldo, const float* scale, i
 
 struct QuantJob : superinfer::ColumnSplit {
   Kind kind;
-  const uint16_t* x;
   const void* w[kMaxWeights];
   const float* scale[kMaxWeights];
   int64_t panel;  // columns per converted panel, a multiple of 32
@@ -135,7 +134,7 @@ struct QuantJob : superinfer::ColumnSplit {
 #endif  // SUPERINFER_HAVE_BF16_KERNEL
 
 // x [M, K] times each (w_i, s_i) pair, into out_i [M, N_i].
-ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x,
+ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
                            ffi::RemainingArgs args, ffi::RemainingRets outs) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
@@ -147,9 +146,9 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::BF16> x
   static const bool supported = superinfer::Bf16CpuSupported();
   if (!supported) return ffi::Error::Internal("quant_matmul: this CPU lacks AVX512-BF16/VBMI");
   auto job = std::make_shared<QuantJob>();
-  job->x = reinterpret_cast<const uint16_t*>(x.typed_data());
-  job->M = xd[0];
-  job->K = xd[1];
+  if (!job->SetRows(x)) {
+    return ffi::Error::InvalidArgument("quant_matmul: x must be bfloat16 or float32 [M, K]");
+  }
   for (int i = 0; i < static_cast<int>(outs.size()); ++i) {
     auto w = args.get<ffi::AnyBuffer>(2 * i);
     auto s = args.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
@@ -194,6 +193,6 @@ extern "C" int SuperinferQuantMatmulSupported() { return superinfer::Bf16CpuSupp
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferQuantMatmul, QuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .RemainingRets());

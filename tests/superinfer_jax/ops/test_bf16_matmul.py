@@ -67,6 +67,24 @@ def test_a_rows_bits_do_not_depend_on_its_batch(m: int, k: int, n: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("m,k", [(1, 576), (9, 37), (130, 64)])
+def test_float32_rows_equal_rows_cast_to_bfloat16(m: int, k: int) -> None:
+    """float32 x is rounded in the call as XLA's cast rounds it: the same bits out, for
+    values at every rounding boundary and subnormals too (read as zero either way)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((m, k), np.float32)
+    # halfway cases of the bfloat16 rounding (ties to even both ways), and subnormals
+    ties = (np.arange(x.size, dtype=np.uint32) % 4 + 0x3F808000).view(np.float32)
+    x = np.where(rng.random((m, k)) < 0.3, ties.reshape(m, k), x)
+    x[:, 0] = np.float32(1e-40)
+    x = jnp.asarray(x)
+    w = jnp.asarray(rng.standard_normal((k, 96), np.float32) * 0.05, jnp.bfloat16)
+    call = jax.jit(native.bf16_matmul)
+    np.testing.assert_array_equal(np.asarray(call(x, w)),
+                                  np.asarray(call(x.astype(jnp.bfloat16), w)))
+
+
+@needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 9])
 def test_one_call_for_several_weights_equals_one_call_each(m: int) -> None:
     """A layer's q, k and v (or gate and up) in one call: the threads split all their
@@ -99,8 +117,10 @@ def test_model_matmul_takes_the_kernel_on_cpu_only() -> None:
 
 
 def test_bad_operands_name_the_problem() -> None:
-    with pytest.raises(ValueError, match="must be bfloat16"):
-        native.bf16_matmul(jnp.ones((2, 4), jnp.float32), jnp.ones((4, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="must be bfloat16 or float32"):
+        native.bf16_matmul(jnp.ones((2, 4), jnp.float16), jnp.ones((4, 3), jnp.bfloat16))
+    with pytest.raises(ValueError, match="w bfloat16"):
+        native.bf16_matmul(jnp.ones((2, 4), jnp.float32), jnp.ones((4, 3), jnp.float32))
     with pytest.raises(ValueError, match="do not chain"):
         native.bf16_matmul(jnp.ones((2, 4), jnp.bfloat16), jnp.ones((5, 3), jnp.bfloat16))
     with pytest.raises(ValueError, match="1 to 4 weights"):
