@@ -70,7 +70,7 @@ MODULES = (
 )
 _SWITCH_ENV = "SUPERINFER_COMPILED"
 _CACHE_ENV = "SUPERINFER_COMPILED_CACHE"
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # superinfer_jax/
 _SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 _active: Path | None = None

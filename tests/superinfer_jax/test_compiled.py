@@ -49,6 +49,14 @@ def test_the_key_follows_every_source_file(tmp_path, monkeypatch):
     assert compiled.source_key() != before
 
 
+def test_the_key_and_the_build_read_the_package_itself():
+    """The hashed tree is superinfer_jax/ (every module ``MODULES`` compiles is in it),
+    and the build's paths, relative to its parent, name those modules' files."""
+    assert compiled.PACKAGE_DIR.name == "superinfer_jax"
+    for name in compiled.MODULES:
+        assert (compiled.PACKAGE_DIR.parent / (name.replace(".", "/") + ".py")).is_file(), name
+
+
 def test_build_dir_follows_the_cache_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("SUPERINFER_COMPILED_CACHE", str(tmp_path))
     assert compiled.build_dir().parent == tmp_path
