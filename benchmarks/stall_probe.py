@@ -21,6 +21,7 @@ import argparse
 import bisect
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from superinfer_jax.request import ROTARY, ROTATING_IN, ROTATING_OUT, RUNNING, WAITING, Request
@@ -50,8 +51,20 @@ class Probe:
         self.short: list[tuple[int, int]] = []  # (pages to move, budget left) when refused
 
     @staticmethod
-    def install(current: list[Probe]) -> None:
-        """Hook the scheduler once; every hook records into ``current[-1]``."""
+    def install(current: list[Probe]) -> Callable[[], None]:
+        """Hook the scheduler once; every hook records into ``current[-1]``. Returns the
+        function that takes the hooks out again."""
+        saved = [(rank_mod, "reply_due_on_time", rank_mod.reply_due_on_time),
+                 (sim_mod.SimRequest, "_log_transition", sim_mod.SimRequest._log_transition)]
+        saved += [(sched_mod.Scheduler, name, getattr(sched_mod.Scheduler, name))
+                  for name in ("schedule", "_start_rotate_in", "_select", "_evict")]
+        saved += [(sel_mod.StepSelection, name, getattr(sel_mod.StepSelection, name))
+                  for name in ("read", "evict_unselected")]
+
+        def uninstall() -> None:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
         orig_due = rank_mod.reply_due_on_time
 
         def due(s: Any, req: Request, now: float, step_s: Any, p: Any) -> bool:
@@ -130,6 +143,7 @@ class Probe:
             current[-1].evictions[f"{kind} by {where[0]}"] += pages
 
         sched_mod.Scheduler._evict = evict  # type: ignore[method-assign]
+        return uninstall
 
     def close_step(self, s: Any) -> None:
         step = len(self.step_times) - 1
