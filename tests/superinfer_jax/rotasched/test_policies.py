@@ -673,3 +673,24 @@ def test_parked_replies_are_capped_at_the_inbound_transfer_of_a_few_steps():
         plan = d.step(1.2)  # both late (past 0.5 + 0.5 * 1 s)
         assert plan.rotate_out == out
         assert plan.decode == [r for r in "ab" if r not in out]
+
+
+def test_a_due_reply_kept_this_step_does_not_count_as_parked():
+    """With a parked-page limit (``parked_return_steps`` 0.25 of 16 pages a step: 4
+    pages), a reply due back swaps with the runner the selection drops: the reply comes
+    back this step, so its 6 pages do not count against the limit and the runner (6
+    pages) may take its place on the host (one parked reply is always allowed)."""
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+        min_residency_tokens=4, residency_share=1.0, parked_return_steps=0.25,
+        reply_stall_cap=0.0), enable_prefix_caching=False, transfer_budget_pages=16)
+    d = Driver(sched, kv)
+    for rid in "abc":  # a and b hold 12 of the 16 pages; c waits for pages
+        d.add(req(rid, 16, arrival=0.0, max_tokens=50))
+    for t in range(6):
+        d.step(t * 0.1)
+    sched.force_rotate_out.add("a")
+    plan = d.step(0.6)
+    assert (plan.rotate_out, plan.rotate_in) == (["a"], ["c"])
+    assert sched.policy.parked_page_limit(sched) == 4
+    plan = d.step(0.7)  # a is due (stall cap 0): it displaces b, the runner ranked last
+    assert (plan.rotate_out, plan.rotate_in) == (["b"], ["a"])
