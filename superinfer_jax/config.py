@@ -202,6 +202,22 @@ class RotaSchedConfig:
         "lag", choices=DUE_ORDERS,
         help="lag (parked replies due back, by virtual lag) | stall (by TBT SLOs since their "
              "last token, longest first); parked_replies free_pages or auto only")
+    # Where a decode step is close to the TBT SLO (a big pool), a step that takes the whole
+    # token budget for prefill stalls every decoder for many gaps; this caps such a step
+    # (docs/scheduling.md#prefill_stall_cap); none: the configured budget.
+    prefill_stall_cap: float | None = knob(
+        None, gt=0, example=5.0,
+        help="with a latency model, the most TBT SLOs a contended step may last while a "
+             "late first token prefills or its decode call alone misses the TBT (its "
+             "prefill chunk shrinks to fit); none: the configured token budget")
+    # Rotating a reply back takes the inbound transfer budget: past this backlog a parked
+    # reply waits for the link, not for pages (docs/scheduling.md#parked_return_steps);
+    # none: no limit beyond ``parked_share``.
+    parked_return_steps: float | None = knob(
+        None, gt=0, example=4.0,
+        help="the most steps of the inbound transfer budget (transfer_budget_pages) the "
+             "parked replies' pages may take to come back; past it a decoding runner is no "
+             "longer rotated out (one parked reply is always allowed); none: no limit")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

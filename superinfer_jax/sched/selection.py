@@ -220,9 +220,10 @@ class StepSelection:
         assert isinstance(kv, TwoTierKVManager)  # contention is a two-tier policy's notion
         limit = s.policy.parked_page_limit(s)
         parked = 0
-        if limit is not None:
+        if limit is not None:  # the parked replies kept now come back: not counted
+            keep = self.keep
             for r in s.rotary:
-                if r.token_times:
+                if r.token_times and r.req_id not in keep:
                     parked += len(kv.host_table(r.req_id) or kv.page_table(r.req_id))
         for req in reversed(self.dropped):
             if req.status != RUNNING:

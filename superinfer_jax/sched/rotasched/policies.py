@@ -77,10 +77,17 @@ class RotaSchedPolicy(SwapPolicy):
         return bool(s.rotary) or used >= self.params.high_water_mark * usable
 
     def parked_page_limit(self, s: Scheduler) -> int | None:
-        """``parked_share`` of the usable device pages (None at 1: no limit): parking more
-        replies than the pool can take back in time turns each rotation into a long gap."""
+        """``parked_share`` of the usable device pages (None at 1: no limit), and with
+        ``parked_return_steps`` at most the pages that many steps' inbound transfer budget
+        brings back: parking more replies than the pool or the link can take back in time
+        turns each rotation into a long gap."""
         share = self.params.parked_share
-        return None if share >= 1 else int(share * s.kv.allocator.num_usable)
+        limit = None if share >= 1 else int(share * s.kv.allocator.num_usable)
+        steps = self.params.parked_return_steps
+        if steps is None:
+            return limit
+        pages = int(steps * self.config.duplex_kv.transfer_budget_pages)
+        return pages if limit is None else min(limit, pages)
 
 
     def token_budget(self, s: Scheduler, budget: StepBudget, now: float,
@@ -88,7 +95,10 @@ class RotaSchedPolicy(SwapPolicy):
         """Decode rows plus the largest prefill chunk bucket whose padded call keeps the
         step within the decoders' tightest TBT SLO (Sarathi-style). The configured budget
         without a model or decoders, while a late first token that can still make it
-        prefills, or while memory keeps nobody waiting (it would only delay first tokens)."""
+        prefills, or while memory keeps nobody waiting (it would only delay first tokens).
+        With ``prefill_stall_cap``, a late first token's step and one whose decode call
+        alone misses the TBT take the largest chunk that keeps the step within that many
+        TBT SLOs (at least the smallest bucket)."""
         # one pass over the runners: the decoders' count, tightest TBT and longest context
         num_decoders = longest = 0
         tbt_ms = 0.0
@@ -105,19 +115,30 @@ class RotaSchedPolicy(SwapPolicy):
             elif pending > 1:
                 prefilling.append(r)
         lm = s.latency
-        if lm is None or not num_decoders or self._nobody_waits_for_memory(s, keep) \
-                or self._first_token_late(s, now, keep, prefilling):
+        if lm is None or not num_decoders or self._nobody_waits_for_memory(s, keep):
+            return budget
+        cap = self.params.prefill_stall_cap
+        late = self._first_token_late(s, now, keep, prefilling)
+        if late and cap is None:
             return budget
         tbt = tbt_ms / 1000  # the same float as ``slo.tbt_s`` of the tightest decoder
         # the decode call as compiled: padded rows, each walking the longest context
         rows = bucket(num_decoders, self.config.decode_buckets)
-        room = 0.9 * tbt - lm.decode_s(rows, rows * longest)
+        decode_s = lm.decode_s(rows, rows * longest)
         context = 0
         for r in prefilling:
             if r.num_computed_tokens > context:
                 context = r.num_computed_tokens
-        fits = [c for c in self.config.prefill_chunk_buckets
-                if lm.prefill_s(c, context) <= room]
+        chunks = self.config.prefill_chunk_buckets
+        room = 0.9 * tbt - decode_s
+        fits = [] if late else [c for c in chunks if lm.prefill_s(c, context) <= room]
+        if not fits and cap is not None:  # the TBT is missed: the miss lasts <= cap SLOs
+            room = cap * tbt - decode_s
+            # up to ``prefill_rows`` rows of the largest chunk, within the configured budget
+            most = budget.tokens - num_decoders
+            sizes = [c for c in chunks + tuple(chunks[-1] * n for n in range(
+                2, budget.limits.prefill_rows + 1)) if c <= most] or [chunks[0]]
+            fits = [c for c in sizes if lm.prefill_s(c, context) <= room] or sizes[:1]
         if not fits:  # the step misses the TBT anyway: let the miss buy the most progress
             return budget
         return StepBudget(num_decoders + fits[-1], fits[-1], budget.pages_out,

@@ -614,3 +614,83 @@ def test_due_replies_are_served_longest_parked_first_with_due_order_stall(due_or
     expected = ["early_arrival", "long_parked"] if due_order == "lag" \
         else ["long_parked", "early_arrival"]
     assert order == expected
+
+
+def test_prefill_stall_cap_bounds_the_step_of_a_late_first_token():
+    """Without the cap a late first token's step takes the full token budget; with
+    ``prefill_stall_cap`` it takes the largest chunk that keeps the step (decode call
+    included) within that many TBT SLOs, never more than the configured budget, and at
+    least the smallest bucket. A step whose decode call alone misses the TBT is capped the
+    same way instead of taking the full budget."""
+    from superinfer_jax.sched.latency import LatencyModel
+
+    def budget_at(cap: float | None, decode_s: float, now: float) -> tuple[int, int]:
+        sched, kv = make("rotasched", device_pages=64, host_pages=64,
+                         rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01,
+                                                   prefill_stall_cap=cap))
+        d = Driver(sched, kv)
+        d.add(req("dec", 8, arrival=0.0, max_tokens=50))
+        d.add(req("parked", 8, arrival=0.0, max_tokens=50))
+        d.step(0.0)
+        sched.force_rotate_out.add("parked")
+        d.step(0.1)  # someone waits for memory: the TBT-sized budget applies
+        sched.set_latency_model(LatencyModel(prefill=[0.010, 0.001, 0.0],
+                                             decode=[decode_s, 0.0, 0.0]))
+        d.add(req("new", 40, arrival=1.0, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+        return token_budget(sched, now, {"new"})
+
+    full = (64, 64)
+    assert budget_at(None, 0.06, 1.6) == full  # late: the configured budget
+    # 100 ms: 60 decode + 10 + 16 fits, + 32 does not (102 ms)
+    assert budget_at(1.0, 0.06, 1.6) == (1 + 16, 16)
+    assert budget_at(1.5, 0.06, 1.6) == (1 + 32, 32)  # 150 ms: 32 fits (102 ms)
+    assert budget_at(100.0, 0.06, 1.6) == (1 + 32, 32)  # 64 would pass the budget of 64
+    assert budget_at(0.5, 0.06, 1.6) == (1 + 16, 16)  # nothing fits: the smallest bucket
+    assert budget_at(None, 0.06, 1.2) == (1 + 16, 16)  # not late: TBT-sized, cap or not
+    assert budget_at(1.0, 0.06, 1.2) == (1 + 16, 16)
+    # the decode call alone (95 ms) misses 0.9 x TBT: the full budget, or capped
+    assert budget_at(None, 0.095, 1.2) == full
+    assert budget_at(1.2, 0.095, 1.2) == (1 + 16, 16)  # 120 - 95 = 25 ms: 16 (26 ms) no
+    assert budget_at(1.4, 0.095, 1.2) == (1 + 32, 32)  # 45 ms: 32 (42 ms) fits
+
+
+def test_parked_replies_are_capped_at_the_inbound_transfer_of_a_few_steps():
+    """As ``parked_share``, counted in steps of the inbound transfer budget: with 16
+    pages a step, ``parked_return_steps`` 0.25 allows 4 parked pages, so of two decoding
+    runners the selection drops, the first rotates out (one parked reply is always
+    allowed) and the second stays and keeps decoding; unset, both rotate out."""
+    for steps, out in ((None, ["a", "b"]), (0.25, ["a"])):
+        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+            min_residency_tokens=4, residency_share=1.0, parked_return_steps=steps),
+            enable_prefix_caching=False, transfer_budget_pages=16)
+        d = Driver(sched, kv)
+        d.add(req("a", 24, arrival=0.0, max_tokens=50))
+        d.add(req("b", 24, arrival=0.0, max_tokens=50))
+        for t in range(6):  # past their 4-token residency: 8 and 7 pages
+            d.step(t * 0.1)
+        for rid in ("new", "new2"):
+            d.add(req(rid, 28, arrival=0.5, slo=SLO(ttft_ms=1000, tbt_ms=100)))
+        plan = d.step(1.2)  # both late (past 0.5 + 0.5 * 1 s)
+        assert plan.rotate_out == out
+        assert plan.decode == [r for r in "ab" if r not in out]
+
+
+def test_a_due_reply_kept_this_step_does_not_count_as_parked():
+    """With a parked-page limit (``parked_return_steps`` 0.25 of 16 pages a step: 4
+    pages), a reply due back swaps with the runner the selection drops: the reply comes
+    back this step, so its 6 pages do not count against the limit and the runner (6
+    pages) may take its place on the host (one parked reply is always allowed)."""
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+        min_residency_tokens=4, residency_share=1.0, parked_return_steps=0.25,
+        reply_stall_cap=0.0), enable_prefix_caching=False, transfer_budget_pages=16)
+    d = Driver(sched, kv)
+    for rid in "abc":  # a and b hold 12 of the 16 pages; c waits for pages
+        d.add(req(rid, 16, arrival=0.0, max_tokens=50))
+    for t in range(6):
+        d.step(t * 0.1)
+    sched.force_rotate_out.add("a")
+    plan = d.step(0.6)
+    assert (plan.rotate_out, plan.rotate_in) == (["a"], ["c"])
+    assert sched.policy.parked_page_limit(sched) == 4
+    plan = d.step(0.7)  # a is due (stall cap 0): it displaces b, the runner ranked last
+    assert (plan.rotate_out, plan.rotate_in) == (["b"], ["a"])
