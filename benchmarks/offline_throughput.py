@@ -2,11 +2,15 @@
 and against llama.cpp on the same GGUF.
 
 For each weight mode and batch size: B prompts of ``prompt_len`` random tokens,
-``new_tokens`` greedy tokens each (EOS ignored), output tokens/s end to end (prefill
-included) and decode tokens/s (the tokens after each sequence's first, over the time
-after the last first token: prefill out), and the engine's mean decode step time against
-the memory-bandwidth roofline (weight bytes over the copy bandwidth measured in the same
-run). Modes: each of
+``new_tokens`` greedy tokens each (EOS ignored; prefix caching off, so every run
+prefills), output tokens/s end to end (prefill included) and decode tokens/s (the
+tokens after each sequence's first, over the time after the last first token: prefill
+out), and the engine's mean decode step time against the memory-bandwidth roofline
+(weight bytes over the copy bandwidth measured in the same run). Every mode's engine is
+built first; then, per batch size, the modes take turns ``--repeats`` times (a different
+one first each round) and each row reports its medians, every repeat in ``repeats``: a
+shared machine's speed drifts from minute to minute, which one run per mode, one mode
+after another, would fold into the ratios. Modes: each of
 ``--dtypes`` with float weights, then each of ``--weights`` (``int8``, ``fp8``:
 ``models.quant``) over bfloat16 compute; ``--kv-cache-dtype`` passes through to the engine.
 
@@ -177,92 +181,136 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="engine runs per mode and batch, the modes taking turns")
     args = parser.parse_args(argv)
     if args.quick:
         args.dtypes, args.weights, args.batches, args.new_tokens = "bfloat16", "int8", "1", 32
+        args.repeats = 2
 
     import torch
-
-    from models import load_model
-    from models.hf_export import to_transformers
-    from superinfer_jax import EngineConfig, LLMEngine
-    from superinfer_jax.config import default_kv_dtype
 
     torch.set_num_threads(os.cpu_count() or 1)
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth()
     flops = matmul_flops()
-    rng = np.random.default_rng(0)
+    modes = [_Mode(dtype, weights, args, max(batches)) for dtype, weights in _modes(args)]
+    prompts = np.random.default_rng(0).integers(
+        10, modes[0].model.vocab_size, (max(batches), args.prompt_len)).tolist()
+    cpp = ({name: {b: "--no-llamacpp" for b in batches}
+            for name in ("llama.cpp q8_0", "llama.cpp q4_1")}
+           if args.no_llamacpp else _llamacpp(args, batches, prompts[0]))
+    setup, hf_tok_s = _transformers(args, modes, batches, prompts)
     rows: list[dict] = []
-    setup = ""
-    hf_tok_s: dict[str, dict[int, tuple[float, float]]] = {}
-    prompts: list[list[int]] = []
-    cpp: dict = {}
-    for dtype, weights in _modes(args):
-        model = load_model(args.model, dtype=dtype, quantization=weights)
-        if not prompts:
-            prompts = rng.integers(10, model.vocab_size,
-                                   (max(batches), args.prompt_len)).tolist()
-            cpp = ({name: {b: "--no-llamacpp" for b in batches}
-                    for name in ("llama.cpp q8_0", "llama.cpp q4_1")}
-                   if args.no_llamacpp else _llamacpp(args, batches, prompts[0]))
-        weight_bytes = model.param_bytes()
-        roofline_ms = 1000 * weight_bytes / bandwidth
-        kv = default_kv_dtype(dtype) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        config = EngineConfig.build(
-            max_model_len=args.prompt_len + args.new_tokens + 16, max_num_seqs=max(batches),
-            max_prefill_chunk=args.prompt_len, max_num_batched_tokens=4 * args.prompt_len,
-            dtype=kv, compilation_cache_dir=args.compilation_cache or None,
-        )
-        engine = LLMEngine(model, config)
-        if dtype not in hf_tok_s:
-            hf_model = to_transformers(load_model(args.model, dtype=dtype) if weights != "none"
-                                       else model, dtype)
-            run_transformers(hf_model, 1, prompts, 4)  # first-call overhead out of the timing
-            setup = baseline_setup(hf_model)
-            print(f"baseline: {setup}")
-            hf_tok_s[dtype] = {b: run_transformers(hf_model, b, prompts, args.new_tokens)
-                               for b in batches}
-            del hf_model
-        for batch in batches:
-            ours = run_engine(model, batch, prompts, args.new_tokens, engine)
-            step = ours["decode_step_ms"]
-            # both rooflines: weights streamed once per step, and 2 FLOPs per param per row
-            compute_ms = 1000 * 2 * _param_count(model) * batch / flops
-            bound_ms = max(roofline_ms, compute_ms)
-            values, decode, missing = _baselines(hf_tok_s[dtype], cpp, batch)
-            bf16 = ours if (dtype, weights) == ("bfloat16", "none") else next(
-                ({"tok_s": r["engine_tok_s"], "decode_tok_s": r["engine_decode_tok_s"]}
-                 for r in rows if r["batch"] == batch
-                 and r["dtype"] == "bfloat16" and r["weights"] == "none"), None)
-            rows.append({
-                "dtype": dtype, "weights": weights, "kv_cache_dtype": kv, "batch": batch,
-                "engine_tok_s": ours["tok_s"], "baselines": values,
-                "baselines_missing": missing,
-                "engine_decode_tok_s": ours["decode_tok_s"], "decode_baselines": decode,
-                "vs_bfloat16": ours["tok_s"] / bf16["tok_s"] if bf16 else None,
-                "vs_bfloat16_decode": (ours["decode_tok_s"] / bf16["decode_tok_s"]
-                                       if bf16 and ours["decode_tok_s"]
-                                       and bf16["decode_tok_s"] else None),
-                "vs_transformers": ours["tok_s"] / values["transformers"],
-                "decode_step_ms": step, "bw_roofline_ms": roofline_ms,
-                "flop_roofline_ms": compute_ms,
-                "step_over_roofline": step / bound_ms if step else None,
-            })
+    for batch in batches:
+        runs = _interleaved(modes, batch, prompts, args)
+        bf16 = next((runs[i] for i, m in enumerate(modes)
+                     if (m.dtype, m.weights) == ("bfloat16", "none")), None)
+        for mode, ours in zip(modes, runs, strict=True):
+            values, decode, missing = _baselines(hf_tok_s[mode.dtype], cpp, batch)
+            rows.append(mode.row(batch, ours, bf16, values, decode, missing, bandwidth, flops))
             print_table([_flat(rows[-1])])
-        del engine, model
     print_table([_flat(r) for r in rows],
                 title=f"offline throughput ({args.model}, prompt {args.prompt_len}, "
                       f"{args.new_tokens} new tokens, copy bw {bandwidth / 1e9:.1f} GB/s, "
-                      f"matmul {flops / 1e9:.0f} GFLOP/s)\nbaseline: {setup}")
+                      f"matmul {flops / 1e9:.0f} GFLOP/s, {args.repeats} interleaved "
+                      f"repeats, medians)\nbaseline: {setup}")
     write_json(args.out, {"args": vars(args), "baseline_setup": setup,
                           "copy_bandwidth_gb_s": bandwidth / 1e9,
                           "matmul_gflops": flops / 1e9, "rows": rows})
 
 
+class _Mode:
+    """One row's model and engine (compute dtype, weight quantization), built up front so
+    that the modes can take turns."""
+
+    def __init__(self, dtype: str, weights: str, args: argparse.Namespace, max_batch: int):
+        from models import load_model
+        from superinfer_jax import EngineConfig, LLMEngine
+        from superinfer_jax.config import default_kv_dtype
+
+        self.dtype, self.weights = dtype, weights
+        self.model = load_model(args.model, dtype=dtype, quantization=weights)
+        self.kv = (default_kv_dtype(dtype) if args.kv_cache_dtype == "auto"
+                   else args.kv_cache_dtype)
+        config = EngineConfig.build(
+            max_model_len=args.prompt_len + args.new_tokens + 16, max_num_seqs=max_batch,
+            max_prefill_chunk=args.prompt_len, max_num_batched_tokens=4 * args.prompt_len,
+            dtype=self.kv, compilation_cache_dir=args.compilation_cache or None,
+            enable_prefix_caching=False,  # every run prefills its prompts, as the baselines do
+        )
+        self.engine = LLMEngine(self.model, config)
+
+    def row(self, batch: int, ours: dict, bf16: dict | None, values: dict, decode: dict,
+            missing: dict, bandwidth: float, flops: float) -> dict:
+        step = ours["decode_step_ms"]
+        roofline_ms = 1000 * self.model.param_bytes() / bandwidth
+        # both rooflines: weights streamed once per step, and 2 FLOPs per param per row
+        compute_ms = 1000 * 2 * _param_count(self.model) * batch / flops
+        bound_ms = max(roofline_ms, compute_ms)
+
+        def ratio(key: str) -> float | None:
+            return ours[key] / bf16[key] if bf16 and ours[key] and bf16[key] else None
+
+        return {
+            "dtype": self.dtype, "weights": self.weights, "kv_cache_dtype": self.kv,
+            "batch": batch, "engine_tok_s": ours["tok_s"], "baselines": values,
+            "baselines_missing": missing,
+            "engine_decode_tok_s": ours["decode_tok_s"], "decode_baselines": decode,
+            "vs_bfloat16": ratio("tok_s"), "vs_bfloat16_decode": ratio("decode_tok_s"),
+            "vs_transformers": ours["tok_s"] / values["transformers"],
+            "decode_step_ms": step, "bw_roofline_ms": roofline_ms,
+            "flop_roofline_ms": compute_ms,
+            "step_over_roofline": step / bound_ms if step else None,
+            "repeats": ours["repeats"],
+        }
+
+
+def _transformers(args: argparse.Namespace, modes: list[_Mode], batches: list[int],
+                  prompts: list[list[int]]) -> tuple[str, dict]:
+    """transformers' (tok/s, decode tok/s) per compute dtype and batch, on the float
+    weights (a quantized row's baseline is its dtype's), and how it ran."""
+    from models import load_model
+    from models.hf_export import to_transformers
+
+    setup, out = "", {}
+    for mode in modes:
+        if mode.dtype in out:
+            continue
+        hf_model = to_transformers(load_model(args.model, dtype=mode.dtype)
+                                   if mode.weights != "none" else mode.model, mode.dtype)
+        run_transformers(hf_model, 1, prompts, 4)  # first-call overhead out of the timing
+        setup = baseline_setup(hf_model)
+        print(f"baseline: {setup}")
+        out[mode.dtype] = {b: run_transformers(hf_model, b, prompts, args.new_tokens)
+                           for b in batches}
+        del hf_model
+    return setup, out
+
+
+def _interleaved(modes: list[_Mode], batch: int, prompts: list[list[int]],
+                 args: argparse.Namespace) -> list[dict]:
+    """Each mode's run at ``batch``, ``args.repeats`` times, the modes taking turns (a
+    different one first each round, so a drift in the machine's speed weighs on every
+    mode alike); per mode the medians, and every repeat's figures in ``repeats``."""
+    got: list[list[dict]] = [[] for _ in modes]
+    for r in range(args.repeats):
+        for i in [(r + j) % len(modes) for j in range(len(modes))]:
+            got[i].append(run_engine(modes[i].model, batch, prompts, args.new_tokens,
+                                     modes[i].engine))
+    out = []
+    for runs in got:
+        med = {key: (float(np.median([x[key] for x in runs]))
+                     if all(x[key] is not None for x in runs) else None)
+               for key in ("tok_s", "decode_tok_s", "decode_step_ms")}
+        out.append(med | {"repeats": [{k: x[k] for k in ("tok_s", "decode_tok_s")}
+                                      for x in runs]})
+    return out
+
+
 def _flat(row: dict) -> dict:
     """A row for the printed table: baselines as columns, reasons left to the JSON."""
-    skip = ("baselines", "baselines_missing", "decode_baselines")
+    skip = ("baselines", "baselines_missing", "decode_baselines", "repeats")
     out = {k: v for k, v in row.items() if k not in skip}
     return (out | {f"{name} tok_s": v for name, v in row["baselines"].items()}
             | {f"{name} decode": v for name, v in row["decode_baselines"].items()})
