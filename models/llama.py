@@ -79,9 +79,8 @@ def matmuls(x: jax.Array, ws: list[jax.Array], acc32: Acc32) -> list[jax.Array]:
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1])
     if acc32 == NATIVE:  # the kernel rounds float32 rows to the weights' bfloat16 itself
-        row_dtype = x2.dtype if x2.dtype in native.ROW_DTYPES else ws[0].dtype
         outs = jax.lax.platform_dependent(
-            x2.astype(row_dtype), *ws, cpu=lambda x2, *ws: native.bf16_matmuls(x2, ws),
+            native.matmul_rows(x2), *ws, cpu=lambda x2, *ws: native.bf16_matmuls(x2, ws),
             default=lambda x2, *ws: [_dot_acc32(x2.astype(ws[0].dtype), w) for w in ws])
     else:
         outs = [_dot_acc32(x2.astype(ws[0].dtype), w) for w in ws]

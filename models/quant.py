@@ -195,9 +195,7 @@ def matmuls(x: jax.Array, ws: Sequence[QuantizedWeight], native_cpu: bool) -> li
     modes = {w.mode for w in ws}
     if native_cpu and len(modes) == 1 and len(ws) <= native.MAX_MATMUL_WEIGHTS:
         def cpu(x2, ws):
-            # float32 rows are rounded to bfloat16 in the kernel, as the cast would
-            rows = x2 if x2.dtype in native.ROW_DTYPES else x2.astype(jnp.bfloat16)
-            return native.quant_matmuls(rows, [(w.q, w.scale) for w in ws])
+            return native.quant_matmuls(native.matmul_rows(x2), [(w.q, w.scale) for w in ws])
     else:
         cpu = _xla
     outs = jax.lax.platform_dependent(x2, list(ws), cpu=cpu, cuda=_gpu, default=_xla)

@@ -223,6 +223,12 @@ MAX_MATMUL_WEIGHTS = 4  # kMaxSplitWeights in column_split.h
 ROW_DTYPES = (jnp.bfloat16, jnp.float32)  # the matmuls' x (float32: rounded in the call)
 
 
+def matmul_rows(x: jax.Array) -> jax.Array:
+    """``x`` as ``bf16_matmuls`` and ``quant_matmuls`` take it: itself when bfloat16 or
+    float32 (which the call rounds), else cast to bfloat16 here."""
+    return x if x.dtype in ROW_DTYPES else x.astype(jnp.bfloat16)
+
+
 def bf16_matmuls(x: jax.Array, weights: Sequence[jax.Array]) -> list[jax.Array]:
     """``[x @ w for w in weights]`` for x [M, K] and 1-4 bfloat16 w [K, N_i], float32
     out, in one call; a row's bits never depend on its batch. x is bfloat16, or float32
