@@ -55,10 +55,16 @@ def check_mode(mode: str) -> str:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """``q [..., in, out]`` (int8 or float8_e4m3fn) and ``scale [..., out]`` float32."""
+    """``q [..., in, out]`` (int8 or float8_e4m3fn) and ``scale [..., out]`` float32.
+
+    ``panel``: 0 when ``q`` is row-major; else ``q`` (still shaped ``[in, out]``) holds its
+    columns packed in panels of that width (``pack_columns``), the layout the native CPU
+    kernel streams fastest. Only ``matmuls``' native path reads a packed ``q`` as it is;
+    every other reader takes ``unpacked_q``."""
 
     q: jax.Array
     scale: jax.Array
+    panel: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,8 +80,52 @@ class QuantizedWeight:
             raise TypeError("a QuantizedWeight is read whole (param[...])")
         return self
 
+    @property
+    def unpacked_q(self) -> jax.Array:
+        """``q`` row-major ``[..., in, out]``, whatever its storage."""
+        return unpack_columns(self.q, self.panel) if self.panel else self.q
+
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return (self.q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
+        return (self.unpacked_q.astype(jnp.float32) * self.scale[..., None, :]).astype(dtype)
+
+
+def pack_columns(q: jax.Array, panel: int) -> jax.Array:
+    """``q [in, out]`` with its columns packed in panels of ``panel`` (same shape): panel p,
+    columns ``[p * panel, p * panel + w_p)``, as its own row-major ``[in, w_p]`` block,
+    blocks end to end (``superinfer_jax/ops/native/quant_matmul.cc``)."""
+    rows, cols = q.shape
+    full = cols // panel * panel
+    blocks = [q[:, :full].reshape(rows, -1, panel).transpose(1, 0, 2).reshape(-1)]
+    if full < cols:
+        blocks.append(q[:, full:].reshape(-1))
+    return jnp.concatenate(blocks).reshape(rows, cols)
+
+
+def unpack_columns(q: jax.Array, panel: int) -> jax.Array:
+    """``pack_columns``' inverse."""
+    rows, cols = q.shape
+    full = cols // panel * panel
+    flat = q.reshape(-1)
+    parts = [flat[:rows * full].reshape(-1, rows, panel).transpose(1, 0, 2).reshape(rows, full)]
+    if full < cols:
+        parts.append(flat[rows * full:].reshape(rows, cols - full))
+    return jnp.concatenate(parts, axis=1)
+
+
+def pack_params(params: nnx.State, panel: int) -> nnx.State:
+    """``params`` with every row-major two-axis quantized weight packed in ``panel``
+    columns (expert stacks and packed weights stay as they are); one device only."""
+    from models.sharding import fill_state, flat_state
+
+    flat = flat_state(params)
+    for path, w in flat.items():
+        if isinstance(w, QuantizedWeight) and w.q.ndim == 2 and not w.panel:
+            flat[path] = QuantizedWeight(_pack_jit(w.q, panel), w.scale, panel)
+    fill_state(params, flat)
+    return params
+
+
+_pack_jit = jax.jit(pack_columns, static_argnums=(1,))
 
 
 def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
@@ -161,7 +211,7 @@ def _pad_one_row(x2: jax.Array) -> jax.Array:
 def _bf16_dot(x2: jax.Array, w: QuantizedWeight) -> jax.Array:
     """bfloat16 x times ``q`` (exact in bfloat16), float32 sums, times the scales."""
     rows = x2.shape[0]
-    out = jnp.dot(_pad_one_row(x2.astype(jnp.bfloat16)), w.q.astype(jnp.bfloat16),
+    out = jnp.dot(_pad_one_row(x2.astype(jnp.bfloat16)), w.unpacked_q.astype(jnp.bfloat16),
                   preferred_element_type=jnp.float32)[:rows]
     return out * w.scale
 
@@ -173,7 +223,7 @@ def fp8_gemm(x2: jax.Array, w: QuantizedWeight) -> jax.Array:
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / _QMAX["fp8"], 1.0)
     x8 = (x32 / x_scale).astype(jnp.float8_e4m3fn)
-    out = jax.lax.dot_general(x8, w.q, (((1,), (0,)), ((), ())),
+    out = jax.lax.dot_general(x8, w.unpacked_q, (((1,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
     return out * x_scale * w.scale
 
@@ -193,9 +243,12 @@ def matmuls(x: jax.Array, ws: Sequence[QuantizedWeight], native_cpu: bool) -> li
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1])
     modes = {w.mode for w in ws}
-    if native_cpu and len(modes) == 1 and len(ws) <= native.MAX_MATMUL_WEIGHTS:
+    panels = {w.panel for w in ws}
+    if native_cpu and len(modes) == 1 and len(panels) == 1 and \
+            len(ws) <= native.MAX_MATMUL_WEIGHTS:
         def cpu(x2, ws):
-            return native.quant_matmuls(native.matmul_rows(x2), [(w.q, w.scale) for w in ws])
+            return native.quant_matmuls(native.matmul_rows(x2), [(w.q, w.scale) for w in ws],
+                                        panel=ws[0].panel)
     else:
         cpu = _xla
     outs = jax.lax.platform_dependent(x2, list(ws), cpu=cpu, cuda=_gpu, default=_xla)

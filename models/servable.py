@@ -118,12 +118,14 @@ class LlamaServable:
 
     def _quantize(self, platform: str) -> None:
         """Weights to ``self.quantization`` (``models.quant``): bfloat16 activations and
-        float32 sums on CPU, through the native kernel on one device where it runs."""
+        float32 sums on CPU, through the native kernel on one device where it runs (its
+        weights packed in the kernel's column panels, ``quant.pack_params``)."""
         if not quant.is_quantized(self.params):
             self.params = quant.quantize_params(self.params, self.quantization, self.plan)
         self.acc32 = platform == "cpu"
         if self.acc32 and self.mesh is None and native.quant_matmul_available():
             self.acc32 = NATIVE
+            self.params = quant.pack_params(self.params, native.QUANT_PANEL)
         log.info("%s: %s weights, one scale per output channel%s", self.config.name,
                  self.quantization, " (native kernel)" if self.acc32 == NATIVE else "")
 
@@ -233,6 +235,7 @@ def _resharded(plan: ShardPlan, path: ParamPath, w: Any, on_device: bool) -> Any
     each process placing its own slices from the host. A quantized weight's ``q`` moves
     like the float weight and its scales with their columns."""
     if isinstance(w, quant.QuantizedWeight):
+        w = quant.QuantizedWeight(w.unpacked_q, w.scale)  # sharded weights stay row-major
         if on_device:
             return quant.QuantizedWeight(plan.reshard(path, w.q), plan.reshard_scale(path, w.scale))
         return quant.QuantizedWeight(plan.place(path, np.asarray(w.q), w.q.dtype),

@@ -1,7 +1,8 @@
 """Weight quantization (``models.quant``, ``ops/native/quant_matmul.cc``): quantize and
 dequantize against a plain numpy reference, the native int8 / fp8 kernel against a
 float64 reference and batch-invariant, the XLA path where the kernel is off, the CUDA
-form (an f8E4M3FN dot with its scales), the servable on quantized weights, and the CLI's
+form (an f8E4M3FN dot with its scales), column-packed weights (the kernel's storage:
+the same bits as row-major), the servable on quantized weights, and the CLI's
 answers to good and bad input (SmolLM2 int8 says Paris). Greedy tokens under batching,
 rotation, recomputation and prefix hits with int8 weights: test_rotation_invariance."""
 
@@ -150,6 +151,44 @@ def test_one_call_for_several_weights_equals_one_call_each() -> None:
         np.testing.assert_array_equal(np.asarray(g), np.asarray(one))
 
 
+@pytest.mark.parametrize("k,n,panel", [(5, 512, 256), (7, 576, 256), (3, 100, 256),
+                                       (4, 96, 32), (6, 70, 64)])
+def test_packed_columns_round_trip(k: int, n: int, panel: int) -> None:
+    """Each panel is its own row-major block, end to end; the unpacking restores q."""
+    q = jnp.asarray(np.arange(k * n).reshape(k, n) % 251 - 125, jnp.int8)
+    packed = quant.pack_columns(q, panel)
+    assert packed.shape == q.shape
+    flat, at = np.asarray(packed).reshape(-1), 0
+    for start in range(0, n, panel):
+        block = np.asarray(q)[:, start:start + panel]
+        np.testing.assert_array_equal(flat[at:at + block.size], block.reshape(-1))
+        at += block.size
+    np.testing.assert_array_equal(np.asarray(quant.unpack_columns(packed, panel)), np.asarray(q))
+    w = quant.QuantizedWeight(packed, jnp.ones(n, jnp.float32), panel)
+    np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(q, np.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("panel", [256, 64])
+def test_packed_weights_give_the_row_major_bits(mode: str, panel: int) -> None:
+    """The kernel on column-packed weights: the same bits as on row-major ones, for every
+    tile shape (rows 1, 2-3, 4-7, 8+), partial panels and several weights per call."""
+    call = jax.jit(native.quant_matmuls, static_argnames="panel")
+    for m, k, n in SHAPES:
+        w = quant.quantize(jnp.asarray(_weight(k, n)), mode)
+        x = _x(m, k)
+        want = np.asarray(call(x, [(w.q, w.scale)])[0])
+        got = call(x, [(quant.pack_columns(w.q, panel), w.scale)], panel=panel)[0]
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{m}x{k}x{n}")
+    ws = [quant.quantize(jnp.asarray(_weight(96, n, seed=n)), mode) for n in (300, 33, 64)]
+    x = _x(2, 96)
+    want = call(x, [(w.q, w.scale) for w in ws])
+    got = call(x, [(quant.pack_columns(w.q, panel), w.scale) for w in ws], panel=panel)
+    for g, expect in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(expect))
+
+
 def test_bad_kernel_operands_name_the_problem() -> None:
     w = quant.quantize(jnp.ones((4, 3)), "int8")
     with pytest.raises(ValueError, match="must be bfloat16 or float32"):
@@ -159,6 +198,8 @@ def test_bad_kernel_operands_name_the_problem() -> None:
     f = quant.quantize(jnp.ones((4, 3)), "fp8")
     with pytest.raises(ValueError, match="share a dtype"):
         native.quant_matmuls(jnp.ones((2, 4), jnp.bfloat16), [(w.q, w.scale), (f.q, f.scale)])
+    with pytest.raises(ValueError, match="panel must be 0 or a multiple of 32"):
+        native.quant_matmuls(jnp.ones((2, 4), jnp.bfloat16), [(w.q, w.scale)], panel=48)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -242,6 +283,10 @@ def test_servable_takes_the_kernel_where_there_is_one(tiny_int8) -> None:
     assert quant.is_quantized(tiny_int8.params)
     leaves = jax.tree.leaves(tiny_int8.params)
     assert sum(x.dtype == jnp.int8 for x in leaves) == 7 * TINY.num_layers + 1  # + lm_head
+    weights = jax.tree.leaves(tiny_int8.params,
+                              is_leaf=lambda x: isinstance(x, quant.QuantizedWeight))
+    panels = {w.panel for w in weights if isinstance(w, quant.QuantizedWeight)}
+    assert panels == {native.QUANT_PANEL if HAVE_KERNEL else 0}  # packed for the kernel
     with pytest.raises(ValueError, match="already int8"):
         tiny_int8.quantized("fp8")
 

@@ -386,7 +386,7 @@ def sink_prequantized(float_base, quantized, mesh):
     sink = ParamSink(float_base.config, "float32", mesh, "int8")
     for path, w in flat_state(quantized.params).items():
         if isinstance(w, quant.QuantizedWeight):
-            sink.put_quantized(path, np.asarray(w.q), np.asarray(w.scale), "host")
+            sink.put_quantized(path, np.asarray(w.unpacked_q), np.asarray(w.scale), "host")
         else:
             sink.put(path, np.asarray(w), "host")
     return sink.servable("host", None)

@@ -254,13 +254,22 @@ def bf16_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 QUANT_WEIGHT_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
 
-def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
-                  ) -> list[jax.Array]:
+QUANT_PANEL = 256
+"""The storage panel (columns) ``models.quant`` packs one-device weights into for the
+native kernel: one register tile's width at batch 1, so a tile streams one block."""
+
+
+def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
+                  panel: int = 0) -> list[jax.Array]:
     """``[(x @ q) * s for q, s in weights]`` for x [M, K] (bfloat16, or float32 rounded
     to it in the call, as ``bf16_matmuls`` does), 1-4 one-byte q
     [K, N_i] (all int8 or all float8_e4m3fn) and float32 per-column scales s [N_i];
-    float32 out, in one call (the kernel: ``quant_matmul.cc``). A row's bits never depend
-    on its batch; needs ``quant_matmul_available()``."""
+    float32 out, in one call (the kernel: ``quant_matmul.cc``). ``panel``: 0 for
+    row-major q, else the width of the column panels q is packed in (a multiple of 32;
+    ``models.quant.pack_columns``). A row's bits never depend on its batch, nor on the
+    packing; needs ``quant_matmul_available()``."""
+    if panel < 0 or panel % 32:
+        raise ValueError(f"quant_matmul: panel must be 0 or a multiple of 32, got {panel}")
     if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
         raise ValueError(f"quant_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
     if x.ndim != 2 or x.dtype not in ROW_DTYPES:
@@ -277,7 +286,7 @@ def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]
                              f"float32, got {q.dtype}, {s.dtype}")
     outs = [jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), np.float32) for q, _ in weights]
     flat = [a for pair in weights for a in pair]
-    return list(jax.ffi.ffi_call(QUANT_MATMUL_TARGET, outs)(x, *flat))
+    return list(jax.ffi.ffi_call(QUANT_MATMUL_TARGET, outs)(x, *flat, panel=np.int64(panel)))
 
 
 def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,

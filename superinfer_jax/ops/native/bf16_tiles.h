@@ -248,16 +248,31 @@ BF16_TARGET void Rows(const uint16_t* x, int64_t M, int64_t K, const typename W:
   }
 }
 
-// Columns [n0, n1) of every row, in tiles of NG groups of 32 columns; a narrower last
-// tile goes one group at a time. Each tile's slice of the weight is read by every row
-// block in turn while it is still in cache.
+// ``Rows`` over ``groups`` (1 to G) groups of 32 columns in one tile, the last holding
+// ``last_valid`` columns: one pass over the weight rows however narrow the remainder.
+template <int MR, int G, class W>
+BF16_TARGET void RowsOfGroups(int64_t groups, const uint16_t* x, int64_t M, int64_t K,
+                              const typename W::T* w, int64_t ldw, float* out, int64_t ldo,
+                              int64_t last_valid) {
+  if (groups == G) {
+    Rows<MR, G, W>(x, M, K, w, ldw, out, ldo, last_valid);
+  } else if constexpr (G > 1) {
+    RowsOfGroups<MR, G - 1, W>(groups, x, M, K, w, ldw, out, ldo, last_valid);
+  }
+}
+
+// Columns [n0, n1) of every row, in tiles of NG groups of 32 columns, then what is left
+// as one narrower tile. Each tile's slice of the weight is read by every row block in
+// turn while it is still in cache.
 template <int MR, int NG, class W>
 BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const typename W::T* w,
                        int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   int64_t c = n0;
   for (; c + 32 * NG <= n1; c += 32 * NG) Rows<MR, NG, W>(x, M, K, w + c, ldw, out + c, ldo, 32);
-  for (; c < n1; c += 32)
-    Rows<MR, 1, W>(x, M, K, w + c, ldw, out + c, ldo, std::min<int64_t>(32, n1 - c));
+  if (c < n1) {
+    const int64_t groups = (n1 - c + 31) / 32;
+    RowsOfGroups<MR, NG, W>(groups, x, M, K, w + c, ldw, out + c, ldo, n1 - c - 32 * (groups - 1));
+  }
 }
 
 // The tile shape by rows: wide for few rows (the weight streams in long runs, the

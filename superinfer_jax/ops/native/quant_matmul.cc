@@ -17,7 +17,13 @@
 // thread, nor M changes that, so a row's bits do not depend on the rows beside it.
 //
 //   x     [M, K] bf16 (or f32, rounded to bf16 in the call, as XLA's convert rounds)
-//   w_i   [K, N_i] int8 or f8E4M3FN (row-major [in, out]), 1 to 4 of them
+//   w_i   [K, N_i] int8 or f8E4M3FN, 1 to 4 of them: row-major [in, out] (panel = 0), or
+//         packed in panels of ``panel`` columns (a multiple of 32): panel p holds columns
+//         [p * panel, p * panel + w_p), w_p = min(panel, N_i - p * panel), as its own
+//         row-major [K, w_p] block at element offset p * panel * K. A tile then streams one
+//         contiguous block instead of K short runs ``N_i`` apart, which the hardware
+//         prefetchers follow (a decode step's weights are read once, so the run length
+//         sets the bandwidth it gets).
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
 //
@@ -53,15 +59,15 @@ enum class Kind { kInt8, kFp8 };
 
 namespace tiles = superinfer::tiles;
 
-// Weight rows [0, K) of columns [c, c + cols) -> scratch [K, ldp] bfloat16, through the
-// format's own exact conversion (``bf16_tiles.h``).
+// Weight rows [0, K) of columns [c, c + cols) of ``w`` (rows ``ldw`` apart) -> scratch
+// [K, ldp] bfloat16, through the format's own exact conversion (``bf16_tiles.h``).
 template <class W>
-BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t N, int64_t c, int64_t cols,
-                        uint16_t* scratch, int64_t ldp) {
+BF16_TARGET void Convert(const typename W::T* w, int64_t K, int64_t ldw, int64_t c,
+                         int64_t cols, uint16_t* scratch, int64_t ldp) {
   for (int64_t k = 0; k < K; ++k) {
-    const typename W::T* src = w + k * N + c;
+    const typename W::T* src = w + k * ldw + c;
     if (k + tiles::kPrefetchRows < K) {
-      const typename W::T* ahead = src + tiles::kPrefetchRows * N;
+      const typename W::T* ahead = src + tiles::kPrefetchRows * ldw;
       for (int64_t j = 0; j < cols; j += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + j), _MM_HINT_T0);
     }
@@ -95,25 +101,44 @@ struct QuantJob : superinfer::ColumnSplit {
   const void* w[kMaxWeights];
   const float* scale[kMaxWeights];
   int64_t panel;  // columns per converted panel, a multiple of 32
+  int64_t packed = 0;  // the weights' storage panel (0: row-major), see the header
 
-  // Columns [n0, n1) of weight i. Up to kDirectRows rows the tiles convert the weights
-  // as they load them; more rows convert a panel into scratch once and every row block
-  // reads it from cache. The tiles see the same bfloat16 values either way, so the bits
-  // are the same.
+  // Columns [n0, n1) of weight i: of each storage block they touch, the block's own
+  // columns (row-major weights are one block of N[i] columns).
   template <class W>
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1, uint16_t* scratch) const {
     const auto* wi = static_cast<const typename W::T*>(w[i]);
-    if (M <= kDirectRows) {
-      tiles::PanelForRows<W>(x, M, K, wi, N[i], out[i], N[i], n0, n1);
-      Scale(out[i] + n0, M, N[i], scale[i] + n0, n1 - n0);
+    if (packed == 0) {
+      Block<W>(wi, N[i], 0, n0, n1, i, scratch);
       return;
     }
-    for (int64_t c = n0; c < n1; c += panel) {
-      const int64_t cols = std::min(panel, n1 - c);
-      Convert<W>(wi, K, N[i], c, cols, scratch, panel);
-      tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, out[i] + c, N[i], 0,
-                                              cols);
-      Scale(out[i] + c, M, N[i], scale[i] + c, cols);
+    for (int64_t b = n0 / packed * packed; b < n1; b += packed) {
+      const int64_t width = std::min(packed, N[i] - b);
+      Block<W>(wi + b * K, width, b, std::max(n0, b) - b, std::min(n1, b + width) - b, i,
+               scratch);
+    }
+  }
+
+  // Local columns [c0, c1) of a block: ``wb`` [K, ldw] row-major, its column 0 being
+  // output column ``first``. Up to kDirectRows rows the tiles convert the weights as
+  // they load them; more rows convert a panel into scratch once and every row block
+  // reads it from cache. The tiles see the same bfloat16 values either way, so the bits
+  // are the same.
+  template <class W>
+  BF16_TARGET void Block(const typename W::T* wb, int64_t ldw, int64_t first, int64_t c0,
+                         int64_t c1, int i, uint16_t* scratch) const {
+    float* o = out[i] + first;
+    const float* s = scale[i] + first;
+    if (M <= kDirectRows) {
+      tiles::PanelForRows<W>(x, M, K, wb, ldw, o, N[i], c0, c1);
+      Scale(o + c0, M, N[i], s + c0, c1 - c0);
+      return;
+    }
+    for (int64_t c = c0; c < c1; c += panel) {
+      const int64_t cols = std::min(panel, c1 - c);
+      Convert<W>(wb, K, ldw, c, cols, scratch, panel);
+      tiles::PanelForRows<tiles::Bf16Weights>(x, M, K, scratch, panel, o + c, N[i], 0, cols);
+      Scale(o + c, M, N[i], s + c, cols);
     }
   }
 
@@ -135,7 +160,10 @@ struct QuantJob : superinfer::ColumnSplit {
 
 // x [M, K] times each (w_i, s_i) pair, into out_i [M, N_i].
 ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
-                           ffi::RemainingArgs args, ffi::RemainingRets outs) {
+                           ffi::RemainingArgs args, ffi::RemainingRets outs, int64_t panel) {
+  if (panel < 0 || panel % 32) {
+    return ffi::Error::InvalidArgument("quant_matmul: panel must be 0 or a multiple of 32");
+  }
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
   if (args.size() % 2 || args.size() == 0 || args.size() > 2 * kMaxWeights ||
@@ -176,6 +204,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
     job->scale[i] = s->typed_data();
     job->Add(wd[1], (*o)->typed_data());
   }
+  job->packed = panel;
   if (job->K > 0)
     job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
   superinfer::RunColumnSplit(thread_pool, job);
@@ -195,4 +224,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferQuantMatmul, QuantMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("panel"));
