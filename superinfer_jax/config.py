@@ -222,7 +222,7 @@ class RotaSchedConfig:
     # the TBT SLO; this sets the seats from the latency model instead of max_num_seqs alone
     # (docs/scheduling.md#step_slo_fraction); none: max_num_seqs.
     step_slo_fraction: float | None = knob(
-        None, gt=0, example=0.9,
+        None, gt=0, example=0.75,
         help="with a latency model, a request is admitted or rotated in only while the "
              "seated set's modelled decode step (at its mean context) plus the smallest "
              "prefill chunk stays within this share of the tightest TBT SLO (runners are "
