@@ -218,6 +218,15 @@ class RotaSchedConfig:
         help="the most steps of the inbound transfer budget (transfer_budget_pages) the "
              "parked replies' pages may take to come back; past it a decoding runner is no "
              "longer rotated out (one parked reply is always allowed); none: no limit")
+    # Little's law: past the knee every extra seat lengthens each step, so fewer gaps fit in
+    # the TBT SLO; this sets the seats from the latency model instead of max_num_seqs alone
+    # (docs/scheduling.md#step_slo_fraction); none: max_num_seqs.
+    step_slo_fraction: float | None = knob(
+        None, gt=0, example=0.75,
+        help="with a latency model, a request is admitted or rotated in only while the "
+             "seated set's modelled decode step (at its mean context) plus the smallest "
+             "prefill chunk stays within this share of the tightest TBT SLO (runners are "
+             "never evicted for it); none: max_num_seqs seats")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

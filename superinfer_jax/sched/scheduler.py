@@ -87,6 +87,7 @@ class Scheduler:
         self.rotary: list[Request] = []  # ROTATING_OUT, ROTARY, ROTATING_IN; oldest first
         self._rotating_in = 0  # of ``rotary``: ROTATING_IN (a seat each), counted
         self.force_rotate_out: set[str] = set()  # test hook: rotate these out next step
+        self.seat_cap = config.engine.max_num_seqs  # ``Policy.seat_limit``, once a step
         self.prefixes = PrefixPlanner(config, kv, self.running)
 
     def set_latency_model(self, model: LatencyModel | None) -> None:
@@ -145,6 +146,7 @@ class Scheduler:
             # reclaimed cached pages go to the host tier (``_plan_shadows`` copies them)
             kv.spill_budget = self.config.duplex_kv.transfer_budget_pages
         self._rotate_forced(plan, now)
+        self.seat_cap = self.policy.seat_limit(self)
         sel = None  # uncontended: FCFS, nobody overtakes
         if self.policy.contended(self):
             sel = self._select(self.policy.rank(self, now), budget)
@@ -234,7 +236,7 @@ class Scheduler:
                 kv = self.kv
                 assert isinstance(kv, TwoTierKVManager)
                 cost = kv.rotation_cost_in(req.req_id)
-                if self._num_seated() >= self.config.engine.max_num_seqs or not kv.can_rotate_in(
+                if self._num_seated() >= self.seat_cap or not kv.can_rotate_in(
                         req.req_id) or (plan.rotate_in and cost > budget.pages_in):
                     return False
                 self._start_rotate_in(req, plan, now)
@@ -244,7 +246,7 @@ class Scheduler:
             if req.status != ROTARY:
                 continue
             cost = self._host_pages(req)
-            if self._num_seated() >= self.config.engine.max_num_seqs:
+            if self._num_seated() >= self.seat_cap:
                 break
             assert isinstance(self.kv, TwoTierKVManager)  # only it parks requests
             if cost > budget.pages_in or not self.kv.can_rotate_in(req.req_id):
@@ -257,9 +259,8 @@ class Scheduler:
                now: float) -> None:
         """Uncontended: FCFS, the head waits for memory and nobody overtakes it.
         Contended: the selected waiting requests, in rank order."""
-        max_seqs = self.config.engine.max_num_seqs
         if sel is None:
-            while self.waiting and budget.tokens > 0 and self._num_seated() < max_seqs:
+            while self.waiting and budget.tokens > 0 and self._num_seated() < self.seat_cap:
                 head = self.waiting.first()  # not re-admitted when this very step evicted it
                 if head.req_id in plan.preempted or not self._admit_one(head, plan, budget, now):
                     break  # the head waits for memory; nobody overtakes it
@@ -268,7 +269,7 @@ class Scheduler:
         for req in sel.kept_other:
             if req.status != WAITING or budget.tokens <= 0:
                 continue
-            if req.req_id in plan.preempted or self._num_seated() >= max_seqs:
+            if req.req_id in plan.preempted or self._num_seated() >= self.seat_cap:
                 continue
             self._admit_one(req, plan, budget, now)
 

@@ -130,7 +130,7 @@ class StepSelection:
         self.capacity = self._capacity()
         self.used = 0
         self.transfer = budget.pages_in
-        self.seats = s.config.engine.max_num_seqs - s._rotating_in
+        self.seats = s.seat_cap - s._rotating_in
         self.spare = 0  # pages no runner needs, for ``Ranking.free_only`` entries
         self.counted: set[int] = set()  # shared pages already counted for a kept request
         self.kept_tables: list[list[int]] = []  # of the kept runners

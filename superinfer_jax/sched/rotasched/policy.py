@@ -50,6 +50,10 @@ class Policy:
     def evict_to(self, s: Scheduler, req: Request) -> str:
         return RECOMPUTE
 
+    def seat_limit(self, s: Scheduler) -> int:
+        """Requests that may hold a batch row this step (running or rotating in)."""
+        return self.config.engine.max_num_seqs
+
     def parked_page_limit(self, s: Scheduler) -> int | None:
         """Pages parked replies may hold before no more decoding runners rotate out."""
         return None
