@@ -165,7 +165,10 @@ class DraftProposer:
             return pool, nxt, guesses
 
         guesses = jnp.zeros((rows, self.k), jnp.int32).at[:, 0].set(first)
-        pool, _, guesses = jax.lax.fori_loop(0, self.k - 1, step, (pool, first, guesses))
+        # unrolled: on XLA:CPU a rolled loop, whose carry holds the whole pool, costs far
+        # more than its steps; unrolled, the program holds at most 15 steps
+        pool, _, guesses = jax.lax.fori_loop(0, self.k - 1, step, (pool, first, guesses),
+                                            unroll=True)
         return guesses, pool
 
     def _pick(self, logits: jax.Array) -> jax.Array:
