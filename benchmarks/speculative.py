@@ -22,8 +22,10 @@ Figures on a loaded machine say so in the docs that quote them.
 ``--methods draft`` adds the draft-model rows (``method: draft``, mode ``fixed``), on
 the chat workload: the bfloat16 SmolLM2 as the target and the quantized self-draft (the
 same model with int8 weights, ``--draft-quantization``) as the draft, every layer and,
-per ``--draft-layers N``, its first N layers only; their baseline is the bfloat16 target
-alone, in the same run. Each draft row names its ``draft`` (quantization and layers).
+per ``--draft-layers N``, its first N layers only, and per ``--draft-vocab N``, its head
+cut to the N most frequent tokens (FR-Spec, ``speculative.draft_vocab``); their baseline
+is the bfloat16 target alone, in the same run, the engines taking turns on each prompt.
+Each draft row names its ``draft`` (quantization, layers and head tokens).
 
 ``--quick``: 2 prompts per kind, batch 1, fixed k = 3 and slo up to 3, 48 tokens; with
 the default ``--methods ngram`` under 3 minutes on 2 idle cores, compiles included.
@@ -211,42 +213,45 @@ def _measure(model: Any, args: argparse.Namespace, batch: int) -> list[dict[str,
 
 def _measure_draft(args: argparse.Namespace, batch: int) -> list[dict[str, Any]]:
     """The quantized self-draft's rows on the chat workload: the bfloat16 target alone
-    (the baseline) and with each draft, same run."""
+    (the baseline) and with each draft (layers x head tokens) at each k, interleaved."""
     from models import load_model
     from models.draft import load_draft
     from superinfer_jax import EngineConfig
 
     target = load_model("smollm2-135m", dtype="bfloat16")
     base = _engine(target, args, "none", 0, batch)
-    drafts = {}
+    engines: dict[tuple[str, int], Any] = {}
     for layers in args.draft_layers:
-        knobs = {"speculative_draft_model": "smollm2-135m",
-                 "speculative_draft_quantization": args.draft_quantization,
-                 "speculative_draft_layers": layers or None}
-        spec = EngineConfig.build(speculative_method="draft", **knobs).speculative
-        name = f"{args.draft_quantization} {layers or target.config.num_layers} layers"
-        model = load_draft(spec, "bfloat16")
-        drafts[name] = {k: _engine(target, args, "draft", k, batch, draft=(model, knobs))
-                        for k in args.ks}
-    for engine in (base, *(e for per_k in drafts.values() for e in per_k.values())):
+        for vocab in args.draft_vocab:
+            knobs = {"speculative_draft_model": "smollm2-135m",
+                     "speculative_draft_quantization": args.draft_quantization,
+                     "speculative_draft_layers": layers or None,
+                     "speculative_draft_vocab": vocab or None}
+            spec = EngineConfig.build(speculative_method="draft", **knobs).speculative
+            name = (f"{args.draft_quantization} {layers or target.config.num_layers} layers, "
+                    f"{vocab or target.vocab_size} head tokens")
+            model = load_draft(spec, "bfloat16")
+            for k in args.ks:
+                engines[name, k] = _engine(target, args, "draft", k, batch,
+                                           draft=(model, knobs))
+    for engine in (base, *engines.values()):
         _warm(engine, target.tokenizer)
     prompts = _prompts(target.tokenizer, _workloads(args)["chat"])
-    want, base_tokens, base_s, _ = _run(base, prompts, batch, args.max_tokens)
+    before = {key: _counters(engine) for key, engine in engines.items()}
+    runs = _interleaved(base, engines, prompts, batch, args.max_tokens)
+    want, base_tokens, base_s, _ = runs.pop(None)
     rows = []
-    for name, per_k in drafts.items():
-        for k, engine in per_k.items():
-            before = _counters(engine)
-            got, tokens, seconds, counts = _run(engine, prompts, batch, args.max_tokens)
-            drafts_n, proposed, accepted = (b - a for a, b in zip(
-                before, _counters(engine), strict=True))
-            rows.append(_row("chat", batch, "fixed", k, {
-                "requests": len(prompts), "tokens": tokens, "seconds": seconds,
-                "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts_n,
-                "proposed": proposed, "accepted": accepted, "identical": got == want,
-                "per_request": [c | {"workload": "chat"} for c in counts]},
-                method="draft", draft=name))
-            print({k: v for k, v in rows[-1].items() if k != "per_request"}, file=sys.stderr,
-                  flush=True)
+    for (name, k), (got, tokens, seconds, counts) in runs.items():
+        drafts_n, proposed, accepted = (b - a for a, b in zip(
+            before[name, k], _counters(engines[name, k]), strict=True))
+        rows.append(_row("chat", batch, "fixed", k, {
+            "requests": len(prompts), "tokens": tokens, "seconds": seconds,
+            "base_tokens": base_tokens, "base_seconds": base_s, "drafts": drafts_n,
+            "proposed": proposed, "accepted": accepted, "identical": got == want,
+            "per_request": [c | {"workload": "chat"} for c in counts]},
+            method="draft", draft=name))
+        print({k: v for k, v in rows[-1].items() if k != "per_request"}, file=sys.stderr,
+              flush=True)
     return rows
 
 
@@ -259,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-quantization", default="int8", choices=("int8", "fp8"))
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[0],
                         help="draft rows: the self-draft's first N layers (0: all)")
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],
+                        help="draft rows: the self-draft's head scores only the N most "
+                        "frequent tokens (speculative.draft_vocab; 0: all)")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 3, 5],
                         help="speculation lengths (--quick: 3)")
     parser.add_argument("--modes", nargs="+", choices=("fixed", "slo"),

@@ -6,7 +6,11 @@
 tensor-parallel devices. ``speculative.draft_quantization`` quantizes its weights at load
 (the target's own model in int8: the quantized self-draft), and
 ``speculative.draft_layers`` keeps only its first N decoder layers, then its final norm
-and head (``first_layers``: a cheaper, less accurate self-draft).
+and head (``first_layers``: a cheaper, less accurate self-draft), and
+``speculative.draft_vocab`` keeps only the head columns of the N most frequent tokens
+(``ranked_head``, FR-Spec: the head is a fifth of SmolLM2's weights, read every draft step;
+the ranking is ``models.vocab_rank``'s, committed for the tokenizer). A guess outside
+those N is never proposed; the target still verifies every guess, so output is unchanged.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
+from models import quant, vocab_rank
 from models.servable import LlamaServable
 from models.sharding import ShardPlan
 from superinfer_jax.config import SpeculativeConfig
@@ -41,6 +47,44 @@ def first_layers(model: LlamaServable, num_layers: int) -> LlamaServable:
                          model.compute_dtype, model.quantization)
 
 
+def ranked_head(model: LlamaServable, ids: np.ndarray) -> LlamaServable:
+    """``model`` whose head scores only the tokens ``ids`` (its logit column ``i`` is
+    token ``ids[i]``, recorded as ``head_token_ids`` for the proposer to map back); the
+    other weights are the same arrays. Quantized heads keep their columns' scales."""
+    ids = np.asarray(ids, np.int32)
+    if model.plan is not None:
+        raise ConfigError("speculative.draft_vocab", "a tensor-parallel draft keeps its "
+                          "full head (its columns are split over the devices)")
+    if ids.ndim != 1 or not 1 <= ids.size <= model.vocab_size or \
+            np.unique(ids).size != ids.size or ids.min() < 0 or ids.max() >= model.vocab_size:
+        raise ConfigError("speculative.draft_vocab", f"must name 1 to {model.vocab_size} "
+                          f"distinct token ids of the draft's vocabulary")
+    module = nnx.merge(model.graphdef, model.params)
+    head = module.lm_head[...]
+    if isinstance(head, quant.QuantizedWeight):
+        head = quant.QuantizedWeight(head.q[:, ids], head.scale[ids])
+    else:
+        head = head[:, ids]
+    module.lm_head = nnx.Param(head)
+    out = LlamaServable(model.config, module, model.tokenizer, model.dtype, model.plan,
+                        model.compute_dtype, model.quantization)
+    out.head_token_ids = ids
+    return out
+
+
+def frequent_head(model: LlamaServable, num_tokens: int) -> LlamaServable:
+    """``ranked_head`` on the ``num_tokens`` most frequent tokens of the committed
+    ranking for ``model``'s tokenizer (``models.vocab_rank``)."""
+    if num_tokens >= model.vocab_size:
+        return model
+    ranking = vocab_rank.find(model.tokenizer)
+    if ranking is None:
+        raise ConfigError("speculative.draft_vocab", "no token-frequency ranking in "
+                          "models/data for the draft's tokenizer: build one with "
+                          "python -m models.vocab_rank --model MODEL --name NAME")
+    return ranked_head(model, ranking.top(num_tokens))
+
+
 def load_draft(spec: SpeculativeConfig, dtype: str, tensor_parallel_size: int = 1,
                weights_cache: str | Path | None = None) -> Any:
     """The configured draft model, or None when ``speculative.method`` is not draft."""
@@ -60,4 +104,7 @@ def load_draft(spec: SpeculativeConfig, dtype: str, tensor_parallel_size: int = 
                           f"{e}") from e
     if spec.draft_layers is not None:
         model = first_layers(model, spec.draft_layers)
-    return model.quantized(spec.draft_quantization)
+    model = model.quantized(spec.draft_quantization)
+    if spec.draft_vocab is not None:
+        model = frequent_head(model, spec.draft_vocab)
+    return model

@@ -73,6 +73,10 @@ class LlamaServable:
     """Implements ``superinfer_jax.model_api.ServableModel`` for every decoder of
     ``models.llama`` (Llama family, Qwen3, Mixtral, Qwen3-MoE)."""
 
+    # A draft head cut to some tokens (``models.draft.ranked_head``): the token id of each
+    # logit column; None: the columns are the whole vocabulary.
+    head_token_ids: np.ndarray | None = None
+
     def __init__(self, config: ModelConfig, module: LlamaModel, tokenizer: Any, dtype: str,
                  plan: ShardPlan | None = None, compute_dtype: str = "auto",
                  quantization: str = "none"):

@@ -128,8 +128,9 @@ def load_draft_of(config: DeploymentConfig) -> Any:
     spec = config.engine.speculative
     if spec.method != "draft":
         return None
-    log.info("loading draft model %s (weights quantization %s, layers %s)",
-             spec.draft_model, spec.draft_quantization, spec.draft_layers or "all")
+    log.info("loading draft model %s (weights quantization %s, layers %s, head tokens %s)",
+             spec.draft_model, spec.draft_quantization, spec.draft_layers or "all",
+             spec.draft_vocab or "all")
     return load_draft(spec, config.model.dtype, config.engine.model.tensor_parallel_size,
                       config.engine.hardware.compilation_cache_dir)
 

@@ -427,6 +427,11 @@ class SpeculativeConfig:
         None, ge=1, example=12,
         help="method draft: keep only the draft's first N decoder layers (then its final "
              "norm and head): a cheaper, less accurate self-draft; null: every layer")
+    draft_vocab: int | None = knob(
+        None, ge=1, example=16384,
+        help="method draft: the draft's head scores only the N most frequent tokens "
+             "(FR-Spec; models/data's ranking for its tokenizer): cheaper draft steps, "
+             "a guess outside them is never made; null: the whole vocabulary")
     mode: str = knob(
         "fixed", choices=SPECULATIVE_MODES,
         help="fixed: every eligible request proposes num_tokens | slo: the speculation "
@@ -566,7 +571,8 @@ _FLAT_NAMES = {"kv_cache_dtype": "dtype", "enabled": "enable_prefix_caching",
                "method": "speculative_method", "num_tokens": "num_speculative_tokens",
                "draft_model": "speculative_draft_model", "mode": "speculative_mode",
                "draft_quantization": "speculative_draft_quantization",
-               "draft_layers": "speculative_draft_layers"}
+               "draft_layers": "speculative_draft_layers",
+               "draft_vocab": "speculative_draft_vocab"}
 _FLAT_SECTIONS = ("model", "hardware", "engine", "duplex_kv", "prefix_caching",
                   "speculative")
 FLAT_KNOBS: dict[str, tuple[str, str]] = {

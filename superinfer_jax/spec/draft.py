@@ -6,12 +6,16 @@ The draft model is loaded by whoever loads the target and handed to the engine
 its own paged KV pool and page bookkeeping (``spec.draft_kv``), keyed by request and
 holding as many tokens as the target's pool (plus each row's guesses), or
 ``max_num_seqs`` requests at full length where that is less. One proposal over the speculating
-rows is one jitted call, pool donated, of one-column steps only (the decode shape, which
-has the cheapest attention): each row catches up on the tokens it gained since its last
-proposal (at most ``TAIL``; steps for as many as the furthest-behind row needs), the
-draft's greedy token after its last token is the first guess, and ``k - 1`` more steps
-feed each guess back for the next. A request further behind (a new prompt, or
-pages dropped for room) is first prefilled alone in chunks of ``max_prefill_chunk``.
+rows is one jitted call, pool donated, of ``k`` steps: one ``TAIL``-column step in which
+each row catches up on the tokens it gained since its last proposal (at most ``TAIL``)
+and whose greedy token after its last token is the first guess, then ``k - 1``
+one-column steps (the decode shape) feeding each guess back for the next. A request
+further behind (a new prompt, or pages dropped for room) is first prefilled alone in
+chunks of ``max_prefill_chunk``.
+
+A draft whose head scores only part of the vocabulary (``models.draft``'s
+frequency-ranked head, ``speculative.draft_vocab``) carries ``head_token_ids``: the full
+id of each of its logit columns, which map its greedy columns back to token ids.
 Every shape is compiled at warm-up: one proposal program per decode-row bucket and one
 chunk program.
 
@@ -41,8 +45,9 @@ from superinfer_jax.spec.draft_kv import DraftPages
 
 log = logging.getLogger(__name__)
 
-TAIL = 2  # tokens a row catches up on inside the proposal call: the accepted guesses'
-# KV is already written, so a row is 1 token behind (2 when every guess was accepted)
+TAIL = 2  # tokens a row catches up on inside the proposal call, in its first step: the
+# accepted guesses' KV is already written, so a row is 1 token behind (2 when every guess
+# was accepted)
 
 
 def check_draft(draft: ServableModel | None, target: ServableModel,
@@ -61,6 +66,17 @@ def check_draft(draft: ServableModel | None, target: ServableModel,
                           f"{draft.max_position_embeddings} positions, fewer than "
                           f"model.max_model_len {config.model.max_model_len}")
     return draft
+
+
+def check_head_ids(ids: Any, draft: ServableModel) -> np.ndarray:
+    """A reduced head's column -> token id map, or a ConfigError naming
+    ``speculative.draft_vocab``: distinct ids inside the vocabulary."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or np.unique(ids).size != ids.size or \
+            ids.min() < 0 or ids.max() >= draft.vocab_size:
+        raise ConfigError("speculative.draft_vocab", f"the draft's head_token_ids must be "
+                          f"distinct ids below its vocabulary's {draft.vocab_size}")
+    return ids.astype(np.int32)
 
 
 class DraftProposer:
@@ -98,6 +114,8 @@ class DraftProposer:
         self.chunk = config.engine.max_prefill_chunk
         self.leaves, self.treedef = jax.tree.flatten(self.model.params)
         self.pool = self._zeros()
+        ids = getattr(self.model, "head_token_ids", None)
+        self.head_ids = None if ids is None else jnp.asarray(check_head_ids(ids, draft))
         self.num_calls = 0  # device calls made (proposal and chunk programs)
         if mesh is None:
             self._propose_fn = jax.jit(self._propose, donate_argnums=(1,))
@@ -123,37 +141,41 @@ class DraftProposer:
         return logits, pool
 
     def _propose(self, leaves, pool, inputs: StepInputs):
-        """Catch-up rows, right-aligned in ``TAIL`` columns -> (the guesses [B, k], pool).
+        """Catch-up rows, left-aligned in ``TAIL`` columns -> (the guesses [B, k], pool).
 
-        One loop of one-column steps (the decode shape, the draft's cheapest): first the
-        catch-up tokens (as many steps as the furthest-behind row needs; a row waits
-        while it has none), then ``k - 1`` steps on the draft's own guesses. The greedy
-        token after each row's last token is its first guess."""
+        First one ``TAIL``-column step on every row's catch-up tokens (1, or 2 when every
+        guess was accepted: the last guess and the target's bonus token; on a CPU a step
+        reads the weights once whatever its few columns, so this costs about one step,
+        not two), whose greedy token after each row's last token is the first guess; then
+        ``k - 1`` one-column steps, each feeding the previous guess back for the next."""
         rows = inputs.tokens.shape[0]
-        gap = inputs.query_lens
-        live = (gap > 0).astype(jnp.int32)
-        last = inputs.context_lens - 1  # the position of each row's last token
-        first = TAIL - jnp.max(gap)  # the first step any row has a token for
+        live = (inputs.query_lens > 0).astype(jnp.int32)
+        logits, pool = self._forward(leaves, pool, inputs)
+        first = self._pick(logits)
+        pos0 = inputs.context_lens  # where each row's first guess goes
 
-        def step(s, carry):
+        def step(j, carry):
             pool, prev, guesses = carry
-            catching = s < TAIL
-            col = jnp.minimum(s, TAIL - 1)
-            token = jnp.where(catching, inputs.tokens[:, col], prev)
-            pos = last + s - (TAIL - 1)
-            on = live * jnp.where(catching, (s >= TAIL - gap).astype(jnp.int32), 1)
-            dec = StepInputs(token[:, None], jnp.maximum(pos, 0)[:, None], on,
-                             (pos + 1) * on, inputs.page_tables)
+            pos = pos0 + j
+            dec = StepInputs(prev[:, None], pos[:, None], live, (pos + 1) * live,
+                             inputs.page_tables)
             logits, pool = self._forward(leaves, pool, dec)
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            at = jnp.clip(s - (TAIL - 1), 0, self.k - 1)
-            guesses = jnp.where((jnp.arange(self.k) == at)[None, :] & (s >= TAIL - 1),
-                                nxt[:, None], guesses)
+            nxt = self._pick(logits)
+            guesses = jnp.where((jnp.arange(self.k) == j + 1)[None, :], nxt[:, None], guesses)
             return pool, nxt, guesses
 
-        init = (pool, jnp.zeros(rows, jnp.int32), jnp.zeros((rows, self.k), jnp.int32))
-        pool, _, guesses = jax.lax.fori_loop(first, TAIL + self.k - 1, step, init)
+        guesses = jnp.zeros((rows, self.k), jnp.int32).at[:, 0].set(first)
+        # unrolled: on XLA:CPU a rolled loop, whose carry holds the whole pool, costs far
+        # more than its steps; unrolled, the program holds at most 15 steps
+        pool, _, guesses = jax.lax.fori_loop(0, self.k - 1, step, (pool, first, guesses),
+                                            unroll=True)
         return guesses, pool
+
+    def _pick(self, logits: jax.Array) -> jax.Array:
+        """The greedy token of each row's logits, as a full-vocabulary id (a draft whose
+        head scores ``head_token_ids`` only maps its column back)."""
+        col = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return col if self.head_ids is None else self.head_ids[col]
 
     def _chunk(self, leaves, pool, inputs: StepInputs):
         return self._forward(leaves, pool, inputs)[1]
@@ -205,15 +227,14 @@ class DraftProposer:
         num_rows = bucket(len(rows), self.config.decode_buckets)
         inputs = self._inputs(num_rows, TAIL, [
             (tokens[start:], start, self.pages.page_table(req.req_id))
-            for _, req, tokens, start in rows], right=True)
+            for _, req, tokens, start in rows])
         guesses, self.pool = self._propose_fn(self.leaves, self.pool, inputs)
         self.num_calls += 1
         return parallel.host_value(guesses)[:len(rows)]
 
-    def _inputs(self, num_rows: int, cols: int, rows: list[tuple[np.ndarray, int, list[int]]],
-                right: bool = False) -> StepInputs:
-        """Rows of (tokens, first position, page table); ``right``: tokens in the last
-        columns (the proposal call's alignment)."""
+    def _inputs(self, num_rows: int, cols: int,
+                rows: list[tuple[np.ndarray, int, list[int]]]) -> StepInputs:
+        """Rows of (tokens, first position, page table), tokens from the first column."""
         tokens = np.zeros((num_rows, cols), np.int32)
         positions = np.zeros((num_rows, cols), np.int32)
         query_lens = np.zeros(num_rows, np.int32)
@@ -221,9 +242,8 @@ class DraftProposer:
         tables = np.zeros((num_rows, self.width), np.int32)
         for b, (toks, start, table) in enumerate(rows):
             n = toks.shape[0]
-            at = cols - n if right else 0
-            tokens[b, at:at + n] = toks
-            positions[b, at:at + n] = np.arange(start, start + n)
+            tokens[b, :n] = toks
+            positions[b, :n] = np.arange(start, start + n)
             query_lens[b], context_lens[b] = n, start + n
             tables[b, :len(table)] = table
         return StepInputs(tokens, positions, query_lens, context_lens, tables)

@@ -10,7 +10,9 @@ decode shapes: the persistent XLA cache serves both)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -63,6 +65,38 @@ def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, prompts, referenc
     assert spec.num_accepted_tokens == spec.num_draft_tokens  # acceptance 1.0
     # k + 1 tokens a verify step: far fewer model steps than tokens
     assert engine.num_model_steps < sum(len(t) for t in reference) * 2 / (k + 1) + 20
+
+
+class CountingDraft:
+    """A draft model that records the columns of each step it runs on the device (a
+    ``jax.debug.callback`` per forward, so a loop's steps each count)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.columns: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, params, pool, inputs, **kw):
+        jax.debug.callback(functools.partial(self.columns.append, inputs.tokens.shape[1]))
+        return self.model.forward(params, pool, inputs, **kw)
+
+
+def test_a_proposal_is_k_draft_steps_catch_up_included(tiny, prompts, reference):
+    """Every guess accepted leaves the draft 2 tokens behind (the last guess and the
+    target's bonus token): it catches up on both in one 2-column step, whose greedy token
+    is the first guess, then runs k - 1 one-column steps: k steps a proposal, not k + 1."""
+    k = 3
+    draft = CountingDraft(tiny)
+    engine = LLMEngine(tiny, _draft(k), draft_model=draft)
+    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
+    steps = [c for c in draft.columns if c != SMALL.engine.max_prefill_chunk]  # no chunks
+    proposals = steps.count(2)
+    assert proposals > 0 and steps.count(1) == (k - 1) * proposals
+    assert len(steps) == k * proposals
+    spec = engine.stats().spec_decode
+    assert spec.num_accepted_tokens == spec.num_draft_tokens  # caught up right every time
 
 
 def test_a_different_draft_keeps_greedy_tokens_batched(tiny, shallow, prompts, reference):
