@@ -62,7 +62,7 @@ def ranked_head(model: LlamaServable, ids: np.ndarray) -> LlamaServable:
     module = nnx.merge(model.graphdef, model.params)
     head = module.lm_head[...]
     if isinstance(head, quant.QuantizedWeight):
-        head = quant.QuantizedWeight(head.q[:, ids], head.scale[ids])
+        head = quant.QuantizedWeight(head.unpacked_q[:, ids], head.scale[ids])
     else:
         head = head[:, ids]
     module.lm_head = nnx.Param(head)

@@ -92,3 +92,20 @@ def test_the_committed_smollm2_ranking_fits_its_tokenizer(smollm2_tokenizer):
     assert ranking.coverage(16384) > 0.9  # the 16,384 most frequent: most chat tokens
     eos = smollm2_tokenizer.eos_token_ids[0]  # counted once a reply: among the first
     assert int(np.flatnonzero(ranking.ids == eos)[0]) < 1000
+
+
+def test_a_ranked_quantized_head_keeps_its_columns():
+    """An int8 head (packed in the kernel's panels where the native kernel runs) cut to
+    ``ids``: column i is the full head's column ``ids[i]``, with its scale."""
+    from models import quant
+    from models.servable import random_servable
+    from tests.superinfer_jax.engine_testlib import TINY
+
+    model = random_servable(TINY, seed=3, quantization="int8")
+    ids = np.random.default_rng(1).permutation(TINY.vocab_size)[:40].astype(np.int32)
+    cut = ranked_head(model, ids)
+    full = nnx.merge(model.graphdef, model.params).lm_head[...]
+    head = nnx.merge(cut.graphdef, cut.params).lm_head[...]
+    assert isinstance(head, quant.QuantizedWeight) and head.shape == (TINY.hidden_size, 40)
+    np.testing.assert_array_equal(np.asarray(head.dequantize()),
+                                  np.asarray(full.dequantize())[:, ids])
