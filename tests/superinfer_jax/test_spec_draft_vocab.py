@@ -97,12 +97,15 @@ def test_the_committed_smollm2_ranking_fits_its_tokenizer(smollm2_tokenizer):
 def test_a_ranked_quantized_head_keeps_its_columns():
     """An int8 head (packed in the kernel's panels where the native kernel runs) cut to
     ``ids``: column i is the full head's column ``ids[i]``, with its scale."""
+    import dataclasses
+
     from models import quant
     from models.servable import random_servable
     from tests.superinfer_jax.engine_testlib import TINY
 
-    model = random_servable(TINY, seed=3, quantization="int8")
-    ids = np.random.default_rng(1).permutation(TINY.vocab_size)[:40].astype(np.int32)
+    config = dataclasses.replace(TINY, vocab_size=600)  # several panels and a partial one
+    model = random_servable(config, seed=3, quantization="int8")
+    ids = np.random.default_rng(1).permutation(config.vocab_size)[:40].astype(np.int32)
     cut = ranked_head(model, ids)
     full = nnx.merge(model.graphdef, model.params).lm_head[...]
     head = nnx.merge(cut.graphdef, cut.params).lm_head[...]
