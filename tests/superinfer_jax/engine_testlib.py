@@ -12,7 +12,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.servable import random_servable
-from superinfer_jax import EngineConfig
+from superinfer_jax import EngineConfig, SamplingParams
 
 TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -64,6 +64,10 @@ def tiny_with_tokenizer(tokenizer, seed: int = 0, **fields):
         "tie_word_embeddings": True, "eos_token_ids": tuple(tokenizer.eos_token_ids),
         **fields})
     return random_servable(config, seed=seed, tokenizer=tokenizer)
+
+
+SPEC_SAMPLING = SamplingParams(max_tokens=24, ignore_eos=True)
+"""The speculation tests' requests (``spec_reference`` in ``conftest``): greedy, 24 tokens."""
 
 
 def repeating_prompts() -> list[list[int]]:

@@ -24,29 +24,18 @@ from superinfer_jax.request import Request, RequestStatus
 from superinfer_jax.spec.draft_kv import DraftPages
 from tests.superinfer_jax.engine_testlib import (
     SMALL,
+    SPEC_SAMPLING,
     TINY,
-    repeating_prompts,
-    run_alone,
     run_batched,
     run_rotating,
 )
 
-SP = SamplingParams(max_tokens=24, ignore_eos=True)
+SP = SPEC_SAMPLING  # the requests of ``spec_reference``
 
 
 def _draft(k: int, **changes) -> EngineConfig:
     return SMALL.replace(speculative_method="draft", speculative_draft_model="tiny",
                          num_speculative_tokens=k, **changes)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny, prompts):
-    return run_alone(LLMEngine(tiny, SMALL), prompts, SP)
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +45,15 @@ def shallow(tiny):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, prompts, reference, k):
+def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, spec_prompts, spec_reference, k):
     engine = LLMEngine(tiny, _draft(k), draft_model=tiny)
-    done = run_batched(engine, prompts, SP)
-    assert [r.output_token_ids for r in done] == reference
+    done = run_batched(engine, spec_prompts, SP)
+    assert [r.output_token_ids for r in done] == spec_reference
     spec = engine.stats().spec_decode
     assert spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens  # acceptance 1.0
     # k + 1 tokens a verify step: far fewer model steps than tokens
-    assert engine.num_model_steps < sum(len(t) for t in reference) * 2 / (k + 1) + 20
+    assert engine.num_model_steps < sum(len(t) for t in spec_reference) * 2 / (k + 1) + 20
 
 
 class CountingDraft:
@@ -83,14 +72,14 @@ class CountingDraft:
         return self.model.forward(params, pool, inputs, **kw)
 
 
-def test_a_proposal_is_k_draft_steps_catch_up_included(tiny, prompts, reference):
+def test_a_proposal_is_k_draft_steps_catch_up_included(tiny, spec_prompts, spec_reference):
     """Every guess accepted leaves the draft 2 tokens behind (the last guess and the
     target's bonus token): it catches up on both in one 2-column step, whose greedy token
     is the first guess, then runs k - 1 one-column steps: k steps a proposal, not k + 1."""
     k = 3
     draft = CountingDraft(tiny)
     engine = LLMEngine(tiny, _draft(k), draft_model=draft)
-    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, spec_prompts, SP)] == spec_reference
     steps = [c for c in draft.columns if c != SMALL.engine.max_prefill_chunk]  # no chunks
     proposals = steps.count(2)
     assert proposals > 0 and steps.count(1) == (k - 1) * proposals
@@ -99,14 +88,14 @@ def test_a_proposal_is_k_draft_steps_catch_up_included(tiny, prompts, reference)
     assert spec.num_accepted_tokens == spec.num_draft_tokens  # caught up right every time
 
 
-def test_a_different_draft_keeps_greedy_tokens_batched(tiny, shallow, prompts, reference):
+def test_a_different_draft_keeps_greedy_tokens_batched(tiny, shallow, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _draft(3), draft_model=shallow)
-    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, spec_prompts, SP)] == spec_reference
     spec = engine.stats().spec_decode
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
 
-def test_rotation_keeps_greedy_tokens_with_a_draft(tiny, shallow, prompts, reference):
+def test_rotation_keeps_greedy_tokens_with_a_draft(tiny, shallow, spec_prompts, spec_reference):
     """With the draft's bookkeeping cut to 12 of its pool's pages, rotated-out requests
     lose their draft pages to running ones (re-prefilled when they return) and some
     proposals find no pages (those rows decode as usual)."""
@@ -114,8 +103,8 @@ def test_rotation_keeps_greedy_tokens_with_a_draft(tiny, shallow, prompts, refer
                        draft_model=shallow)
     proposer = engine.spec.proposer
     proposer.pages = DraftPages(13, proposer.pages.page_size)
-    done = run_rotating(engine, prompts, SP, every=3)
-    assert [r.output_token_ids for r in done] == reference
+    done = run_rotating(engine, spec_prompts, SP, every=3)
+    assert [r.output_token_ids for r in done] == spec_reference
     assert sum(r.num_rotations for r in done) >= 2
     assert engine.stats().spec_decode.num_accepted_tokens > 0
     assert proposer.pages.num_evicted > 0
@@ -123,10 +112,10 @@ def test_rotation_keeps_greedy_tokens_with_a_draft(tiny, shallow, prompts, refer
     assert len(engine.spec.proposer.pages.entries) <= 1
 
 
-def test_preemption_keeps_greedy_tokens_with_a_draft(tiny, shallow, prompts, reference):
+def test_preemption_keeps_greedy_tokens_with_a_draft(tiny, shallow, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _draft(5, num_device_pages=10), draft_model=shallow)
-    done = run_rotating(engine, prompts, SP, every=2)
-    assert [r.output_token_ids for r in done] == reference
+    done = run_rotating(engine, spec_prompts, SP, every=2)
+    assert [r.output_token_ids for r in done] == spec_reference
     assert sum(r.num_preemptions for r in done) >= 1
 
 

@@ -15,21 +15,11 @@ from flax import nnx
 
 from models.draft import frequent_head, load_draft, ranked_head
 from models.vocab_rank import find, rank
-from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
+from superinfer_jax import EngineConfig, LLMEngine
 from superinfer_jax.config_schema import ConfigError
-from tests.superinfer_jax.engine_testlib import SMALL, repeating_prompts, run_alone, run_batched
+from tests.superinfer_jax.engine_testlib import SMALL, SPEC_SAMPLING, run_batched
 
-SP = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny, prompts):
-    return run_alone(LLMEngine(tiny, SMALL), prompts, SP)
+SP = SPEC_SAMPLING  # the requests of ``spec_reference``
 
 
 def _head_ids(reference: list[list[int]], size: int = 64) -> tuple[np.ndarray, int]:
@@ -45,15 +35,15 @@ def _head_ids(reference: list[list[int]], size: int = 64) -> tuple[np.ndarray, i
     return ids, left_out
 
 
-def test_a_ranked_head_draft_keeps_greedy_tokens(tiny, prompts, reference):
-    ids, left_out = _head_ids(reference)
+def test_a_ranked_head_draft_keeps_greedy_tokens(tiny, spec_prompts, spec_reference):
+    ids, left_out = _head_ids(spec_reference)
     draft = ranked_head(tiny, ids)
     assert np.array_equal(draft.head_token_ids, ids)
     assert nnx.merge(draft.graphdef, draft.params).lm_head[...].shape == (64, 64)
     engine = LLMEngine(tiny, SMALL.replace(speculative_method="draft",
                                            speculative_draft_model="tiny",
                                            num_speculative_tokens=3), draft_model=draft)
-    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, spec_prompts, SP)] == spec_reference
     spec = engine.stats().spec_decode
     # guesses are the target's own wherever its token is among the head's: only the left
     # out token (and what follows a miss) is rejected; unmapped columns would miss almost all

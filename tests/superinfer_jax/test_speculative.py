@@ -32,13 +32,13 @@ from superinfer_jax.spec.proposer import ngram_propose, resolve_proposer
 from superinfer_jax.spec.verify import accepted_length, make_verify
 from tests.superinfer_jax.engine_testlib import (
     SMALL,
-    repeating_prompts,
+    SPEC_SAMPLING,
     run_alone,
     run_batched,
     run_rotating,
 )
 
-SP = SamplingParams(max_tokens=24, ignore_eos=True)
+SP = SPEC_SAMPLING  # the requests of ``spec_reference``
 
 
 def _ngram_reference(tokens: list[int], k: int) -> list[int]:
@@ -74,22 +74,12 @@ def _spec(k: int, **changes) -> EngineConfig:
     return SMALL.replace(speculative_method="ngram", num_speculative_tokens=k, **changes)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return repeating_prompts()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny, prompts):
-    return run_alone(LLMEngine(tiny, SMALL), prompts, SP)
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k):
+def test_greedy_tokens_equal_with_ngram_speculation(tiny, spec_prompts, spec_reference, k):
     engine = LLMEngine(tiny, _spec(k))
-    assert run_alone(engine, prompts, SP) == reference
-    done = run_batched(engine, prompts, SP)  # batched, and the second time prefix hits
-    assert [r.output_token_ids for r in done] == reference
+    assert run_alone(engine, spec_prompts, SP) == spec_reference
+    done = run_batched(engine, spec_prompts, SP)  # batched, and the second time prefix hits
+    assert [r.output_token_ids for r in done] == spec_reference
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in done)
     stats = engine.stats()
     spec = stats.spec_decode
@@ -102,33 +92,34 @@ def test_greedy_tokens_equal_with_ngram_speculation(tiny, prompts, reference, k)
         assert (r.num_spec_rejections > 0) == (r.num_spec_accepted < r.num_spec_proposed)
     assert len(spec.accepted_per_pos) == k
     # fewer model steps than tokens: accepted tokens came for free
-    assert engine.num_model_steps < 2 * sum(len(t) for t in reference)
+    assert engine.num_model_steps < 2 * sum(len(t) for t in spec_reference)
 
 
-def test_rotation_keeps_speculated_greedy_tokens(tiny, prompts, reference):
+def test_rotation_keeps_speculated_greedy_tokens(tiny, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _spec(3, num_device_pages=12, num_host_pages=64))
-    done = run_rotating(engine, prompts, SP, every=3)
-    assert [r.output_token_ids for r in done] == reference
+    done = run_rotating(engine, spec_prompts, SP, every=3)
+    assert [r.output_token_ids for r in done] == spec_reference
     assert sum(r.num_rotations for r in done) >= 2
     assert engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_recompute_keeps_speculated_greedy_tokens(tiny, prompts, reference):
+def test_recompute_keeps_speculated_greedy_tokens(tiny, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _spec(5, num_device_pages=10))
-    done = run_rotating(engine, prompts, SP, every=2)
-    assert [r.output_token_ids for r in done] == reference
+    done = run_rotating(engine, spec_prompts, SP, every=2)
+    assert [r.output_token_ids for r in done] == spec_reference
     assert sum(r.num_preemptions for r in done) >= 1
 
 
-def test_logprobs_stops_and_lengths_as_without_speculation(tiny, prompts):
+def test_logprobs_stops_and_lengths_as_without_speculation(tiny, spec_prompts):
     plain, spec = LLMEngine(tiny, SMALL), LLMEngine(tiny, _spec(3))
-    first = run_alone(plain, prompts[:1], SP)[0]
+    first = run_alone(plain, spec_prompts[:1], SP)[0]
     stop = first[10]  # a stop token id the output reaches
     jobs = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3),
             SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)),
             SamplingParams(max_tokens=7, ignore_eos=True)]
     for sp in jobs:
-        want, got = run_batched(plain, prompts[:3], sp), run_batched(spec, prompts[:3], sp)
+        want = run_batched(plain, spec_prompts[:3], sp)
+        got = run_batched(spec, spec_prompts[:3], sp)
         assert [r.output_token_ids for r in got] == [r.output_token_ids for r in want]
         assert [r.status for r in got] == [r.status for r in want]
         if sp.logprobs:
@@ -142,18 +133,18 @@ def test_logprobs_stops_and_lengths_as_without_speculation(tiny, prompts):
     assert spec.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_forks_and_opt_out(tiny, prompts, reference):
+def test_forks_and_opt_out(tiny, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _spec(3))
-    first = engine.add_request(prompts[0], SP, cache_salt="n2")
-    fork = engine.add_request(prompts[0], SP, cache_salt="n2", fork_of=first)
+    first = engine.add_request(spec_prompts[0], SP, cache_salt="n2")
+    fork = engine.add_request(spec_prompts[0], SP, cache_salt="n2", fork_of=first)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.release(first).output_token_ids == reference[0]
-    assert engine.release(fork).output_token_ids == reference[0]
+    assert engine.release(first).output_token_ids == spec_reference[0]
+    assert engine.release(fork).output_token_ids == spec_reference[0]
     before = engine.stats().spec_decode.num_drafts
-    out = run_batched(engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True,
+    out = run_batched(engine, spec_prompts, SamplingParams(max_tokens=24, ignore_eos=True,
                                                    speculative=False))
-    assert [r.output_token_ids for r in out] == reference
+    assert [r.output_token_ids for r in out] == spec_reference
     assert engine.stats().spec_decode.num_drafts == before  # nobody speculated
 
 
@@ -193,14 +184,14 @@ def test_unloadable_proposer_and_bad_opt_out_are_named(tiny):
         SamplingParams(speculative="yes")
 
 
-def test_step_budget_counts_verified_tokens(tiny, prompts, reference):
+def test_step_budget_counts_verified_tokens(tiny, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, _spec(5, max_num_batched_tokens=16))
-    ids = [engine.add_request(p, SP) for p in prompts]
+    ids = [engine.add_request(p, SP) for p in spec_prompts]
     while engine.has_unfinished_requests():
         engine.step()
         stats = engine.last_stats
         assert stats.num_prefill_tokens + stats.num_decode_tokens <= 16
-    assert [engine.release(r).output_token_ids for r in ids] == reference
+    assert [engine.release(r).output_token_ids for r in ids] == spec_reference
 
 
 V32 = ModelConfig(name="tiny32", vocab_size=32, hidden_size=64, intermediate_size=128,
@@ -343,11 +334,11 @@ class NoisyProposer:
                 zip(requests, ks, strict=True)]
 
 
-def test_a_plugin_proposer_never_changes_the_output(tiny, prompts, reference):
+def test_a_plugin_proposer_never_changes_the_output(tiny, spec_prompts, spec_reference):
     engine = LLMEngine(tiny, SMALL.replace(
         speculative_method="tests.superinfer_jax.test_speculative:NoisyProposer",
         num_speculative_tokens=2))
-    assert [r.output_token_ids for r in run_batched(engine, prompts, SP)] == reference
+    assert [r.output_token_ids for r in run_batched(engine, spec_prompts, SP)] == spec_reference
     assert engine.stats().spec_decode.num_drafts > 0
 
 
