@@ -27,6 +27,7 @@ from models.servable import LlamaServable
 from models.sharding import ShardPlan
 from superinfer_jax.config import SpeculativeConfig
 from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.spec.draft import check_head_ids
 
 
 def first_layers(model: LlamaServable, num_layers: int) -> LlamaServable:
@@ -51,14 +52,10 @@ def ranked_head(model: LlamaServable, ids: np.ndarray) -> LlamaServable:
     """``model`` whose head scores only the tokens ``ids`` (its logit column ``i`` is
     token ``ids[i]``, recorded as ``head_token_ids`` for the proposer to map back); the
     other weights are the same arrays. Quantized heads keep their columns' scales."""
-    ids = np.asarray(ids, np.int32)
     if model.plan is not None:
         raise ConfigError("speculative.draft_vocab", "a tensor-parallel draft keeps its "
                           "full head (its columns are split over the devices)")
-    if ids.ndim != 1 or not 1 <= ids.size <= model.vocab_size or \
-            np.unique(ids).size != ids.size or ids.min() < 0 or ids.max() >= model.vocab_size:
-        raise ConfigError("speculative.draft_vocab", f"must name 1 to {model.vocab_size} "
-                          f"distinct token ids of the draft's vocabulary")
+    ids = check_head_ids(ids, model)  # the proposer's own rule, before any column is cut
     module = nnx.merge(model.graphdef, model.params)
     head = module.lm_head[...]
     if isinstance(head, quant.QuantizedWeight):
