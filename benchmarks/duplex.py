@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import resource
 import statistics
 import threading
 import time
@@ -242,36 +243,57 @@ class BatchedRig:
                                    self.expect[req]))
 
 
+class RotationRounds:
+    """Two requests of ``num_pages`` pages on one ``BatchedRig``, one resident and one
+    parked. A round times a duplex swap (the resident one leaves while the parked one
+    arrives, into the pages just freed), then one out (both parked) and one in (the other
+    one back), the three interleaved, so changes in the machine's load hit them alike.
+    ``minor_faults`` counts the page faults inside timed rounds: a warm rig has none (the
+    host tier's memory is reused, as in a serving engine's steady state)."""
+
+    def __init__(self, layout: PoolLayout, num_pages: int, copy_mode: str | None):
+        self.rig = BatchedRig(layout, num_pages, copy_mode)
+        self.rig.out("a")
+        self.rig.kv.allocate_for("b", num_pages * PAGE_TOKENS)  # b takes the pages a freed
+        self.rig.expect["b"] = page_sums(self.rig.pool, self.rig.kv.page_table("b"))
+        self.resident, self.parked = "b", "a"
+        self.minor_faults = 0
+
+    def round(self) -> dict[str, float]:
+        rig = self.rig
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        took = {"duplex": rig.swap(self.resident, self.parked)}
+        self.resident, self.parked = self.parked, self.resident
+        took["out"] = rig.out(self.resident)
+        took["in"] = rig.into(self.parked)
+        self.resident, self.parked = self.parked, self.resident
+        self.minor_faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return took
+
+    def verify(self) -> bool:
+        """Both requests' pages byte-exact after a last swap each way."""
+        ok = self.rig.verify(self.resident)
+        self.rig.swap(self.resident, self.parked)
+        self.resident, self.parked = self.parked, self.resident
+        return ok and self.rig.verify(self.resident)
+
+
 def batched_trials(layout: PoolLayout, num_pages: int, repeats: int,
                    copy_mode: str | None) -> tuple[dict[str, list[float]], bool, list[int],
                                                    jax.Array]:
-    """(b) and (c) on one rig: out, in and duplex times, whether every round trip came
-    back exact, and the pool and a resident request's pages for (a).
-
-    Two requests of ``num_pages`` pages, one resident and one parked; each round times
-    a duplex swap (the resident one leaves while the parked one arrives, into the pages
-    just freed), then one out (both parked) and one in (the other one back): the three
-    interleaved, so changes in the machine's load hit them alike. Round 0 is untimed
-    (first-use costs, heap growth, are not the steady state)."""
-    rig = BatchedRig(layout, num_pages, copy_mode)
-    rig.out("a")
-    rig.kv.allocate_for("b", num_pages * PAGE_TOKENS)  # b takes the pages a freed
-    rig.expect["b"] = page_sums(rig.pool, rig.kv.page_table("b"))
-    resident, parked = "b", "a"
+    """(b) and (c) on one rig: out, in and duplex times over ``repeats`` rounds
+    (``RotationRounds``), whether every round trip came back exact, and the pool and a
+    resident request's pages for (a). Round 0 is untimed (first-use costs, heap growth,
+    are not the steady state)."""
+    rounds = RotationRounds(layout, num_pages, copy_mode)
     times: dict[str, list[float]] = {"out": [], "in": [], "duplex": []}
     for i in range(repeats + 1):
-        took = {"duplex": rig.swap(resident, parked)}
-        resident, parked = parked, resident
-        took["out"] = rig.out(resident)
-        took["in"] = rig.into(parked)
-        resident, parked = parked, resident
+        took = rounds.round()
         for k, v in took.items():
             if i:
                 times[k].append(v)
-    ok = rig.verify(resident)
-    rig.swap(resident, parked)
-    ok = ok and rig.verify(parked)
-    return times, ok, rig.kv.page_table(parked), rig.pool
+    ok = rounds.verify()
+    return times, ok, rounds.rig.kv.page_table(rounds.resident), rounds.rig.pool
 
 
 def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, dict]:
@@ -316,25 +338,34 @@ def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, d
     return rows, extra
 
 
+WARM_ROUNDS = 2  # untimed rounds per rig before kv_dtype_rows times it
+
+
 def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
     """Tokens per second each way for the same ``num_pages`` pages of 16 tokens in
     bfloat16 (``page_dtype``) and in fp8_e4m3, both through the engine's copy mode in
     the same run: an fp8 page holds the same tokens in half the bytes (its per-head
-    scales are the engine's, fixed, and never move). The two alternate, one trial each
-    in turn (order flipped every round), so a change in the machine's load hits both;
-    medians over the trials. ``*_over_bf16``: fp8's tokens/s over bfloat16's (goal >= 1.8)."""
+    scales are the engine's, fixed, and never move). One rig per dtype, both alive, each
+    warmed by ``WARM_ROUNDS`` untimed rounds (the first rounds grow the host tier's heap
+    and fault its pages in: start-up, not the steady state a serving engine rotates in);
+    then the two alternate, one round each in turn (order flipped every round), so a
+    change in the machine's load hits both; medians over the rounds, and the page faults
+    inside timed rounds reported (``timed_minor_faults``: 0 when warm).
+    ``*_over_bf16``: fp8's tokens/s over bfloat16's (goal >= 1.8)."""
     med = statistics.median
     names = {page_dtype(): "bfloat16", "fp8_e4m3": "fp8_e4m3"}
+    rigs = {d: RotationRounds(PoolLayout(LLAMA3_8B, PAGE_TOKENS, d), num_pages, None)
+            for d in names}
+    for rounds in rigs.values():
+        for _ in range(WARM_ROUNDS):
+            rounds.round()
+        rounds.minor_faults = 0
     times: dict[str, dict[str, list[float]]] = {d: {"out": [], "in": [], "duplex": []}
                                                 for d in names}
-    verified = {d: True for d in names}
     for r in range(max(3, repeats)):
         for kv_dtype in (list(names) if r % 2 == 0 else list(names)[::-1]):
-            layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, kv_dtype)
-            t, ok, _, _ = batched_trials(layout, num_pages, 1, None)
-            verified[kv_dtype] = verified[kv_dtype] and ok
-            for k, v in t.items():
-                times[kv_dtype][k] += v
+            for k, v in rigs[kv_dtype].round().items():
+                times[kv_dtype][k].append(v)
     tokens = num_pages * PAGE_TOKENS
     rows = []
     for kv_dtype, name in names.items():
@@ -345,7 +376,8 @@ def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
                      "trials": len(t["out"]), "out_tok_s": tokens / med(t["out"]),
                      "in_tok_s": tokens / med(t["in"]),
                      "duplex_tok_s_each_way": tokens / med(t["duplex"]),
-                     "round_trip_verified": verified[kv_dtype]})
+                     "timed_minor_faults": rigs[kv_dtype].minor_faults,
+                     "round_trip_verified": rigs[kv_dtype].verify()})
     bf16 = rows[0]
     for r in rows:
         for k in ("out", "in", "duplex"):
