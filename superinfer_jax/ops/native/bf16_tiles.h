@@ -275,8 +275,11 @@ BF16_TARGET void Panel(const uint16_t* x, int64_t M, int64_t K, const typename W
   }
 }
 
-// The tile shape by rows: wide for few rows (the weight streams in long runs, the
-// bandwidth-bound decode), tall for many (each weight load feeds more rows).
+// The tile shape by rows: wide for one row (the weight streams in long runs, the
+// bandwidth-bound decode); from 4 rows, blocks of 3 or 4 rows over 3 or 4 groups, which
+// still read each weight row in runs of 192-256 bytes while each load feeds 3-4 rows
+// (24 accumulators). Runs of 64 bytes (one group, tall blocks) stream far slower on
+// this machine's memory than the extra row-block passes over a cached tile cost.
 template <class W>
 BF16_TARGET inline void PanelForRows(const uint16_t* x, int64_t M, int64_t K,
                                      const typename W::T* w, int64_t ldw, float* out,
@@ -285,10 +288,10 @@ BF16_TARGET inline void PanelForRows(const uint16_t* x, int64_t M, int64_t K,
     Panel<1, 8, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   } else if (M <= 3) {
     Panel<2, 4, W>(x, M, K, w, ldw, out, ldo, n0, n1);
-  } else if (M <= 7) {
-    Panel<4, 2, W>(x, M, K, w, ldw, out, ldo, n0, n1);
+  } else if (M == 6 || M == 7) {
+    Panel<3, 4, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   } else {
-    Panel<8, 1, W>(x, M, K, w, ldw, out, ldo, n0, n1);
+    Panel<4, 3, W>(x, M, K, w, ldw, out, ldo, n0, n1);
   }
 }
 

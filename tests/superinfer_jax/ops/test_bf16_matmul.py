@@ -23,11 +23,12 @@ needs_kernel = pytest.mark.skipif(
     not HAVE_KERNEL, reason="this CPU lacks AVX512-BF16 (or no C++ compiler): XLA's dot "
                             "is used, as test_servable_takes_the_kernel_where_there_is_one checks")
 
-# Shapes that reach every path: one row (wide tiles), 2-3, 4-7 and 8+ rows with remainder
-# row blocks; odd K (the last k pairs with zero); N not a multiple of 32 (masked columns),
-# narrower than one tile, and wide (several tiles per thread).
+# Shapes that reach every path: one row (wide tiles), 2-3 rows, blocks of 4 (4-5 and 8+
+# rows) and of 3 (6-7 rows) with remainder row blocks; odd K (the last k pairs with zero);
+# N not a multiple of 32 (masked columns), narrower than one tile, and wide (several
+# tiles per thread).
 SHAPES = [(1, 576, 576), (1, 7, 33), (2, 64, 192), (3, 577, 100), (5, 96, 1536),
-          (8, 130, 64), (13, 64, 31), (130, 64, 200)]
+          (6, 577, 200), (7, 64, 100), (8, 130, 64), (13, 64, 31), (130, 64, 200)]
 
 
 def _operands(m: int, k: int, n: int, seed: int = 0):
