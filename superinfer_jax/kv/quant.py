@@ -1,7 +1,8 @@
 """KV cache dtypes: what a page stores, and how a float K/V goes in and comes back out.
 
 ``model.kv_cache_dtype`` names one of ``KV_DTYPES``. ``float32`` and ``bfloat16`` store the
-values as they are. The fp8 modes store one byte per element:
+values as they are (on CPU bfloat16 as its bits in ``uint16``, ``CPU_STORAGE``). The fp8
+modes store one byte per element:
 
 - ``fp8_e5m2``: the value rounded to e5m2 (2 mantissa bits, range +-57344), no scale.
 - ``fp8_e4m3``: the value divided by a scale, rounded to e4m3fn (3 mantissa bits, range
@@ -26,15 +27,17 @@ KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 # Storage dtype of each mode (the pool's jnp dtype)
 STORAGE = {"float32": "float32", "bfloat16": "bfloat16",
            "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-# On CPU an fp8 pool holds the same bytes as integers: XLA:CPU has no fp8 arithmetic
-# and upcasts an in-place update of an fp8 (or bfloat16) array over the whole array, a
-# copy of the pool per layer written; an integer scatter stays in place. Each format has
-# its own stand-in, so the pool's dtype alone says how to read it.
-CPU_STORAGE = {"fp8_e4m3": "uint8", "fp8_e5m2": "int8"}
-_FP8_OF = {jnp.dtype(jnp.uint8): jnp.dtype(jnp.float8_e4m3fn),
-           jnp.dtype(jnp.int8): jnp.dtype(jnp.float8_e5m2),
-           jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.float8_e4m3fn),
-           jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.float8_e5m2)}
+# On CPU a bfloat16 or fp8 pool holds the same bytes as integers: XLA:CPU upcasts an
+# in-place update of a bfloat16 or fp8 array over the whole array (a copy of the pool per
+# layer written), while an integer scatter stays in place. Each format has its own
+# stand-in, so the pool's dtype alone says how to read it.
+CPU_STORAGE = {"bfloat16": "uint16", "fp8_e4m3": "uint8", "fp8_e5m2": "int8"}
+_FLOAT_OF = {jnp.dtype(jnp.uint16): jnp.dtype(jnp.bfloat16),
+             jnp.dtype(jnp.uint8): jnp.dtype(jnp.float8_e4m3fn),
+             jnp.dtype(jnp.int8): jnp.dtype(jnp.float8_e5m2),
+             jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.float8_e4m3fn),
+             jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.float8_e5m2)}
+_FP8_TYPES = frozenset({jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)})
 SCALED = frozenset({"fp8_e4m3"})  # modes whose pages need the per-layer, per-head scales
 FP8 = frozenset({"fp8_e4m3", "fp8_e5m2"})
 # Calibration maps ``HEADROOM`` times the largest calibrated |value| to the e4m3 maximum:
@@ -60,16 +63,16 @@ def storage_dtype(kv_cache_dtype: str, platform: str | None = None) -> jnp.dtype
 
 def is_fp8(dtype: jnp.dtype | np.dtype) -> bool:
     """Whether a pool of this element type holds fp8 bytes (as fp8, or a CPU stand-in)."""
-    return jnp.dtype(dtype) in _FP8_OF
+    return _FLOAT_OF.get(jnp.dtype(dtype)) in _FP8_TYPES
 
 
-def as_fp8(x: jax.Array) -> jax.Array:
-    """Stored fp8 values as their fp8 type (a CPU stand-in bitcast, same bytes); any
-    other array as it is. Readers cast the result to their compute dtype."""
-    fp8 = _FP8_OF.get(jnp.dtype(x.dtype))
-    if fp8 is None or fp8 == jnp.dtype(x.dtype):
+def as_float(x: jax.Array) -> jax.Array:
+    """Stored values as their float type (a CPU stand-in bitcast, same bytes); any other
+    array as it is. Readers cast the result to their compute dtype."""
+    float_type = _FLOAT_OF.get(jnp.dtype(x.dtype))
+    if float_type is None or float_type == jnp.dtype(x.dtype):
         return x
-    return jax.lax.bitcast_convert_type(x, fp8)
+    return jax.lax.bitcast_convert_type(x, float_type)
 
 
 def quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array | None = None) -> jax.Array:
@@ -78,8 +81,10 @@ def quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array | None = None) -> 
     integers; a float pool just casts."""
     dtype = jnp.dtype(dtype)
     if not is_fp8(dtype):
-        return x.astype(dtype)
-    fp8 = _FP8_OF[dtype]
+        float_type = _FLOAT_OF.get(dtype, dtype)
+        q = x.astype(float_type)
+        return q if float_type == dtype else jax.lax.bitcast_convert_type(q, dtype)
+    fp8 = _FLOAT_OF[dtype]
     x = x.astype(jnp.float32)
     if scale is not None:
         x = x / scale
@@ -91,7 +96,7 @@ def quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array | None = None) -> 
 def dequantize(x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """Stored values back in float32 (times ``scale`` when given): the reference that
     attention's folded scales are tested against."""
-    x = as_fp8(x).astype(jnp.float32)
+    x = as_float(x).astype(jnp.float32)
     return x if scale is None else x * scale
 
 

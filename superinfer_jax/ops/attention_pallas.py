@@ -99,8 +99,8 @@ def _kernel(
         tok = split_start + i * block_tokens + lax.iota(jnp.int32, block_tokens)  # [T]
         pages = pt_ref[b, lax.div(tok, page_size)]  # [T]
         offs = lax.rem(tok, page_size)  # [T]
-        k = quant.as_fp8(pool_ref[pages, layer, 0, offs, kh, :])  # [T, D]
-        v = quant.as_fp8(pool_ref[pages, layer, 1, offs, kh, :])  # [T, D]
+        k = quant.as_float(pool_ref[pages, layer, 0, offs, kh, :])  # [T, D]
+        v = quant.as_float(pool_ref[pages, layer, 1, offs, kh, :])  # [T, D]
         if jnp.dtype(v.dtype).itemsize == 1:  # fp8 pages: the dot takes the query's dtype
             v = v.astype(q.dtype)
         s = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),

@@ -1,4 +1,5 @@
-"""fp8 KV pages in the engine: greedy tokens within the mode never change under rotation,
+"""fp8 KV pages in the engine (and bfloat16 pages, stored like fp8's in an integer
+stand-in on CPU): greedy tokens within the mode never change under rotation,
 recomputation, prefix hits (either tier) and batching; the pool sized by bytes holds
 twice bf16's pages; oversized pools, unknown dtypes and fp8 on a pre-fp8 GPU's Pallas
 path fail at start with an error naming the key.
@@ -19,6 +20,7 @@ from serving.cli import main
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.config import ModelLayout
 from superinfer_jax.config_schema import ConfigError
+from superinfer_jax.kv import quant
 from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.runner import device_pool
 from tests.superinfer_jax.engine_testlib import SMALL, TINY, run_alone, run_rotating
@@ -56,11 +58,13 @@ def test_e4m3_tokens_equal_under_prefix_hits_batching_and_rotation(tiny, prompts
     assert engine.scheduler.page_bytes == engine.layout.page_bytes == half
 
 
-@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+# bfloat16 too: on CPU it is stored in its uint16 stand-in, written and read as fp8's are
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "bfloat16"])
 def test_fp8_tokens_equal_under_recomputation(tiny, prompts, dtype):
     engine = LLMEngine(tiny, SMALL.replace(num_device_pages=10, dtype=dtype))
     assert engine.duplex is None
-    assert (engine.runner.kv_scales is None) == (dtype == "fp8_e5m2")  # e5m2: no scales
+    assert engine.kv_pool.dtype == quant.storage_dtype(dtype)
+    assert (engine.runner.kv_scales is None) == (dtype != "fp8_e4m3")  # only e4m3 scales
     reference = run_alone(engine, prompts[:4], SP)
     done = run_rotating(engine, prompts[:4], SP, every=2)
     assert [r.output_token_ids for r in done] == reference

@@ -38,8 +38,10 @@ class Rig:
         """Allocate pages and write random contents (what a model step would do)."""
         pages = self.kv.allocate_for(req_id, num_tokens)
         shape = (len(pages), *self.layout.page_shape())
-        if np.issubdtype(self.layout.storage, np.integer):  # fp8 bytes on CPU: any byte
-            data = self.rng.integers(0, 256, shape, dtype=np.uint8).view(self.layout.storage)
+        if np.issubdtype(self.layout.storage, np.integer):  # a CPU stand-in: any bytes
+            width = np.dtype(self.layout.storage).itemsize
+            data = self.rng.integers(0, 256, (*shape[:-1], shape[-1] * width),
+                                     dtype=np.uint8).view(self.layout.storage)
         else:
             data = self.rng.standard_normal(shape).astype(self.layout.storage)
         self.pool = self.pool.at[np.array(pages)].set(data)

@@ -21,9 +21,11 @@ from superinfer_jax.ops import attention_pallas, attention_xla
 from tests.numerics import assert_close, attention_tolerance
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-# (mode, fp8 format, mantissa bits, smallest subnormal exponent)
-FORMATS = [("fp8_e4m3", E4M3, 3, -9), ("fp8_e5m2", E5M2, 2, -16)]
-# each format as a GPU pool stores it (the fp8 type) and as a CPU pool does (its
+# (mode, stored format, mantissa bits, smallest subnormal exponent); bfloat16 is here for
+# its CPU stand-in, which takes the same write and read paths as fp8's
+FORMATS = [("fp8_e4m3", E4M3, 3, -9), ("fp8_e5m2", E5M2, 2, -16),
+           ("bfloat16", jnp.bfloat16, 7, -133)]
+# each format as a GPU pool stores it (the float type) and as a CPU pool does (its
 # integer stand-in, ``kv.quant.CPU_STORAGE``): the same bytes either way
 MODES = [(mode, fmt, quant.storage_dtype(mode, platform), m, e)
          for mode, fmt, m, e in FORMATS for platform in ("gpu", "cpu")]
@@ -101,15 +103,17 @@ def test_out_of_range_values_saturate():
         assert np.isfinite(y).all() and y[0, 0] == limit and y[0, 1] == -limit
     for stand_in in (jnp.uint8, jnp.int8):  # the CPU stand-ins: the same values, as bytes
         y = np.asarray(quant.dequantize(quant.quantize(x, stand_in)))
-        limit = float(jnp.finfo(quant.as_fp8(jnp.zeros(1, stand_in)).dtype).max)
+        limit = float(jnp.finfo(quant.as_float(jnp.zeros(1, stand_in)).dtype).max)
         assert np.isfinite(y).all() and y[0, 0] == limit and y[0, 1] == -limit
 
 
 # one prefill and 5-token chunks on XLA; the Pallas kernel (interpret mode: slow) once
-@pytest.mark.parametrize(("backend", "chunk"), [("xla", 37), ("xla", 5), ("pallas", 37)])
-@pytest.mark.parametrize(("mode", "dtype", "storage"), [m[:3] for m in MODES])
-def test_attention_over_fp8_pages_matches_dequantized_reference(backend, mode, dtype, storage,
-                                                                chunk):
+# (bfloat16 pools on Pallas: its own tests, as any float pool)
+@pytest.mark.parametrize(("backend", "chunk", "mode", "dtype", "storage"), [
+    (backend, chunk, *m[:3]) for backend, chunk in [("xla", 37), ("xla", 5), ("pallas", 37)]
+    for m in MODES if backend == "xla" or m[0] in quant.FP8])
+def test_attention_over_fp8_pages_matches_dequantized_reference(backend, chunk, mode, dtype,
+                                                                storage):
     q, k, v, scales, pool, table = _setup(mode, storage, seed=chunk)
     t = k.shape[0]
     js = None if scales is None else jnp.asarray(scales)
