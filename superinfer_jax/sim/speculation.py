@@ -98,10 +98,14 @@ class SpeculationSpec:
 
 @dataclass
 class SpecState:
-    """One run's speculation: each request's true rate and estimate, the RNG, counters."""
+    """One run's speculation: each request's true rate, estimate and RNG, counters.
+
+    Each request draws from its own RNG, seeded by the run's seed and its id, so a
+    request gets the same rate and the same acceptance draws under every policy (the
+    runs are paired): which policy ran before it changes nothing."""
 
     spec: SpeculationSpec
-    rng: random.Random = field(init=False)
+    rngs: dict[str, random.Random] = field(default_factory=dict)
     rate: dict[str, float] = field(default_factory=dict)
     estimate: dict[str, AcceptanceEstimator] = field(default_factory=dict)
     num_drafts: int = 0  # rows that proposed at least one token
@@ -110,21 +114,21 @@ class SpecState:
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.rng = random.Random(self.spec.seed)
         self.accepted_per_pos = [0] * self.spec.policy.num_tokens
 
     def add(self, req_id: str) -> None:
-        """Draw ``req_id``'s true acceptance rate (requests arrive in a fixed order)."""
+        """Draw ``req_id``'s true acceptance rate from its own RNG."""
+        rng = self.rngs[req_id] = random.Random(f"{self.spec.seed}:{req_id}")
         if self.spec.acceptance == "beta22":
-            a = self.rng.betavariate(2.0, 2.0)
+            a = rng.betavariate(2.0, 2.0)
         else:
-            a = self.rng.choice(self.spec.measured_rates)
+            a = rng.choice(self.spec.measured_rates)
         self.rate[req_id] = a
         self.estimate[req_id] = AcceptanceEstimator()
 
     def accepted(self, req_id: str, k: int) -> int:
         """Proposals of ``k`` accepted: each with the request's rate until a rejection."""
-        a, rng, m = self.rate[req_id], self.rng, 0
+        a, rng, m = self.rate[req_id], self.rngs[req_id], 0
         while m < k and rng.random() < a:
             m += 1
         return m
@@ -157,6 +161,7 @@ class SpecState:
 
     def forget(self, req_id: str) -> None:
         self.rate.pop(req_id, None)
+        self.rngs.pop(req_id, None)
         self.estimate.pop(req_id, None)
 
     def summary(self) -> dict[str, Any]:

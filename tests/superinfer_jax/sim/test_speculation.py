@@ -64,6 +64,26 @@ def test_beta22_rates_have_the_beta_mean_and_variance():
     assert abs(mean - 0.5) < 4 * (0.05 / 4000) ** 0.5 and abs(var - 0.05) < 0.005
 
 
+def test_each_request_draws_the_same_under_every_policy():
+    """Paired runs: a request's rate and its acceptance draws come from its own RNG (the
+    run's seed and its id), whatever the policy and whatever was drawn before."""
+    one = SpecState(SpeculationSpec.parse("fixed:1", "beta22", seed=7))
+    two = SpecState(SpeculationSpec.parse("slo:5", "beta22", seed=7))
+    for i in range(20):
+        one.add(str(i))
+    for i in reversed(range(20)):
+        two.add(str(i))
+        two.accepted(str(i), 5)  # another request's draws in between
+    assert one.rate == two.rate
+    three = SpecState(SpeculationSpec.parse("slo:5", "beta22", seed=7))
+    three.add("3")
+    assert [one.accepted("3", 4) for _ in range(50)] == \
+        [three.accepted("3", 4) for _ in range(50)]
+    other = SpecState(SpeculationSpec.parse("fixed:1", "beta22", seed=8))
+    other.add("3")
+    assert other.rate["3"] != one.rate["3"]
+
+
 def test_all_accepted_emits_one_plus_k_tokens_per_decode_call():
     """Prompt 8, 7 tokens, fixed:2 at a = 1: the prefill call's token at 10 ms, then
     three tokens per decode call at 15 and 20 ms."""
