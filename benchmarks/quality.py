@@ -16,7 +16,14 @@ document's first ``--prompt`` (64) tokens as a prompt, ``--continuation`` (64) g
 tokens, the share of documents whose continuation is identical to float32's, and the
 mean number of tokens before the first difference.
 
+``--kv-dtypes``: instead, the KV cache dtypes on SmolLM2 with float32 weights, through
+the engine (``LLM``; prefill chunks of ``--kv-chunk`` (64) tokens, so every later chunk
+and every decode step reads the earlier tokens' keys and values from the pool in that
+dtype): perplexity from the engine's prompt logprobs and its change against bfloat16 KV,
+and greedy agreement of ``--continuation`` tokens against bfloat16 KV and float32 KV.
+
     python -m benchmarks.quality [--quick] [--out results/quality.json]
+    python -m benchmarks.quality --kv-dtypes [--quick]
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import numpy as np
 from benchmarks.lib.common import add_common_args, print_table, write_json
 
 MODES = ("float32", "bfloat16", "int8", "fp8")
+KV_MODES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 TINY_DIMS = {"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4,
              "num_kv_heads": 2, "head_dim": 32}
 
@@ -168,6 +176,43 @@ def run_model(name: str, float_model: Any, docs: np.ndarray, args: argparse.Name
     return rows
 
 
+def kv_dtype_rows(model: Any, docs: np.ndarray, args: argparse.Namespace) -> list[dict]:
+    """One row per KV dtype (module docstring): the same float32 weights, the pool's
+    dtype the only difference."""
+    from superinfer_jax.config import EngineConfig, ModelLayout
+    from superinfer_jax.llm import LLM
+    from superinfer_jax.request import SamplingParams
+
+    nll, conts = {}, {}
+    for kv in KV_MODES:
+        t0 = time.perf_counter()
+        layout = ModelLayout(kv_cache_dtype=kv, max_model_len=args.tokens + args.continuation)
+        llm = LLM(model, EngineConfig.build(
+            model=layout, max_prefill_chunk=args.kv_chunk, max_num_seqs=args.chunk))
+        scored = llm.generate([d.tolist() for d in docs],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))
+        nll[kv] = -sum(lp.logprob for out in scored for lp in out.prompt_logprobs[1:])
+        greedy = llm.generate([d[:args.prompt].tolist() for d in docs], SamplingParams(
+            max_tokens=args.continuation, ignore_eos=True))
+        conts[kv] = np.asarray([out.token_ids for out in greedy], np.int32)
+        print(f"KV {kv}: {time.perf_counter() - t0:.0f} s", flush=True)
+        del llm
+    count = docs.shape[0] * (docs.shape[1] - 1)
+    ppl = {kv: float(np.exp(v / count)) for kv, v in nll.items()}
+    rows = []
+    for kv in KV_MODES:
+        vs_bf16 = agreement(conts[kv], conts["bfloat16"])
+        vs_f32 = agreement(conts[kv], conts["float32"])
+        rows.append({"model": "smollm2-135m", "weights": "float32", "kv_cache_dtype": kv,
+                     "perplexity": ppl[kv], "tokens": count,
+                     "perplexity_change_vs_bf16_kv": ppl[kv] / ppl["bfloat16"] - 1,
+                     "greedy_identical_vs_bf16_kv": vs_bf16["greedy_identical_share"],
+                     "tokens_to_divergence_vs_bf16_kv": vs_bf16["mean_tokens_to_divergence"],
+                     "greedy_identical_vs_f32_kv": vs_f32["greedy_identical_share"],
+                     "tokens_to_divergence_vs_f32_kv": vs_f32["mean_tokens_to_divergence"]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--continuation", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4, help="documents per forward")
     parser.add_argument("--models", default="smollm2-135m,tiny-random")
+    parser.add_argument("--kv-dtypes", action="store_true",
+                        help="the KV cache dtypes through the engine instead of weight modes")
+    parser.add_argument("--kv-chunk", type=int, default=64,
+                        help="--kv-dtypes: prefill chunk tokens")
     args = parser.parse_args(argv)
     if args.quick:
         args.docs, args.tokens, args.prompt, args.continuation = 4, 64, 16, 8
@@ -187,6 +236,14 @@ def main(argv: list[str] | None = None) -> None:
 
     smollm2 = load_model("smollm2-135m", dtype="float32")
     docs = held_documents(smollm2.tokenizer, args.docs, args.tokens)
+    if args.kv_dtypes:
+        kv_rows = kv_dtype_rows(smollm2, docs, args)
+        print_table(kv_rows, title=f"KV cache dtypes, SmolLM2 float32 weights ({args.docs} "
+                                   f"ShareGPT replies x {args.tokens} tokens, prefill chunks "
+                                   f"of {args.kv_chunk}; greedy {args.prompt}-token prompts, "
+                                   f"{args.continuation} tokens)")
+        write_json(args.out, {"args": vars(args), "kv_rows": kv_rows})
+        return
     rows = []
     for name in args.models.split(","):
         if name == "smollm2-135m":
