@@ -227,6 +227,15 @@ class RotaSchedConfig:
              "seated set's modelled decode step (at its mean context) plus the smallest "
              "prefill chunk stays within this share of the tightest TBT SLO (runners are "
              "never evicted for it); none: max_num_seqs seats")
+    # The seats a pool holds set the step: this anchors the seats on the device pool (each
+    # seat at the runners' mean context plus as many tokens again as they have produced),
+    # so one share fits every model and pool (docs/scheduling.md#pool_seat_fraction).
+    pool_seat_fraction: float | None = knob(
+        None, gt=0, example=1.3,
+        help="a request is admitted or rotated in only while the seated set stays within "
+             "this share of the seats the usable device pages hold at the runners' mean "
+             "context plus their output so far (runners are never evicted for it; with "
+             "step_slo_fraction, whichever binds first); none: no pool bound")
     priority_weights: dict[str, float] = knob(
         default_factory=_default_priority_weights, check=_priority_weights_check,
         help="scale of a request's lag by its SLO priority class (all three classes)")

@@ -70,9 +70,9 @@ class RotaSchedPolicy(SwapPolicy):
 
 
     def contended(self, s: Scheduler) -> bool:
-        """Above the high-water mark, anyone parked or rotating, or (``step_slo_fraction``)
-        someone waiting for a seat, so the ranking decides who takes the seats; never
-        without a host tier."""
+        """Above the high-water mark, anyone parked or rotating, or (a seat rule,
+        ``seat_limit``) someone waiting for a seat, so the ranking decides who takes the
+        seats; never without a host tier."""
         if not isinstance(s.kv, TwoTierKVManager):
             return False
         used, usable = s.device_pages_in_use()
@@ -81,29 +81,42 @@ class RotaSchedPolicy(SwapPolicy):
             and s._num_seated() >= s.seat_cap)
 
     def seat_limit(self, s: Scheduler) -> int:
-        """``max_num_seqs``; with ``step_slo_fraction`` and a latency model, at most the
-        seats whose modelled decode call (each at the runners' mean context) plus the
-        smallest prefill chunk fits in that share of the runners' tightest TBT SLO (with
-        nobody running: the waiting head's), but never fewer than are seated now: the rule
-        refuses new seats and evicts nobody (a refused request stays waiting or parked;
-        the ranking decides who takes a free seat, ``contended``)."""
+        """``max_num_seqs``, and at most the seats of two opt-in rules, whichever binds
+        first: ``step_slo_fraction`` (with a latency model) the seats whose modelled decode
+        call (each at the runners' mean context) plus the smallest prefill chunk fits in
+        that share of the runners' tightest TBT SLO; ``pool_seat_fraction`` that share of
+        the seats the usable device pages hold at the runners' mean context plus their
+        output so far (a reply is expected to grow by as much again). With nobody running
+        the waiting head stands in. Never fewer than are seated now: the rules refuse new
+        seats and evict nobody (a refused request stays waiting or parked; the ranking
+        decides who takes a free seat, ``contended``)."""
         most = self.config.engine.max_num_seqs
         fraction = self.params.step_slo_fraction
+        pool_share = self.params.pool_seat_fraction
         lm = s.latency
-        if fraction is None or lm is None or not (s.running or s.waiting):
+        if (pool_share is None and (fraction is None or lm is None)) or not (
+                s.running or s.waiting):
             return most
         seated = s.running or [s.waiting.first()]
-        tbt_ms = context = 0.0
+        tbt_ms = context = grown = 0.0
         for r in seated:
             if not tbt_ms or r.slo.tbt_ms < tbt_ms:
                 tbt_ms = r.slo.tbt_ms
-            context += r.num_tokens
-        d0, d1, d2 = lm.decode
-        per_seat = d1 + d2 * context / len(seated)
-        if per_seat <= 0:
-            return most
-        room = fraction * tbt_ms / 1000 - d0 - lm.prefill_s(self.config.prefill_chunk_buckets[0])
-        return min(most, max(s._num_seated(), int(max(0.0, room) / per_seat)))
+            n = r.num_tokens
+            context += n
+            grown += n - len(r.prompt_token_ids)
+        limit = most
+        if fraction is not None and lm is not None:
+            d0, d1, d2 = lm.decode
+            per_seat = d1 + d2 * context / len(seated)
+            room = fraction * tbt_ms / 1000 - d0 - lm.prefill_s(
+                self.config.prefill_chunk_buckets[0])
+            if per_seat > 0:
+                limit = int(max(0.0, room) / per_seat)
+        if pool_share is not None:
+            pages = (context + grown) / len(seated) / self.config.hardware.page_size
+            limit = min(limit, int(pool_share * s.kv.allocator.num_usable / max(1.0, pages)))
+        return min(most, max(s._num_seated(), limit))
 
     def parked_page_limit(self, s: Scheduler) -> int | None:
         """``parked_share`` of the usable device pages (None at 1: no limit), and with
