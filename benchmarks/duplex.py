@@ -62,11 +62,7 @@ LLAMA3_8B = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128)
 PAGE_TOKENS = 16
 
 
-def page_dtype() -> str:
-    """bfloat16 pages; on CPU the same 2 bytes as uint16, because XLA:CPU upcasts in-place
-    bf16 updates to f32 over the whole pool (see ``duplexkv.mover``), which would time
-    that conversion instead of the transfers."""
-    return "bfloat16" if jax.default_backend() == "gpu" else "uint16"
+PAGE_DTYPE = "bfloat16"  # on CPU stored as its bits in uint16 (kv.quant.CPU_STORAGE)
 
 
 def keep_freed_memory() -> bool:
@@ -297,7 +293,7 @@ def batched_trials(layout: PoolLayout, num_pages: int, repeats: int,
 
 
 def transfer_rows(num_pages: int, repeats: int, host: HostPool) -> tuple[list, dict]:
-    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, PAGE_DTYPE)
     nbytes = num_pages * layout.page_bytes
     mode = default_copy_mode()
     modes = [mode] + [m for m in ("device_put",) if m != mode]  # CPU: the GPU path too
@@ -343,7 +339,7 @@ WARM_ROUNDS = 2  # untimed rounds per rig before kv_dtype_rows times it
 
 def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
     """Tokens per second each way for the same ``num_pages`` pages of 16 tokens in
-    bfloat16 (``page_dtype``) and in fp8_e4m3, both through the engine's copy mode in
+    bfloat16 (``PAGE_DTYPE``) and in fp8_e4m3, both through the engine's copy mode in
     the same run: an fp8 page holds the same tokens in half the bytes (its per-head
     scales are the engine's, fixed, and never move). One rig per dtype, both alive, each
     warmed by ``WARM_ROUNDS`` untimed rounds (the first rounds grow the host tier's heap
@@ -353,7 +349,7 @@ def kv_dtype_rows(num_pages: int, repeats: int) -> list[dict]:
     inside timed rounds reported (``timed_minor_faults``: 0 when warm).
     ``*_over_bf16``: fp8's tokens/s over bfloat16's (goal >= 1.8)."""
     med = statistics.median
-    names = {page_dtype(): "bfloat16", "fp8_e4m3": "fp8_e4m3"}
+    names = {PAGE_DTYPE: "bfloat16", "fp8_e4m3": "fp8_e4m3"}
     rigs = {d: RotationRounds(PoolLayout(LLAMA3_8B, PAGE_TOKENS, d), num_pages, None)
             for d in names}
     for rounds in rigs.values():
@@ -398,7 +394,7 @@ def best_time(fn, repeats: int = 3) -> float:
 def rotation_copy_row(num_pages: int) -> dict:
     """Moving pages out: block-first (one copy per page) vs one pool per layer (one copy
     per page per layer, as a layer-major pool forces)."""
-    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, PAGE_DTYPE)
     num_layers = LLAMA3_8B.num_layers
     pool = patterned_pool(layout, num_pages + 1)
     host = HostPool(1)  # both layouts copy the same way: staging pages, then device_put
@@ -478,7 +474,7 @@ def attention_step_row(quick: bool) -> dict:
 
 def host_in_place_row(pool_pages: int) -> dict:
     """The alternative host tier: one preallocated pinned_host array updated in place."""
-    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, PAGE_DTYPE)
     host = HostPool(1)
     page = jnp.ones((1, *layout.page_shape()), layout.storage)
 
@@ -747,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
     malloc_tuned = not args.glibc_default and keep_freed_memory()
     gib = args.gib if args.gib is not None else (0.25 if args.quick else 1.0)
     repeats = args.repeats or (2 if args.quick else 3)
-    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, page_dtype())
+    layout = PoolLayout(LLAMA3_8B, PAGE_TOKENS, PAGE_DTYPE)
     num_pages = max(1, int(gib * (1 << 30)) // layout.page_bytes)
     host = HostPool(2 * num_pages)
     nbytes = num_pages * layout.page_bytes

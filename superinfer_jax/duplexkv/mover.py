@@ -9,8 +9,7 @@ Copy modes (``default_copy_mode`` picks one per backend):
   pinned_host pages directly, one copy per page each way instead of two (on one device
   by ``native.gather_pages`` / ``scatter_pages``; ``NATIVE_PAGE_COPIES`` turns them off);
 - ``in_step`` (opt-in): inside the model step's program; the rest as in ``fused``.
-A bf16 pool on CPU pays a pool-sized conversion per scatter (XLA:CPU upcasts in-place
-bf16 updates). Measurements: docs/results/duplexkv.md.
+Measurements: docs/results/duplexkv.md.
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ SCALE_BYTES_PER_ENTRY = 4  # float32
 
 def storage_dtype(kv_cache_dtype: str, platform: str | None = None) -> jnp.dtype:
     """The pool's element type for ``kv_cache_dtype`` on ``platform`` (default: JAX's
-    default backend; ``CPU_STORAGE`` there); a plain element type name (a benchmark's
-    ``uint16`` stand-in) is taken as itself. The config admits only ``KV_DTYPES``."""
+    default backend; ``CPU_STORAGE`` there); a plain element type name (``uint16``) is
+    taken as itself. The config admits only ``KV_DTYPES``."""
     if (platform or jax.default_backend()) == "cpu" and kv_cache_dtype in CPU_STORAGE:
         return jnp.dtype(CPU_STORAGE[kv_cache_dtype])
     try:
