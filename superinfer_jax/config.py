@@ -164,9 +164,6 @@ class RotaSchedConfig:
     hopeless_last: bool = knob(
         True, help="waiting requests already past their TTFT deadline go after those "
                    "that can still make it, not by arrival (they miss either way)")
-    # Late first tokens displace runners in this order. ``shortest`` is weighted shortest
-    # first (most deadlines met): short prompts pass long ones that would miss anyway;
-    # ``lag`` is the paper's rule; mode ``slack`` orders by slack (docs/scheduling.md#late_order).
     # A hopeless request waits behind everyone who can still make it; past this many TTFT
     # SLOs since arrival it keeps its arrival place again, which bounds the first-token
     # tail (docs/scheduling.md#hopeless_wait_cap); none: deferred until served.
@@ -174,6 +171,18 @@ class RotaSchedConfig:
         None, ge=0, example=2.0,
         help="TTFT SLOs since arrival after which a hopeless request is no longer deferred "
              "(hopeless_last) but goes by arrival; none: deferred until served")
+    # Under sustained overload requests that can still make their deadline always fill
+    # the seats, so one past its deadline waits whatever its arrival place; past this many
+    # TTFT SLOs it ranks ahead of them and may displace runners, which bounds the
+    # first-token tail (docs/scheduling.md#overdue_wait_cap); none: no such rank.
+    overdue_wait_cap: float | None = knob(
+        None, ge=1, example=2.5,
+        help="TTFT SLOs since arrival after which a request still without its first token "
+             "ranks ahead of the late first tokens, by arrival, and may displace runners; "
+             "none: it keeps its group")
+    # Late first tokens displace runners in this order. ``shortest`` is weighted shortest
+    # first (most deadlines met): short prompts pass long ones that would miss anyway;
+    # ``lag`` is the paper's rule; mode ``slack`` orders by slack (docs/scheduling.md#late_order).
     late_order: str = knob(
         "shortest", choices=LATE_ORDERS,
         help="shortest (late first tokens: fewest tokens over priority weight first, those "

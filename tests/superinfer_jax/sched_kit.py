@@ -129,6 +129,8 @@ def random_state(rng: random.Random) -> tuple[Scheduler, float]:
                                                        late_order=rng.choice(("shortest", "lag")),
                                                        hopeless_wait_cap=rng.choice(
                                                            (None, 1.5, 3.0)),
+                                                       overdue_wait_cap=rng.choice(
+                                                           (None, None, 1.0, 2.5)),
                                                        residency_tbt_slos=rng.choice(
                                                            (None, 0.5, 4.0))))
     sched = make_scheduler(cfg, TwoTierKVManager(64, 4, 64))

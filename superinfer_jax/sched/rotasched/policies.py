@@ -245,9 +245,10 @@ class RotaSchedPolicy(SwapPolicy):
         step_s = None if lm is None or (replies == "lag" and slos is None) else lm.decode_s(
             max(1, len(s.running)), sum(r.num_tokens for r in s.running))
         free_only: set[int] = set()
+        overdue = self.params.overdue_wait_cap
 
         # (group, place in group 1, value, arrival)
-        def key(r: Request) -> tuple[int, int, float, float]:
+        def key(r: Request) -> tuple[int, float, float, float]:
             urgency = self.urgency(s, r, now)
             if r.status == RUNNING:
                 kr = k if slos is None or step_s is None else timed_window(
@@ -263,6 +264,9 @@ class RotaSchedPolicy(SwapPolicy):
                     return (1, 2, -urgency, r.arrival_time)
                 free_only.add(id(r))  # free pages only, ahead of late first tokens
                 return (1, 1, -urgency, r.arrival_time)
+            if overdue is not None and not r.token_times \
+                    and now - r.arrival_time > overdue * r.slo.ttft_s:
+                return (1, 1.5, 0.0, r.arrival_time)  # waited past the cap: by arrival
             missed = missed_ttft(r, now)
             if urgency > 0 and not missed:
                 return (1, 2, -urgency, r.arrival_time)  # late: may displace runners

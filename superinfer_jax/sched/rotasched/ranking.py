@@ -9,7 +9,8 @@ running) by ``(group, value, arrival)``:
              ``due_order: stall`` the replies by TBT SLOs since their last token); then,
              with ``parked_replies`` ``free_pages`` or ``auto``, parked replies that do
              not lag yet, kept only on pages no runner needs (``Ranking.free_only``):
-             value -lag
+             value -lag; then, with ``overdue_wait_cap``, the requests without a first
+             token waiting past it (``overdue_first_tokens``): by arrival
     group 2  late waiting or parked requests (lag > 0, TTFT not missed) and the other
              runners: value -lag; with ``late_order: shortest``, the late first tokens
              after the late requests with tokens, by tokens over priority weight
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
     from superinfer_jax.sched.scheduler import Scheduler
 
 __all__ = ["deferred_hopeless", "first_token_slack", "is_protected", "late_window",
-           "missed_ttft", "rank_by_lag", "reply_due_on_time", "residency_window",
-           "resident_tokens", "rotate_in_due", "shortest_first", "timed_window"]
+           "missed_ttft", "overdue_first_tokens", "rank_by_lag", "reply_due_on_time",
+           "residency_window", "resident_tokens", "rotate_in_due", "shortest_first", "timed_window"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -147,6 +148,7 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
         lag = virtual_lag(r, now, p)
         if lag > 0 and not missed_ttft(r, now):
             late.append((-lag, a, 0, pos, r))
+    past_cap = overdue_first_tokens(s, now, p.overdue_wait_cap)
     protected.sort(key=_arrival)  # stable: by (arrival, running order)
     due.sort()
     replies.sort()
@@ -154,10 +156,11 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
         late = shortest_first(s, now, p, late)
     else:
         late.sort()
-    head = protected + [e[-1] for e in due] + [e[-1] for e in replies] \
+    head = protected + [e[-1] for e in due] + [e[-1] for e in replies] + past_cap \
         + [e[-1] for e in late] + by_value(others, values)
     listed = {id(e[-1]) for e in due}  # the head's waiting and parked requests
     listed.update(id(e[-1]) for e in late)
+    listed.update(id(r) for r in past_cap)
     free_only = {id(e[-1]) for e in replies} if replies else None
     if free_only:
         listed.update(free_only)
@@ -173,6 +176,25 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     known = waiting.missed_prefix(now) if cap is None or len(waiting.slos) <= 1 else overdue
     return Ranking(head, s, listed, _Hopeless(now, cap), known,
                    free_only=free_only, defer_after=overdue)
+
+
+def overdue_first_tokens(s: Scheduler, now: float, cap: float | None) -> list[Request]:
+    """The waiting and parked requests without a first token that arrived more than
+    ``cap`` of their TTFT SLOs ago (``overdue_wait_cap``), by arrival (ties: waiting
+    first); none without a cap. With ``cap >= 1`` each has missed its deadline, so none
+    is also a late one."""
+    if cap is None:
+        return []
+    waiting = s.waiting
+    end = max((waiting.first_within(now, cap * slo.ttft_s) for slo in waiting.slos),
+              default=0)
+    found = [(a, 0, pos, r) for a, pos, r in waiting.by_arrival()[:end]
+             if not r.token_times and now - a > cap * r.slo.ttft_s]
+    found += [(r.arrival_time, 1, j, r) for j, r in enumerate(
+        q for q in s.rotary if q.status == ROTARY)
+        if not r.token_times and now - r.arrival_time > cap * r.slo.ttft_s]
+    found.sort(key=lambda e: e[:3])
+    return [e[-1] for e in found]
 
 
 def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,

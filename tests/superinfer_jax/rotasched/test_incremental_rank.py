@@ -92,6 +92,9 @@ def plain_sort(s: Scheduler, now: float, p: RotaSchedConfig,
             return (1.5, -lag, r.arrival_time)
         if due(r, lag):
             return (1, -lag, r.arrival_time)
+        over = p.overdue_wait_cap  # past it, a first token goes ahead of the late ones
+        if over is not None and not r.token_times and now - r.arrival_time > over * r.slo.ttft_s:
+            return (1.75, 0.0, r.arrival_time)
         missed = not r.token_times and now - r.arrival_time > r.slo.ttft_s
         if lag > 0 and not missed:
             if p.late_order == "lag" or r.token_times:
