@@ -165,21 +165,18 @@ class RotaSchedConfig:
         True, help="waiting requests already past their TTFT deadline go after those "
                    "that can still make it, not by arrival (they miss either way)")
     # A hopeless request waits behind everyone who can still make it; past this many TTFT
-    # SLOs since arrival it keeps its arrival place again, which bounds the first-token
-    # tail (docs/scheduling.md#hopeless_wait_cap); none: deferred until served.
+    # SLOs it keeps its arrival place again, still behind late requests and runners, so
+    # under sustained overload it waits on (docs/scheduling.md#hopeless_wait_cap).
     hopeless_wait_cap: float | None = knob(
         None, ge=0, example=2.0,
         help="TTFT SLOs since arrival after which a hopeless request is no longer deferred "
              "(hopeless_last) but goes by arrival; none: deferred until served")
-    # Under sustained overload requests that can still make their deadline always fill
-    # the seats, so one past its deadline waits whatever its arrival place; past this many
-    # TTFT SLOs it ranks ahead of them and may displace runners, which bounds the
-    # first-token tail (docs/scheduling.md#overdue_wait_cap); none: no such rank.
+    # Under sustained overload late requests fill every seat, so a hopeless one waits for a
+    # lull; past this many TTFT SLOs it ranks ahead of them and may displace runners: the
+    # first-token tail is bounded, at a price in attainment (docs/scheduling.md).
     overdue_wait_cap: float | None = knob(
-        None, ge=1, example=2.5,
-        help="TTFT SLOs since arrival after which a request still without its first token "
-             "ranks ahead of the late first tokens, by arrival, and may displace runners; "
-             "none: it keeps its group")
+        None, ge=1, example=2.5, help="TTFT SLOs since arrival after which a request with "
+        "no first token ranks ahead of late first tokens and may displace runners; none: never")
     # Late first tokens displace runners in this order. ``shortest`` is weighted shortest
     # first (most deadlines met): short prompts pass long ones that would miss anyway;
     # ``lag`` is the paper's rule; mode ``slack`` orders by slack (docs/scheduling.md#late_order).

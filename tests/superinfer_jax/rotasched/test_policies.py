@@ -359,6 +359,29 @@ def test_a_hopeless_request_is_deferred_only_up_to_its_wait_cap(arrival, served)
     assert [r for r, _ in plan.prefill] == [served]
 
 
+@pytest.mark.parametrize(("arrival", "cap", "served"), [
+    (-1.0, 2.5, "late"), (-2.0, 2.5, "overdue"), (-2.0, None, "late"), (-3.5, None, "late")])
+def test_an_overdue_first_token_goes_ahead_of_the_late_ones(arrival, cap, served):
+    """One free seat, a late first token that can still make its deadline (0.66 s of a 1 s
+    TTFT SLO) and a hopeless one: with ``overdue_wait_cap`` 2.5 the hopeless one takes the
+    seat once it has waited past 2.5 s (2.9 s here), not before (1.9 s); without the cap
+    the late one takes it, even from one past ``hopeless_wait_cap`` 3 (4.4 s: its arrival
+    place comes after every late request)."""
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
+                         overdue_wait_cap=cap)
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
+    d = Driver(sched, kv)
+    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
+    for t in (0.0, 0.1, 0.2):
+        d.step(t)
+    assert kv.num_free_pages == 2
+    d.add(req("overdue", 8, arrival=arrival))
+    d.add(req("late", 8, arrival=0.24))
+    plan = d.step(0.9)
+    assert plan.rotate_out == []
+    assert [r for r, _ in plan.prefill] == [served]
+
+
 def _parked_reply(mode: str | None, step_s: float = 0.01, **knobs):
     """"runner" and "reply" decode past their 4-token residency, then a late first token
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
