@@ -321,18 +321,25 @@ def test_no_tbt_budget_while_nobody_waits_for_memory():
     assert plan.prefill[0] == ("new", 32)  # max_prefill_chunk, not the TBT-sized 16
 
 
+def _one_seat_left(rs: RotaSchedConfig) -> Driver:
+    """A protected "filler" runner on 14 of the 16 usable pages (two prefill chunks and a
+    decode at 0.0-0.2 s): room for one more 8-token request, which may displace nobody."""
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
+    d = Driver(sched, kv)
+    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
+    for t in (0.0, 0.1, 0.2):
+        d.step(t)
+    assert kv.num_free_pages == 2
+    return d
+
+
 @pytest.mark.parametrize("hopeless_last", [False, True])
 def test_hopeless_requests_go_last_when_asked(hopeless_last):
     """Two waiting requests, room for one: by arrival the one already past its TTFT
     deadline takes it; with ``hopeless_last`` the one that can still make it does."""
     rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0,
                          hopeless_last=hopeless_last)
-    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
-    d = Driver(sched, kv)
-    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
-    for t in (0.0, 0.1, 0.2):  # two prefill chunks, a decode: 14 of the 16 usable pages
-        d.step(t)
-    assert kv.num_free_pages == 2
+    d = _one_seat_left(rs)
     d.add(req("hopeless", 8, arrival=-2.0))  # TTFT SLO 1 s: missed already
     d.add(req("fresh", 8, arrival=0.85))  # not late yet: neither may displace the filler
     plan = d.step(0.9)
@@ -346,12 +353,7 @@ def test_a_hopeless_request_is_deferred_only_up_to_its_wait_cap(arrival, served)
     deferred behind the one that can make it; one 4.4 s past arrival keeps its arrival
     place and takes the one free seat."""
     rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0)
-    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
-    d = Driver(sched, kv)
-    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
-    for t in (0.0, 0.1, 0.2):
-        d.step(t)
-    assert kv.num_free_pages == 2
+    d = _one_seat_left(rs)
     d.add(req("hopeless", 8, arrival=arrival))
     d.add(req("fresh", 8, arrival=0.85))
     plan = d.step(0.9)
@@ -369,12 +371,7 @@ def test_an_overdue_first_token_goes_ahead_of_the_late_ones(arrival, cap, served
     place comes after every late request)."""
     rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
                          overdue_wait_cap=cap)
-    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
-    d = Driver(sched, kv)
-    d.add(req("filler", 52, arrival=0.0, max_tokens=20))
-    for t in (0.0, 0.1, 0.2):
-        d.step(t)
-    assert kv.num_free_pages == 2
+    d = _one_seat_left(rs)
     d.add(req("overdue", 8, arrival=arrival))
     d.add(req("late", 8, arrival=0.24))
     plan = d.step(0.9)
