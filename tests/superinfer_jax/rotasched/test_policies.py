@@ -347,33 +347,22 @@ def test_hopeless_requests_go_last_when_asked(hopeless_last):
     assert [r for r, _ in plan.prefill] == (["fresh"] if hopeless_last else ["hopeless"])
 
 
-@pytest.mark.parametrize(("arrival", "served"), [(-2.0, "fresh"), (-3.5, "hopeless")])
-def test_a_hopeless_request_is_deferred_only_up_to_its_wait_cap(arrival, served):
-    """``hopeless_wait_cap`` 3 (TTFT SLO 1 s): a request 2.9 s past arrival is still
-    deferred behind the one that can make it; one 4.4 s past arrival keeps its arrival
-    place and takes the one free seat."""
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0)
+@pytest.mark.parametrize(("arrival", "other", "overdue_cap", "served"), [
+    (-2.0, 0.85, None, "other"), (-3.5, 0.85, None, "hopeless"),
+    (-1.0, 0.24, 2.5, "other"), (-2.0, 0.24, 2.5, "hopeless"), (-2.0, 0.24, None, "other"),
+    (-3.5, 0.24, None, "other")])
+def test_the_wait_caps_of_a_hopeless_request(arrival, other, overdue_cap, served):
+    """One free seat, a hopeless request (TTFT SLO 1 s) and another that is fresh (0.05 s
+    old) or late but can still make it (0.66 s), under ``hopeless_wait_cap`` 3. Against
+    the fresh one the hopeless one is deferred at 2.9 s and keeps its arrival place at
+    4.4 s, taking the seat. Against the late one that place does not help (it comes after
+    every late request); ``overdue_wait_cap`` 2.5 puts it ahead once it has waited past
+    2.5 s (2.9 s), not before (1.9 s)."""
+    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
+                         overdue_wait_cap=overdue_cap)
     d = _one_seat_left(rs)
     d.add(req("hopeless", 8, arrival=arrival))
-    d.add(req("fresh", 8, arrival=0.85))
-    plan = d.step(0.9)
-    assert plan.rotate_out == []
-    assert [r for r, _ in plan.prefill] == [served]
-
-
-@pytest.mark.parametrize(("arrival", "cap", "served"), [
-    (-1.0, 2.5, "late"), (-2.0, 2.5, "overdue"), (-2.0, None, "late"), (-3.5, None, "late")])
-def test_an_overdue_first_token_goes_ahead_of_the_late_ones(arrival, cap, served):
-    """One free seat, a late first token that can still make its deadline (0.66 s of a 1 s
-    TTFT SLO) and a hopeless one: with ``overdue_wait_cap`` 2.5 the hopeless one takes the
-    seat once it has waited past 2.5 s (2.9 s here), not before (1.9 s); without the cap
-    the late one takes it, even from one past ``hopeless_wait_cap`` 3 (4.4 s: its arrival
-    place comes after every late request)."""
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
-                         overdue_wait_cap=cap)
-    d = _one_seat_left(rs)
-    d.add(req("overdue", 8, arrival=arrival))
-    d.add(req("late", 8, arrival=0.24))
+    d.add(req("other", 8, arrival=other))
     plan = d.step(0.9)
     assert plan.rotate_out == []
     assert [r for r, _ in plan.prefill] == [served]
