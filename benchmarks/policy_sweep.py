@@ -18,7 +18,8 @@ over all their requests and gaps, throughput over the summed durations. One 64-r
 run moves TBT attainment by several points from run to run, so one draw does not decide
 the goal. The table ends with the verdict (``knee_verdict``): at the knee, the first rate
 where ``fcfs`` TTFT attainment is at most 60%, attainment, throughput and P99 TBT against
-fcfs; at the rates where fcfs meets its TTFT SLO, mean and P99 TTFT against fcfs.
+fcfs (P99 TTFT beside them, reported and not judged); at the rates where fcfs meets its
+TTFT SLO, mean and P99 TTFT against fcfs.
 
 Default rates 0.5, 1, 2, 3 (idle, 3 seeds, SLOs from an unloaded TTFT of 151-156 ms):
 0.5 is the light-load check (fcfs TTFT attainment 1.000); at 1 fcfs sits on the edge of

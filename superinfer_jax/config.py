@@ -171,12 +171,12 @@ class RotaSchedConfig:
         None, ge=0, example=2.0,
         help="TTFT SLOs since arrival after which a hopeless request is no longer deferred "
              "(hopeless_last) but goes by arrival; none: deferred until served")
-    # Under sustained overload late requests fill every seat, so a hopeless one waits for a
-    # lull; past this many TTFT SLOs it ranks ahead of them and may displace runners: the
-    # first-token tail is bounded, at a price in attainment (docs/scheduling.md).
+    # In a closed loop late requests fill every seat, so a hopeless one waits for a lull;
+    # past this many TTFT SLOs it ranks ahead of them: the first-token tail is bounded (open
+    # loop: all become overdue, order collapses to arrival) (docs/scheduling.md).
     overdue_wait_cap: float | None = knob(
         None, ge=1, example=2.5, help="TTFT SLOs since arrival after which a request with "
-        "no first token ranks ahead of late first tokens and may displace runners; none: never")
+        "no first token ranks ahead of every late request and unprotected runner; none: never")
     # Late first tokens displace runners in this order. ``shortest`` is weighted shortest
     # first (most deadlines met): short prompts pass long ones that would miss anyway;
     # ``lag`` is the paper's rule; mode ``slack`` orders by slack (docs/scheduling.md#late_order).

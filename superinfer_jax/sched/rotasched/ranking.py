@@ -10,7 +10,8 @@ running) by ``(group, value, arrival)``:
              with ``parked_replies`` ``free_pages`` or ``auto``, parked replies that do
              not lag yet, kept only on pages no runner needs (``Ranking.free_only``):
              value -lag; then, with ``overdue_wait_cap``, the requests without a first
-             token waiting past it (``overdue_first_tokens``): by arrival
+             token waiting past it (``overdue_first_tokens``), ahead of every late
+             request and unprotected runner: by arrival
     group 2  late waiting or parked requests (lag > 0, TTFT not missed) and the other
              runners: value -lag; with ``late_order: shortest``, the late first tokens
              after the late requests with tokens, by tokens over priority weight
@@ -19,8 +20,9 @@ running) by ``(group, value, arrival)``:
              past ``hopeless_wait_cap`` TTFT SLOs: they keep their arrival place
 
 Within one SLO a fresh request's lag is monotone in ``now - arrival_time``, so the late
-ones form one window of arrivals (``late_window``): only it and the requeued requests are
-read; group 3 is the ``Ranking``'s tail, read lazily. Runners and parked requests are
+ones form one window of arrivals (``late_window``): only it, the requeued requests and,
+with ``overdue_wait_cap``, the prefix of the queue past that cap are read; group 3 is the
+``Ranking``'s tail, read lazily. Runners and parked requests are
 bounded by the pools: they are sorted each step. A due rotate-in goes ahead of late first
 tokens (it has a fraction of one gap, they have seconds); a parked reply late anyway
 displaces nobody until it lags. Figures: ``docs/results/scheduling.md``.
@@ -169,13 +171,14 @@ def rank_by_lag(s: Scheduler, now: float, p: RotaSchedConfig) -> Ranking:
     # the hopeless fresh requests lead the arrival order: skipped unread
     waiting, cap = s.waiting, p.hopeless_wait_cap
     # those waiting past ``hopeless_wait_cap`` under every SLO lead it, read first
-    overdue = 0 if cap is None else min(
+    past_hopeless_cap = 0 if cap is None else min(
         (waiting.first_within(now, cap * slo.ttft_s) for slo in waiting.slos), default=0)
-    # under several SLOs one of them may be overdue before the missed prefix ends: the
-    # queue is then read from the overdue ones on and each entry tested
-    known = waiting.missed_prefix(now) if cap is None or len(waiting.slos) <= 1 else overdue
+    # under several SLOs one of them may be past its cap before the missed prefix ends:
+    # the queue is then read from those on and each entry tested
+    known = waiting.missed_prefix(now) if cap is None or len(waiting.slos) <= 1 \
+        else past_hopeless_cap
     return Ranking(head, s, listed, _Hopeless(now, cap), known,
-                   free_only=free_only, defer_after=overdue)
+                   free_only=free_only, defer_after=past_hopeless_cap)
 
 
 def overdue_first_tokens(s: Scheduler, now: float, cap: float | None) -> list[Request]:

@@ -321,15 +321,18 @@ def test_no_tbt_budget_while_nobody_waits_for_memory():
     assert plan.prefill[0] == ("new", 32)  # max_prefill_chunk, not the TBT-sized 16
 
 
-def _one_seat_left(rs: RotaSchedConfig) -> Driver:
-    """A protected "filler" runner on 14 of the 16 usable pages (two prefill chunks and a
-    decode at 0.0-0.2 s): room for one more 8-token request, which may displace nobody."""
-    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=rs)
+def _one_seat_left(rs: RotaSchedConfig, device_pages: int = 17, latency=None) -> Driver:
+    """A "filler" runner on 14 pages after two prefill chunks and a decode (0.0-0.2 s),
+    protected under ``min_residency_tokens`` 4: with 17 device pages room for one more
+    8-token request, with 15 none. ``latency``: a latency model set from the start."""
+    sched, kv = make("rotasched", device_pages=device_pages, host_pages=64, rotasched=rs)
+    if latency is not None:
+        sched.set_latency_model(latency)
     d = Driver(sched, kv)
     d.add(req("filler", 52, arrival=0.0, max_tokens=20))
     for t in (0.0, 0.1, 0.2):
         d.step(t)
-    assert kv.num_free_pages == 2
+    assert kv.num_free_pages == device_pages - 15
     return d
 
 
@@ -366,6 +369,35 @@ def test_the_wait_caps_of_a_hopeless_request(arrival, other, overdue_cap, served
     plan = d.step(0.9)
     assert plan.rotate_out == []
     assert [r for r, _ in plan.prefill] == [served]
+
+
+@pytest.mark.parametrize(("arrival", "overdue_cap", "served"), [
+    (-1.0, 2.5, "other"), (-2.0, 2.5, "hopeless"), (-2.0, None, "other")])
+def test_the_overdue_cap_in_mode_slack(arrival, overdue_cap, served):
+    """Mode ``slack`` (the other request's prefill priced well within its deadline) puts
+    the hopeless request ahead once it has waited past ``overdue_wait_cap`` 2.5 TTFT SLOs,
+    not before, and not without the cap: as mode ``vlt`` does."""
+    from superinfer_jax.sched.latency import LatencyModel
+
+    rs = RotaSchedConfig(mode="slack", min_residency_tokens=4, residency_share=1.0,
+                         hopeless_wait_cap=3.0, overdue_wait_cap=overdue_cap)
+    d = _one_seat_left(rs, latency=LatencyModel(prefill=[0.01, 0.001, 0.0],
+                                                decode=[0.01, 0.0, 0.0]))
+    d.add(req("hopeless", 8, arrival=arrival))
+    d.add(req("other", 8, arrival=0.24))
+    assert [r for r, _ in d.step(0.9).prefill] == [served]
+
+
+@pytest.mark.parametrize("overdue_cap", [2.5, None])
+def test_an_overdue_request_displaces_an_unprotected_runner(overdue_cap):
+    """No free page, a settled runner (``min_residency_tokens`` 1) and a request 2.9 s
+    past its arrival (TTFT SLO 1 s): past ``overdue_wait_cap`` 2.5 it rotates the runner
+    out, as a late request would; without the cap it is deferred and nobody moves."""
+    rs = RotaSchedConfig(min_residency_tokens=1, residency_share=1.0,
+                         overdue_wait_cap=overdue_cap)
+    d = _one_seat_left(rs, device_pages=15)
+    d.add(req("hopeless", 8, arrival=-2.0))
+    assert d.step(0.9).rotate_out == (["filler"] if overdue_cap else [])
 
 
 def _parked_reply(mode: str | None, step_s: float = 0.01, **knobs):
