@@ -27,6 +27,7 @@ from superinfer_jax.sched.rotasched.policy import HOST, Policy
 from superinfer_jax.sched.rotasched.ranking import (
     deferred_hopeless,
     first_token_slack,
+    is_overdue,
     is_protected,
     late_window,
     missed_ttft,
@@ -264,8 +265,7 @@ class RotaSchedPolicy(SwapPolicy):
                     return (1, 2, -urgency, r.arrival_time)
                 free_only.add(id(r))  # free pages only, ahead of late first tokens
                 return (1, 1, -urgency, r.arrival_time)
-            if overdue is not None and not r.token_times \
-                    and now - r.arrival_time > overdue * r.slo.ttft_s:
+            if overdue is not None and is_overdue(r, now, overdue):
                 return (1, 1.5, 0.0, r.arrival_time)  # waited past the cap: by arrival
             missed = missed_ttft(r, now)
             if urgency > 0 and not missed:

@@ -43,9 +43,10 @@ from superinfer_jax.sched.waiting_queue import WaitingQueue
 if TYPE_CHECKING:
     from superinfer_jax.sched.scheduler import Scheduler
 
-__all__ = ["deferred_hopeless", "first_token_slack", "is_protected", "late_window",
-           "missed_ttft", "overdue_first_tokens", "rank_by_lag", "reply_due_on_time",
-           "residency_window", "resident_tokens", "rotate_in_due", "shortest_first", "timed_window"]
+__all__ = ["deferred_hopeless", "first_token_slack", "is_overdue", "is_protected",
+           "late_window", "missed_ttft", "overdue_first_tokens", "rank_by_lag",
+           "reply_due_on_time", "residency_window", "resident_tokens", "rotate_in_due",
+           "shortest_first", "timed_window"]
 
 
 def missed_ttft(req: Request, now: float) -> bool:
@@ -191,13 +192,18 @@ def overdue_first_tokens(s: Scheduler, now: float, cap: float | None) -> list[Re
     waiting = s.waiting
     end = max((waiting.first_within(now, cap * slo.ttft_s) for slo in waiting.slos),
               default=0)
-    found = [(a, 0, pos, r) for a, pos, r in waiting.by_arrival()[:end]
-             if not r.token_times and now - a > cap * r.slo.ttft_s]
+    found = [(a, 0, pos, r) for a, pos, r in waiting.walk(None, 0, end)
+             if is_overdue(r, now, cap)]
     found += [(r.arrival_time, 1, j, r) for j, r in enumerate(
-        q for q in s.rotary if q.status == ROTARY)
-        if not r.token_times and now - r.arrival_time > cap * r.slo.ttft_s]
+        q for q in s.rotary if q.status == ROTARY) if is_overdue(r, now, cap)]
     found.sort(key=lambda e: e[:3])
     return [e[-1] for e in found]
+
+
+def is_overdue(req: Request, now: float, cap: float) -> bool:
+    """``overdue_wait_cap``'s test: no first token, and more than ``cap`` of its TTFT SLO
+    since arrival."""
+    return not req.token_times and now - req.arrival_time > cap * req.slo.ttft_s
 
 
 def shortest_first(s: Scheduler, now: float, p: RotaSchedConfig,
