@@ -5,7 +5,9 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
-weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees); decode
+weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees; on an
+AMX-BF16 CPU both take AMX tiles for every M, ``amx_tiles.h``, unless
+``SUPERINFER_NATIVE_AMX=0``); decode
 attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
 mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
 (``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
@@ -47,7 +49,8 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
-                for name in ("parallel_chunks.h", "bf16_tiles.h", "column_split.h"))
+                for name in ("parallel_chunks.h", "bf16_tiles.h", "column_split.h",
+                             "amx_tiles.h"))
 KV_GATHER_TARGET = "superinfer_kv_gather"
 LAZY_ZEROS_TARGET = "superinfer_lazy_zeros"
 BF16_MATMUL_TARGET = "superinfer_bf16_matmul"
@@ -123,6 +126,7 @@ def build() -> Path:
 
 _bf16_supported = False
 _quant_supported = False
+_matmul_amx = False
 _attention_supported = False
 _grouped_supported: frozenset[str] = frozenset()  # the dtypes grouped_matmul runs here
 
@@ -144,14 +148,17 @@ def _register() -> str | None:
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     global _bf16_supported, _quant_supported, _attention_supported, _grouped_supported
+    global _matmul_amx
     _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
+    _matmul_amx = _bf16_supported and bool(library.SuperinferMatmulUsesAmx())
     _quant_supported = bool(library.SuperinferQuantMatmulSupported())
     _attention_supported = bool(library.SuperinferDecodeAttentionSupported())
     _grouped_supported = frozenset(
         name for code, name in enumerate(GROUPED_MATMUL_DTYPES)
         if library.SuperinferGroupedMatmulSupported(code))
     log.info("native CPU ops: %s (bfloat16 matmul: %s; decode attention: %s)", path,
-             "AVX512-BF16" if _bf16_supported else "off, this CPU lacks AVX512-BF16",
+             ("AMX" if _matmul_amx else "AVX512-BF16") if _bf16_supported
+             else "off, this CPU lacks AVX512-BF16",
              "AVX-512" if _attention_supported else "off, this CPU lacks AVX-512")
     return str(path)
 
@@ -170,6 +177,16 @@ def bf16_matmul_available() -> bool:
 def quant_matmul_available() -> bool:
     """Whether ``quant_matmuls`` may be used (registered, AVX512-BF16 and AVX512-VBMI)."""
     return _register() is not None and _quant_supported
+
+
+def matmul_tiles() -> str | None:
+    """Which tiles ``bf16_matmuls`` and ``quant_matmuls`` run in this process: ``"amx"``
+    (AMX-BF16, unless ``SUPERINFER_NATIVE_AMX=0``), ``"avx512"`` (AVX512-BF16 register
+    tiles), or None where neither runs. Fixed per process: the two give different bits,
+    so one process never mixes them."""
+    if not bf16_matmul_available():
+        return None
+    return "amx" if _matmul_amx else "avx512"
 
 
 def decode_attention_available() -> bool:
@@ -194,6 +211,7 @@ def fingerprint() -> str:
     if not path:
         return "off"
     return (Path(path).name + ("+bf16mm" if _bf16_supported else "")
+            + ("+amx" if _matmul_amx else "")
             + ("+attn" if _attention_supported else "")
             + "".join(f"+gmm-{d}" for d in sorted(_grouped_supported)))
 

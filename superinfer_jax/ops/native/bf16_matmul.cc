@@ -19,6 +19,9 @@
 //                       1 to 4 of them (a layer's q, k, v in one call)
 //   out_i [M, N_i] f32
 //
+// On a CPU with AMX-BF16 (Sapphire Rapids and later) every call takes the AMX tiles
+// instead (``amx_tiles.h``: the same guarantee, other bits), for every M.
+//
 // Only CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) run it:
 // ``SuperinferBf16MatmulSupported`` says whether this one does, and callers fall back to
 // XLA's dot where it does not. The functions are compiled for that ISA by attribute, so
@@ -29,6 +32,7 @@
 #include <cstring>
 #include <memory>
 
+#include "amx_tiles.h"
 #include "bf16_tiles.h"
 #include "column_split.h"
 #include "xla/ffi/api/ffi.h"
@@ -43,11 +47,28 @@ constexpr int kMaxWeights = superinfer::kMaxSplitWeights;
 
 struct MatmulJob : superinfer::ColumnSplit {
   const uint16_t* w[kMaxWeights];
+  bool amx = false;
+#if SUPERINFER_HAVE_AMX_KERNEL
+  superinfer::amx::SpreadRows spread;  // x as the AMX tiles read it
+#endif
 
-  // Unit u's columns (tile shapes: ``tiles::PanelForRows``).
+  // Unit u's columns (tile shapes: ``tiles::PanelForRows``, or the AMX tiles).
   BF16_TARGET void Unit(int64_t u) const {
+#if SUPERINFER_HAVE_AMX_KERNEL
+    if (amx) {
+      ForUnit(u, [this](int i, int64_t n0, int64_t n1) { AmxColumns(i, n0, n1); });
+      return;
+    }
+#endif
     ForUnit(u, [this](int i, int64_t n0, int64_t n1) { Columns(i, n0, n1); });
   }
+
+#if SUPERINFER_HAVE_AMX_KERNEL
+  AMX_TARGET void AmxColumns(int i, int64_t n0, int64_t n1) const {
+    superinfer::amx::Panel<superinfer::tiles::Bf16Weights>(
+        spread, M, K, w[i], N[i], out[i], N[i], n0, n1, [](int64_t, int64_t) {});
+  }
+#endif
 
   BF16_TARGET void Columns(int i, int64_t n0, int64_t n1) const {
     superinfer::tiles::PanelForRows<superinfer::tiles::Bf16Weights>(x, M, K, w[i], N[i], out[i],
@@ -91,6 +112,11 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
     job->w[i] = reinterpret_cast<const uint16_t*>(w->typed_data());
     job->Add(wd[1], (*o)->typed_data());
   }
+#if SUPERINFER_HAVE_AMX_KERNEL
+  static const bool amx = superinfer::amx::Supported();
+  job->amx = amx;
+  if (amx) job->spread.Set(job->x, job->M, job->K);
+#endif
   superinfer::RunColumnSplit(thread_pool, job);
   return ffi::Error::Success();
 #else
@@ -102,6 +128,9 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
 
 // 1 where this CPU can run the kernel, else 0 (ctypes, before any program is traced).
 extern "C" int SuperinferBf16MatmulSupported() { return CpuSupported() ? 1 : 0; }
+
+// 1 where the matmuls (bfloat16, int8, fp8) take the AMX tiles in this process, else 0.
+extern "C" int SuperinferMatmulUsesAmx() { return superinfer::amx::Supported() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SuperinferBf16Matmul, Bf16MatmulImpl,
                               ffi::Ffi::Bind()

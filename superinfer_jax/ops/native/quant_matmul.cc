@@ -27,6 +27,10 @@
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
 //
+// On a CPU with AMX-BF16 every call takes the AMX tiles instead (``amx_tiles.h``): the
+// weights are converted to bfloat16 the same way, a block of 16 k at a time below 17 rows,
+// and the same guarantee holds (other bits).
+//
 // Only CPUs with AVX512-BF16 and AVX512-VBMI run it (``SuperinferQuantMatmulSupported``);
 // callers fall back to XLA's dot of the dequantized weight elsewhere.
 
@@ -36,6 +40,7 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16_tiles.h"
 #include "column_split.h"
 #include "xla/ffi/api/ffi.h"
@@ -102,6 +107,10 @@ struct QuantJob : superinfer::ColumnSplit {
   const float* scale[kMaxWeights];
   int64_t panel;  // columns per converted panel, a multiple of 32
   int64_t packed = 0;  // the weights' storage panel (0: row-major), see the header
+  bool amx = false;
+#if SUPERINFER_HAVE_AMX_KERNEL
+  superinfer::amx::SpreadRows spread;  // x as the AMX tiles read it
+#endif
 
   // Columns [n0, n1) of weight i: of each storage block they touch, the block's own
   // columns (row-major weights are one block of N[i] columns).
@@ -129,6 +138,12 @@ struct QuantJob : superinfer::ColumnSplit {
                          int64_t c1, int i, uint16_t* scratch) const {
     float* o = out[i] + first;
     const float* s = scale[i] + first;
+#if SUPERINFER_HAVE_AMX_KERNEL
+    if (amx) {
+      AmxBlock<W>(wb, ldw, c0, c1, o, s, N[i]);
+      return;
+    }
+#endif
     if (M <= kDirectRows) {
       tiles::PanelForRows<W>(x, M, K, wb, ldw, o, N[i], c0, c1);
       Scale(o + c0, M, N[i], s + c0, c1 - c0);
@@ -142,9 +157,18 @@ struct QuantJob : superinfer::ColumnSplit {
     }
   }
 
+#if SUPERINFER_HAVE_AMX_KERNEL
+  template <class W>
+  AMX_TARGET void AmxBlock(const typename W::T* wb, int64_t ldw, int64_t c0, int64_t c1,
+                           float* o, const float* s, int64_t ldo) const {
+    superinfer::amx::Panel<W>(spread, M, K, wb, ldw, o, ldo, c0, c1,
+                              [&](int64_t c, int64_t cols) { Scale(o + c, M, ldo, s + c, cols); });
+  }
+#endif
+
   BF16_TARGET void Unit(int64_t u) const {
     thread_local std::vector<uint16_t> scratch;
-    if (M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
+    if (!amx && M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
       scratch.resize(K * panel);
     ForUnit(u, [&](int i, int64_t n0, int64_t n1) {
       if (kind == Kind::kInt8) {
@@ -205,6 +229,11 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
     job->Add(wd[1], (*o)->typed_data());
   }
   job->packed = panel;
+#if SUPERINFER_HAVE_AMX_KERNEL
+  static const bool amx = superinfer::amx::Supported();
+  job->amx = amx;
+  if (amx) job->spread.Set(job->x, job->M, job->K);
+#endif
   if (job->K > 0)
     job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
   superinfer::RunColumnSplit(thread_pool, job);

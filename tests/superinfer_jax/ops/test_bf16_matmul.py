@@ -1,9 +1,15 @@
 """The native bfloat16 matmul (``ops/native/bf16_matmul.cc``): float32-accurate against a
 float64 reference, every row's bits independent of the rows beside it, only in the CPU
 program, and an engine on a bfloat16 model giving the same greedy tokens alone and
-batched through it."""
+batched through it. On an AMX CPU these run the AMX tiles; ``make test`` runs the kernel
+tests once more with ``SUPERINFER_NATIVE_AMX=0`` for the register tiles."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +65,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch(m: int, k: int, n: int) -> None:
     full = np.asarray(call(x, w))
     # Every batch size from 1 to 9 (each tile shape and remainder block), a tall slice, and
     # the rows shuffled: the same row, the same bits.
-    for rows in [*range(1, 10), 33]:
+    for rows in [*range(1, 10), 16, 17, 33]:
         np.testing.assert_array_equal(np.asarray(call(x[:rows], w)), full[:rows],
                                       err_msg=f"first {rows} rows")
     np.testing.assert_array_equal(np.asarray(call(x[-1:], w)), full[-1:])
@@ -154,3 +160,25 @@ def test_greedy_tokens_alone_equal_batched() -> None:
     batched = [r.output_token_ids for r in run_jobs(engine, [(p, sp) for p in prompts])]
     assert batched == alone
     assert all(len(t) == 12 for t in alone)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_kernel
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU flags off Linux")
+def test_amx_tiles_where_the_cpu_has_them_unless_switched_off() -> None:
+    """Every matmul of a process takes AMX on an AMX-BF16 CPU (Linux grants the tile
+    state), the register tiles elsewhere and under SUPERINFER_NATIVE_AMX=0."""
+    amx_here = ({"amx_tile", "amx_bf16"} <= _cpu_flags()
+                and os.environ.get("SUPERINFER_NATIVE_AMX") != "0")
+    assert native.matmul_tiles() == ("amx" if amx_here else "avx512")
+    probe = "from superinfer_jax.ops import native; print(native.matmul_tiles())"
+    env = {**os.environ, "SUPERINFER_NATIVE_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out[-1] == "avx512"
