@@ -5,9 +5,9 @@ attention's page gather (``kv_gather.cc``) and DuplexKV's page copies (``page_co
 non-temporal stores) are memcpys here; a zeroed KV pool is handed out as kernel zero
 pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams weights at
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
-weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees; on an
-AMX-BF16 CPU both take AMX tiles for every M, ``amx_tiles.h``, unless
-``SUPERINFER_NATIVE_AMX=0``); decode
+weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees; with
+``SUPERINFER_NATIVE_AMX=1`` on an AMX-BF16 CPU both take AMX tiles for every M,
+``amx_tiles.h``); decode
 attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
 mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
 (``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
@@ -181,7 +181,7 @@ def quant_matmul_available() -> bool:
 
 def matmul_tiles() -> str | None:
     """Which tiles ``bf16_matmuls`` and ``quant_matmuls`` run in this process: ``"amx"``
-    (AMX-BF16, unless ``SUPERINFER_NATIVE_AMX=0``), ``"avx512"`` (AVX512-BF16 register
+    (``SUPERINFER_NATIVE_AMX=1`` on an AMX-BF16 CPU), ``"avx512"`` (AVX512-BF16 register
     tiles), or None where neither runs. Fixed per process: the two give different bits,
     so one process never mixes them."""
     if not bf16_matmul_available():

@@ -1,6 +1,12 @@
 // The AMX path of the bfloat16 matmul, shared by ``bf16_matmul.cc`` (bfloat16 weights) and
-// ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16 exactly): on a CPU
-// with AMX-BF16 (Sapphire Rapids and later) every call takes it, whatever M.
+// ``quant_matmul.cc`` (int8 and fp8 e4m3 weights, converted to bfloat16 exactly): with
+// ``SUPERINFER_NATIVE_AMX=1`` on a CPU with AMX-BF16 (Sapphire Rapids and later) every call
+// takes it, whatever M.
+//
+// Opt-in, since at one row it is slower than the register tiles: a 64-column pass reads
+// each weight row in runs of 128 bytes (a page walk per row of a wide weight) where the
+// register tiles read 512, and int8 weights go through an L1 buffer where the register
+// tiles convert them in registers. From a few rows it is faster (docs/results/amx_matmul.md).
 //
 // Why: ``vdpbf16ps`` retires 32 multiply-adds per instruction, so from a few rows the
 // register tiles are bound by arithmetic; one ``tdpbf16ps`` does 16 x 16 x 32.
@@ -23,7 +29,7 @@
 // differ from the register tiles': a process uses one path for every call
 // (``Supported()`` is fixed per process), never AMX for some M only.
 //
-// ``SUPERINFER_NATIVE_AMX=0`` keeps the register tiles on an AMX CPU (for comparisons).
+// Without ``SUPERINFER_NATIVE_AMX=1`` (and on every other CPU) the register tiles run.
 
 #ifndef SUPERINFER_NATIVE_AMX_TILES_H_
 #define SUPERINFER_NATIVE_AMX_TILES_H_
@@ -53,12 +59,13 @@ namespace superinfer::amx {
 
 #if SUPERINFER_HAVE_AMX_KERNEL
 
-// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), the register tiles' ISA, and
-// the kernel's permission to use the tile state (Linux asks each process to request it).
+// Asked for (``SUPERINFER_NATIVE_AMX=1``), AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits
+// 24 and 22), the register tiles' ISA, and the kernel's permission to use the tile state
+// (Linux asks each process to request it).
 inline bool Supported() {
   static const bool supported = [] {
     const char* env = std::getenv("SUPERINFER_NATIVE_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (env == nullptr || std::strcmp(env, "1") != 0) return false;
     if (!Bf16CpuSupported()) return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;

@@ -19,8 +19,9 @@
 //                       1 to 4 of them (a layer's q, k, v in one call)
 //   out_i [M, N_i] f32
 //
-// On a CPU with AMX-BF16 (Sapphire Rapids and later) every call takes the AMX tiles
-// instead (``amx_tiles.h``: the same guarantee, other bits), for every M.
+// With ``SUPERINFER_NATIVE_AMX=1`` on a CPU with AMX-BF16 (Sapphire Rapids and later)
+// every call takes the AMX tiles instead (``amx_tiles.h``: the same guarantee, other bits),
+// for every M.
 //
 // Only CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) run it:
 // ``SuperinferBf16MatmulSupported`` says whether this one does, and callers fall back to

@@ -27,7 +27,8 @@
 //   s_i   [N_i] f32 (the dequantized weight is w_i * s_i, column by column)
 //   out_i [M, N_i] f32
 //
-// On a CPU with AMX-BF16 every call takes the AMX tiles instead (``amx_tiles.h``): the
+// With ``SUPERINFER_NATIVE_AMX=1`` on a CPU with AMX-BF16 every call takes the AMX tiles
+// instead (``amx_tiles.h``): the
 // weights are converted to bfloat16 the same way, a block of 16 k at a time below 17 rows,
 // and the same guarantee holds (other bits).
 //

@@ -1,8 +1,8 @@
 """The native bfloat16 matmul (``ops/native/bf16_matmul.cc``): float32-accurate against a
 float64 reference, every row's bits independent of the rows beside it, only in the CPU
 program, and an engine on a bfloat16 model giving the same greedy tokens alone and
-batched through it. On an AMX CPU these run the AMX tiles; ``make test`` runs the kernel
-tests once more with ``SUPERINFER_NATIVE_AMX=0`` for the register tiles."""
+batched through it. ``make test`` runs the kernel tests once more with
+``SUPERINFER_NATIVE_AMX=1``: the AMX tiles, on a CPU that has them."""
 
 from __future__ import annotations
 
@@ -171,14 +171,16 @@ def _cpu_flags() -> set[str]:
 
 @needs_kernel
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU flags off Linux")
-def test_amx_tiles_where_the_cpu_has_them_unless_switched_off() -> None:
-    """Every matmul of a process takes AMX on an AMX-BF16 CPU (Linux grants the tile
-    state), the register tiles elsewhere and under SUPERINFER_NATIVE_AMX=0."""
-    amx_here = ({"amx_tile", "amx_bf16"} <= _cpu_flags()
-                and os.environ.get("SUPERINFER_NATIVE_AMX") != "0")
-    assert native.matmul_tiles() == ("amx" if amx_here else "avx512")
+def test_amx_tiles_only_when_asked_for_on_a_cpu_that_has_them() -> None:
+    """A process's matmuls take the AMX tiles with SUPERINFER_NATIVE_AMX=1 on an AMX-BF16
+    CPU (Linux grants the tile state), the register tiles otherwise."""
+    has_amx = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+    asked = os.environ.get("SUPERINFER_NATIVE_AMX") == "1"
+    assert native.matmul_tiles() == ("amx" if has_amx and asked else "avx512")
     probe = "from superinfer_jax.ops import native; print(native.matmul_tiles())"
-    env = {**os.environ, "SUPERINFER_NATIVE_AMX": "0"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
-    assert out[-1] == "avx512"
+    for value, expected in (("0", "avx512"), ("1", "amx" if has_amx else "avx512")):
+        env = {**os.environ, "SUPERINFER_NATIVE_AMX": value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120, check=True).stdout.split()
+        assert out[-1] == expected, f"SUPERINFER_NATIVE_AMX={value}"
+
