@@ -118,9 +118,10 @@ def test_kernel_matches_float64_reference(mode: str, m: int, k: int, n: int) -> 
 
 @needs_kernel
 @pytest.mark.parametrize("mode", MODES)
-def test_a_rows_bits_do_not_depend_on_its_batch(mode: str) -> None:
-    w = quant.quantize(jnp.asarray(_weight(577, 100, seed=3)), mode)
-    x = _x(40, 577, seed=4)
+@pytest.mark.parametrize("k,n", [(577, 100), (64, 600)])
+def test_a_rows_bits_do_not_depend_on_its_batch(mode: str, k: int, n: int) -> None:
+    w = quant.quantize(jnp.asarray(_weight(k, n, seed=3)), mode)
+    x = _x(40, k, seed=4)
     call = jax.jit(native.quant_matmuls)
     full = np.asarray(call(x, [(w.q, w.scale)])[0])
     for rows in [*range(1, 10), 16, 17]:

@@ -156,6 +156,9 @@ def _register() -> str | None:
     _grouped_supported = frozenset(
         name for code, name in enumerate(GROUPED_MATMUL_DTYPES)
         if library.SuperinferGroupedMatmulSupported(code))
+    if os.environ.get("SUPERINFER_NATIVE_AMX") == "1" and _bf16_supported and not _matmul_amx:
+        log.warning("SUPERINFER_NATIVE_AMX=1, but this CPU lacks AMX-BF16 or Linux refused "
+                    "the tile state: the matmuls take the AVX512-BF16 register tiles")
     log.info("native CPU ops: %s (bfloat16 matmul: %s; decode attention: %s)", path,
              ("AMX" if _matmul_amx else "AVX512-BF16") if _bf16_supported
              else "off, this CPU lacks AVX512-BF16",

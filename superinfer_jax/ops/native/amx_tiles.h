@@ -19,8 +19,12 @@
 // no weight is rearranged (a rearranging pass cost more than the arithmetic at few rows).
 // A thread walks its columns 64 at a time (two B tiles, four accumulator tiles) and all K,
 // each block of up to 16 rows in turn. bfloat16 weights are read in place; other formats,
-// and columns or K that do not fill whole tiles, are first converted to a zero-padded
-// bfloat16 buffer [K16, 256] that the passes read.
+// and columns or K that do not fill whole tiles, are converted to zero-padded bfloat16
+// first: up to 16 rows one block of 16 k x 256 columns at a time (the accumulators in
+// memory between blocks), above that a [K16, up to 256] panel that every row block reads.
+// Column n's sum includes 0 * w[k, n ^ 1], so an Inf or NaN weight makes its pair
+// partner's output NaN too (the register tiles keep it to its own column); the finite
+// weights that checkpoints and quantization give are unaffected.
 //
 // Batch invariance, by construction: out[m, n] is one accumulator of a tile, zeroed, then
 // updated by one ``tdpbf16ps`` per block of 16 k in increasing k, which reads only row m
@@ -104,26 +108,39 @@ AMX_TARGET inline void Configure(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// x [M, K] bfloat16 spread over pairs, K padded to K16 with zeros: ``even`` row m holds
-// (x[m, k], 0) at pair k, ``odd`` (0, x[m, k]); rows 2 * K16 elements apart.
+// x [M, K] bfloat16 spread over pairs, K padded to K16 with zeros: ``even(m)`` holds
+// (x[m, k], 0) at pair k, ``odd(m)`` (0, x[m, k]); rows ``ld`` = 2 * K16 elements apart.
+// One buffer serves both: the odd row is the even row one element earlier (a leading
+// zero, then each row's last element, always a pair's zero).
 struct SpreadRows {
-  std::vector<uint16_t> even, odd;
+  std::vector<uint16_t> data;
   int64_t ld = 0;
+
+  const uint16_t* even(int64_t m) const { return data.data() + 1 + m * ld; }
+  const uint16_t* odd(int64_t m) const { return data.data() + m * ld; }
 
   AMX_TARGET void Set(const uint16_t* x, int64_t M, int64_t K) {
     ld = 2 * PaddedK(K);
-    even.assign(M * ld, 0);
-    odd.assign(M * ld, 0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) {
-        even[m * ld + 2 * k] = x[m * K + k];
-        odd[m * ld + 2 * k + 1] = x[m * K + k];
+    data.resize(1 + M * ld);
+    data[0] = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      uint16_t* row = data.data() + 1 + m * ld;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)  // 16 bfloat16 values -> 16 (x, 0) pairs
+        _mm512_storeu_si512(row + 2 * k, _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(x + m * K + k))));
+      for (; k < ld / 2; ++k) {
+        row[2 * k] = k < K ? x[m * K + k] : 0;
+        row[2 * k + 1] = 0;
       }
+    }
   }
 };
 
-// Columns converted to bfloat16 at a time, where the weights are not read in place.
+// Columns converted to bfloat16 at a time, where the weights are not read in place, and
+// the most bytes such a buffer takes above 16 rows.
 constexpr int64_t kConvertColumns = 256;
+constexpr int64_t kScratchBytes = 768 * 1024;
 
 // Rows [k0, k1) of ``cols`` columns of w (rows ``ldw`` apart, format W) -> ``dst``
 // [k1 - k0, width] bfloat16 (width >= cols, a multiple of 32), zeros past K and past
@@ -181,8 +198,8 @@ AMX_TARGET inline void Pass(const SpreadRows& x, int64_t M, int64_t K16, const u
       Configure(rows);
       configured = rows;
     }
-    const uint16_t* xe = x.even.data() + m * x.ld;
-    const uint16_t* xo = x.odd.data() + m * x.ld;
+    const uint16_t* xe = x.even(m);
+    const uint16_t* xo = x.odd(m);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -234,8 +251,11 @@ AMX_TARGET void ConvertedRows(const SpreadRows& x, int64_t M, int64_t K, const t
   std::memset(acc, 0, sizeof(float) * 2 * tiles * tile_floats);
   for (int64_t k = 0; k < K16; k += kBlockK) {
     ConvertColumns<W>(w, K, ldw, cols, width, k, k + kBlockK, block);
-    _tile_loadd(4, x.even.data() + 2 * k, x.ld * 2);
-    _tile_loadd(5, x.odd.data() + 2 * k, x.ld * 2);
+    // GCC's tile intrinsics are asm that names no memory operand: the stores above (and
+    // the accumulators' memset and stores) must reach memory before the tiles read it.
+    asm volatile("" ::: "memory");
+    _tile_loadd(4, x.even(0) + 2 * k, x.ld * 2);
+    _tile_loadd(5, x.odd(0) + 2 * k, x.ld * 2);
     for (int64_t t = 0; t < tiles; ++t) {
       float* even = acc + 2 * t * tile_floats;
       float* odd = even + tile_floats;
@@ -247,7 +267,9 @@ AMX_TARGET void ConvertedRows(const SpreadRows& x, int64_t M, int64_t K, const t
       _tile_stored(0, even, 64);
       _tile_stored(1, odd, 64);
     }
+    asm volatile("" ::: "memory");
   }
+  asm volatile("" ::: "memory");
   for (int64_t t = 0; t < tiles; ++t)
     StorePairs(acc + 2 * t * tile_floats, acc + (2 * t + 1) * tile_floats, rows, out + 32 * t,
                ldo, cols - 32 * t);
@@ -271,10 +293,14 @@ AMX_TARGET void Panel(const SpreadRows& x, int64_t M, int64_t K, const typename 
                       After after) {
   constexpr bool kInPlace = std::is_same_v<W, tiles::Bf16Weights>;
   const int64_t K16 = PaddedK(K);
+  // Above 16 rows, converted columns per buffer: whole passes within kScratchBytes (every
+  // row block rereads it, so it should stay in L2), at most kConvertColumns.
+  const int64_t panel =
+      kPass * std::clamp<int64_t>(kScratchBytes / (2 * K16) / kPass, 1, kConvertColumns / kPass);
   uint16_t* buffer = nullptr;
   int configured = -1;
   for (int64_t c = n0; c < n1;) {
-    if (kInPlace && n1 - c >= kPass && K16 == K) {
+    if (kInPlace && n1 - c >= kPass && K16 == K) {  // bfloat16 weights only
       Pass(x, M, K16, reinterpret_cast<const uint16_t*>(w + c), ldw, true, kPass, out + c, ldo,
            configured);
       after(c, kPass);
@@ -292,12 +318,16 @@ AMX_TARGET void Panel(const SpreadRows& x, int64_t M, int64_t K, const typename 
       c += cols;
       continue;
     }
-    const int64_t width = (cols + kPass - 1) / kPass * kPass;
-    if (buffer == nullptr) buffer = ThreadScratch(K16 * kConvertColumns);
-    ConvertColumns<W>(w + c, K, ldw, cols, width, 0, K16, buffer);
-    for (int64_t d = 0; d < cols; d += kPass)
-      Pass(x, M, K16, buffer + d, width, false, std::min(kPass, cols - d), out + c + d, ldo,
-           configured);
+    if (buffer == nullptr) buffer = ThreadScratch(K16 * panel);
+    for (int64_t d = 0; d < cols; d += panel) {
+      const int64_t part = std::min(panel, cols - d);
+      const int64_t width = (part + kPass - 1) / kPass * kPass;
+      ConvertColumns<W>(w + c + d, K, ldw, part, width, 0, K16, buffer);
+      asm volatile("" ::: "memory");  // see ConvertedRows
+      for (int64_t e = 0; e < part; e += kPass)
+        Pass(x, M, K16, buffer + e, width, false, std::min(kPass, part - e), out + c + d + e,
+             ldo, configured);
+    }
     after(c, cols);
     c += cols;
   }

@@ -58,7 +58,7 @@ def test_matches_float64_reference(m: int, k: int, n: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m,k,n", [(130, 577, 100), (40, 64, 1536)])
+@pytest.mark.parametrize("m,k,n", [(130, 577, 100), (40, 64, 1536), (40, 64, 200)])
 def test_a_rows_bits_do_not_depend_on_its_batch(m: int, k: int, n: int) -> None:
     x, w = _operands(m, k, n, seed=1)
     call = jax.jit(native.bf16_matmul)
