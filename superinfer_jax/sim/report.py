@@ -33,6 +33,33 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+# CPU features that decide which native kernels run (and so the figures a run gives).
+KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_bf16",
+                    "amx_int8")
+
+
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and its kernel-relevant flags (Linux's /proc/cpuinfo; empty
+    elsewhere), and whether ``SUPERINFER_NATIVE_AMX=1`` asked for the AMX matmuls: the
+    project's machines change model between sessions, and a figure is only comparable
+    with one measured on the same CPU."""
+    model = ""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor(),
+            "cpu_flags": [f for f in KERNEL_CPU_FLAGS if f in flags],
+            "native_amx_requested": os.environ.get("SUPERINFER_NATIVE_AMX") == "1"}
+
+
 def environment() -> dict[str, Any]:
     import jax
 
@@ -40,6 +67,7 @@ def environment() -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        **cpu_description(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
