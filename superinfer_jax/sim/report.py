@@ -34,8 +34,8 @@ def _fmt(v: Any) -> str:
 
 
 # CPU features that decide which native kernels run (and so the figures a run gives).
-KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_bf16",
-                    "amx_int8")
+KERNEL_CPU_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_tile",
+                    "amx_bf16", "amx_int8")
 
 
 def cpu_description() -> dict[str, Any]:

@@ -97,6 +97,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's tile intrinsics are asm that names no memory beyond a pointer: between plain
+// stores and a tile load of what they wrote (or a tile store and plain loads of it), this
+// keeps the compiler from reordering the two.
+inline void CompilerBarrier() { asm volatile("" ::: "memory"); }
+
 // tmm0-3: accumulators (even and odd columns of B tile 0, then of B tile 1), ``rows``
 // rows; tmm4-5: x's rows spread as (x, 0) and (0, x); tmm6-7: the B tiles, 16 rows.
 AMX_TARGET inline void Configure(int rows) {
@@ -105,6 +110,7 @@ AMX_TARGET inline void Configure(int rows) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = static_cast<uint8_t>(t < 6 ? rows : 16);
   }
+  CompilerBarrier();
   _tile_loadconfig(&cfg);
 }
 
@@ -226,6 +232,7 @@ AMX_TARGET inline void Pass(const SpreadRows& x, int64_t M, int64_t K16, const u
     _tile_stored(1, part[1], 64);
     _tile_stored(2, part[2], 64);
     _tile_stored(3, part[3], 64);
+    CompilerBarrier();
     float* o = out + m * ldo;
     StorePairs(part[0], part[1], rows, o, ldo, cols);
     StorePairs(part[2], part[3], rows, o + 32, ldo, cols - 32);
@@ -251,9 +258,7 @@ AMX_TARGET void ConvertedRows(const SpreadRows& x, int64_t M, int64_t K, const t
   std::memset(acc, 0, sizeof(float) * 2 * tiles * tile_floats);
   for (int64_t k = 0; k < K16; k += kBlockK) {
     ConvertColumns<W>(w, K, ldw, cols, width, k, k + kBlockK, block);
-    // GCC's tile intrinsics are asm that names no memory operand: the stores above (and
-    // the accumulators' memset and stores) must reach memory before the tiles read it.
-    asm volatile("" ::: "memory");
+    CompilerBarrier();  // the block (and, first, the accumulators' memset) before the tiles
     _tile_loadd(4, x.even(0) + 2 * k, x.ld * 2);
     _tile_loadd(5, x.odd(0) + 2 * k, x.ld * 2);
     for (int64_t t = 0; t < tiles; ++t) {
@@ -267,9 +272,8 @@ AMX_TARGET void ConvertedRows(const SpreadRows& x, int64_t M, int64_t K, const t
       _tile_stored(0, even, 64);
       _tile_stored(1, odd, 64);
     }
-    asm volatile("" ::: "memory");
   }
-  asm volatile("" ::: "memory");
+  CompilerBarrier();
   for (int64_t t = 0; t < tiles; ++t)
     StorePairs(acc + 2 * t * tile_floats, acc + (2 * t + 1) * tile_floats, rows, out + 32 * t,
                ldo, cols - 32 * t);
@@ -323,7 +327,7 @@ AMX_TARGET void Panel(const SpreadRows& x, int64_t M, int64_t K, const typename 
       const int64_t part = std::min(panel, cols - d);
       const int64_t width = (part + kPass - 1) / kPass * kPass;
       ConvertColumns<W>(w + c + d, K, ldw, part, width, 0, K16, buffer);
-      asm volatile("" ::: "memory");  // see ConvertedRows
+      CompilerBarrier();
       for (int64_t e = 0; e < part; e += kPass)
         Pass(x, M, K16, buffer + e, width, false, std::min(kPass, part - e), out + c + d + e,
              ldo, configured);

@@ -33,7 +33,6 @@
 #include <cstring>
 #include <memory>
 
-#include "amx_tiles.h"
 #include "bf16_tiles.h"
 #include "column_split.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,15 +47,11 @@ constexpr int kMaxWeights = superinfer::kMaxSplitWeights;
 
 struct MatmulJob : superinfer::ColumnSplit {
   const uint16_t* w[kMaxWeights];
-  bool amx = false;
-#if SUPERINFER_HAVE_AMX_KERNEL
-  superinfer::amx::SpreadRows spread;  // x as the AMX tiles read it
-#endif
 
   // Unit u's columns (tile shapes: ``tiles::PanelForRows``, or the AMX tiles).
   BF16_TARGET void Unit(int64_t u) const {
 #if SUPERINFER_HAVE_AMX_KERNEL
-    if (amx) {
+    if (on_amx) {
       ForUnit(u, [this](int i, int64_t n0, int64_t n1) { AmxColumns(i, n0, n1); });
       return;
     }
@@ -113,11 +108,6 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
     job->w[i] = reinterpret_cast<const uint16_t*>(w->typed_data());
     job->Add(wd[1], (*o)->typed_data());
   }
-#if SUPERINFER_HAVE_AMX_KERNEL
-  static const bool amx = superinfer::amx::Supported();
-  job->amx = amx;
-  if (amx) job->spread.Set(job->x, job->M, job->K);
-#endif
   superinfer::RunColumnSplit(thread_pool, job);
   return ffi::Error::Success();
 #else

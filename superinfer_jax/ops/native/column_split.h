@@ -17,6 +17,7 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16_tiles.h"
 #include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,10 +36,15 @@ struct ColumnSplit {
   int64_t N[kMaxSplitWeights] = {};
   int64_t first_group[kMaxSplitWeights + 1] = {};  // the weights' groups, end to end
   int64_t num_units = 0;
+  // Whether this process's calls take the AMX tiles (``amx_tiles.h``), and x as they read it.
+  bool on_amx = false;
+#if SUPERINFER_HAVE_AMX_KERNEL
+  amx::SpreadRows spread;
+#endif
 
 #if SUPERINFER_HAVE_BF16_KERNEL
-  // x [M, K], bfloat16 or float32 (rounded here, once for every weight); false for any
-  // other operand.
+  // x [M, K], bfloat16 or float32 (rounded here, once for every weight), and spread for
+  // the AMX tiles where they run; false for any other operand.
   BF16_TARGET bool SetRows(const xla::ffi::AnyBuffer& operand) {
     auto d = operand.dimensions();
     if (d.size() != 2) return false;
@@ -46,12 +52,18 @@ struct ColumnSplit {
     K = d[1];
     if (operand.element_type() == xla::ffi::DataType::BF16) {
       x = static_cast<const uint16_t*>(operand.untyped_data());
-      return true;
+    } else if (operand.element_type() == xla::ffi::DataType::F32) {
+      x_bf16.resize(M * K);
+      ToBf16(static_cast<const float*>(operand.untyped_data()), M * K, x_bf16.data());
+      x = x_bf16.data();
+    } else {
+      return false;
     }
-    if (operand.element_type() != xla::ffi::DataType::F32) return false;
-    x_bf16.resize(M * K);
-    ToBf16(static_cast<const float*>(operand.untyped_data()), M * K, x_bf16.data());
-    x = x_bf16.data();
+#if SUPERINFER_HAVE_AMX_KERNEL
+    static const bool amx_here = amx::Supported();
+    on_amx = amx_here;
+    if (on_amx) spread.Set(x, M, K);
+#endif
     return true;
   }
 #endif

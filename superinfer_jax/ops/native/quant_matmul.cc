@@ -28,9 +28,8 @@
 //   out_i [M, N_i] f32
 //
 // With ``SUPERINFER_NATIVE_AMX=1`` on a CPU with AMX-BF16 every call takes the AMX tiles
-// instead (``amx_tiles.h``): the
-// weights are converted to bfloat16 the same way, a block of 16 k at a time below 17 rows,
-// and the same guarantee holds (other bits).
+// instead (``amx_tiles.h``): the weights are converted to bfloat16 the same way, a block
+// of 16 k at a time below 17 rows, and the same guarantee holds (other bits).
 //
 // Only CPUs with AVX512-BF16 and AVX512-VBMI run it (``SuperinferQuantMatmulSupported``);
 // callers fall back to XLA's dot of the dequantized weight elsewhere.
@@ -41,7 +40,6 @@
 #include <memory>
 #include <vector>
 
-#include "amx_tiles.h"
 #include "bf16_tiles.h"
 #include "column_split.h"
 #include "xla/ffi/api/ffi.h"
@@ -108,10 +106,6 @@ struct QuantJob : superinfer::ColumnSplit {
   const float* scale[kMaxWeights];
   int64_t panel;  // columns per converted panel, a multiple of 32
   int64_t packed = 0;  // the weights' storage panel (0: row-major), see the header
-  bool amx = false;
-#if SUPERINFER_HAVE_AMX_KERNEL
-  superinfer::amx::SpreadRows spread;  // x as the AMX tiles read it
-#endif
 
   // Columns [n0, n1) of weight i: of each storage block they touch, the block's own
   // columns (row-major weights are one block of N[i] columns).
@@ -140,7 +134,7 @@ struct QuantJob : superinfer::ColumnSplit {
     float* o = out[i] + first;
     const float* s = scale[i] + first;
 #if SUPERINFER_HAVE_AMX_KERNEL
-    if (amx) {
+    if (on_amx) {
       AmxBlock<W>(wb, ldw, c0, c1, o, s, N[i]);
       return;
     }
@@ -169,7 +163,7 @@ struct QuantJob : superinfer::ColumnSplit {
 
   BF16_TARGET void Unit(int64_t u) const {
     thread_local std::vector<uint16_t> scratch;
-    if (!amx && M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
+    if (!on_amx && M > kDirectRows && static_cast<int64_t>(scratch.size()) < K * panel)
       scratch.resize(K * panel);
     ForUnit(u, [&](int i, int64_t n0, int64_t n1) {
       if (kind == Kind::kInt8) {
@@ -230,11 +224,6 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x,
     job->Add(wd[1], (*o)->typed_data());
   }
   job->packed = panel;
-#if SUPERINFER_HAVE_AMX_KERNEL
-  static const bool amx = superinfer::amx::Supported();
-  job->amx = amx;
-  if (amx) job->spread.Set(job->x, job->M, job->K);
-#endif
   if (job->K > 0)
     job->panel = 32 * std::clamp<int64_t>(kScratchBytes / (2 * job->K) / 32, 1, 8);
   superinfer::RunColumnSplit(thread_pool, job);

@@ -21,6 +21,7 @@ from models.llama import NATIVE, matmul
 from models.servable import random_servable
 from superinfer_jax import LLMEngine, SamplingParams
 from superinfer_jax.ops import native
+from superinfer_jax.sim.report import cpu_description
 from tests.numerics import assert_close, f32_tolerance
 from tests.superinfer_jax.engine_testlib import SMALL, run_alone, run_jobs
 
@@ -162,19 +163,12 @@ def test_greedy_tokens_alone_equal_batched() -> None:
     assert all(len(t) == 12 for t in alone)
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @needs_kernel
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU flags off Linux")
 def test_amx_tiles_only_when_asked_for_on_a_cpu_that_has_them() -> None:
     """A process's matmuls take the AMX tiles with SUPERINFER_NATIVE_AMX=1 on an AMX-BF16
     CPU (Linux grants the tile state), the register tiles otherwise."""
-    has_amx = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+    has_amx = {"amx_tile", "amx_bf16"} <= set(cpu_description()["cpu_flags"])
     asked = os.environ.get("SUPERINFER_NATIVE_AMX") == "1"
     assert native.matmul_tiles() == ("amx" if has_amx and asked else "avx512")
     probe = "from superinfer_jax.ops import native; print(native.matmul_tiles())"
