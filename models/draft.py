@@ -59,7 +59,7 @@ def ranked_head(model: LlamaServable, ids: np.ndarray) -> LlamaServable:
     module = nnx.merge(model.graphdef, model.params)
     head = module.lm_head[...]
     if isinstance(head, quant.QuantizedWeight):
-        head = quant.QuantizedWeight(head.unpacked_q[:, ids], head.scale[ids])
+        head = quant.QuantizedWeight(head.unpacked_q[:, ids], head.scale[ids], w8a8=head.w8a8)
     else:
         head = head[:, ids]
     module.lm_head = nnx.Param(head)

@@ -8,6 +8,7 @@ stays the original architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -129,7 +130,8 @@ class LlamaServable:
         self.acc32 = platform == "cpu"
         if self.acc32 and self.mesh is None and native.quant_matmul_available():
             self.acc32 = NATIVE
-            self.params = quant.pack_params(self.params, native.QUANT_PANEL)
+            self.params = quant.pack_params(self.params, native.QUANT_PANEL,
+                                            w8a8=native.w8a8_matmul_available())
         log.info("%s: %s weights, one scale per output channel%s", self.config.name,
                  self.quantization, " (native kernel)" if self.acc32 == NATIVE else "")
 
@@ -180,6 +182,7 @@ class LlamaServable:
             if self.mesh == mesh:
                 return self
             raise ValueError(f"model is already sharded over {self.mesh}; load it again")
+        quant.check_one_device(self.quantization, mesh.size)
         plan = ShardPlan(self.config, mesh)
         graphdef, state = nnx.split(nnx.eval_shape(
             lambda: LlamaModel(plan.module_config, dtype=jnp.dtype(self.dtype))))
@@ -239,11 +242,12 @@ def _resharded(plan: ShardPlan, path: ParamPath, w: Any, on_device: bool) -> Any
     each process placing its own slices from the host. A quantized weight's ``q`` moves
     like the float weight and its scales with their columns."""
     if isinstance(w, quant.QuantizedWeight):
-        w = quant.QuantizedWeight(w.unpacked_q, w.scale)  # sharded weights stay row-major
+        w = w.row_major()  # sharded weights stay row-major
         if on_device:
-            return quant.QuantizedWeight(plan.reshard(path, w.q), plan.reshard_scale(path, w.scale))
-        return quant.QuantizedWeight(plan.place(path, np.asarray(w.q), w.q.dtype),
-                                     plan.place_scale(path, np.asarray(w.scale)))
+            return dataclasses.replace(w, q=plan.reshard(path, w.q),
+                                       scale=plan.reshard_scale(path, w.scale))
+        return dataclasses.replace(w, q=plan.place(path, np.asarray(w.q), w.q.dtype),
+                                   scale=plan.place_scale(path, np.asarray(w.scale)))
     if on_device:
         return plan.reshard(path, w)
     return plan.place(path, np.asarray(w), w.dtype)

@@ -64,10 +64,11 @@ class ModelSection:
         help="a Jinja chat template file used instead of the model's (tool-aware "
              "templates: serving/templates/)")
     # models.quant.MODES (kept literal: reading the schema loads no model code)
-    quantization: str = knob("none", choices=("none", "int8", "fp8"),
-                             help="none | int8 | fp8: projection weights quantized at "
-                                  "load, one scale per output channel "
-                                  "(docs/quantization.md)")
+    quantization: str = knob("none", choices=("none", "int8", "fp8", "w8a8_int8"),
+                             help="none | int8 | fp8 | w8a8_int8: projection weights "
+                                  "quantized at load, one scale per output channel "
+                                  "(w8a8_int8: activations too, per token; "
+                                  "docs/quantization.md)")
 
     def __post_init__(self) -> None:
         validate(self, prefix="model.")

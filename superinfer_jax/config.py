@@ -407,7 +407,7 @@ class PrefixCachingConfig:
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 SPECULATIVE_MODES = ("fixed", "slo")
-DRAFT_QUANTIZATIONS = ("none", "int8", "fp8")  # models.quant.MODES (no model import here)
+DRAFT_QUANTIZATIONS = ("none", "int8", "fp8", "w8a8_int8")  # models.quant.MODES, not imported
 MAX_SPECULATIVE_TOKENS = 16  # a verify call's columns: 1 + num_tokens
 
 

@@ -73,9 +73,10 @@ def load_model(name_or_path: str | Path, dtype: str = "float32",
     that many devices (the engine's mesh). ``weights_cache``: a directory keeping a GGUF's
     converted weights (``models.weights_cache``). ``compute_dtype``: what a bfloat16
     model computes in (``models.servable.resolve_compute``; "auto" picks per platform).
-    ``quantization``: ``none | int8 | fp8`` weights (``models.quant``), quantized on load:
+    ``quantization``: ``none | int8 | fp8 | w8a8_int8`` (``models.quant``), quantized on load:
     a GGUF tensor by tensor, any other format once loaded."""
     _check_gguf_blocks(name_or_path, quant.check_mode(quantization))
+    quant.check_one_device(quantization, tensor_parallel_size)
     direct = quantization if compute_dtype == "auto" and not weights_cache else "none"
     servable = _load_model(name_or_path, dtype, tensor_parallel_size, weights_cache, direct)
     if compute_dtype != "auto":

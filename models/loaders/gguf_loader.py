@@ -241,8 +241,9 @@ def check_quantizable(reader: gguf.GGUFReader, path: Path, quantization: str) ->
 
 def _from_blocks(tensor: Any, target: ParamPath, quantization: str) -> bool:
     """Whether a projection is quantized straight from its Q8_0 blocks (``gguf_q8``)
-    rather than dequantized to float and quantized."""
-    return quantization != "none" and tensor.tensor_type == Q8_0 and \
+    rather than dequantized to float and quantized (always so for ``w8a8_int8``, whose
+    weights are rotated before they round, ``models.quant``)."""
+    return quantization not in ("none", quant.W8A8) and tensor.tensor_type == Q8_0 and \
         quant.quantized_path(target, np.empty((0,) * len(tensor.shape)))
 
 

@@ -15,9 +15,9 @@ from superinfer_jax.request import RequestStatus
 from tests.superinfer_jax.engine_testlib import SMALL, SMOLLM2_SMALL, run_alone, run_rotating
 
 
-# Within a weight quantization mode (models.quant) the same holds: int8 weights run
+# Within a weight quantization mode (models.quant) the same holds: int8 and W8A8 weights run
 # through their own kernel, whose rows keep their bits whatever the batch.
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "w8a8_int8"])
 def test_tiny_model_rotation_keeps_greedy_tokens(tiny, quantization):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 6)]
@@ -44,7 +44,7 @@ def test_tiny_model_rotation_keeps_greedy_tokens(tiny, quantization):
     assert stats["device_pages_free"] == 11 and stats["host_pages_free"] == 64
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "w8a8_int8"])
 def test_without_host_tier_forced_rotation_recomputes(tiny, quantization):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 250, size=int(n)).tolist() for n in rng.integers(3, 30, 4)]

@@ -7,7 +7,8 @@ pages instead of written (``lazy_zeros.cc``); the bf16 decode matmul streams wei
 memory speed (``bf16_matmul.cc``, AVX512-BF16, batch-invariant), and int8 / fp8 e4m3
 weights at one byte each (``quant_matmul.cc``, the same tiles and guarantees; with
 ``SUPERINFER_NATIVE_AMX=1`` on an AMX-BF16 CPU both take AMX tiles for every M,
-``amx_tiles.h``); decode
+``amx_tiles.h``); int8 weights times per-token int8 activations sum exactly in int32
+(``w8a8_matmul.cc``, AVX512-VNNI, and AMX-INT8 from a few rows with the same bits); decode
 attention reads each row's own pages once (``decode_attention.cc``, AVX-512F); a
 mixture-of-experts layer's grouped matmul streams only the experts its rows are routed to
 (``grouped_matmul.cc``, AVX-512F / AVX512-BF16, batch-invariant).
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("kv_gather.cc", "lazy_zeros.cc", "bf16_matmul.cc",
                              "decode_attention.cc", "page_copy.cc", "quant_matmul.cc",
-                             "grouped_matmul.cc"))
+                             "grouped_matmul.cc", "w8a8_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name)  # included by SOURCES
                 for name in ("parallel_chunks.h", "bf16_tiles.h", "column_split.h",
                              "amx_tiles.h"))
@@ -59,13 +60,15 @@ DECODE_ATTENTION_TARGET = "superinfer_decode_attention"
 PAGE_GATHER_TARGET = "superinfer_page_gather"
 PAGE_SCATTER_TARGET = "superinfer_page_scatter"
 GROUPED_MATMUL_TARGET = "superinfer_grouped_matmul"
+W8A8_MATMUL_TARGET = "superinfer_w8a8_matmul"
 _TARGETS = {PAGE_GATHER_TARGET: "SuperinferPageGather",
             PAGE_SCATTER_TARGET: "SuperinferPageScatter",
             KV_GATHER_TARGET: "SuperinferKvGather", LAZY_ZEROS_TARGET: "SuperinferLazyZeros",
             BF16_MATMUL_TARGET: "SuperinferBf16Matmul",
             QUANT_MATMUL_TARGET: "SuperinferQuantMatmul",
             DECODE_ATTENTION_TARGET: "SuperinferDecodeAttention",
-            GROUPED_MATMUL_TARGET: "SuperinferGroupedMatmul"}
+            GROUPED_MATMUL_TARGET: "SuperinferGroupedMatmul",
+            W8A8_MATMUL_TARGET: "SuperinferW8a8Matmul"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 _DISABLE_ENV = "SUPERINFER_NATIVE_OPS"
 _CACHE_ENV = "SUPERINFER_NATIVE_CACHE"
@@ -127,6 +130,8 @@ def build() -> Path:
 _bf16_supported = False
 _quant_supported = False
 _matmul_amx = False
+_w8a8_supported = False
+_w8a8_amx = False
 _attention_supported = False
 _grouped_supported: frozenset[str] = frozenset()  # the dtypes grouped_matmul runs here
 
@@ -148,10 +153,12 @@ def _register() -> str | None:
     for target, handler in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     global _bf16_supported, _quant_supported, _attention_supported, _grouped_supported
-    global _matmul_amx
+    global _matmul_amx, _w8a8_supported, _w8a8_amx
     _bf16_supported = bool(library.SuperinferBf16MatmulSupported())
     _matmul_amx = _bf16_supported and bool(library.SuperinferMatmulUsesAmx())
     _quant_supported = bool(library.SuperinferQuantMatmulSupported())
+    _w8a8_supported = bool(library.SuperinferW8a8MatmulSupported())
+    _w8a8_amx = _w8a8_supported and bool(library.SuperinferW8a8UsesAmx())
     _attention_supported = bool(library.SuperinferDecodeAttentionSupported())
     _grouped_supported = frozenset(
         name for code, name in enumerate(GROUPED_MATMUL_DTYPES)
@@ -180,6 +187,20 @@ def bf16_matmul_available() -> bool:
 def quant_matmul_available() -> bool:
     """Whether ``quant_matmuls`` may be used (registered, AVX512-BF16 and AVX512-VBMI)."""
     return _register() is not None and _quant_supported
+
+
+def w8a8_matmul_available() -> bool:
+    """Whether ``w8a8_matmuls`` may be used (registered, AVX512-VNNI)."""
+    return _register() is not None and _w8a8_supported
+
+
+def w8a8_tiles() -> str | None:
+    """What ``w8a8_matmuls`` runs on from a few rows: ``"amx"`` (AMX-INT8, unless
+    ``SUPERINFER_NATIVE_AMX=0``) or ``"avx512"`` (AVX512-VNNI register tiles, also every
+    call below a few rows); None where it does not run. The same bits either way."""
+    if not w8a8_matmul_available():
+        return None
+    return "amx" if _w8a8_amx else "avx512"
 
 
 def matmul_tiles() -> str | None:
@@ -214,7 +235,7 @@ def fingerprint() -> str:
     if not path:
         return "off"
     return (Path(path).name + ("+bf16mm" if _bf16_supported else "")
-            + ("+amx" if _matmul_amx else "")
+            + ("+amx" if _matmul_amx else "") + ("+w8a8" if _w8a8_supported else "")
             + ("+attn" if _attention_supported else "")
             + "".join(f"+gmm-{d}" for d in sorted(_grouped_supported)))
 
@@ -308,6 +329,41 @@ def quant_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
     outs = [jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), np.float32) for q, _ in weights]
     flat = [a for pair in weights for a in pair]
     return list(jax.ffi.ffi_call(QUANT_MATMUL_TARGET, outs)(x, *flat, panel=np.int64(panel)))
+
+
+W8A8_BLOCK = 64
+"""The column block ``models.quant.pack_w8a8`` stores W8A8 weights in (``w8a8_matmul.cc``)."""
+
+
+def w8a8_matmuls(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
+                 rotation: int = 1) -> list[jax.Array]:
+    """``[(x_q @ q) * s_x * s for q, s in weights]`` for x [M, K] float32 or bfloat16,
+    rotated by the Hadamard transform in blocks of ``rotation`` (a power of two dividing
+    K; 1: none) and quantized per row in the call (``x_q`` int8, ``s_x`` its scale;
+    ``models.quant.quantize_rows``), 1-4 weights q
+    [K, N_i] as ``models.quant.pack_w8a8`` stores them (uint8) and float32 per-column
+    scales s [N_i]; float32 out, in one call (``w8a8_matmul.cc`` gives the exact rule).
+    The sums are exact int32, so a row's bits never depend on its batch nor on which
+    tiles ran; needs ``w8a8_matmul_available()``."""
+    if not 1 <= len(weights) <= MAX_MATMUL_WEIGHTS:
+        raise ValueError(f"w8a8_matmuls: 1 to {MAX_MATMUL_WEIGHTS} weights, got {len(weights)}")
+    if x.ndim != 2 or x.dtype not in ROW_DTYPES or x.shape[1] % 4:
+        raise ValueError(f"w8a8_matmul: x must be bfloat16 or float32 [M, K] with K a "
+                         f"multiple of 4, got {x.dtype} {x.shape}")
+    if rotation < 1 or rotation & (rotation - 1) or x.shape[1] % rotation:
+        raise ValueError(f"w8a8_matmul: rotation must be a power of two dividing K "
+                         f"{x.shape[1]}, got {rotation}")
+    for q, s in weights:
+        if q.ndim != 2 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
+            raise ValueError(f"w8a8_matmul: x {x.shape}, w {q.shape} and scale {s.shape} "
+                             "do not chain")
+        if q.dtype != jnp.uint8 or s.dtype != jnp.float32:
+            raise ValueError(f"w8a8_matmul: w must be uint8 (models.quant.pack_w8a8) and "
+                             f"scale float32, got {q.dtype}, {s.dtype}")
+    outs = [jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), np.float32) for q, _ in weights]
+    flat = [a for pair in weights for a in pair]
+    return list(jax.ffi.ffi_call(W8A8_MATMUL_TARGET, outs)(x, *flat,
+                                                          rotation=np.int64(rotation)))
 
 
 def decode_attention(q: jax.Array, pool: jax.Array, page_tables: jax.Array,
