@@ -31,12 +31,12 @@ needs_kernel = pytest.mark.skipif(
     not HAVE_KERNEL, reason="this CPU lacks AVX512-VNNI (or no C++ compiler): the XLA form "
                             "runs, as test_servable_packs_for_the_kernel_where_there_is_one "
                             "checks")
-# (M, K, N): one row; a few rows on the register tiles; from 8 rows (AMX where the CPU has
-# it) with row blocks of 16 and a remainder; K with Hadamard blocks 64 (576 = 9 x 64),
-# 256 (1536), 4 (68: no whole 16-lane vector, so the plain stages) and 8; N with a tail
-# block under 64 columns and a slice under 16.
-SHAPES = [(1, 576, 576), (3, 68, 100), (5, 24, 40), (8, 1536, 200), (17, 576, 64),
-          (33, 128, 70)]
+# (M, K, N, x's dtype): one row; a few rows on the register tiles; from 8 rows (AMX where
+# the CPU has it) with row blocks of 16 and a remainder; K with Hadamard blocks 64 (576 =
+# 9 x 64), 256 (1536), 4 (68: no whole 16-lane vector, so the plain stages) and 8; N with
+# a tail block under 64 columns and a slice under 16.
+SHAPES = [(1, 576, 576, jnp.float32), (3, 68, 100, jnp.bfloat16), (5, 24, 40, jnp.float32),
+          (8, 1536, 200, jnp.bfloat16), (33, 128, 70, jnp.float32)]
 
 
 def _weight(k: int, n: int, seed: int = 0) -> np.ndarray:
@@ -146,8 +146,7 @@ def _native(x: jax.Array, ws: list[quant.QuantizedWeight]) -> list[np.ndarray]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m,k,n", SHAPES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,k,n,dtype", SHAPES)
 def test_kernel_gives_the_reference_bits(m: int, k: int, n: int, dtype) -> None:
     ws = [quant.quantize(jnp.asarray(_weight(k, n, seed=s)), quant.W8A8) for s in (2, 3)]
     ws.append(quant.quantize(jnp.asarray(_weight(k, 16, seed=4)), quant.W8A8))
