@@ -63,20 +63,24 @@ namespace superinfer::amx {
 
 #if SUPERINFER_HAVE_AMX_KERNEL
 
-// Asked for (``SUPERINFER_NATIVE_AMX=1``), AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits
-// 24 and 22), the register tiles' ISA, and the kernel's permission to use the tile state
-// (Linux asks each process to request it).
+// AMX-TILE and the AMX unit at CPUID leaf 7 EDX bit ``unit`` (22: AMX-BF16, 25: AMX-INT8),
+// and the kernel's permission to use the tile state (Linux asks each process to request
+// it; asking again is harmless).
+inline bool CpuHasAmx(int unit) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << unit))) return false;
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+// Asked for (``SUPERINFER_NATIVE_AMX=1``), the register tiles' ISA and AMX-BF16.
 inline bool Supported() {
   static const bool supported = [] {
     const char* env = std::getenv("SUPERINFER_NATIVE_AMX");
     if (env == nullptr || std::strcmp(env, "1") != 0) return false;
-    if (!Bf16CpuSupported()) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;
-    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    return Bf16CpuSupported() && CpuHasAmx(22);
   }();
   return supported;
 }

@@ -60,16 +60,10 @@ namespace ffi = xla::ffi;
 #define SUPERINFER_HAVE_VNNI_KERNEL 1
 #include <immintrin.h>
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#if defined(__linux__)
-#define SUPERINFER_HAVE_AMX_INT8_KERNEL 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+// The tile configuration, barrier and permission of ``amx_tiles.h``.
+#define SUPERINFER_HAVE_AMX_INT8_KERNEL SUPERINFER_HAVE_AMX_KERNEL
 #define AMX_INT8_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
-#else
-#define SUPERINFER_HAVE_AMX_INT8_KERNEL 0
-#endif
 #else
 #define SUPERINFER_HAVE_VNNI_KERNEL 0
 #define SUPERINFER_HAVE_AMX_INT8_KERNEL 0
@@ -87,38 +81,21 @@ constexpr int64_t kQuantizeChunk = 16;  // rows per worker task when x is quanti
 
 #if SUPERINFER_HAVE_VNNI_KERNEL
 
-// The AMX tile configuration (palette 1) and a compiler barrier between plain stores and
-// tile loads of them (GCC's tile intrinsics name no memory), as in ``amx_tiles.h``.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-inline void CompilerBarrier() { asm volatile("" ::: "memory"); }
-
 bool VnniCpuSupported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-// AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24 and 25) and Linux's permission to use
-// the tile state; ``SUPERINFER_NATIVE_AMX=0`` keeps every call on the register tiles (the
-// same bits either way, so no opt-in is needed).
+// AMX-INT8 (``amx_tiles.h``'s check, CPUID leaf 7 EDX bit 25) with the tile state granted;
+// ``SUPERINFER_NATIVE_AMX=0`` keeps every call on the register tiles (the same bits either
+// way, so no opt-in is needed).
 bool AmxInt8Supported() {
 #if SUPERINFER_HAVE_AMX_INT8_KERNEL
   static const bool supported = [] {
     const char* env = std::getenv("SUPERINFER_NATIVE_AMX");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    if (!VnniCpuSupported()) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;
-    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    return VnniCpuSupported() && superinfer::amx::CpuHasAmx(25);
   }();
   return supported;
 #else
@@ -330,7 +307,7 @@ struct W8a8Job : superinfer::ColumnSplit {
       if constexpr (G > 1) _tile_stored(1, part + 256, 64);
       if constexpr (G > 2) _tile_stored(2, part + 512, 64);
       if constexpr (G > 3) _tile_stored(3, part + 768, 64);
-      CompilerBarrier();
+      superinfer::amx::CompilerBarrier();
       const int64_t rows = std::min<int64_t>(16, M - m);
       for (int g = 0; g < G; ++g)
         for (int64_t r = 0; r < rows; ++r)
@@ -340,12 +317,12 @@ struct W8a8Job : superinfer::ColumnSplit {
   }
 
   AMX_INT8_TARGET static void Configure() {
-    TileConfig cfg;
+    superinfer::amx::TileConfig cfg;
     for (int t = 0; t < 7; ++t) {
       cfg.colsb[t] = 64;
       cfg.rows[t] = 16;
     }
-    CompilerBarrier();
+    superinfer::amx::CompilerBarrier();
     _tile_loadconfig(&cfg);
   }
 
