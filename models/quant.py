@@ -102,11 +102,6 @@ def check_one_device(mode: str, devices: int) -> None:
                          f"tensor_parallel_size {devices}; use int8 or fp8 weights there")
 
 
-def weight_format(mode: str) -> str:
-    """The format a mode stores its weights in: ``int8`` for ``w8a8_int8``, else itself."""
-    return "int8" if mode == W8A8 else mode
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
@@ -265,7 +260,7 @@ def quantize(w: jax.Array, mode: str) -> QuantizedWeight:
     # one rounding rule that a host-side quantizer (models.loaders.gguf_q8) reproduces.
     scale = jnp.where(amax > 0, amax * np.float32(1.0 / _QMAX[mode]), 1.0).astype(jnp.float32)
     scaled = w32 * (1.0 / scale)[..., None, :]
-    if weight_format(mode) == "int8":
+    if mode in ("int8", W8A8):
         q = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
     else:
         q = jnp.clip(scaled, -_QMAX[mode], _QMAX[mode]).astype(jnp.float8_e4m3fn)

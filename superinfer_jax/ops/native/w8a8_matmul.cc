@@ -424,18 +424,13 @@ ffi::Error W8a8MatmulImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Re
   // Rows are quantized in chunks over the same workers (each row on its own), then the
   // columns are split.
   const int64_t chunks = (job->M + kQuantizeChunk - 1) / kQuantizeChunk;
+  auto* quantize = bf16 ? &QuantizeRows<true> : &QuantizeRows<false>;
   superinfer::RunChunks(thread_pool, chunks, superinfer::Workers(thread_pool), [&](int64_t c) {
     const int64_t m0 = c * kQuantizeChunk, rows = std::min(kQuantizeChunk, job->M - m0);
     const void* x0 = static_cast<const char*>(x.untyped_data()) +
                      m0 * job->K * (bf16 ? sizeof(uint16_t) : sizeof(float));
-    int8_t* q0 = job->xq.data() + m0 * job->ldq;
-    if (bf16) {
-      QuantizeRows<true>(x0, rows, job->K, rotation, q0, job->ldq, job->x_scale.data() + m0,
-                         job->x_sum.data() + m0);
-    } else {
-      QuantizeRows<false>(x0, rows, job->K, rotation, q0, job->ldq, job->x_scale.data() + m0,
-                          job->x_sum.data() + m0);
-    }
+    quantize(x0, rows, job->K, rotation, job->xq.data() + m0 * job->ldq, job->ldq,
+             job->x_scale.data() + m0, job->x_sum.data() + m0);
   });
   superinfer::RunColumnSplit(thread_pool, job);
   return ffi::Error::Success();
