@@ -6,8 +6,8 @@ The draft model is loaded by whoever loads the target and handed to the engine
 its own paged KV pool and page bookkeeping (``spec.draft_kv``), keyed by request and
 holding as many tokens as the target's pool (plus each row's guesses), or
 ``max_num_seqs`` requests at full length where that is less. One proposal over the speculating
-rows is one jitted call, pool donated, of ``k`` steps: one ``TAIL``-column step in which
-each row catches up on the tokens it gained since its last proposal (at most ``TAIL``)
+rows is one jitted call, pool donated, of ``k`` steps: one step in which each row catches
+up on the tokens it gained since its last proposal (at most ``TAIL``, each a decode row)
 and whose greedy token after its last token is the first guess, then ``k - 1``
 one-column steps (the decode shape) feeding each guess back for the next. A request
 further behind (a new prompt, or pages dropped for room) is first prefilled alone in
@@ -42,6 +42,7 @@ from superinfer_jax.kv.layout import PoolLayout
 from superinfer_jax.model_api import ServableModel, StepInputs
 from superinfer_jax.request import Request
 from superinfer_jax.spec.draft_kv import DraftPages
+from superinfer_jax.spec.verify import as_decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -143,15 +144,20 @@ class DraftProposer:
     def _propose(self, leaves, pool, inputs: StepInputs):
         """Catch-up rows, left-aligned in ``TAIL`` columns -> (the guesses [B, k], pool).
 
-        First one ``TAIL``-column step on every row's catch-up tokens (1, or 2 when every
-        guess was accepted: the last guess and the target's bonus token; on a CPU a step
-        reads the weights once whatever its few columns, so this costs about one step,
-        not two), whose greedy token after each row's last token is the first guess; then
+        First one step on every row's catch-up tokens (1, or 2 when every guess was
+        accepted: the last guess and the target's bonus token), each column a decode row
+        (``as_decode_rows``; a step reads the weights once whatever its few rows, so this
+        costs about one step, not two), whose greedy token after each row's last token is
+        the first guess; then
         ``k - 1`` one-column steps, each feeding the previous guess back for the next."""
         rows = inputs.tokens.shape[0]
         live = (inputs.query_lens > 0).astype(jnp.int32)
-        logits, pool = self._forward(leaves, pool, inputs)
-        first = self._pick(logits)
+        # the catch-up columns as one-column decode rows: the decode attention kernel and
+        # matmuls of a few more rows, where a multi-column row takes the prefill path
+        logits, pool = self._forward(leaves, pool, as_decode_rows(inputs))
+        picked = self._pick(logits).reshape(rows, -1)  # [rows, TAIL]: each column's guess
+        last = jnp.maximum(inputs.query_lens - 1, 0)
+        first = jnp.take_along_axis(picked, last[:, None], axis=1)[:, 0]
         pos0 = inputs.context_lens  # where each row's first guess goes
 
         def step(j, carry):

@@ -21,6 +21,7 @@ from models.servable import random_servable
 from superinfer_jax import EngineConfig, LLMEngine, SamplingParams
 from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.request import Request, RequestStatus
+from superinfer_jax.spec.draft import TAIL
 from superinfer_jax.spec.draft_kv import DraftPages
 from tests.superinfer_jax.engine_testlib import (
     SMALL,
@@ -57,33 +58,38 @@ def test_a_draft_equal_to_the_target_accepts_every_guess(tiny, spec_prompts, spe
 
 
 class CountingDraft:
-    """A draft model that records the columns of each step it runs on the device (a
-    ``jax.debug.callback`` per forward, so a loop's steps each count)."""
+    """A draft model that records the (rows, columns) of each step it runs on the device
+    (a ``jax.debug.callback`` per forward, so a loop's steps each count)."""
 
     def __init__(self, model):
         self.model = model
-        self.columns: list[int] = []
+        self.shapes: list[tuple[int, int]] = []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def forward(self, params, pool, inputs, **kw):
-        jax.debug.callback(functools.partial(self.columns.append, inputs.tokens.shape[1]))
+        jax.debug.callback(functools.partial(self.shapes.append, inputs.tokens.shape))
         return self.model.forward(params, pool, inputs, **kw)
 
 
 def test_a_proposal_is_k_draft_steps_catch_up_included(tiny, spec_prompts, spec_reference):
     """Every guess accepted leaves the draft 2 tokens behind (the last guess and the
-    target's bonus token): it catches up on both in one 2-column step, whose greedy token
-    is the first guess, then runs k - 1 one-column steps: k steps a proposal, not k + 1."""
+    target's bonus token): it catches up on both in one step of 2 one-column decode rows
+    per row, whose greedy token is the first guess, then runs k - 1 one-column steps of
+    the proposal's rows: k steps a proposal, not k + 1."""
     k = 3
     draft = CountingDraft(tiny)
     engine = LLMEngine(tiny, _draft(k), draft_model=draft)
     assert [r.output_token_ids for r in run_batched(engine, spec_prompts, SP)] == spec_reference
-    steps = [c for c in draft.columns if c != SMALL.engine.max_prefill_chunk]  # no chunks
-    proposals = steps.count(2)
-    assert proposals > 0 and steps.count(1) == (k - 1) * proposals
-    assert len(steps) == k * proposals
+    chunk = SMALL.engine.max_prefill_chunk
+    steps = [shape for shape in draft.shapes if shape != (1, chunk)]  # no chunks
+    assert {cols for _, cols in steps} == {1}
+    assert steps and len(steps) % k == 0
+    for first in range(0, len(steps), k):  # one proposal: catch-up, then k - 1 steps
+        rows = steps[first + 1][0]
+        assert steps[first][0] == TAIL * rows
+        assert steps[first + 1:first + k] == [(rows, 1)] * (k - 1)
     spec = engine.stats().spec_decode
     assert spec.num_accepted_tokens == spec.num_draft_tokens  # caught up right every time
 
