@@ -65,7 +65,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from benchmarks.lib import spec_sweep
-from benchmarks.lib.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, parse_seeds, print_table, write_json
 from serving.bench.replay import build_requests, replay
 from superinfer_jax.sim.conversations import HISTORIES, THINK_DISTS, MultiTurnSpec
 from superinfer_jax.sim.metrics import summarize, tbt_misses
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--ttft-mult x the unloaded TTFT (to compare runs at equal SLOs)")
     parser.add_argument("--tbt-slo-ms", type=float, help="a fixed TBT SLO instead of "
                         "--tbt-mult x the unloaded decode step")
-    parser.add_argument("--seeds", default="0,1,2", help="workload seeds, pooled per row")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="workload seeds, pooled per row: e.g. 0,1,2 or 0-11 or 0-3,7")
     parser.add_argument("--compilation-cache", default=DEFAULT_CACHE)
     parser.add_argument("--speculative", help="comma-separated speculation settings, an "
                         "engine each: none, fixed:K, slo:K (n-gram proposals)")
@@ -160,11 +161,14 @@ def main(argv: list[str] | None = None) -> None:
             spec_sweep.parse_max_num_seqs(args.max_num_seqs))
     except ValueError as e:
         parser.error(str(e))
+    try:  # before the model loads
+        seeds = parse_seeds(args.seeds)
+    except ValueError:
+        parser.error(f"--seeds: expected e.g. 0,1,2 or 0-11, got {args.seeds!r}")
 
     from models import load_model
 
     model = load_model(args.model)
-    seeds = [int(x) for x in args.seeds.split(",")]
     if args.workload == "multiturn":
         return sweep_multiturn(args, model, seeds)
     traces = trace_samples(args, seeds)
@@ -309,7 +313,7 @@ def slos(args: argparse.Namespace, engine, median_prompt: int, vocab: int
 def report(args: argparse.Namespace, rows: list[dict], ttft_ms: float, tbt_ms: float,
            ttft0: float, step0: float) -> None:
     """The pooled table, the knee verdict, the JSON and the plot."""
-    seeds = args.seeds.split(",")
+    seeds = parse_seeds(args.seeds)
     table = [{k: v for k, v in r.items() if k not in ("summary", "per_seed")} for r in rows]
     print_table(table, title=f"policy sweep, {args.workload} workload ({len(seeds)} seed(s) "
                              f"pooled per row)")

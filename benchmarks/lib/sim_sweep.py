@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib.common import add_common_args, print_table, write_json
+from benchmarks.lib.common import add_common_args, parse_seeds, print_table, write_json
 
 DEFAULT_PROFILE = os.path.join("results", "smollm2_cpu_latency_profile.json")
 DEFAULTS = {  # per workload: rates, TTFT and TBT SLOs (session 23's engine runs)
@@ -120,15 +120,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--seeds: expected e.g. 0-19 or 0,1,2, got {args.seeds!r}")
     return args
-
-
-def parse_seeds(text: str) -> list[int]:
-    """``0-3,7`` -> [0, 1, 2, 3, 7]."""
-    out: list[int] = []
-    for part in (x.strip() for x in text.split(",")):
-        lo, sep, hi = part.partition("-")
-        out += list(range(int(lo), int(hi) + 1)) if sep else [int(part)]
-    return out
 
 
 def engine_config(args: argparse.Namespace, policy: str):

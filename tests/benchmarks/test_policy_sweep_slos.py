@@ -85,3 +85,14 @@ def test_a_policy_string_sets_the_policy_and_its_knobs():
     assert cfg.engine.policy == "rotasched"
     assert (cfg.rotasched.parked_replies, cfg.rotasched.reply_stall_cap) == ("auto", 5)
     assert policy_config(base, "fcfs").rotasched == base.rotasched
+
+
+def test_seeds_take_ranges_and_a_bad_list_is_refused_by_name(capsys):
+    from benchmarks.lib.common import parse_seeds
+
+    assert parse_seeds("0-11") == list(range(12))
+    assert parse_seeds("0-2, 7") == [0, 1, 2, 7]
+    with pytest.raises(SystemExit) as e:
+        main(["--seeds", "0..11"])  # refused before the model loads
+    assert e.value.code == 2
+    assert "--seeds: expected" in capsys.readouterr().err
