@@ -147,13 +147,11 @@ class DraftProposer:
         First one step on every row's catch-up tokens (1, or 2 when every guess was
         accepted: the last guess and the target's bonus token), each column a decode row
         (``as_decode_rows``; a step reads the weights once whatever its few rows, so this
-        costs about one step, not two), whose greedy token after each row's last token is
-        the first guess; then
-        ``k - 1`` one-column steps, each feeding the previous guess back for the next."""
+        costs about one step, not two; a multi-column row would take the prefill path),
+        whose greedy token after each row's last token is the first guess; then ``k - 1``
+        one-column steps, each feeding the previous guess back for the next."""
         rows = inputs.tokens.shape[0]
         live = (inputs.query_lens > 0).astype(jnp.int32)
-        # the catch-up columns as one-column decode rows: the decode attention kernel and
-        # matmuls of a few more rows, where a multi-column row takes the prefill path
         logits, pool = self._forward(leaves, pool, as_decode_rows(inputs))
         picked = self._pick(logits).reshape(rows, -1)  # [rows, TAIL]: each column's guess
         last = jnp.maximum(inputs.query_lens - 1, 0)
