@@ -19,6 +19,10 @@ capped at 96 pages so it evicts), each also with the host cache evicting ``fifo`
     python -m benchmarks.plan_trace --out /tmp/sched_after \\
         --compare /tmp/sched_before
 
+``--rotasched SPEC`` runs the rotasched cases as a policy string (``split_policy``), so a
+change of defaults is checked against a preset that keeps the old ones:
+``--rotasched rotasched:preset=attainment --compare`` a trace of the old defaults.
+
 With the mypyc build of the scheduler in use (``superinfer_jax.mypyc_build``), methods
 replaced on instances are not called by compiled code, so the step trace cannot be
 recorded: run with ``SUPERINFER_COMPILED=0``, or pass ``--outputs-only`` (no step trace;
@@ -174,13 +178,13 @@ def _workload(case: str):
     return to_specs(build_workload(spec, load_tokenizer=default_tokenizer))
 
 
-def _simulator(case: str, policy: str):
-    from superinfer_jax.config import RotaSchedConfig
+def _simulator(case: str, policy: str, rotasched: str = "rotasched"):
+    """The case's simulator; ``rotasched``: the policy string the rotasched runs use."""
     from superinfer_jax.sim.presets import THIS_MACHINE, get_preset
 
     if case == "paper":
         preset = replace(get_preset("paper-qwen32b-sharegpt"), memory_fraction=0.72)
-        return preset.simulator("gh200-96g", policy)
+        return preset.simulator("gh200-96g", _spec(policy, rotasched))
     if case in PREFIX_CASES:
         preset = get_preset("paper-llama8b-mooncake-conv") if case == "mooncake" \
             else _cpu_preset()
@@ -191,13 +195,15 @@ def _simulator(case: str, policy: str):
             flat["host_cache_eviction"] = "fifo"
             policy = "rotasched"
         preset = replace(preset, engine=preset.engine.replace(**flat))
-        return preset.simulator("gh200-144g" if case == "mooncake" else THIS_MACHINE, policy)
-    preset = _cpu_preset()
+        return preset.simulator("gh200-144g" if case == "mooncake" else THIS_MACHINE,
+                                _spec(policy, rotasched))
     if policy == "rotasched-slack":
-        preset = replace(preset, engine=preset.engine.replace(
-            rotasched=RotaSchedConfig(mode="slack")))
-        policy = "rotasched"
-    return preset.simulator(THIS_MACHINE, policy)
+        return _cpu_preset().simulator(THIS_MACHINE, f"{rotasched}:mode=slack")
+    return _cpu_preset().simulator(THIS_MACHINE, _spec(policy, rotasched))
+
+
+def _spec(policy: str, rotasched: str) -> str:
+    return rotasched if policy == "rotasched" else policy
 
 
 def _outputs(result) -> tuple:
@@ -214,7 +220,8 @@ def _outputs(result) -> tuple:
     return reqs, counters, tuple(sorted(summary.items()))
 
 
-def run_case(case: str, policy: str, specs, trace: bool = True) -> dict[str, Any]:
+def run_case(case: str, policy: str, specs, trace: bool = True,
+             rotasched: str = "rotasched") -> dict[str, Any]:
     import superinfer_jax.mypyc_build as compiled
     from superinfer_jax.sim import simulator as sim_mod
 
@@ -232,7 +239,7 @@ def run_case(case: str, policy: str, specs, trace: bool = True) -> dict[str, Any
         sim_mod._Run.__init__ = init
     try:
         t0 = time.perf_counter()
-        result = _simulator(case, policy).run(specs)
+        result = _simulator(case, policy, rotasched).run(specs)
         wall = time.perf_counter() - t0
     finally:
         sim_mod._Run.__init__ = original
@@ -260,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outputs-only", action="store_true",
                    help="no step trace (works with the compiled scheduler); --compare "
                         "checks outputs and step counts only")
+    p.add_argument("--rotasched", default="rotasched",
+                   help="policy string of the rotasched runs (rotasched:preset=attainment: "
+                        "the defaults before the bounded preset)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs = []
@@ -268,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         policies = POLICY_RUNS + (("rotasched-slack",) if case == "cpu" else
                                   ("rotasched-fifo",) if case in PREFIX_CASES else ())
         for policy in policies:
-            r = run_case(case, policy, specs, trace=not args.outputs_only)
+            r = run_case(case, policy, specs, trace=not args.outputs_only,
+                         rotasched=args.rotasched)
             with open(os.path.join(args.out, f"{case}-{policy}.steps"), "w") as f:
                 f.writelines(f"{i} {h}\n" for i, h in enumerate(r.pop("step_hashes")))
             runs.append(r)

@@ -42,6 +42,11 @@ from superinfer_jax.config_schema import (
     validate,
 )
 from superinfer_jax.request import FIELD_RANGES, PRIORITY_CLASSES, SLO
+from superinfer_jax.sched.rotasched_config import (
+    DEFAULT_ROTASCHED_PRESET,
+    PRESET_KEY,
+    ROTASCHED_PRESETS,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_COMPILATION_CACHE = "~/.cache/superinfer/xla"
@@ -387,6 +392,8 @@ def _build_keys() -> dict[str, Key]:
             continue
         metas = _slo_meta_of if hints[f.name] is SLO else (lambda g: g.metadata)
         keys += _dataclass_keys(f.name, hints[f.name], ("engine", f.name), metas)
+    first = next(i for i, k in enumerate(keys) if k.section == "rotasched")
+    keys.insert(first, _ROTASCHED_PRESET)  # first in its section: the others start from it
     out = {}
     for key in keys:
         rule = FILE_VALUES.get(key.path)
@@ -410,6 +417,18 @@ def _build_keys() -> dict[str, Key]:
     return dict(sorted(out.items(), key=lambda kv: order[kv[1].section]))
 
 
+# Not a field: it sets the knobs of ``ROTASCHED_PRESETS[name]`` before the file's own
+# ``rotasched:`` keys (``DeploymentConfig.from_dict``), so one key switches policies whole.
+ROTASCHED_PRESET_PATH = f"rotasched.{PRESET_KEY}"
+_ROTASCHED_PRESET = Key(
+    ROTASCHED_PRESET_PATH, str,
+    {"help": " | ".join(ROTASCHED_PRESETS) + ": the knobs below start from this preset "
+             "(bounded tails | most first tokens on time | the paper's rule); keys set "
+             "here win (docs/scheduling.md#presets)",
+     "choices": tuple(ROTASCHED_PRESETS)},
+    DEFAULT_ROTASCHED_PRESET, ())
+
+
 def _slo_meta_of(f: dataclasses.Field) -> Mapping[str, Any]:
     return _slo_meta(f.name)
 
@@ -418,7 +437,7 @@ KEYS: dict[str, Key] = _build_keys()
 
 # The YAML key of each EngineConfig field (``"rotasched.alpha"`` for the nested field).
 ENGINE_KEYS: dict[str, str] = {".".join(k.target[1:]): k.path for k in KEYS.values()
-                               if k.target[0] == "engine"}
+                               if k.target[:1] == ("engine",)}
 
 
 def keys_of(section: str) -> list[Key]:
@@ -493,6 +512,8 @@ def render_default() -> str:
     commented out, its profile's value), its help."""
     assert f"profile: {DEFAULT_PROFILE}\n" in HEADER
     profile = PROFILES[DEFAULT_PROFILE]
+    # a key the preset sets stays commented out, so that naming another preset changes it
+    preset = {f"rotasched.{k}" for k in ROTASCHED_PRESETS[DEFAULT_ROTASCHED_PRESET]}
     out = [HEADER]
     for section in SECTIONS:
         out.append(f"\n# {SECTION_HELP[section]}\n{section}:\n")
@@ -501,6 +522,9 @@ def render_default() -> str:
             if key.path in profile:
                 line = f"  # {key.name}: {_scalar(profile[key.path])}"
                 help_ = f"[profile {DEFAULT_PROFILE}; default {_scalar(key.default)}] {help_}"
+            elif key.path in preset:
+                line = f"  # {key.name}: {_scalar(key.default)}"
+                help_ = f"[set by preset {DEFAULT_ROTASCHED_PRESET}] {help_}"
             elif key.default is None:
                 line = f"  # {key.name}: {_scalar(key.meta['example'])}"
             else:

@@ -28,6 +28,7 @@ from serving.config_schema import (
     DEFAULT_PROFILE,
     KEYS,
     PROFILE_KEY,
+    ROTASCHED_PRESET_PATH,
     SECTIONS,
     ModelSection,
     ServerSection,
@@ -38,6 +39,7 @@ from serving.config_schema import (
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.config_schema import ConfigError, type_hints
 from superinfer_jax.request import SLO, FieldError
+from superinfer_jax.sched.rotasched_config import preset_knobs
 
 __all__ = ["DEFAULT_MODEL", "UNSET", "ConfigError", "DeploymentConfig", "ModelSection",
            "ServerSection", "apply_overrides", "parse_set"]
@@ -64,7 +66,11 @@ class DeploymentConfig:
         profile = sections.get(PROFILE_KEY, DEFAULT_PROFILE)
         values = {path: key.default for path, key in KEYS.items()}
         values.update(profile_of(profile))
-        for path, value in _flatten(sections).items():
+        given = _flatten(sections)
+        preset = given.get(ROTASCHED_PRESET_PATH, values[ROTASCHED_PRESET_PATH])
+        values.update({f"rotasched.{k}": v for k, v in
+                       preset_knobs(preset, ROTASCHED_PRESET_PATH).items()})
+        for path, value in given.items():
             KEYS[path].check(value)
             values[path] = value
         return cls._build(values, profile)
@@ -96,6 +102,8 @@ class DeploymentConfig:
     def _build(cls, values: dict[str, Any], profile: str) -> DeploymentConfig:
         parts: dict[tuple[str, ...], dict[str, Any]] = {}
         for path, key in KEYS.items():
+            if not key.target:  # a key that sets others (rotasched.preset), applied above
+                continue
             value = values[path]
             if key.to_engine is not None:
                 value = key.to_engine(value, values)

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from superinfer_jax.config import POLICIES, EngineConfig, RotaSchedConfig
+from superinfer_jax.config_schema import ConfigError
 from superinfer_jax.sched.latency import LatencyModel
 from superinfer_jax.sched.rotasched.registry import resolve_policy
+from superinfer_jax.sched.rotasched_config import PRESET_KEY, preset_knobs
 from superinfer_jax.sim.cost import CalibratedCost, HostOverhead, RooflineCost, latency_model_of
 from superinfer_jax.sim.cost_model import HARDWARE, MODELS, ModelShape, num_device_pages_for
 from superinfer_jax.sim.simulator import Simulator
@@ -41,18 +43,28 @@ from superinfer_jax.sim.speculation import SpeculationSpec
 def split_policy(text: str) -> tuple[str, dict[str, Any]]:
     """``name[:knob=value...]`` -> (policy name or module:Class, RotaSchedConfig
     overrides): ``rotasched:parked_replies=auto:reply_stall_cap=5``. A value reads as a
-    bool, an int, a float, ``none``, or else a string; an unknown knob is a ValueError."""
+    bool, an int, a float, ``none``, or else a string; an unknown knob is a ValueError.
+    ``preset=NAME`` (``ROTASCHED_PRESETS``) sets its knobs first, wherever it stands;
+    the other knobs win over it: ``rotasched:preset=attainment:beta_b=10``."""
     parts = text.split(":")
     name = ":".join(x for x in parts if "=" not in x)
     fields = {f.name for f in dataclasses.fields(RotaSchedConfig)}
+    preset: dict[str, Any] = {}
     knobs: dict[str, Any] = {}
     for item in (x for x in parts if "=" in x):
         key, _, value = item.partition("=")
+        if key == PRESET_KEY:
+            try:
+                preset = preset_knobs(value)
+            except ConfigError as e:
+                raise ValueError(f"policy {text!r}: {PRESET_KEY} {e.message}") from None
+            continue
         if key not in fields:
             raise ValueError(f"policy {text!r}: {item!r} is not knob=value with knob a "
-                             f"rotasched field ({', '.join(sorted(fields))})")
+                             f"rotasched field or {PRESET_KEY} "
+                             f"({', '.join(sorted(fields))})")
         knobs[key] = parse_scalar(value)
-    return name, knobs
+    return name, {**preset, **knobs}
 
 
 def with_policy(config: EngineConfig, policy: str) -> EngineConfig:

@@ -25,6 +25,11 @@ from serving.config_schema import (
 )
 from serving.deploy_config import ConfigError, DeploymentConfig, apply_overrides, parse_set
 from superinfer_jax.config import EngineConfig, RotaSchedConfig
+from superinfer_jax.sched.rotasched_config import (
+    DEFAULT_ROTASCHED_PRESET,
+    ROTASCHED_PRESETS,
+    rotasched_preset,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "superinfer_config.yaml"
 
@@ -62,7 +67,7 @@ def test_each_key_has_one_default_and_profiles_set_keys_visibly():
     few keys over them, each shown in the generated file with its default."""
     defaults = EngineConfig()
     for path, key in KEYS.items():
-        if key.target[0] == "engine":
+        if key.target[:1] == ("engine",):
             value = defaults
             for part in key.target[1:]:
                 value = getattr(value, part)
@@ -90,6 +95,32 @@ def test_each_key_has_one_default_and_profiles_set_keys_visibly():
                                           r"got 'lab'"):
         DeploymentConfig.from_dict({"profile": "lab"})
     assert DeploymentConfig.load(None, parse_set(["profile=library"])).profile == "library"
+
+
+def test_a_preset_sets_its_knobs_and_keys_beside_it_win(tmp_path):
+    """``rotasched.preset`` switches the tail knobs whole (file, ``--set``, round trip);
+    a key the file sets wins over it wherever it stands; the default is the fields'."""
+    default = DeploymentConfig.load(None)
+    assert default.get("rotasched.preset") == DEFAULT_ROTASCHED_PRESET
+    assert default.engine.rotasched == RotaSchedConfig()
+    for name in ROTASCHED_PRESETS:
+        cfg = DeploymentConfig.from_dict({"rotasched": {"preset": name}})
+        assert cfg.engine.rotasched == rotasched_preset(name), name
+        assert DeploymentConfig.from_dict(cfg.to_dict()) == cfg
+        via_set = DeploymentConfig.load(None, parse_set([f"rotasched.preset={name}"]))
+        assert via_set.engine.rotasched == rotasched_preset(name)
+    path = tmp_path / "paper.yaml"
+    path.write_text("rotasched:\n  pool_seat_fraction: 1.3\n  preset: paper\n  beta_b: 2\n")
+    cfg = DeploymentConfig.load(path)
+    assert cfg.engine.rotasched == rotasched_preset("paper", pool_seat_fraction=1.3,
+                                                    beta_b=2.0)
+    assert cfg.engine.rotasched.parked_replies == "lag"
+    with pytest.raises(ConfigError) as err:
+        DeploymentConfig.from_dict({"rotasched": {"preset": "fast"}})
+    assert str(err.value) == ("rotasched.preset must be one of ['bounded', 'attainment', "
+                              "'paper'], got 'fast'")
+    assert "\n  preset: bounded\n" in render_default()  # the others commented out under it
+    assert "\n  # pool_seat_fraction: 1.7\n" in render_default()
 
 
 def test_defaults_without_a_file_equal_the_example():
@@ -139,9 +170,8 @@ def _other_value(key):
     return default / 2 if default else 0.5
 
 
-@pytest.mark.parametrize("path", [p for p in KEYS if not p.startswith(("model.name",
-                                                                       "model.path",
-                                                                       "server."))])
+@pytest.mark.parametrize("path", [p for p in KEYS if KEYS[p].target and
+                                  not p.startswith(("model.name", "model.path", "server."))])
 def test_every_key_reaches_its_field_through_set(path):
     """``--set section.key=value`` for each key: the value lands on its field."""
     key = KEYS[path]

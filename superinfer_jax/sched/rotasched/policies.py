@@ -82,7 +82,7 @@ class RotaSchedPolicy(SwapPolicy):
             and s._num_seated() >= s.seat_cap)
 
     def seat_limit(self, s: Scheduler) -> int:
-        """``max_num_seqs``, and at most the seats of two opt-in rules, whichever binds
+        """``max_num_seqs``, and at most the seats of two rules (unset: off), whichever binds
         first: ``step_slo_fraction`` (with a latency model) the seats whose modelled decode
         call (each at the runners' mean context) plus the smallest prefill chunk fits in
         that share of the runners' tightest TBT SLO; ``pool_seat_fraction`` that share of

@@ -15,8 +15,15 @@ from superinfer_jax.kv.two_tier import TwoTierKVManager
 from superinfer_jax.request import SLO, Request, RequestStatus
 from superinfer_jax.sched.rotasched.policies import FCFSPolicy, RotaSchedPolicy, SwapPolicy
 from superinfer_jax.sched.rotasched.registry import make_scheduler
+from superinfer_jax.sched.rotasched_config import rotasched_preset
 from superinfer_jax.sched.scheduler import StepBudget, StepPlan
 from tests.superinfer_jax.sched_kit import PAGE, Driver, make, req
+
+
+def attainment(**knobs) -> RotaSchedConfig:
+    """The knobs these tests set over preset ``attainment`` (no caps, every seat the pool
+    holds): each test isolates one mechanism; the default preset has its own tests."""
+    return rotasched_preset("attainment", **knobs)
 
 
 def plans_of(policy: str, reqs, steps: int, **kw):
@@ -142,7 +149,7 @@ def test_fcfs_recomputes_where_swap_rotates():
 
 def test_burst_is_served_in_lag_order_and_nothing_leaks():
     sched, kv = make("rotasched", device_pages=17, host_pages=128,
-                     rotasched=RotaSchedConfig(high_water_mark=0.5, min_residency_tokens=4))
+                     rotasched=attainment(high_water_mark=0.5, min_residency_tokens=4))
     d = Driver(sched, kv)
     burst = [req(f"b{i}", 12, arrival=0.0, max_tokens=10) for i in range(10)]
     for r in burst:
@@ -194,7 +201,7 @@ def test_a_short_reply_may_rotate_between_its_protected_windows():
     at a quarter of its max_tokens (6 tokens each), it may rotate out once it has run 6
     tokens and while more than 6 are left."""
     for share, displaces in ((1.0, False), (0.25, True)):
-        sched, kv = make("rotasched", device_pages=9, host_pages=64, rotasched=RotaSchedConfig(
+        sched, kv = make("rotasched", device_pages=9, host_pages=64, rotasched=attainment(
             min_residency_tokens=16, residency_share=share))
         d = Driver(sched, kv)
         d.add(req("runner", 24, arrival=0.0, max_tokens=24))
@@ -212,7 +219,7 @@ def test_parked_replies_are_capped_at_a_share_of_the_pool():
     0.25 (4 pages) the first goes (one parked reply is always allowed) and the second,
     which would park 15 pages in all, stays on the device and keeps decoding."""
     for share, out in ((1.0, ["a", "b"]), (0.25, ["a"])):
-        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=attainment(
             min_residency_tokens=4, residency_share=1.0, parked_share=share),
             enable_prefix_caching=False)  # the same prompt: no shared pages
         d = Driver(sched, kv)
@@ -253,7 +260,7 @@ def test_tbt_budget_yields_to_a_late_first_token():
 
     # a high-water mark of 1%: contended as soon as anything holds a page
     sched, kv = make("rotasched", device_pages=64, host_pages=64,
-                     rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
+                     rotasched=attainment(min_residency_tokens=4, high_water_mark=0.01))
     d = Driver(sched, kv)
     d.add(req("dec", 8, arrival=0.0, max_tokens=50))
     d.add(req("parked", 8, arrival=0.0, max_tokens=50))
@@ -308,7 +315,7 @@ def test_no_tbt_budget_while_nobody_waits_for_memory():
     from superinfer_jax.sched.latency import LatencyModel
 
     sched, kv = make("rotasched", device_pages=64, host_pages=64,
-                     rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01))
+                     rotasched=attainment(min_residency_tokens=4, high_water_mark=0.01))
     d = Driver(sched, kv)
     d.add(req("dec", 8, arrival=0.0, max_tokens=50))
     d.step(0.0)
@@ -340,7 +347,7 @@ def _one_seat_left(rs: RotaSchedConfig, device_pages: int = 17, latency=None) ->
 def test_hopeless_requests_go_last_when_asked(hopeless_last):
     """Two waiting requests, room for one: by arrival the one already past its TTFT
     deadline takes it; with ``hopeless_last`` the one that can still make it does."""
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0,
+    rs = attainment(min_residency_tokens=4, residency_share=1.0,
                          hopeless_last=hopeless_last)
     d = _one_seat_left(rs)
     d.add(req("hopeless", 8, arrival=-2.0))  # TTFT SLO 1 s: missed already
@@ -361,7 +368,7 @@ def test_the_wait_caps_of_a_hopeless_request(arrival, other, overdue_cap, served
     4.4 s, taking the seat. Against the late one that place does not help (it comes after
     every late request); ``overdue_wait_cap`` 2.5 puts it ahead once it has waited past
     2.5 s (2.9 s), not before (1.9 s)."""
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
+    rs = attainment(min_residency_tokens=4, residency_share=1.0, hopeless_wait_cap=3.0,
                          overdue_wait_cap=overdue_cap)
     d = _one_seat_left(rs)
     d.add(req("hopeless", 8, arrival=arrival))
@@ -379,7 +386,7 @@ def test_the_overdue_cap_in_mode_slack(arrival, overdue_cap, served):
     not before, and not without the cap: as mode ``vlt`` does."""
     from superinfer_jax.sched.latency import LatencyModel
 
-    rs = RotaSchedConfig(mode="slack", min_residency_tokens=4, residency_share=1.0,
+    rs = attainment(mode="slack", min_residency_tokens=4, residency_share=1.0,
                          hopeless_wait_cap=3.0, overdue_wait_cap=overdue_cap)
     d = _one_seat_left(rs, latency=LatencyModel(prefill=[0.01, 0.001, 0.0],
                                                 decode=[0.01, 0.0, 0.0]))
@@ -393,25 +400,27 @@ def test_an_overdue_request_displaces_an_unprotected_runner(overdue_cap):
     """No free page, a settled runner (``min_residency_tokens`` 1) and a request 2.9 s
     past its arrival (TTFT SLO 1 s): past ``overdue_wait_cap`` 2.5 it rotates the runner
     out, as a late request would; without the cap it is deferred and nobody moves."""
-    rs = RotaSchedConfig(min_residency_tokens=1, residency_share=1.0,
+    rs = attainment(min_residency_tokens=1, residency_share=1.0,
                          overdue_wait_cap=overdue_cap)
     d = _one_seat_left(rs, device_pages=15)
     d.add(req("hopeless", 8, arrival=-2.0))
     assert d.step(0.9).rotate_out == (["filler"] if overdue_cap else [])
 
 
-def _parked_reply(mode: str | None, step_s: float = 0.01, **knobs):
+def _parked_reply(mode: str | None, step_s: float = 0.01, preset: str = "attainment",
+                  **knobs):
     """"runner" and "reply" decode past their 4-token residency, then a late first token
     ("new") displaces "reply" (the runner ranked last) and takes its pages: "reply" is
     parked with its next token due 100 ms after its last, and 3 pages are free, one too
-    few for it. A latency model prices a decode step at ``step_s`` and a copy at nothing."""
+    few for it. A latency model prices a decode step at ``step_s`` and a copy at nothing.
+    The knobs start from ``preset`` (``attainment``: no caps, unless the test sets one)."""
     from superinfer_jax.sched.latency import LatencyModel
 
     # ``lag``: the paper's rule (beta_b 0); ``free_pages``: a reply lags 500 ms past its
-    # last token; None: the defaults
+    # last token; None: the preset's
     if mode is not None:
         knobs = {"parked_replies": mode, "beta_b": 0.0 if mode == "lag" else 5.0, **knobs}
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, **knobs)
+    rs = rotasched_preset(preset, min_residency_tokens=4, residency_share=1.0, **knobs)
     sched, kv = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
                      enable_prefix_caching=False)
     d = Driver(sched, kv)
@@ -454,10 +463,10 @@ def test_a_parked_reply_displaces_a_runner_only_to_be_on_time(mode):
         assert sched.schedule(last + 0.55).rotate_out == ["runner"]
 
 
-def test_by_default_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
-    """The defaults (``parked_replies: free_pages``, ``beta_b`` 30, no stall cap): once the
-    parked reply's next token is late anyway, it displaces no runner (that would add the
-    runner's miss to its own) until parked 30 TBT SLOs (3 s) past its last token."""
+def test_under_attainment_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
+    """Preset ``attainment`` (``parked_replies: free_pages``, ``beta_b`` 30, no stall cap):
+    once the parked reply's next token is late anyway, it displaces no runner (that would
+    add the runner's miss to its own) until parked 30 TBT SLOs (3 s) past its last token."""
     sched, kv, d, reply = _parked_reply(None)
     last = reply.token_times[-1]  # TBT SLO 100 ms
     for wait in (0.3, 1.5, 2.95):
@@ -465,6 +474,23 @@ def test_by_default_a_late_parked_reply_waits_for_free_pages_up_to_beta_b():
         assert plan.rotate_out == [] and "runner" in plan.decode
     assert reply.status == RequestStatus.ROTARY
     assert sched.schedule(last + 3.05).rotate_out == ["runner"]
+
+
+@pytest.mark.parametrize("step_s", [0.01, 0.06])
+def test_by_default_a_late_parked_reply_is_back_within_two_tbt_slos(step_s):
+    """The defaults (preset ``bounded``): a late parked reply rotates back in at once where
+    the runner it displaces can come back on time (a 10 ms step), and on a slow device (a
+    60 ms step, so displacing it costs the runner a gap) it waits for free pages only until
+    parked 2 TBT SLOs past its last token."""
+    sched, kv, d, reply = _parked_reply(None, step_s=step_s, preset="bounded")
+    assert sched.policy.params == RotaSchedConfig(min_residency_tokens=4, residency_share=1.0)
+    last = reply.token_times[-1]  # TBT SLO 100 ms
+    if step_s == 0.01:
+        assert sched.schedule(last + 0.15).rotate_out == ["runner"]
+        return
+    plan = sched.schedule(last + 0.15)
+    assert plan.rotate_out == [] and "runner" in plan.decode
+    assert sched.schedule(last + 0.21).rotate_out == ["runner"]
 
 
 AUTO = {"parked_replies": "auto", "beta_b": 30.0, "reply_stall_cap": 5.0}
@@ -530,7 +556,7 @@ def test_a_late_parked_reply_takes_no_runner_seat():
     seat."""
     from superinfer_jax.sched.latency import LatencyModel
 
-    rs = RotaSchedConfig(min_residency_tokens=4, residency_share=1.0, high_water_mark=0.01,
+    rs = attainment(min_residency_tokens=4, residency_share=1.0, high_water_mark=0.01,
                          parked_replies="free_pages", beta_b=5.0)  # always contended
     sched, kv = make("rotasched", device_pages=20, host_pages=64, rotasched=rs,
                      enable_prefix_caching=False, max_num_seqs=2)
@@ -573,7 +599,7 @@ def _late_pair(order: str, *, latency=None, short: bool = True):
     """A settled runner holding 4 of 8 pages, then a long prompt (7 pages) and, 0.1 s
     later, a short one (2 pages), both late at 0.7 s: the pool takes only one of them.
     Returns the step's plan and the ranking after it."""
-    sched, kv = make("rotasched", device_pages=8, host_pages=64, rotasched=RotaSchedConfig(
+    sched, kv = make("rotasched", device_pages=8, host_pages=64, rotasched=attainment(
         min_residency_tokens=4, residency_share=1.0, late_order=order))
     d = Driver(sched, kv)
     d.add(req("run", 8, arrival=0.0, max_tokens=50))
@@ -641,7 +667,7 @@ def test_due_replies_are_served_longest_parked_first_with_due_order_stall(due_or
     """Two parked replies, both due (a stall cap of 0), neither lagging yet (``beta_b``
     30): by lag they tie and go by arrival, so the reply parked longest may wait behind a
     later one; ``due_order: stall`` ranks the longest parked first."""
-    rs = RotaSchedConfig(parked_replies="free_pages", reply_stall_cap=0.0,
+    rs = attainment(parked_replies="free_pages", reply_stall_cap=0.0,
                          due_order=due_order)
     sched, _ = make("rotasched", device_pages=12, host_pages=64, rotasched=rs,
                     enable_prefix_caching=False)
@@ -667,7 +693,7 @@ def test_prefill_stall_cap_bounds_the_step_of_a_late_first_token():
 
     def budget_at(cap: float | None, decode_s: float, now: float) -> tuple[int, int]:
         sched, kv = make("rotasched", device_pages=64, host_pages=64,
-                         rotasched=RotaSchedConfig(min_residency_tokens=4, high_water_mark=0.01,
+                         rotasched=attainment(min_residency_tokens=4, high_water_mark=0.01,
                                                    prefill_stall_cap=cap))
         d = Driver(sched, kv)
         d.add(req("dec", 8, arrival=0.0, max_tokens=50))
@@ -701,7 +727,7 @@ def test_parked_replies_are_capped_at_the_inbound_transfer_of_a_few_steps():
     runners the selection drops, the first rotates out (one parked reply is always
     allowed) and the second stays and keeps decoding; unset, both rotate out."""
     for steps, out in ((None, ["a", "b"]), (0.25, ["a"])):
-        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+        sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=attainment(
             min_residency_tokens=4, residency_share=1.0, parked_return_steps=steps),
             enable_prefix_caching=False, transfer_budget_pages=16)
         d = Driver(sched, kv)
@@ -721,7 +747,7 @@ def test_a_due_reply_kept_this_step_does_not_count_as_parked():
     pages), a reply due back swaps with the runner the selection drops: the reply comes
     back this step, so its 6 pages do not count against the limit and the runner (6
     pages) may take its place on the host (one parked reply is always allowed)."""
-    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=RotaSchedConfig(
+    sched, kv = make("rotasched", device_pages=17, host_pages=64, rotasched=attainment(
         min_residency_tokens=4, residency_share=1.0, parked_return_steps=0.25,
         reply_stall_cap=0.0), enable_prefix_caching=False, transfer_budget_pages=16)
     d = Driver(sched, kv)
