@@ -127,9 +127,14 @@ class DeploymentConfig:
         return self.values[resolve(dotted)]
 
     def to_dict(self) -> dict[str, Any]:
-        """The profile and sections of keys: a file that loads back to this deployment."""
+        """The profile and sections of keys: a file that loads back to this deployment. A
+        knob at its preset's value is left out, so editing ``preset`` in it takes effect."""
         out: dict[str, Any] = {PROFILE_KEY: self.profile, **{s: {} for s in SECTIONS}}
+        preset = {f"rotasched.{k}": v for k, v in
+                  preset_knobs(self.values[ROTASCHED_PRESET_PATH]).items()}
         for path, value in self.values.items():
+            if path in preset and preset[path] == value:
+                continue
             section, key = path.split(".", 1)
             out[section][key] = value
         return out

@@ -54,6 +54,8 @@ def split_policy(text: str) -> tuple[str, dict[str, Any]]:
     for item in (x for x in parts if "=" in x):
         key, _, value = item.partition("=")
         if key == PRESET_KEY:
+            if preset:
+                raise ValueError(f"policy {text!r}: {PRESET_KEY} given twice")
             try:
                 preset = preset_knobs(value)
             except ConfigError as e:

@@ -106,7 +106,11 @@ def test_a_preset_sets_its_knobs_and_keys_beside_it_win(tmp_path):
     for name in ROTASCHED_PRESETS:
         cfg = DeploymentConfig.from_dict({"rotasched": {"preset": name}})
         assert cfg.engine.rotasched == rotasched_preset(name), name
-        assert DeploymentConfig.from_dict(cfg.to_dict()) == cfg
+        dumped = cfg.to_dict()
+        assert DeploymentConfig.from_dict(dumped) == cfg
+        assert "pool_seat_fraction" not in dumped["rotasched"]  # the preset's, left to it
+        dumped["rotasched"]["preset"] = "paper"  # so editing the dump's preset takes effect
+        assert DeploymentConfig.from_dict(dumped).engine.rotasched == rotasched_preset("paper")
         via_set = DeploymentConfig.load(None, parse_set([f"rotasched.preset={name}"]))
         assert via_set.engine.rotasched == rotasched_preset(name)
     path = tmp_path / "paper.yaml"
@@ -115,6 +119,7 @@ def test_a_preset_sets_its_knobs_and_keys_beside_it_win(tmp_path):
     assert cfg.engine.rotasched == rotasched_preset("paper", pool_seat_fraction=1.3,
                                                     beta_b=2.0)
     assert cfg.engine.rotasched.parked_replies == "lag"
+    assert cfg.to_dict()["rotasched"]["pool_seat_fraction"] == 1.3  # not the preset's: kept
     with pytest.raises(ConfigError) as err:
         DeploymentConfig.from_dict({"rotasched": {"preset": "fast"}})
     assert str(err.value) == ("rotasched.preset must be one of ['bounded', 'attainment', "

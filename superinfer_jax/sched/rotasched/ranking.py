@@ -24,8 +24,8 @@ ones form one window of arrivals (``late_window``): only it, the requeued reques
 with ``overdue_wait_cap``, the prefix of the queue past that cap are read; group 3 is the
 ``Ranking``'s tail, read lazily. Runners and parked requests are
 bounded by the pools: they are sorted each step. A due rotate-in goes ahead of late first
-tokens (it has a fraction of one gap, they have seconds); a parked reply late anyway
-displaces nobody until it lags. Figures: ``docs/results/scheduling.md``.
+tokens (it has a fraction of one gap, they have seconds); under ``free_pages`` a parked
+reply late anyway displaces nobody until it lags or is due. Figures: ``docs/results/scheduling.md``.
 """
 
 from __future__ import annotations

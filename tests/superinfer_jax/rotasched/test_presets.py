@@ -66,3 +66,5 @@ def test_a_policy_string_names_a_preset_wherever_it_stands(spec):
     with pytest.raises(ValueError, match=r"policy 'rotasched:preset=x': preset must be "
                                          r"one of \['bounded', 'attainment', 'paper'\]"):
         split_policy("rotasched:preset=x")
+    with pytest.raises(ValueError, match="preset given twice"):
+        split_policy("rotasched:preset=paper:preset=attainment")
