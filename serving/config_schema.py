@@ -238,7 +238,9 @@ FILE_VALUES: dict[str, FileValues] = {
 # A profile sets some keys for a kind of deployment, over their defaults (the fields',
 # as the Python API takes them); a key the file sets wins over its profile. The file
 # names its profile (``profile:``, default ``server``); the generated file shows the
-# server profile's keys commented out, each marked with its own default.
+# server profile's keys commented out, each marked with its own default. The knobs a
+# RotaSched preset sets are the preset's (it goes over the profile): a profile names
+# ``rotasched.preset`` instead.
 PROFILES: dict[str, dict[str, Any]] = {
     # A server runs the paper's policy with a host tier, is ready once its smallest
     # buckets are compiled (runner.step_programs), keeps a persistent XLA cache, and sizes
