@@ -16,6 +16,7 @@ The keys themselves, their sections, defaults and help live on the dataclass fie
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,9 @@ from serving.config_schema import (
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.config_schema import ConfigError, type_hints
 from superinfer_jax.request import SLO, FieldError
-from superinfer_jax.sched.rotasched_config import preset_knobs
+from superinfer_jax.sched.rotasched_config import DEFAULT_ROTASCHED_PRESET, preset_knobs
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "UNSET", "ConfigError", "DeploymentConfig", "ModelSection",
            "ServerSection", "apply_overrides", "parse_set"]
@@ -67,6 +70,7 @@ class DeploymentConfig:
         values = {path: key.default for path, key in KEYS.items()}
         values.update(profile_of(profile))
         given = _flatten(sections)
+        _warn_if_written_before_presets(given)
         preset = given.get(ROTASCHED_PRESET_PATH, values[ROTASCHED_PRESET_PATH])
         values.update({f"rotasched.{k}": v for k, v in
                        preset_knobs(preset, ROTASCHED_PRESET_PATH).items()})
@@ -175,6 +179,24 @@ def check_sections(data: Any) -> dict[str, Any]:
             resolve(f"{section}.{key}")
             out.setdefault(section, {})[key] = value
     return out
+
+
+# What ``superinfer config --write`` spelled out before the presets: such a file pins these
+# under any preset, so the default (``bounded``) would run with ``free_pages``.
+_WRITTEN_BEFORE_PRESETS = {"rotasched.beta_b": 30.0, "rotasched.late_order": "shortest",
+                           "rotasched.parked_replies": "free_pages", "rotasched.due_order": "lag"}
+
+
+def _warn_if_written_before_presets(given: Mapping[str, Any]) -> None:
+    if ROTASCHED_PRESET_PATH in given or any(
+            given.get(k) != v for k, v in _WRITTEN_BEFORE_PRESETS.items()):
+        return
+    log.warning("rotasched: this file sets %s as files written before rotasched.preset did; "
+                "they win over the preset (%s), so the policy mixes both. Delete those "
+                "lines to follow the preset, or add 'preset: attainment' to keep the old "
+                "policy (docs/configuration.md#overrides)",
+                ", ".join(k.split(".", 1)[1] for k in _WRITTEN_BEFORE_PRESETS),
+                DEFAULT_ROTASCHED_PRESET)
 
 
 def _flatten(data: Mapping[str, Any]) -> dict[str, Any]:

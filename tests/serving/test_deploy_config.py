@@ -128,6 +128,32 @@ def test_a_preset_sets_its_knobs_and_keys_beside_it_win(tmp_path):
     assert "\n  # pool_seat_fraction: 1.7\n" in render_default()
 
 
+def test_a_file_written_before_the_presets_is_named_in_a_warning(tmp_path, caplog):
+    """The four rotasched lines every file written before the presets spelled out pin the
+    old parked-reply rule under the new default: loading one says so, and what to do;
+    naming a preset (or any other value) is taken as a choice, without a warning."""
+    old = ("rotasched:\n  beta_b: 30.0\n  late_order: shortest\n"
+           "  parked_replies: free_pages\n  due_order: lag\n")
+    path = tmp_path / "old.yaml"
+    path.write_text(old)
+    with caplog.at_level("WARNING", logger="serving.deploy_config"):
+        cfg = DeploymentConfig.load(path)
+    assert cfg.engine.rotasched.parked_replies == "free_pages"
+    assert "written before rotasched.preset" in caplog.text
+    assert "preset: attainment" in caplog.text
+    for extra in ("  preset: attainment\n", "  preset: bounded\n"):
+        caplog.clear()
+        path.write_text(old + extra)
+        with caplog.at_level("WARNING", logger="serving.deploy_config"):
+            DeploymentConfig.load(path)
+        assert caplog.text == ""
+    caplog.clear()
+    path.write_text(old.replace("due_order: lag", "due_order: stall"))
+    with caplog.at_level("WARNING", logger="serving.deploy_config"):
+        DeploymentConfig.load(path)
+    assert caplog.text == ""
+
+
 def test_defaults_without_a_file_equal_the_example():
     default, example = DeploymentConfig.load(None), DeploymentConfig.load(EXAMPLE)
     assert default == example and default.values == example.values
