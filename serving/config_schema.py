@@ -46,6 +46,7 @@ from superinfer_jax.sched.rotasched_config import (
     DEFAULT_ROTASCHED_PRESET,
     PRESET_KEY,
     ROTASCHED_PRESETS,
+    preset_knobs,
 )
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -431,6 +432,12 @@ _ROTASCHED_PRESET = Key(
     DEFAULT_ROTASCHED_PRESET, ())
 
 
+def preset_values(name: Any) -> dict[str, Any]:
+    """The keys preset ``name`` sets (``rotasched.pool_seat_fraction``) and their values; a
+    ``ConfigError`` naming ``rotasched.preset`` if there is no such preset."""
+    return {f"rotasched.{k}": v for k, v in preset_knobs(name, ROTASCHED_PRESET_PATH).items()}
+
+
 def _slo_meta_of(f: dataclasses.Field) -> Mapping[str, Any]:
     return _slo_meta(f.name)
 
@@ -515,7 +522,7 @@ def render_default() -> str:
     assert f"profile: {DEFAULT_PROFILE}\n" in HEADER
     profile = PROFILES[DEFAULT_PROFILE]
     # a key the preset sets stays commented out, so that naming another preset changes it
-    preset = {f"rotasched.{k}" for k in ROTASCHED_PRESETS[DEFAULT_ROTASCHED_PRESET]}
+    preset = set(preset_values(DEFAULT_ROTASCHED_PRESET))
     out = [HEADER]
     for section in SECTIONS:
         out.append(f"\n# {SECTION_HELP[section]}\n{section}:\n")

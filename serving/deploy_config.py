@@ -33,6 +33,7 @@ from serving.config_schema import (
     SECTIONS,
     ModelSection,
     ServerSection,
+    preset_values,
     profile_of,
     resolve,
     unknown,
@@ -40,7 +41,7 @@ from serving.config_schema import (
 from superinfer_jax.config import EngineConfig
 from superinfer_jax.config_schema import ConfigError, type_hints
 from superinfer_jax.request import SLO, FieldError
-from superinfer_jax.sched.rotasched_config import DEFAULT_ROTASCHED_PRESET, preset_knobs
+from superinfer_jax.sched.rotasched_config import DEFAULT_ROTASCHED_PRESET
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ class DeploymentConfig:
         given = _flatten(sections)
         _warn_if_written_before_presets(given)
         preset = given.get(ROTASCHED_PRESET_PATH, values[ROTASCHED_PRESET_PATH])
-        values.update({f"rotasched.{k}": v for k, v in
-                       preset_knobs(preset, ROTASCHED_PRESET_PATH).items()})
+        values.update(preset_values(preset))
         for path, value in given.items():
             KEYS[path].check(value)
             values[path] = value
@@ -134,8 +134,7 @@ class DeploymentConfig:
         """The profile and sections of keys: a file that loads back to this deployment. A
         knob at its preset's value is left out, so editing ``preset`` in it takes effect."""
         out: dict[str, Any] = {PROFILE_KEY: self.profile, **{s: {} for s in SECTIONS}}
-        preset = {f"rotasched.{k}": v for k, v in
-                  preset_knobs(self.values[ROTASCHED_PRESET_PATH]).items()}
+        preset = preset_values(self.values[ROTASCHED_PRESET_PATH])
         for path, value in self.values.items():
             if path in preset and preset[path] == value:
                 continue
@@ -181,10 +180,11 @@ def check_sections(data: Any) -> dict[str, Any]:
     return out
 
 
-# What ``superinfer config --write`` spelled out before the presets: such a file pins these
-# under any preset, so the default (``bounded``) would run with ``free_pages``.
-_WRITTEN_BEFORE_PRESETS = {"rotasched.beta_b": 30.0, "rotasched.late_order": "shortest",
-                           "rotasched.parked_replies": "free_pages", "rotasched.due_order": "lag"}
+# What ``superinfer config --write`` spelled out before the presets (the old defaults, now
+# preset ``attainment``, that were not None; the others were commented out): such a file
+# pins these under any preset, so the default (``bounded``) would run with ``free_pages``.
+_WRITTEN_BEFORE_PRESETS = {path: value for path, value in preset_values("attainment").items()
+                           if value is not None}
 
 
 def _warn_if_written_before_presets(given: Mapping[str, Any]) -> None:
